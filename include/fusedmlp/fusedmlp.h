@@ -1,0 +1,199 @@
+/* fusedmlp C ABI.
+ *
+ * The whole library is reachable through these plain-C entry points. Every function returns an
+ * fmlp_status_t; on failure a human-readable message (naming the argument, what was expected and
+ * what came) is kept per thread and returned by fmlp_last_error(). On failure nothing has been
+ * written to any output buffer.
+ *
+ * Math of the mlp op (row i of x, one token):
+ *   xn  = norm(x_i)                       norm: none | LayerNorm(gamma, beta, eps) | RMSNorm(gamma, eps)
+ *   dense: h = act(W1 xn + b1)            W1: [hidden, d_in]   (nn.Linear layout, [out, in])
+ *   gated: h = act(Wg xn + bg) * (Wu xn + bu)
+ *   y_i = [residual_i +] W2 h + b2        W2: [d_out, hidden]
+ * act: relu | gelu (erf) | gelu_tanh | silu. Gated with silu is SwiGLU, with gelu GeGLU.
+ */
+#ifndef FUSEDMLP_FUSEDMLP_H
+#define FUSEDMLP_FUSEDMLP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define FMLP_API __declspec(dllexport)
+#else
+#define FMLP_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FMLP_MAX_DIMS 4
+
+typedef enum fmlp_status_t {
+  FMLP_SUCCESS = 0,
+  FMLP_ERROR_NULL_POINTER = 1,        /* a required pointer is NULL */
+  FMLP_ERROR_INVALID_VALUE = 2,       /* an enum or scalar argument is out of range */
+  FMLP_ERROR_SHAPE_MISMATCH = 3,      /* shapes disagree with each other or with the op */
+  FMLP_ERROR_DTYPE_MISMATCH = 4,      /* dtype not allowed for this argument or combination */
+  FMLP_ERROR_BAD_STRIDE = 5,          /* strides the op cannot read (inner stride != 1, overlap) */
+  FMLP_ERROR_MISALIGNED = 6,          /* pointer not aligned to its element size */
+  FMLP_ERROR_ALIASING = 7,            /* output overlaps an input where that is not allowed */
+  FMLP_ERROR_SIZE_OVERFLOW = 8,       /* a size is negative or its byte count overflows */
+  FMLP_ERROR_DEVICE_MISMATCH = 9,     /* tensors on different devices, or wrong device for backend */
+  FMLP_ERROR_NOT_SUPPORTED = 10,      /* valid request, but no kernel of the backend handles it */
+  FMLP_ERROR_WORKSPACE_TOO_SMALL = 11,
+  FMLP_ERROR_OUT_OF_MEMORY = 12,
+  FMLP_ERROR_BACKEND_UNAVAILABLE = 13, /* backend not built, no GPU, or CPU lacks the ISA */
+  FMLP_ERROR_CUDA = 14,               /* a CUDA runtime call failed */
+  FMLP_ERROR_BAD_SCALE = 15,          /* fp8 scale missing, of wrong length, or not finite/positive */
+  FMLP_ERROR_INDEX_OUT_OF_RANGE = 16, /* e.g. expert id outside [0, num_experts) */
+  FMLP_ERROR_CORRUPT_FILE = 17,       /* a cache file failed to parse */
+  FMLP_ERROR_INTERNAL = 18
+} fmlp_status_t;
+
+typedef enum fmlp_dtype_t {
+  FMLP_DTYPE_INVALID = 0,
+  FMLP_DTYPE_F32 = 1,
+  FMLP_DTYPE_F16 = 2,
+  FMLP_DTYPE_BF16 = 3,
+  FMLP_DTYPE_F8_E4M3 = 4 /* float8_e4m3fn, weights only, with fp32 scales */
+} fmlp_dtype_t;
+
+typedef enum fmlp_device_type_t { FMLP_DEVICE_CPU = 0, FMLP_DEVICE_CUDA = 1 } fmlp_device_type_t;
+
+typedef enum fmlp_backend_t {
+  FMLP_BACKEND_AUTO = 0, /* cuda for device tensors, else cpu when the ISA is there, else ref */
+  FMLP_BACKEND_REF = 1,  /* scalar fp64-accumulating oracle (host memory) */
+  FMLP_BACKEND_CPU = 2,  /* AVX2/FMA/F16C, multithreaded (host memory) */
+  FMLP_BACKEND_CUDA = 3  /* NVIDIA GPUs (device memory) */
+} fmlp_backend_t;
+
+typedef enum fmlp_activation_t {
+  FMLP_ACT_RELU = 0,
+  FMLP_ACT_GELU = 1,      /* 0.5 x (1 + erf(x / sqrt 2)) */
+  FMLP_ACT_GELU_TANH = 2, /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+  FMLP_ACT_SILU = 3       /* x / (1 + exp(-x)) */
+} fmlp_activation_t;
+
+typedef enum fmlp_norm_t {
+  FMLP_NORM_NONE = 0,
+  FMLP_NORM_LAYERNORM = 1, /* (x - mean) / sqrt(var + eps) * gamma + beta, biased variance */
+  FMLP_NORM_RMSNORM = 2    /* x / sqrt(mean(x^2) + eps) * gamma */
+} fmlp_norm_t;
+
+/* A strided view of memory. Absent optional tensors are all-zero (data NULL, ndim 0); use
+ * fmlp_tensor_none(). Strides count elements, not bytes. The innermost stride must be 1. */
+typedef struct fmlp_tensor_t {
+  void* data;
+  fmlp_dtype_t dtype;
+  int32_t ndim;
+  int64_t shape[FMLP_MAX_DIMS];
+  int64_t stride[FMLP_MAX_DIMS];
+  fmlp_device_type_t device_type;
+  int32_t device_id;
+} fmlp_tensor_t;
+
+typedef struct fmlp_mlp_config_t {
+  fmlp_activation_t activation;
+  int32_t gated;         /* 0: dense, 1: gated (act(gate) * up) */
+  fmlp_norm_t norm;
+  float norm_eps;        /* > 0 when norm != NONE; 1e-5 is the PyTorch default */
+  int32_t deterministic; /* 1: bitwise-identical results on reruns (may be slower on GPU) */
+} fmlp_mlp_config_t;
+
+/* Weights in nn.Linear layout ([out, in], rows may be strided, inner stride 1).
+ * Gated: gate in w1 [hidden, d_in] and up in w_up [hidden, d_in]; or both stacked in w1
+ * as [2*hidden, d_in] (gate rows first, then up rows) with w_up absent, b1 then [2*hidden].
+ * Biases and norm parameters may be fp32, fp16 or bf16 whatever the weight dtype.
+ * *_scale: fp32 dequantisation scales, only for fp8 weights: [1] per tensor or [rows] per row. */
+typedef struct fmlp_mlp_weights_t {
+  fmlp_tensor_t w1;
+  fmlp_tensor_t w1_scale;
+  fmlp_tensor_t b1;
+  fmlp_tensor_t w_up;
+  fmlp_tensor_t w_up_scale;
+  fmlp_tensor_t b_up;
+  fmlp_tensor_t w2;
+  fmlp_tensor_t w2_scale;
+  fmlp_tensor_t b2;
+  fmlp_tensor_t norm_weight; /* gamma [d_in]; absent means 1 */
+  fmlp_tensor_t norm_bias;   /* beta [d_in], LayerNorm only; absent means 0 */
+} fmlp_mlp_weights_t;
+
+/* y: [M, d_out]; x: [M, d_in]; residual: optional [M, d_out], may be the very same view as y
+ * (in-place residual add). x, y and residual share one activation dtype (fp32, fp16 or bf16).
+ * M may be 0 (nothing is done). Rows may be strided; the inner stride must be 1. */
+typedef struct fmlp_mlp_args_t {
+  fmlp_tensor_t y;
+  fmlp_tensor_t x;
+  fmlp_tensor_t residual;
+  fmlp_mlp_weights_t weights;
+  fmlp_mlp_config_t config;
+} fmlp_mlp_args_t;
+
+typedef struct fmlp_mlp_packed_s fmlp_mlp_packed_t;
+
+/* ---- errors and info ---- */
+FMLP_API const char* fmlp_last_error(void);              /* thread-local; "" after success */
+FMLP_API const char* fmlp_status_name(fmlp_status_t status);
+FMLP_API const char* fmlp_version(void);
+FMLP_API const char* fmlp_backend_name(fmlp_backend_t backend);
+FMLP_API const char* fmlp_dtype_name(fmlp_dtype_t dtype);
+FMLP_API const char* fmlp_activation_name(fmlp_activation_t act);
+/* FMLP_SUCCESS when the backend can run here; otherwise the reason is in fmlp_last_error(). */
+FMLP_API fmlp_status_t fmlp_backend_available(fmlp_backend_t backend);
+
+/* ---- tensor helpers (no allocation) ---- */
+FMLP_API fmlp_tensor_t fmlp_tensor_none(void);
+/* Row-major contiguous 1-D or 2-D view on the host. */
+FMLP_API fmlp_tensor_t fmlp_tensor_1d(void* data, fmlp_dtype_t dtype, int64_t n);
+FMLP_API fmlp_tensor_t fmlp_tensor_2d(void* data, fmlp_dtype_t dtype, int64_t rows, int64_t cols,
+                                      int64_t row_stride);
+FMLP_API fmlp_mlp_config_t fmlp_mlp_config_default(void);
+
+/* ---- mlp ---- */
+/* Bytes of scratch memory fmlp_mlp needs for these args (on the tensors' device). */
+FMLP_API fmlp_status_t fmlp_mlp_workspace_size(const fmlp_mlp_args_t* args,
+                                               fmlp_backend_t backend, size_t* bytes);
+/* Runs the op on `stream` (a cudaStream_t for CUDA, ignored on the host). Asynchronous on CUDA:
+ * never synchronises and is capturable in a CUDA graph. workspace may be NULL when the size
+ * query returned 0. */
+FMLP_API fmlp_status_t fmlp_mlp(const fmlp_mlp_args_t* args, fmlp_backend_t backend,
+                                void* workspace, size_t workspace_bytes, void* stream);
+/* Writes a report (chosen kernel, every candidate and why it was rejected) into buf, always
+ * NUL-terminated; *needed gets the full length + 1. */
+FMLP_API fmlp_status_t fmlp_mlp_explain(const fmlp_mlp_args_t* args, fmlp_backend_t backend,
+                                        char* buf, size_t buf_size, size_t* needed);
+
+/* One-time weight pack: validates the weights once, copies them into the layout the backend's
+ * kernels read fastest, and owns that copy. weights.* shapes define d_in, hidden and d_out. */
+FMLP_API fmlp_status_t fmlp_mlp_pack(fmlp_mlp_packed_t** packed, const fmlp_mlp_weights_t* weights,
+                                     const fmlp_mlp_config_t* config, fmlp_backend_t backend,
+                                     void* stream);
+FMLP_API void fmlp_mlp_packed_destroy(fmlp_mlp_packed_t* packed);
+FMLP_API fmlp_status_t fmlp_mlp_packed_workspace_size(const fmlp_mlp_packed_t* packed,
+                                                      const fmlp_tensor_t* y,
+                                                      const fmlp_tensor_t* x, size_t* bytes);
+/* residual may be NULL. */
+FMLP_API fmlp_status_t fmlp_mlp_packed_run(const fmlp_mlp_packed_t* packed, const fmlp_tensor_t* y,
+                                           const fmlp_tensor_t* x, const fmlp_tensor_t* residual,
+                                           void* workspace, size_t workspace_bytes, void* stream);
+
+/* ---- the op table, for tests, benchmarks and explain ----
+ * Every kernel of every backend is an entry with a unique name (op_arch_technique). Dispatch
+ * takes the first supporting entry of the chosen backend; these calls address one entry. */
+FMLP_API int fmlp_mlp_kernel_count(void);
+FMLP_API const char* fmlp_mlp_kernel_name(int index);    /* NULL when out of range */
+FMLP_API fmlp_backend_t fmlp_mlp_kernel_backend(int index);
+/* FMLP_SUCCESS when the named kernel handles args; else NOT_SUPPORTED with its reason. */
+FMLP_API fmlp_status_t fmlp_mlp_kernel_supports(const fmlp_mlp_args_t* args, const char* kernel);
+FMLP_API fmlp_status_t fmlp_mlp_kernel_workspace_size(const fmlp_mlp_args_t* args,
+                                                      const char* kernel, size_t* bytes);
+FMLP_API fmlp_status_t fmlp_mlp_with_kernel(const fmlp_mlp_args_t* args, const char* kernel,
+                                            void* workspace, size_t workspace_bytes, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FUSEDMLP_FUSEDMLP_H */

@@ -1,0 +1,31 @@
+// Argument checks shared by every op's API entry point. Each returns FMLP_SUCCESS or a status
+// whose message names the argument, what was expected and what came.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "fusedmlp/fusedmlp.h"
+
+namespace fmlp::detail {
+
+inline bool tensor_absent(const fmlp_tensor_t& t) { return t.data == nullptr && t.ndim == 0; }
+
+std::string shape_string(const fmlp_tensor_t& t);
+std::string device_string(fmlp_device_type_t type, int32_t id);
+int64_t tensor_numel(const fmlp_tensor_t& t);
+
+// Structural checks: rank, non-negative shape, inner stride 1, non-overlapping rows, byte extent
+// without overflow, element alignment, known dtype and device. `shape` gives the expected sizes
+// (-1 = any) and the rank.
+fmlp_status_t check_tensor(const char* name, const fmlp_tensor_t& t, int ndim,
+                           const int64_t* expected_shape, const char* shape_doc);
+
+// [first byte, one past last byte) of the elements a view can touch; empty views give {0, 0}.
+struct ByteRange {
+  uintptr_t begin = 0, end = 0;
+};
+ByteRange byte_range(const fmlp_tensor_t& t);
+bool ranges_overlap(const ByteRange& a, const ByteRange& b);
+bool same_view(const fmlp_tensor_t& a, const fmlp_tensor_t& b);
+
+}  // namespace fmlp::detail

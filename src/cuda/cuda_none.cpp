@@ -1,0 +1,18 @@
+// Built when CUDA is off: the cuda backend registers nothing and says why.
+#include "core/error.hpp"
+#include "core/mlp_desc.hpp"
+
+namespace fmlp::detail {
+
+MlpKernelList cuda_mlp_kernels() { return {nullptr, 0}; }
+
+std::string cuda_unavailable_reason() {
+  return "this build of fusedmlp has no CUDA support (configure with -DFMLP_CUDA=ON where nvcc "
+         "exists)";
+}
+
+fmlp_status_t cuda_mlp_pack(fmlp_mlp_packed_s*, const fmlp_mlp_weights_t&, const MlpDesc&, void*) {
+  return fail(FMLP_ERROR_BACKEND_UNAVAILABLE, "{}", cuda_unavailable_reason());
+}
+
+}  // namespace fmlp::detail
