@@ -6,8 +6,8 @@
  * written to any output buffer.
  *
  * Math of the mlp op (row i of x, one token):
- *   xn  = norm(x_i)                       norm: none | LayerNorm(gamma, beta, eps) | RMSNorm(gamma, eps)
- *   dense: h = act(W1 xn + b1)            W1: [hidden, d_in]   (nn.Linear layout, [out, in])
+ *   xn = norm(x_i)         none | LayerNorm(gamma, beta, eps) | RMSNorm(gamma, eps)
+ *   dense: h = act(W1 xn + b1)                     W1: [hidden, d_in] (nn.Linear: [out, in])
  *   gated: h = act(Wg xn + bg) * (Wu xn + bu)
  *   y_i = [residual_i +] W2 h + b2        W2: [d_out, hidden]
  * act: relu | gelu (erf) | gelu_tanh | silu. Gated with silu is SwiGLU, with gelu GeGLU.
@@ -32,21 +32,21 @@ extern "C" {
 
 typedef enum fmlp_status_t {
   FMLP_SUCCESS = 0,
-  FMLP_ERROR_NULL_POINTER = 1,        /* a required pointer is NULL */
-  FMLP_ERROR_INVALID_VALUE = 2,       /* an enum or scalar argument is out of range */
-  FMLP_ERROR_SHAPE_MISMATCH = 3,      /* shapes disagree with each other or with the op */
-  FMLP_ERROR_DTYPE_MISMATCH = 4,      /* dtype not allowed for this argument or combination */
-  FMLP_ERROR_BAD_STRIDE = 5,          /* strides the op cannot read (inner stride != 1, overlap) */
-  FMLP_ERROR_MISALIGNED = 6,          /* pointer not aligned to its element size */
-  FMLP_ERROR_ALIASING = 7,            /* output overlaps an input where that is not allowed */
-  FMLP_ERROR_SIZE_OVERFLOW = 8,       /* a size is negative or its byte count overflows */
-  FMLP_ERROR_DEVICE_MISMATCH = 9,     /* tensors on different devices, or wrong device for backend */
-  FMLP_ERROR_NOT_SUPPORTED = 10,      /* valid request, but no kernel of the backend handles it */
+  FMLP_ERROR_NULL_POINTER = 1,    /* a required pointer is NULL */
+  FMLP_ERROR_INVALID_VALUE = 2,   /* an enum or scalar argument is out of range */
+  FMLP_ERROR_SHAPE_MISMATCH = 3,  /* shapes disagree with each other or with the op */
+  FMLP_ERROR_DTYPE_MISMATCH = 4,  /* dtype not allowed for this argument or combination */
+  FMLP_ERROR_BAD_STRIDE = 5,      /* strides the op cannot read (inner stride != 1, overlap) */
+  FMLP_ERROR_MISALIGNED = 6,      /* pointer not aligned to its element size */
+  FMLP_ERROR_ALIASING = 7,        /* output overlaps an input where that is not allowed */
+  FMLP_ERROR_SIZE_OVERFLOW = 8,   /* a size is negative or its byte count overflows */
+  FMLP_ERROR_DEVICE_MISMATCH = 9, /* tensors on different devices, or wrong device for backend */
+  FMLP_ERROR_NOT_SUPPORTED = 10,  /* valid request, but no kernel of the backend handles it */
   FMLP_ERROR_WORKSPACE_TOO_SMALL = 11,
   FMLP_ERROR_OUT_OF_MEMORY = 12,
   FMLP_ERROR_BACKEND_UNAVAILABLE = 13, /* backend not built, no GPU, or CPU lacks the ISA */
-  FMLP_ERROR_CUDA = 14,               /* a CUDA runtime call failed */
-  FMLP_ERROR_BAD_SCALE = 15,          /* fp8 scale missing, of wrong length, or not finite/positive */
+  FMLP_ERROR_CUDA = 14,                /* a CUDA runtime call failed */
+  FMLP_ERROR_BAD_SCALE = 15, /* fp8 scale missing, of wrong length, or not finite/positive */
   FMLP_ERROR_INDEX_OUT_OF_RANGE = 16, /* e.g. expert id outside [0, num_experts) */
   FMLP_ERROR_CORRUPT_FILE = 17,       /* a cache file failed to parse */
   FMLP_ERROR_INTERNAL = 18
@@ -96,7 +96,7 @@ typedef struct fmlp_tensor_t {
 
 typedef struct fmlp_mlp_config_t {
   fmlp_activation_t activation;
-  int32_t gated;         /* 0: dense, 1: gated (act(gate) * up) */
+  int32_t gated; /* 0: dense, 1: gated (act(gate) * up) */
   fmlp_norm_t norm;
   float norm_eps;        /* > 0 when norm != NONE; 1e-5 is the PyTorch default */
   int32_t deterministic; /* 1: bitwise-identical results on reruns (may be slower on GPU) */
@@ -135,7 +135,7 @@ typedef struct fmlp_mlp_args_t {
 typedef struct fmlp_mlp_packed_s fmlp_mlp_packed_t;
 
 /* ---- errors and info ---- */
-FMLP_API const char* fmlp_last_error(void);              /* thread-local; "" after success */
+FMLP_API const char* fmlp_last_error(void); /* thread-local; "" after success */
 FMLP_API const char* fmlp_status_name(fmlp_status_t status);
 FMLP_API const char* fmlp_version(void);
 FMLP_API const char* fmlp_backend_name(fmlp_backend_t backend);
@@ -153,9 +153,13 @@ FMLP_API fmlp_tensor_t fmlp_tensor_2d(void* data, fmlp_dtype_t dtype, int64_t ro
 FMLP_API fmlp_mlp_config_t fmlp_mlp_config_default(void);
 
 /* ---- mlp ---- */
-/* Bytes of scratch memory fmlp_mlp needs for these args (on the tensors' device). */
-FMLP_API fmlp_status_t fmlp_mlp_workspace_size(const fmlp_mlp_args_t* args,
-                                               fmlp_backend_t backend, size_t* bytes);
+/* Bytes of scratch memory fmlp_mlp needs for these args (on the tensors' device).
+ * CUDA workspaces must be zero-filled once before first use (cudaMemset); every kernel leaves
+ * its workspace zero-filled when it completes, so the same workspace serves later calls and CUDA
+ * graph replays without clearing. Calls that run concurrently need separate workspaces. Host
+ * workspaces need no initialisation. */
+FMLP_API fmlp_status_t fmlp_mlp_workspace_size(const fmlp_mlp_args_t* args, fmlp_backend_t backend,
+                                               size_t* bytes);
 /* Runs the op on `stream` (a cudaStream_t for CUDA, ignored on the host). Asynchronous on CUDA:
  * never synchronises and is capturable in a CUDA graph. workspace may be NULL when the size
  * query returned 0. */
@@ -184,7 +188,7 @@ FMLP_API fmlp_status_t fmlp_mlp_packed_run(const fmlp_mlp_packed_t* packed, cons
  * Every kernel of every backend is an entry with a unique name (op_arch_technique). Dispatch
  * takes the first supporting entry of the chosen backend; these calls address one entry. */
 FMLP_API int fmlp_mlp_kernel_count(void);
-FMLP_API const char* fmlp_mlp_kernel_name(int index);    /* NULL when out of range */
+FMLP_API const char* fmlp_mlp_kernel_name(int index); /* NULL when out of range */
 FMLP_API fmlp_backend_t fmlp_mlp_kernel_backend(int index);
 /* FMLP_SUCCESS when the named kernel handles args; else NOT_SUPPORTED with its reason. */
 FMLP_API fmlp_status_t fmlp_mlp_kernel_supports(const fmlp_mlp_args_t* args, const char* kernel);

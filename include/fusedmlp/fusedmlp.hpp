@@ -25,13 +25,21 @@ struct f8e4m3_t {
 template <typename T>
 constexpr fmlp_dtype_t dtype_of();
 template <>
-constexpr fmlp_dtype_t dtype_of<float>() { return FMLP_DTYPE_F32; }
+constexpr fmlp_dtype_t dtype_of<float>() {
+  return FMLP_DTYPE_F32;
+}
 template <>
-constexpr fmlp_dtype_t dtype_of<f16_t>() { return FMLP_DTYPE_F16; }
+constexpr fmlp_dtype_t dtype_of<f16_t>() {
+  return FMLP_DTYPE_F16;
+}
 template <>
-constexpr fmlp_dtype_t dtype_of<bf16_t>() { return FMLP_DTYPE_BF16; }
+constexpr fmlp_dtype_t dtype_of<bf16_t>() {
+  return FMLP_DTYPE_BF16;
+}
 template <>
-constexpr fmlp_dtype_t dtype_of<f8e4m3_t>() { return FMLP_DTYPE_F8_E4M3; }
+constexpr fmlp_dtype_t dtype_of<f8e4m3_t>() {
+  return FMLP_DTYPE_F8_E4M3;
+}
 
 class Error : public std::runtime_error {
  public:
@@ -51,7 +59,8 @@ inline void check(fmlp_status_t status) {
 // Host views. row_stride < 0 means contiguous rows.
 template <typename T>
 fmlp_tensor_t view(T* data, int64_t n) {
-  return fmlp_tensor_1d(const_cast<std::remove_const_t<T>*>(data), dtype_of<std::remove_const_t<T>>(), n);
+  return fmlp_tensor_1d(const_cast<std::remove_const_t<T>*>(data),
+                        dtype_of<std::remove_const_t<T>>(), n);
 }
 template <typename T>
 fmlp_tensor_t view(T* data, int64_t rows, int64_t cols, int64_t row_stride = -1) {
@@ -85,7 +94,8 @@ inline void mlp(const fmlp_mlp_args_t& args, fmlp_backend_t backend = FMLP_BACKE
   check(fmlp_mlp(&args, backend, workspace, workspace_bytes, stream));
 }
 
-inline std::string explain(const fmlp_mlp_args_t& args, fmlp_backend_t backend = FMLP_BACKEND_AUTO) {
+inline std::string explain(const fmlp_mlp_args_t& args,
+                           fmlp_backend_t backend = FMLP_BACKEND_AUTO) {
   size_t needed = 0;
   check(fmlp_mlp_explain(&args, backend, nullptr, 0, &needed));
   std::string s(needed, '\0');

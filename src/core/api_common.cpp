@@ -12,18 +12,28 @@ namespace fmlp::detail {
 namespace {
 thread_local std::string g_last_error;
 }
-void set_last_error(std::string message) { g_last_error = std::move(message); }
-void clear_last_error() { g_last_error.clear(); }
-const std::string& last_error() { return g_last_error; }
+void set_last_error(std::string message) {
+  g_last_error = std::move(message);
+}
+void clear_last_error() {
+  g_last_error.clear();
+}
+const std::string& last_error() {
+  return g_last_error;
+}
 
-std::string ref_unavailable_reason() { return {}; }
+std::string ref_unavailable_reason() {
+  return {};
+}
 }  // namespace fmlp::detail
 
 using namespace fmlp::detail;
 
 extern "C" {
 
-const char* fmlp_last_error(void) { return last_error().c_str(); }
+const char* fmlp_last_error(void) {
+  return last_error().c_str();
+}
 
 const char* fmlp_status_name(fmlp_status_t s) {
   switch (s) {
@@ -50,7 +60,9 @@ const char* fmlp_status_name(fmlp_status_t s) {
   return "unknown status";
 }
 
-const char* fmlp_version(void) { return FMLP_VERSION_STRING; }
+const char* fmlp_version(void) {
+  return FMLP_VERSION_STRING;
+}
 
 const char* fmlp_backend_name(fmlp_backend_t b) {
   switch (b) {
@@ -90,15 +102,19 @@ fmlp_status_t fmlp_backend_available(fmlp_backend_t backend) {
     case FMLP_BACKEND_CPU: why = cpu_unavailable_reason(); break;
     case FMLP_BACKEND_CUDA: why = cuda_unavailable_reason(); break;
     default:
-      return fail(FMLP_ERROR_INVALID_VALUE, "backend is {}; expected auto (0), ref (1), cpu (2) "
-                  "or cuda (3)", int(backend));
+      return fail(FMLP_ERROR_INVALID_VALUE,
+                  "backend is {}; expected auto (0), ref (1), cpu (2) "
+                  "or cuda (3)",
+                  int(backend));
   }
   if (!why.empty()) return fail(FMLP_ERROR_BACKEND_UNAVAILABLE, "{}", why);
   clear_last_error();
   return FMLP_SUCCESS;
 }
 
-fmlp_tensor_t fmlp_tensor_none(void) { return fmlp_tensor_t{}; }
+fmlp_tensor_t fmlp_tensor_none(void) {
+  return fmlp_tensor_t{};
+}
 
 fmlp_tensor_t fmlp_tensor_1d(void* data, fmlp_dtype_t dtype, int64_t n) {
   fmlp_tensor_t t{};

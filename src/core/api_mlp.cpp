@@ -12,10 +12,10 @@
 namespace fmlp::detail {
 
 std::string describe(const MlpDesc& d) {
-  std::string s = fmt::format("M={} d_in={} hidden={} d_out={} act={} w={} {}{}", d.m, d.d_in,
-                              d.hidden, d.d_out, fmlp_dtype_name(d.act_dtype),
-                              fmlp_dtype_name(d.w_dtype), d.gated ? "gated-" : "",
-                              fmlp_activation_name(d.activation));
+  std::string s =
+      fmt::format("M={} d_in={} hidden={} d_out={} act={} w={} {}{}", d.m, d.d_in, d.hidden,
+                  d.d_out, fmlp_dtype_name(d.act_dtype), fmlp_dtype_name(d.w_dtype),
+                  d.gated ? "gated-" : "", fmlp_activation_name(d.activation));
   if (d.norm == FMLP_NORM_LAYERNORM) s += " layernorm";
   if (d.norm == FMLP_NORM_RMSNORM) s += " rmsnorm";
   if (d.has_b1 || d.has_b_up || d.has_b2) s += " bias";
@@ -45,24 +45,28 @@ namespace {
 // ISA, else ref. An explicit backend must match where the data lives.
 fmlp_status_t resolve_backend(fmlp_backend_t requested, const MlpDesc& d, fmlp_backend_t* out) {
   if (unsigned(requested) > unsigned(FMLP_BACKEND_CUDA))
-    return fail(FMLP_ERROR_INVALID_VALUE, "backend is {}; expected auto (0), ref (1), cpu (2) or "
-                "cuda (3)", int(requested));
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "backend is {}; expected auto (0), ref (1), cpu (2) or "
+                "cuda (3)",
+                int(requested));
   fmlp_backend_t b = requested;
   if (b == FMLP_BACKEND_AUTO)
-    b = d.device == FMLP_DEVICE_CUDA ? FMLP_BACKEND_CUDA
+    b = d.device == FMLP_DEVICE_CUDA       ? FMLP_BACKEND_CUDA
         : cpu_unavailable_reason().empty() ? FMLP_BACKEND_CPU
                                            : FMLP_BACKEND_REF;
   const bool wants_device = b == FMLP_BACKEND_CUDA;
   if (wants_device != (d.device == FMLP_DEVICE_CUDA))
-    return fail(FMLP_ERROR_DEVICE_MISMATCH, "backend {} needs {} memory but the tensors are on {}; "
-                "use backend {} or move the tensors", fmlp_backend_name(b),
-                wants_device ? "CUDA device" : "host", device_string(d.device, d.device_id),
+    return fail(FMLP_ERROR_DEVICE_MISMATCH,
+                "backend {} needs {} memory but the tensors are on {}; "
+                "use backend {} or move the tensors",
+                fmlp_backend_name(b), wants_device ? "CUDA device" : "host",
+                device_string(d.device, d.device_id),
                 d.device == FMLP_DEVICE_CUDA ? "cuda" : "cpu or ref");
   const std::string why = b == FMLP_BACKEND_CUDA  ? cuda_unavailable_reason()
                           : b == FMLP_BACKEND_CPU ? cpu_unavailable_reason()
                                                   : ref_unavailable_reason();
-  if (!why.empty()) return fail(FMLP_ERROR_BACKEND_UNAVAILABLE, "backend {}: {}",
-                                fmlp_backend_name(b), why);
+  if (!why.empty())
+    return fail(FMLP_ERROR_BACKEND_UNAVAILABLE, "backend {}: {}", fmlp_backend_name(b), why);
   *out = b;
   return FMLP_SUCCESS;
 }
@@ -83,9 +87,8 @@ fmlp_status_t select_kernel(const MlpDesc& d, fmlp_backend_t requested, const Ml
               b == FMLP_BACKEND_REF ? "" : "\n  (backend ref handles every valid host request)");
 }
 
-fmlp_status_t run_selected(const fmlp_mlp_args_t& args, const MlpDesc& d,
-                           fmlp_backend_t backend, void* workspace, size_t workspace_bytes,
-                           void* stream) {
+fmlp_status_t run_selected(const fmlp_mlp_args_t& args, const MlpDesc& d, fmlp_backend_t backend,
+                           void* workspace, size_t workspace_bytes, void* stream) {
   const MlpKernel* k = nullptr;
   if (const fmlp_status_t s = select_kernel(d, backend, &k); s != FMLP_SUCCESS) return s;
   if (d.m == 0) {
@@ -94,9 +97,10 @@ fmlp_status_t run_selected(const fmlp_mlp_args_t& args, const MlpDesc& d,
   }
   const size_t need = k->workspace_bytes(d);
   if (need > 0 && (workspace == nullptr || workspace_bytes < need))
-    return fail(FMLP_ERROR_WORKSPACE_TOO_SMALL, "kernel {} needs a workspace of {} bytes but got "
-                "{} bytes{}; size it with fmlp_mlp_workspace_size", k->name, need,
-                workspace == nullptr ? 0 : workspace_bytes,
+    return fail(FMLP_ERROR_WORKSPACE_TOO_SMALL,
+                "kernel {} needs a workspace of {} bytes but got "
+                "{} bytes{}; size it with fmlp_mlp_workspace_size",
+                k->name, need, workspace == nullptr ? 0 : workspace_bytes,
                 workspace == nullptr ? " (NULL)" : "");
   clear_last_error();
   return k->run(args, d, workspace, stream);
@@ -174,8 +178,8 @@ fmlp_status_t packed_args(const fmlp_mlp_packed_t* p, const fmlp_tensor_t* y,
   args->weights = p->weights;
   args->config = p->config;
   *d = p->desc;
-  if (const fmlp_status_t s = validate_mlp_activations(args->y, args->x, &args->residual,
-                                                       args->weights, d);
+  if (const fmlp_status_t s =
+          validate_mlp_activations(args->y, args->x, &args->residual, args->weights, d);
       s != FMLP_SUCCESS)
     return s;
   return FMLP_SUCCESS;
@@ -245,7 +249,9 @@ fmlp_status_t named_kernel(const fmlp_mlp_args_t* args, const char* name, MlpDes
 
 extern "C" {
 
-int fmlp_mlp_kernel_count(void) { return int(all_kernels().size()); }
+int fmlp_mlp_kernel_count(void) {
+  return int(all_kernels().size());
+}
 
 const char* fmlp_mlp_kernel_name(int i) {
   const auto v = all_kernels();
@@ -276,16 +282,21 @@ fmlp_status_t fmlp_mlp_kernel_workspace_size(const fmlp_mlp_args_t* args, const 
   return FMLP_SUCCESS;
 }
 
-fmlp_status_t fmlp_mlp_with_kernel(const fmlp_mlp_args_t* args, const char* kernel,
-                                   void* workspace, size_t workspace_bytes, void* stream) {
+fmlp_status_t fmlp_mlp_with_kernel(const fmlp_mlp_args_t* args, const char* kernel, void* workspace,
+                                   size_t workspace_bytes, void* stream) {
   MlpDesc d;
   const MlpKernel* k = nullptr;
   if (const fmlp_status_t s = named_kernel(args, kernel, &d, &k); s != FMLP_SUCCESS) return s;
-  if (d.m == 0) return FMLP_SUCCESS;
+  if (d.m == 0) {
+    clear_last_error();
+    return FMLP_SUCCESS;
+  }
   const size_t need = k->workspace_bytes(d);
   if (need > 0 && (workspace == nullptr || workspace_bytes < need))
-    return fail(FMLP_ERROR_WORKSPACE_TOO_SMALL, "kernel {} needs a workspace of {} bytes but got "
-                "{}; size it with fmlp_mlp_kernel_workspace_size", k->name, need, workspace_bytes);
+    return fail(FMLP_ERROR_WORKSPACE_TOO_SMALL,
+                "kernel {} needs a workspace of {} bytes but got "
+                "{}; size it with fmlp_mlp_kernel_workspace_size",
+                k->name, need, workspace_bytes);
   clear_last_error();
   return k->run(*args, d, workspace, stream);
 }

@@ -30,7 +30,9 @@ inline uint32_t float_to_bits(float f) {
   return u;
 }
 
-inline float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+inline float bf16_to_float(uint16_t h) {
+  return bits_to_float(uint32_t(h) << 16);
+}
 
 // Round to nearest even; NaN stays NaN (quiet bit forced so truncation cannot make it Inf).
 inline uint16_t float_to_bf16(float f) {

@@ -34,6 +34,9 @@ struct MlpDesc {
   fmlp_device_type_t device = FMLP_DEVICE_CPU;
   int32_t device_id = 0;
   WeightLayout layout = WeightLayout::kLinear;
+  // Every weight matrix starts on a 16-byte boundary and its row stride is a multiple of 16 bytes,
+  // so kernels may stream it with 16-byte vector loads.
+  bool weights_vec16 = false;
 };
 
 std::string describe(const MlpDesc& d);  // one line, for explain and error messages

@@ -14,7 +14,9 @@ namespace fmlp::detail {
 namespace {
 
 constexpr size_t kAlign = 64;
-size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+size_t round_up(size_t n) {
+  return (n + kAlign - 1) / kAlign * kAlign;
+}
 
 struct HostArena {
   char* base = nullptr;
@@ -48,9 +50,9 @@ void widen_scale(float* dst, const fmlp_tensor_t& s, int64_t rows) {
 }
 
 fmlp_tensor_t host_view(void* data, fmlp_dtype_t t, int64_t rows, int64_t cols) {
-  return rows == 0 ? fmlp_tensor_none()
-                   : cols == 0 ? fmlp_tensor_1d(data, t, rows)
-                               : fmlp_tensor_2d(data, t, rows, cols, cols);
+  return rows == 0   ? fmlp_tensor_none()
+         : cols == 0 ? fmlp_tensor_1d(data, t, rows)
+                     : fmlp_tensor_2d(data, t, rows, cols, cols);
 }
 
 fmlp_status_t pack_host(fmlp_mlp_packed_s* p, const fmlp_mlp_weights_t& w, const MlpDesc& d) {
@@ -123,8 +125,7 @@ using namespace fmlp::detail;
 extern "C" {
 
 fmlp_status_t fmlp_mlp_pack(fmlp_mlp_packed_t** packed, const fmlp_mlp_weights_t* weights,
-                            const fmlp_mlp_config_t* config, fmlp_backend_t backend,
-                            void* stream) {
+                            const fmlp_mlp_config_t* config, fmlp_backend_t backend, void* stream) {
   if (packed == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "packed is NULL");
   if (weights == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "weights is NULL");
   if (config == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "config is NULL");
@@ -133,10 +134,12 @@ fmlp_status_t fmlp_mlp_pack(fmlp_mlp_packed_t** packed, const fmlp_mlp_weights_t
   if (const fmlp_status_t s = validate_mlp_weights(*weights, *config, -1, &d); s != FMLP_SUCCESS)
     return s;
   if (unsigned(backend) > unsigned(FMLP_BACKEND_CUDA))
-    return fail(FMLP_ERROR_INVALID_VALUE, "backend is {}; expected auto (0), ref (1), cpu (2) or "
-                "cuda (3)", int(backend));
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "backend is {}; expected auto (0), ref (1), cpu (2) or "
+                "cuda (3)",
+                int(backend));
   if (backend == FMLP_BACKEND_AUTO)
-    backend = d.device == FMLP_DEVICE_CUDA ? FMLP_BACKEND_CUDA
+    backend = d.device == FMLP_DEVICE_CUDA       ? FMLP_BACKEND_CUDA
               : cpu_unavailable_reason().empty() ? FMLP_BACKEND_CPU
                                                  : FMLP_BACKEND_REF;
   if ((backend == FMLP_BACKEND_CUDA) != (d.device == FMLP_DEVICE_CUDA))
@@ -153,10 +156,15 @@ fmlp_status_t fmlp_mlp_pack(fmlp_mlp_packed_t** packed, const fmlp_mlp_weights_t
     delete p;
     return s;
   }
-  // The packed form is always stacked: gate and up in one matrix.
-  p->desc.stacked_gate_up = p->desc.gated;
-  p->desc.has_b1 = d.has_b1 || d.has_b_up;
-  p->desc.has_b_up = false;
+  // Describe the packed views themselves (stacked gate/up, widened biases, alignment), keeping
+  // the layout tag the backend's pack chose.
+  const WeightLayout layout = p->desc.layout;
+  if (const fmlp_status_t v = validate_mlp_weights(p->weights, p->config, -1, &p->desc);
+      v != FMLP_SUCCESS) {
+    fmlp_mlp_packed_destroy(p);
+    return fail(FMLP_ERROR_INTERNAL, "packed weights failed validation: {}", last_error());
+  }
+  p->desc.layout = layout;
   *packed = p;
   clear_last_error();
   return FMLP_SUCCESS;

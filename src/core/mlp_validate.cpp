@@ -1,11 +1,12 @@
 // Validation of fmlp_mlp_args_t: the single place where mlp arguments are checked. Kernels trust
 // what passes here.
+#include "core/mlp_validate.hpp"
+
 #include <array>
 #include <cmath>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
-#include "core/mlp_validate.hpp"
 #include "core/tensor_check.hpp"
 
 namespace fmlp::detail {
@@ -25,8 +26,10 @@ fmlp_status_t check_vector(const char* name, const fmlp_tensor_t& t, int64_t n, 
   const int64_t shape[1] = {n};
   FMLP_TRY(check_tensor(name, t, 1, shape, doc));
   if (!is_act_dtype(t.dtype))
-    return fail(FMLP_ERROR_DTYPE_MISMATCH, "{} has dtype {}; biases and norm parameters must be "
-                "f32, f16 or bf16", name, fmlp_dtype_name(t.dtype));
+    return fail(FMLP_ERROR_DTYPE_MISMATCH,
+                "{} has dtype {}; biases and norm parameters must be "
+                "f32, f16 or bf16",
+                name, fmlp_dtype_name(t.dtype));
   return FMLP_SUCCESS;
 }
 
@@ -35,14 +38,18 @@ fmlp_status_t check_scale(const char* name, const char* weight_name, const fmlp_
   const bool fp8 = w.dtype == FMLP_DTYPE_F8_E4M3;
   if (tensor_absent(scale)) {
     if (fp8)
-      return fail(FMLP_ERROR_BAD_SCALE, "{} is fp8 e4m3 but {} is absent; pass fp32 scales of "
-                  "shape [1] (per tensor) or [{}] (per row)", weight_name, name, w.shape[0]);
+      return fail(FMLP_ERROR_BAD_SCALE,
+                  "{} is fp8 e4m3 but {} is absent; pass fp32 scales of "
+                  "shape [1] (per tensor) or [{}] (per row)",
+                  weight_name, name, w.shape[0]);
     *kind = ScaleKind::kNone;
     return FMLP_SUCCESS;
   }
   if (!fp8)
-    return fail(FMLP_ERROR_BAD_SCALE, "{} is given but {} is {}; scales apply to fp8 e4m3 "
-                "weights only, drop the scale", name, weight_name, fmlp_dtype_name(w.dtype));
+    return fail(FMLP_ERROR_BAD_SCALE,
+                "{} is given but {} is {}; scales apply to fp8 e4m3 "
+                "weights only, drop the scale",
+                name, weight_name, fmlp_dtype_name(w.dtype));
   const int64_t any[1] = {-1};
   FMLP_TRY(check_tensor(name, scale, 1, any, "[1] or [rows]"));
   if (scale.dtype != FMLP_DTYPE_F32)
@@ -53,8 +60,10 @@ fmlp_status_t check_scale(const char* name, const char* weight_name, const fmlp_
   else if (scale.shape[0] == w.shape[0])
     *kind = ScaleKind::kPerRow;
   else
-    return fail(FMLP_ERROR_BAD_SCALE, "{} has {} entries; expected 1 (per tensor) or {} (one per "
-                "row of {})", name, scale.shape[0], w.shape[0], weight_name);
+    return fail(FMLP_ERROR_BAD_SCALE,
+                "{} has {} entries; expected 1 (per tensor) or {} (one per "
+                "row of {})",
+                name, scale.shape[0], w.shape[0], weight_name);
   if (scale.device_type == FMLP_DEVICE_CPU) {  // device scales are checked at pack time
     const float* s = static_cast<const float*>(scale.data);
     for (int64_t i = 0; i < scale.shape[0]; ++i)
@@ -90,16 +99,22 @@ std::array<NamedTensor, 11> weight_tensors(const fmlp_mlp_weights_t& w) {
 fmlp_status_t validate_mlp_weights(const fmlp_mlp_weights_t& w, const fmlp_mlp_config_t& c,
                                    int64_t d_out_hint, MlpDesc* d) {
   if (unsigned(c.activation) > unsigned(FMLP_ACT_SILU))
-    return fail(FMLP_ERROR_INVALID_VALUE, "config.activation is {}; expected one of relu (0), "
-                "gelu (1), gelu_tanh (2), silu (3)", int(c.activation));
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "config.activation is {}; expected one of relu (0), "
+                "gelu (1), gelu_tanh (2), silu (3)",
+                int(c.activation));
   if (unsigned(c.norm) > unsigned(FMLP_NORM_RMSNORM))
-    return fail(FMLP_ERROR_INVALID_VALUE, "config.norm is {}; expected none (0), layernorm (1) "
-                "or rmsnorm (2)", int(c.norm));
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "config.norm is {}; expected none (0), layernorm (1) "
+                "or rmsnorm (2)",
+                int(c.norm));
   if (c.gated != 0 && c.gated != 1)
     return fail(FMLP_ERROR_INVALID_VALUE, "config.gated is {}; expected 0 or 1", c.gated);
   if (c.norm != FMLP_NORM_NONE && !(std::isfinite(c.norm_eps) && c.norm_eps > 0.f))
-    return fail(FMLP_ERROR_INVALID_VALUE, "config.norm_eps is {}; a norm needs a finite eps > 0 "
-                "(1e-5 is the usual value)", c.norm_eps);
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "config.norm_eps is {}; a norm needs a finite eps > 0 "
+                "(1e-5 is the usual value)",
+                c.norm_eps);
   d->activation = c.activation;
   d->norm = c.norm;
   d->norm_eps = c.norm_eps;
@@ -116,17 +131,20 @@ fmlp_status_t validate_mlp_weights(const fmlp_mlp_weights_t& w, const fmlp_mlp_c
   d->d_out = w.w2.shape[0];
   d->stacked_gate_up = d->gated && tensor_absent(w.w_up);
   if (!d->gated && !tensor_absent(w.w_up))
-    return fail(FMLP_ERROR_INVALID_VALUE, "weights.w_up is given but config.gated is 0; set "
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "weights.w_up is given but config.gated is 0; set "
                 "gated = 1 or drop w_up");
   if (d->stacked_gate_up && w.w1.shape[0] % 2 != 0)
-    return fail(FMLP_ERROR_SHAPE_MISMATCH, "weights.w1 has {} rows; gated without weights.w_up "
+    return fail(FMLP_ERROR_SHAPE_MISMATCH,
+                "weights.w1 has {} rows; gated without weights.w_up "
                 "needs the stacked [2*hidden, d_in] form (gate rows, then up rows), an even count",
                 w.w1.shape[0]);
   d->hidden = d->stacked_gate_up ? w.w1.shape[0] / 2 : w.w1.shape[0];
   if (d_out_hint >= 0 && d->d_out != d_out_hint)
-    return fail(FMLP_ERROR_SHAPE_MISMATCH, "weights.w2 has {} rows but y has {} columns; "
-                "w2 must be [d_out, hidden] = [{}, {}]", d->d_out, d_out_hint, d_out_hint,
-                d->hidden);
+    return fail(FMLP_ERROR_SHAPE_MISMATCH,
+                "weights.w2 has {} rows but y has {} columns; "
+                "w2 must be [d_out, hidden] = [{}, {}]",
+                d->d_out, d_out_hint, d_out_hint, d->hidden);
   if (d->d_in == 0 || d->hidden == 0 || d->d_out == 0)
     return fail(FMLP_ERROR_SHAPE_MISMATCH, "d_in ({}), hidden ({}) and d_out ({}) must all be > 0",
                 d->d_in, d->hidden, d->d_out);
@@ -144,32 +162,38 @@ fmlp_status_t validate_mlp_weights(const fmlp_mlp_weights_t& w, const fmlp_mlp_c
     if (tensor_absent(*mats[i])) continue;
     const fmlp_dtype_t t = mats[i]->dtype;
     if (!is_act_dtype(t) && t != FMLP_DTYPE_F8_E4M3)
-      return fail(FMLP_ERROR_DTYPE_MISMATCH, "{} has dtype {}; weights must be f32, f16, bf16 or "
-                  "f8_e4m3", mat_names[i], fmlp_dtype_name(t));
+      return fail(FMLP_ERROR_DTYPE_MISMATCH,
+                  "{} has dtype {}; weights must be f32, f16, bf16 or "
+                  "f8_e4m3",
+                  mat_names[i], fmlp_dtype_name(t));
     if (t != d->w_dtype)
-      return fail(FMLP_ERROR_DTYPE_MISMATCH, "{} is {} but weights.w1 is {}; all weight matrices "
-                  "must share one dtype", mat_names[i], fmlp_dtype_name(t),
-                  fmlp_dtype_name(d->w_dtype));
+      return fail(FMLP_ERROR_DTYPE_MISMATCH,
+                  "{} is {} but weights.w1 is {}; all weight matrices "
+                  "must share one dtype",
+                  mat_names[i], fmlp_dtype_name(t), fmlp_dtype_name(d->w_dtype));
   }
   FMLP_TRY(check_scale("weights.w1_scale", "weights.w1", w.w1_scale, w.w1, &d->w1_scale));
   if (d->gated && !d->stacked_gate_up) {
-    FMLP_TRY(check_scale("weights.w_up_scale", "weights.w_up", w.w_up_scale, w.w_up,
-                         &d->w_up_scale));
+    FMLP_TRY(
+        check_scale("weights.w_up_scale", "weights.w_up", w.w_up_scale, w.w_up, &d->w_up_scale));
   } else if (!tensor_absent(w.w_up_scale)) {
-    return fail(FMLP_ERROR_BAD_SCALE, "weights.w_up_scale is given but there is no separate "
+    return fail(FMLP_ERROR_BAD_SCALE,
+                "weights.w_up_scale is given but there is no separate "
                 "weights.w_up; put the up scales after the gate scales in weights.w1_scale");
   }
   FMLP_TRY(check_scale("weights.w2_scale", "weights.w2", w.w2_scale, w.w2, &d->w2_scale));
 
   d->has_b1 = !tensor_absent(w.b1);
-  if (d->has_b1) FMLP_TRY(check_vector("weights.b1", w.b1, w1_rows,
-                                       d->stacked_gate_up ? "[2*hidden]" : "[hidden]"));
+  if (d->has_b1)
+    FMLP_TRY(
+        check_vector("weights.b1", w.b1, w1_rows, d->stacked_gate_up ? "[2*hidden]" : "[hidden]"));
   d->has_b_up = !tensor_absent(w.b_up);
   if (d->has_b_up) {
     if (!d->gated || d->stacked_gate_up)
-      return fail(FMLP_ERROR_INVALID_VALUE, "weights.b_up is given but there is no separate "
-                  "weights.w_up; {}", d->gated ? "put the up bias after the gate bias in b1"
-                                               : "drop it (dense MLP)");
+      return fail(FMLP_ERROR_INVALID_VALUE,
+                  "weights.b_up is given but there is no separate "
+                  "weights.w_up; {}",
+                  d->gated ? "put the up bias after the gate bias in b1" : "drop it (dense MLP)");
     FMLP_TRY(check_vector("weights.b_up", w.b_up, H, "[hidden]"));
   }
   d->has_b2 = !tensor_absent(w.b2);
@@ -177,30 +201,43 @@ fmlp_status_t validate_mlp_weights(const fmlp_mlp_weights_t& w, const fmlp_mlp_c
   d->has_norm_weight = !tensor_absent(w.norm_weight);
   d->has_norm_bias = !tensor_absent(w.norm_bias);
   if (c.norm == FMLP_NORM_NONE && (d->has_norm_weight || d->has_norm_bias))
-    return fail(FMLP_ERROR_INVALID_VALUE, "weights.norm_{} is given but config.norm is none; set "
-                "config.norm or drop it", d->has_norm_weight ? "weight" : "bias");
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "weights.norm_{} is given but config.norm is none; set "
+                "config.norm or drop it",
+                d->has_norm_weight ? "weight" : "bias");
   if (c.norm == FMLP_NORM_RMSNORM && d->has_norm_bias)
-    return fail(FMLP_ERROR_INVALID_VALUE, "weights.norm_bias is given but RMSNorm has no bias; "
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "weights.norm_bias is given but RMSNorm has no bias; "
                 "drop it or use layernorm");
-  if (d->has_norm_weight) FMLP_TRY(check_vector("weights.norm_weight", w.norm_weight, d->d_in, "[d_in]"));
+  if (d->has_norm_weight)
+    FMLP_TRY(check_vector("weights.norm_weight", w.norm_weight, d->d_in, "[d_in]"));
   if (d->has_norm_bias) FMLP_TRY(check_vector("weights.norm_bias", w.norm_bias, d->d_in, "[d_in]"));
 
   // One device for everything.
   d->device = w.w1.device_type;
   d->device_id = w.w1.device_id;
+  d->weights_vec16 = true;
+  for (const fmlp_tensor_t* m : {&w.w1, &w.w_up, &w.w2}) {
+    if (tensor_absent(*m)) continue;
+    const int64_t row_bytes = m->stride[0] * int64_t(dtype_size(m->dtype));
+    if (uintptr_t(m->data) % 16 != 0 || (m->shape[0] > 1 && row_bytes % 16 != 0))
+      d->weights_vec16 = false;
+  }
   for (const NamedTensor& n : weight_tensors(w)) {
     if (tensor_absent(*n.t)) continue;
     if (n.t->device_type != d->device || n.t->device_id != d->device_id)
-      return fail(FMLP_ERROR_DEVICE_MISMATCH, "{} is on {} but weights.w1 is on {}; put every "
-                  "tensor on one device", n.name, device_string(n.t->device_type, n.t->device_id),
+      return fail(FMLP_ERROR_DEVICE_MISMATCH,
+                  "{} is on {} but weights.w1 is on {}; put every "
+                  "tensor on one device",
+                  n.name, device_string(n.t->device_type, n.t->device_id),
                   device_string(d->device, d->device_id));
   }
   return FMLP_SUCCESS;
 }
 
 fmlp_status_t validate_mlp_activations(const fmlp_tensor_t& y, const fmlp_tensor_t& x,
-                                       const fmlp_tensor_t* residual,
-                                       const fmlp_mlp_weights_t& w, MlpDesc* d) {
+                                       const fmlp_tensor_t* residual, const fmlp_mlp_weights_t& w,
+                                       MlpDesc* d) {
   if (tensor_absent(x)) return fail(FMLP_ERROR_NULL_POINTER, "x is absent; pass [M, d_in]");
   if (tensor_absent(y)) return fail(FMLP_ERROR_NULL_POINTER, "y is absent; pass [M, d_out]");
   const int64_t x_shape[2] = {-1, d->d_in};
@@ -220,34 +257,41 @@ fmlp_status_t validate_mlp_activations(const fmlp_tensor_t& y, const fmlp_tensor
   if (d->has_residual) {
     FMLP_TRY(check_tensor("residual", *residual, 2, y_shape, "[M, d_out]"));
     if (residual->dtype != x.dtype)
-      return fail(FMLP_ERROR_DTYPE_MISMATCH, "residual is {} but x is {}; residual must have x's "
-                  "dtype", fmlp_dtype_name(residual->dtype), fmlp_dtype_name(x.dtype));
+      return fail(FMLP_ERROR_DTYPE_MISMATCH,
+                  "residual is {} but x is {}; residual must have x's "
+                  "dtype",
+                  fmlp_dtype_name(residual->dtype), fmlp_dtype_name(x.dtype));
   }
   const fmlp_tensor_t* acts[3] = {&x, &y, residual};
   const char* act_names[3] = {"x", "y", "residual"};
   for (int i = 0; i < 3; ++i) {
     if (i == 2 && !d->has_residual) continue;
     if (acts[i]->device_type != d->device || acts[i]->device_id != d->device_id)
-      return fail(FMLP_ERROR_DEVICE_MISMATCH, "{} is on {} but the weights are on {}; put every "
-                  "tensor on one device", act_names[i],
-                  device_string(acts[i]->device_type, acts[i]->device_id),
+      return fail(FMLP_ERROR_DEVICE_MISMATCH,
+                  "{} is on {} but the weights are on {}; put every "
+                  "tensor on one device",
+                  act_names[i], device_string(acts[i]->device_type, acts[i]->device_id),
                   device_string(d->device, d->device_id));
   }
   // y may not overlap any input, except a residual given as the very same view (in-place add).
   const ByteRange yr = byte_range(y);
   if (ranges_overlap(yr, byte_range(x)))
-    return fail(FMLP_ERROR_ALIASING, "y overlaps x; kernels read x while y is written, so pass a "
+    return fail(FMLP_ERROR_ALIASING,
+                "y overlaps x; kernels read x while y is written, so pass a "
                 "separate output buffer");
   if (d->has_residual && ranges_overlap(yr, byte_range(*residual))) {
     if (!same_view(y, *residual))
-      return fail(FMLP_ERROR_ALIASING, "residual overlaps y without being the same view; pass "
+      return fail(FMLP_ERROR_ALIASING,
+                  "residual overlaps y without being the same view; pass "
                   "exactly y (in-place add) or a separate buffer");
     d->residual_is_y = true;
   }
   for (const NamedTensor& n : weight_tensors(w))
     if (ranges_overlap(yr, byte_range(*n.t)))
-      return fail(FMLP_ERROR_ALIASING, "y overlaps {}; the output must not share memory with a "
-                  "weight", n.name);
+      return fail(FMLP_ERROR_ALIASING,
+                  "y overlaps {}; the output must not share memory with a "
+                  "weight",
+                  n.name);
   return FMLP_SUCCESS;
 }
 

@@ -7,7 +7,8 @@ namespace fmlp::detail {
 
 std::string shape_string(const fmlp_tensor_t& t) {
   std::string s = "[";
-  for (int i = 0; i < t.ndim && i < FMLP_MAX_DIMS; ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
+  for (int i = 0; i < t.ndim && i < FMLP_MAX_DIMS; ++i)
+    s += (i ? ", " : "") + std::to_string(t.shape[i]);
   return s + "]";
 }
 
@@ -34,24 +35,28 @@ fmlp_status_t check_tensor(const char* name, const fmlp_tensor_t& t, int ndim,
                   t.shape[i]);
   for (int i = 0; i < ndim; ++i)
     if (expected[i] >= 0 && t.shape[i] != expected[i])
-      return fail(FMLP_ERROR_SHAPE_MISMATCH, "{} must have shape {} = [{}], got {}", name,
-                  shape_doc,
-                  [&] {
-                    std::string s;
-                    for (int k = 0; k < ndim; ++k)
-                      s += (k ? ", " : "") + (expected[k] >= 0 ? std::to_string(expected[k]) : "*");
-                    return s;
-                  }(),
-                  shape_string(t));
+      return fail(
+          FMLP_ERROR_SHAPE_MISMATCH, "{} must have shape {} = [{}], got {}", name, shape_doc,
+          [&] {
+            std::string s;
+            for (int k = 0; k < ndim; ++k)
+              s += (k ? ", " : "") + (expected[k] >= 0 ? std::to_string(expected[k]) : "*");
+            return s;
+          }(),
+          shape_string(t));
   const size_t esize = dtype_size(t.dtype);
   if (esize == 0)
     return fail(FMLP_ERROR_DTYPE_MISMATCH, "{}.dtype is {}, which is not a known fmlp_dtype_t",
                 name, int(t.dtype));
   if (t.device_type != FMLP_DEVICE_CPU && t.device_type != FMLP_DEVICE_CUDA)
-    return fail(FMLP_ERROR_INVALID_VALUE, "{}.device_type is {}; expected FMLP_DEVICE_CPU or "
-                "FMLP_DEVICE_CUDA", name, int(t.device_type));
-  const int64_t numel = tensor_numel(t);
-  if (numel == 0) return FMLP_SUCCESS;
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "{}.device_type is {}; expected FMLP_DEVICE_CPU or "
+                "FMLP_DEVICE_CUDA",
+                name, int(t.device_type));
+  // Empty when any size is 0. Not numel == 0: the product can wrap to 0 (2^62 x 4), which would
+  // let a huge view skip the extent checks below.
+  for (int i = 0; i < ndim; ++i)
+    if (t.shape[i] == 0) return FMLP_SUCCESS;
   if (t.data == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "{}.data is NULL", name);
   if (t.stride[ndim - 1] != 1 && t.shape[ndim - 1] > 1)
     return fail(FMLP_ERROR_BAD_STRIDE,
@@ -72,14 +77,18 @@ fmlp_status_t check_tensor(const char* name, const fmlp_tensor_t& t, int ndim,
     if (__builtin_mul_overflow(t.shape[i] - 1, t.stride[i], &step) ||
         __builtin_add_overflow(last, step, &last) ||
         __builtin_mul_overflow(t.stride[i], t.shape[i], &inner_extent))
-      return fail(FMLP_ERROR_SIZE_OVERFLOW, "{} with shape {} and stride[{}] = {} spans more "
-                  "elements than fit in 64 bits", name, shape_string(t), i, t.stride[i]);
+      return fail(FMLP_ERROR_SIZE_OVERFLOW,
+                  "{} with shape {} and stride[{}] = {} spans more "
+                  "elements than fit in 64 bits",
+                  name, shape_string(t), i, t.stride[i]);
   }
   int64_t bytes;
   if (__builtin_mul_overflow(last + 1, int64_t(esize), &bytes) ||
       uintptr_t(t.data) + uint64_t(bytes) < uintptr_t(t.data))
-    return fail(FMLP_ERROR_SIZE_OVERFLOW, "{} with shape {} spans more bytes than the address "
-                "space holds", name, shape_string(t));
+    return fail(FMLP_ERROR_SIZE_OVERFLOW,
+                "{} with shape {} spans more bytes than the address "
+                "space holds",
+                name, shape_string(t));
   if (uintptr_t(t.data) % esize != 0)
     return fail(FMLP_ERROR_MISALIGNED, "{}.data = {} is not aligned to its {}-byte element size",
                 name, t.data, esize);

@@ -8,7 +8,9 @@
 
 namespace fmlp::detail {
 
-inline bool tensor_absent(const fmlp_tensor_t& t) { return t.data == nullptr && t.ndim == 0; }
+inline bool tensor_absent(const fmlp_tensor_t& t) {
+  return t.data == nullptr && t.ndim == 0;
+}
 
 std::string shape_string(const fmlp_tensor_t& t);
 std::string device_string(fmlp_device_type_t type, int32_t id);

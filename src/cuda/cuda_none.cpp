@@ -4,7 +4,9 @@
 
 namespace fmlp::detail {
 
-MlpKernelList cuda_mlp_kernels() { return {nullptr, 0}; }
+MlpKernelList cuda_mlp_kernels() {
+  return {nullptr, 0};
+}
 
 std::string cuda_unavailable_reason() {
   return "this build of fusedmlp has no CUDA support (configure with -DFMLP_CUDA=ON where nvcc "

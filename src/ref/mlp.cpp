@@ -35,15 +35,17 @@ bool ref_supports(const MlpDesc& d, std::string* why) {
   return true;
 }
 
-size_t ref_workspace(const MlpDesc& d) { return size_t(d.d_in + d.hidden) * sizeof(double); }
+size_t ref_workspace(const MlpDesc& d) {
+  return size_t(d.d_in + d.hidden) * sizeof(double);
+}
 
 fmlp_status_t ref_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* ws, void*) {
   const fmlp_mlp_weights_t& w = a.weights;
   double* xn = static_cast<double*>(ws);
   double* h = xn + d.d_in;
   for (int64_t i = 0; i < d.m; ++i) {
-    const char* xrow = static_cast<const char*>(a.x.data) +
-                       i * a.x.stride[0] * dtype_size(a.x.dtype);
+    const char* xrow =
+        static_cast<const char*>(a.x.data) + i * a.x.stride[0] * dtype_size(a.x.dtype);
     for (int64_t k = 0; k < d.d_in; ++k) xn[k] = load_as_double(xrow, a.x.dtype, k);
     if (d.norm != FMLP_NORM_NONE) {
       double mean = 0.0;
@@ -89,6 +91,8 @@ const MlpKernel kRefKernels[] = {
 
 }  // namespace
 
-MlpKernelList ref_mlp_kernels() { return {kRefKernels, 1}; }
+MlpKernelList ref_mlp_kernels() {
+  return {kRefKernels, 1};
+}
 
 }  // namespace fmlp::detail

@@ -1,0 +1,707 @@
+// fusedmlp_cuda_bench: correctness and speed of the cuda mlp kernels on one GPU.
+//
+//   1. feature matrix: small random problems over dtypes, activations, norms, biases, residual
+//      (in place too), strided/misaligned views and packed weights, checked against backend ref
+//   2. deterministic mode reruns bitwise; a CUDA graph replayed on new inputs matches eager
+//   3. model shapes x M in {1, 4, 16, 64}: checked against ref on rows {0, M-1}, then timed by
+//      CUDA-graph replay over weight copies rotated through > 3x the L2 (each call reads HBM),
+//      median of many replays, against the floor (weight + x/y bytes) / measured copy bandwidth
+//
+// usage: fusedmlp_cuda_bench [--json FILE] [--shapes a,b] [--ms 1,4] [--reps N] [--skip-matrix]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fusedmlp/fusedmlp.h"
+
+namespace {
+
+#define CK(call)                                                                                 \
+  do {                                                                                           \
+    const cudaError_t e_ = (call);                                                               \
+    if (e_ != cudaSuccess) {                                                                     \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                              \
+    }                                                                                            \
+  } while (0)
+
+#define FK(call)                                                                                  \
+  do {                                                                                            \
+    const fmlp_status_t s_ = (call);                                                              \
+    if (s_ != FMLP_SUCCESS) {                                                                     \
+      std::fprintf(stderr, "%s:%d %s: %s: %s\n", __FILE__, __LINE__, #call, fmlp_status_name(s_), \
+                   fmlp_last_error());                                                            \
+      std::exit(3);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+size_t esize(fmlp_dtype_t t) {
+  return t == FMLP_DTYPE_F32 ? 4 : 2;
+}
+
+float bf16_to_f(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t f_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+float f16_to_f(uint16_t h) {
+  const uint32_t s = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  uint32_t u;
+  if (e == 0x1f)
+    u = s | 0x7f800000u | (m << 13);
+  else if (e)
+    u = s | ((e + 112) << 23) | (m << 13);
+  else {
+    const float v = std::ldexp(float(m), -24);
+    return s ? -v : v;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t f_to_f16(float f) {  // round to nearest even, enough for test data
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7e00u;
+  if (a >= 0x477ff000u) return sign | 0x7c00u;
+  if (a < 0x38800000u) {
+    float v;
+    std::memcpy(&v, &a, 4);
+    return uint16_t(sign | uint16_t(std::nearbyint(v * 16777216.0f)));
+  }
+  const uint32_t m = a + 0xfffu + ((a >> 13) & 1u);
+  return uint16_t(sign | uint16_t(((m >> 13) - (112u << 10)) & 0x7fffu));
+}
+
+float get(const std::vector<uint8_t>& b, fmlp_dtype_t t, size_t i) {
+  if (t == FMLP_DTYPE_F32) {
+    float f;
+    std::memcpy(&f, b.data() + 4 * i, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, b.data() + 2 * i, 2);
+  return t == FMLP_DTYPE_BF16 ? bf16_to_f(h) : f16_to_f(h);
+}
+void put(std::vector<uint8_t>& b, fmlp_dtype_t t, size_t i, float v) {
+  if (t == FMLP_DTYPE_F32) {
+    std::memcpy(b.data() + 4 * i, &v, 4);
+    return;
+  }
+  const uint16_t h = t == FMLP_DTYPE_BF16 ? f_to_bf16(v) : f_to_f16(v);
+  std::memcpy(b.data() + 2 * i, &h, 2);
+}
+
+// A host buffer of random values and its device twin (same bytes, same offsets).
+struct Buf {
+  fmlp_dtype_t t = FMLP_DTYPE_BF16;
+  size_t n = 0, off = 0;  // elements, element offset of the view (misalignment)
+  std::vector<uint8_t> host;
+  void* dev = nullptr;
+  void alloc(fmlp_dtype_t dt, size_t count, size_t offset = 0) {
+    t = dt;
+    n = count;
+    off = offset;
+    host.assign((count + offset) * esize(dt), 0);
+    CK(cudaMalloc(&dev, host.size() + 256));
+  }
+  // Uniform with unit variance (cheap enough for a gigabyte of weights).
+  void fill(std::mt19937& rng, float scale) {
+    uint64_t z = rng() | (uint64_t(rng()) << 32) | 1;
+    const float k = scale * 3.4641016f / 4294967296.f;  // sqrt(12) / 2^32
+    for (size_t i = 0; i < n + off; ++i) {
+      z ^= z << 13;
+      z ^= z >> 7;
+      z ^= z << 17;
+      put(host, t, i, (float(uint32_t(z >> 32)) - 2147483648.f) * k);
+    }
+  }
+  void upload() { CK(cudaMemcpy(dev, host.data(), host.size(), cudaMemcpyHostToDevice)); }
+  void download() { CK(cudaMemcpy(host.data(), dev, host.size(), cudaMemcpyDeviceToHost)); }
+  void* hptr() { return host.data() + off * esize(t); }
+  void* dptr() const { return static_cast<char*>(dev) + off * esize(t); }
+  void release() {
+    if (dev) cudaFree(dev);
+    dev = nullptr;
+  }
+};
+
+fmlp_tensor_t view2(void* p, fmlp_dtype_t t, int64_t r, int64_t c, int64_t ld, bool device) {
+  fmlp_tensor_t v = fmlp_tensor_2d(p, t, r, c, ld);
+  if (device) v.device_type = FMLP_DEVICE_CUDA;
+  return v;
+}
+fmlp_tensor_t view1(void* p, fmlp_dtype_t t, int64_t n, bool device) {
+  fmlp_tensor_t v = fmlp_tensor_1d(p, t, n);
+  if (device) v.device_type = FMLP_DEVICE_CUDA;
+  return v;
+}
+
+struct Problem {
+  int64_t m, d, h, n;
+  fmlp_dtype_t at, wt, bt;
+  fmlp_activation_t act;
+  fmlp_norm_t norm;
+  bool gated, separate_up, bias, residual, inplace, packed, deterministic;
+  int64_t pad;  // extra elements per row (strided views) and base offset (misalignment)
+};
+
+// Owns every tensor of one problem on host and device.
+struct Case {
+  Problem p;
+  Buf x, y, res, w1, wu, w2, b1, bu, b2, gam, bet;
+  int64_t ld_x, ld_y, ld_w1, ld_w2;
+  void make(const Problem& pr, std::mt19937& rng) {
+    p = pr;
+    const int64_t rows1 = p.gated && !p.separate_up ? 2 * p.h : p.h;
+    ld_x = p.d + p.pad;
+    ld_y = p.n + p.pad;
+    ld_w1 = p.d + p.pad;
+    ld_w2 = p.h + p.pad;
+    x.alloc(p.at, size_t(p.m * ld_x), size_t(p.pad));
+    x.fill(rng, 1.f);
+    y.alloc(p.at, size_t(p.m * ld_y), size_t(p.pad));
+    if (p.residual && !p.inplace) {
+      res.alloc(p.at, size_t(p.m * ld_y), size_t(p.pad));
+      res.fill(rng, 1.f);
+    }
+    w1.alloc(p.wt, size_t(rows1 * ld_w1), size_t(p.pad));
+    w1.fill(rng, 1.f / std::sqrt(float(p.d)));
+    if (p.gated && p.separate_up) {
+      wu.alloc(p.wt, size_t(p.h * ld_w1), size_t(p.pad));
+      wu.fill(rng, 1.f / std::sqrt(float(p.d)));
+    }
+    w2.alloc(p.wt, size_t(p.n * ld_w2), size_t(p.pad));
+    w2.fill(rng, 1.f / std::sqrt(float(p.h)));
+    if (p.bias) {
+      b1.alloc(p.bt, size_t(rows1));
+      b1.fill(rng, 0.5f);
+      if (p.gated && p.separate_up) {
+        bu.alloc(p.bt, size_t(p.h));
+        bu.fill(rng, 0.5f);
+      }
+      b2.alloc(p.bt, size_t(p.n));
+      b2.fill(rng, 0.5f);
+    }
+    if (p.norm != FMLP_NORM_NONE) {
+      gam.alloc(p.bt, size_t(p.d));
+      gam.fill(rng, 1.f);
+      if (p.norm == FMLP_NORM_LAYERNORM) {
+        bet.alloc(p.bt, size_t(p.d));
+        bet.fill(rng, 0.3f);
+      }
+    }
+    if (p.inplace) y.fill(rng, 1.f);  // y holds the residual
+    for (Buf* b : {&x, &y, &res, &w1, &wu, &w2, &b1, &bu, &b2, &gam, &bet})
+      if (b->dev) b->upload();
+  }
+  fmlp_mlp_args_t args(bool device, int64_t rows = -1, int64_t row0 = 0) {
+    const int64_t m = rows < 0 ? p.m : rows;
+    auto P = [&](Buf& b, int64_t elem) -> void* {
+      return device ? static_cast<char*>(b.dptr()) + elem * esize(b.t)
+                    : static_cast<char*>(b.hptr()) + elem * esize(b.t);
+    };
+    fmlp_mlp_args_t a{};
+    const int64_t rows1 = p.gated && !p.separate_up ? 2 * p.h : p.h;
+    a.x = view2(P(x, row0 * ld_x), p.at, m, p.d, ld_x, device);
+    a.y = view2(P(y, row0 * ld_y), p.at, m, p.n, ld_y, device);
+    a.residual = fmlp_tensor_none();
+    if (p.residual)
+      a.residual = p.inplace ? a.y : view2(P(res, row0 * ld_y), p.at, m, p.n, ld_y, device);
+    fmlp_mlp_weights_t& w = a.weights;
+    for (fmlp_tensor_t* t : {&w.w1, &w.w1_scale, &w.b1, &w.w_up, &w.w_up_scale, &w.b_up, &w.w2,
+                             &w.w2_scale, &w.b2, &w.norm_weight, &w.norm_bias})
+      *t = fmlp_tensor_none();
+    w.w1 = view2(P(w1, 0), p.wt, rows1, p.d, ld_w1, device);
+    if (p.gated && p.separate_up) w.w_up = view2(P(wu, 0), p.wt, p.h, p.d, ld_w1, device);
+    w.w2 = view2(P(w2, 0), p.wt, p.n, p.h, ld_w2, device);
+    if (p.bias) {
+      w.b1 = view1(P(b1, 0), p.bt, rows1, device);
+      if (p.gated && p.separate_up) w.b_up = view1(P(bu, 0), p.bt, p.h, device);
+      w.b2 = view1(P(b2, 0), p.bt, p.n, device);
+    }
+    if (p.norm != FMLP_NORM_NONE) w.norm_weight = view1(P(gam, 0), p.bt, p.d, device);
+    if (p.norm == FMLP_NORM_LAYERNORM) w.norm_bias = view1(P(bet, 0), p.bt, p.d, device);
+    a.config = fmlp_mlp_config_default();
+    a.config.activation = p.act;
+    a.config.gated = p.gated;
+    a.config.norm = p.norm;
+    a.config.norm_eps = 1e-5f;
+    a.config.deterministic = p.deterministic;
+    return a;
+  }
+  void release() {
+    for (Buf* b : {&x, &y, &res, &w1, &wu, &w2, &b1, &bu, &b2, &gam, &bet}) b->release();
+  }
+};
+
+// Kernel forced with --kernel (op-table name); nullptr = dispatch (backend cuda).
+const char* g_kernel = nullptr;
+
+// Runs the cuda op (packed or not) on the whole batch.
+struct Runner {
+  fmlp_mlp_packed_t* packed = nullptr;
+  void* ws = nullptr;
+  size_t ws_bytes = 0;
+  void setup(Case& c) {
+    fmlp_mlp_args_t a = c.args(true);
+    if (c.p.packed) {
+      FK(fmlp_mlp_pack(&packed, &a.weights, &a.config, FMLP_BACKEND_CUDA, nullptr));
+      FK(fmlp_mlp_packed_workspace_size(packed, &a.y, &a.x, &ws_bytes));
+    } else if (g_kernel) {
+      FK(fmlp_mlp_kernel_workspace_size(&a, g_kernel, &ws_bytes));
+    } else {
+      FK(fmlp_mlp_workspace_size(&a, FMLP_BACKEND_CUDA, &ws_bytes));
+    }
+    if (ws_bytes) {
+      CK(cudaMalloc(&ws, ws_bytes));
+      CK(cudaMemset(ws, 0, ws_bytes));  // once: the kernel leaves it zeroed after every call
+    }
+  }
+  fmlp_status_t run(Case& c, cudaStream_t s) {
+    fmlp_mlp_args_t a = c.args(true);
+    if (packed)
+      return fmlp_mlp_packed_run(packed, &a.y, &a.x, c.p.residual ? &a.residual : nullptr, ws,
+                                 ws_bytes, s);
+    if (g_kernel) return fmlp_mlp_with_kernel(&a, g_kernel, ws, ws_bytes, s);
+    return fmlp_mlp(&a, FMLP_BACKEND_CUDA, ws, ws_bytes, s);
+  }
+  void release() {
+    if (packed) fmlp_mlp_packed_destroy(packed);
+    if (ws) cudaFree(ws);
+    packed = nullptr;
+    ws = nullptr;
+  }
+};
+
+// Compares device y rows [row0, row0+rows) with ref computed on host; returns worst error in
+// units of the output dtype's rounding at |ref| (fp32: relative error / 1e-6).
+struct CheckResult {
+  double worst_units = 0;
+  bool ok = true;
+  std::string detail;
+};
+
+CheckResult check_rows(Case& c, const std::vector<uint8_t>& y_before, int64_t row0, int64_t rows) {
+  // ref on host: y_host holds the residual for in-place, as the device saw it.
+  Buf& yb = c.y;
+  std::vector<uint8_t> dev_y = yb.host;  // downloaded device result
+  yb.host = y_before;
+  fmlp_mlp_args_t a = c.args(false, rows, row0);
+  a.config.deterministic = 0;
+  std::vector<double> dummy;
+  size_t ws = 0;
+  FK(fmlp_mlp_workspace_size(&a, FMLP_BACKEND_REF, &ws));
+  std::vector<uint8_t> wsb(ws + 64);
+  FK(fmlp_mlp(&a, FMLP_BACKEND_REF, wsb.data(), ws, nullptr));
+  std::vector<uint8_t> ref_y = yb.host;
+  yb.host = dev_y;
+  CheckResult r;
+  const fmlp_dtype_t t = c.p.at;
+  for (int64_t i = row0; i < row0 + rows; ++i) {
+    double rms = 0;
+    for (int64_t o = 0; o < c.p.n; ++o) {
+      const double v = get(ref_y, t, size_t(yb.off + i * c.ld_y + o));
+      rms += v * v;
+    }
+    rms = std::sqrt(rms / double(c.p.n));
+    for (int64_t o = 0; o < c.p.n; ++o) {
+      const size_t idx = size_t(yb.off + i * c.ld_y + o);
+      const double ref = get(ref_y, t, idx), got = get(dev_y, t, idx);
+      if (std::isnan(ref) != std::isnan(got)) {
+        r.ok = false;
+        r.detail = "NaN mismatch at row " + std::to_string(i) + " col " + std::to_string(o);
+        return r;
+      }
+      if (std::isnan(ref)) continue;
+      // units of the output dtype at |ref|, floored at a tenth of the row's rms (cancellation)
+      const double scale = std::fabs(ref) + 0.1 * rms;
+      const double unit = t == FMLP_DTYPE_F32    ? 1e-6 * scale
+                          : t == FMLP_DTYPE_BF16 ? std::ldexp(1.0, -8) * scale
+                                                 : std::ldexp(1.0, -11) * scale;
+      const double u = std::fabs(got - ref) / unit;
+      if (u > r.worst_units) {
+        r.worst_units = u;
+        char buf[160];
+        std::snprintf(buf, sizeof buf, "row %lld col %lld got %.6g ref %.6g", (long long)i,
+                      (long long)o, got, ref);
+        r.detail = buf;
+      }
+    }
+  }
+  const double limit = t == FMLP_DTYPE_F32 ? 100.0 : 2.0;  // fp32: 1e-4 relative
+  r.ok = r.worst_units <= limit;
+  return r;
+}
+
+const char* act_name(fmlp_activation_t a) {
+  return fmlp_activation_name(a);
+}
+
+int feature_matrix(std::mt19937& rng, int cases) {
+  int failures = 0;
+  cudaStream_t s;
+  CK(cudaStreamCreate(&s));
+  const fmlp_dtype_t dts[3] = {FMLP_DTYPE_BF16, FMLP_DTYPE_F16, FMLP_DTYPE_F32};
+  const int64_t ms[6] = {1, 3, 8, 17, 40, 64};
+  for (int ci = 0; ci < cases; ++ci) {
+    Problem p{};
+    p.m = ms[ci % 6];
+    p.gated = (ci / 2) % 2;
+    p.d = 64 * (1 + int(rng() % 8)) + (ci % 5 == 4 ? 8 : 0);
+    p.h = p.gated ? 8 * (20 + int(rng() % 100)) : 16 * (10 + int(rng() % 60));
+    p.n = 8 * (8 + int(rng() % 90));
+    p.at = dts[(ci / 3) % 3];
+    p.wt = ci % 4 == 3 ? dts[(ci / 4) % 3] : FMLP_DTYPE_BF16;
+    p.bt = dts[ci % 3];
+    p.act = fmlp_activation_t(ci % 4);
+    p.norm = fmlp_norm_t((ci / 4) % 3);
+    p.separate_up = p.gated && (ci % 3 == 1);
+    p.bias = ci % 2 == 0 || !p.gated;
+    p.residual = ci % 3 != 2;
+    p.inplace = p.residual && ci % 2 == 1;
+    p.packed = ci % 5 == 1;
+    p.deterministic = ci % 7 == 3;
+    p.pad = ci % 6 == 5 ? 3 : ci % 6 == 2 ? 8 : 0;  // 3: misaligned + odd strides (slow path)
+    if (ci % 11 == 7) {  // ragged sizes: only the slow path or packed weights handle them
+      p.d += 5;
+      p.h += p.gated ? 3 : 5;
+      p.n += 3;
+    }
+    Case c;
+    c.make(p, rng);
+    Runner r;
+    r.setup(c);
+    std::vector<uint8_t> y_before = c.y.host;
+    const fmlp_status_t st = r.run(c, s);
+    CK(cudaStreamSynchronize(s));
+    CK(cudaGetLastError());
+    char desc[256];
+    std::snprintf(desc, sizeof desc,
+                  "M=%lld d=%lld h=%lld n=%lld x=%s w=%s b=%s %s%s norm=%d%s%s%s%s%s pad=%lld",
+                  (long long)p.m, (long long)p.d, (long long)p.h, (long long)p.n,
+                  fmlp_dtype_name(p.at), fmlp_dtype_name(p.wt), fmlp_dtype_name(p.bt),
+                  p.gated ? (p.separate_up ? "gated(sep)-" : "gated-") : "", act_name(p.act),
+                  int(p.norm), p.bias ? " bias" : "",
+                  p.residual ? (p.inplace ? " res(inplace)" : " res") : "",
+                  p.packed ? " packed" : "", p.deterministic ? " det" : "", "", (long long)p.pad);
+    if (st != FMLP_SUCCESS) {
+      std::printf("FAIL run %s: %s\n", desc, fmlp_last_error());
+      ++failures;
+    } else {
+      c.y.download();
+      CheckResult cr = check_rows(c, y_before, 0, p.m);
+      std::printf("%s case %2d %s: worst %.2f units %s\n", cr.ok ? "ok  " : "FAIL", ci, desc,
+                  cr.worst_units, cr.detail.c_str());
+      failures += !cr.ok;
+      // a second call must see a clean workspace
+      if (!p.inplace) {
+        std::vector<uint8_t> first = c.y.host;
+        r.run(c, s);
+        CK(cudaStreamSynchronize(s));
+        c.y.download();
+        CheckResult c2 = check_rows(c, y_before, 0, p.m);
+        if (!c2.ok) {
+          std::printf("FAIL second call case %d: worst %.2f %s\n", ci, c2.worst_units,
+                      c2.detail.c_str());
+          ++failures;
+        }
+      }
+    }
+    r.release();
+    c.release();
+  }
+  CK(cudaStreamDestroy(s));
+  return failures;
+}
+
+// Deterministic reruns are bitwise equal; a captured graph replays correctly on new inputs.
+int determinism_and_graph(std::mt19937& rng) {
+  int failures = 0;
+  cudaStream_t s;
+  CK(cudaStreamCreate(&s));
+  Problem p{16,
+            1024,
+            2816,
+            1024,
+            FMLP_DTYPE_BF16,
+            FMLP_DTYPE_BF16,
+            FMLP_DTYPE_BF16,
+            FMLP_ACT_SILU,
+            FMLP_NORM_RMSNORM,
+            true,
+            false,
+            false,
+            true,
+            false,
+            false,
+            true,
+            0};
+  Case c;
+  c.make(p, rng);
+  Runner r;
+  r.setup(c);
+  FK(r.run(c, s));
+  CK(cudaStreamSynchronize(s));
+  c.y.download();
+  std::vector<uint8_t> a = c.y.host;
+  for (int i = 0; i < 5; ++i) FK(r.run(c, s));
+  CK(cudaStreamSynchronize(s));
+  c.y.download();
+  const bool same = a == c.y.host;
+  std::printf("%s deterministic rerun bitwise equal\n", same ? "ok  " : "FAIL");
+  failures += !same;
+
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  FK(r.run(c, s));
+  CK(cudaStreamEndCapture(s, &g));
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  c.x.fill(rng, 1.f);  // new inputs in the same buffers
+  c.x.upload();
+  CK(cudaGraphLaunch(ge, s));
+  CK(cudaStreamSynchronize(s));
+  c.y.download();
+  std::vector<uint8_t> from_graph = c.y.host;
+  FK(r.run(c, s));
+  CK(cudaStreamSynchronize(s));
+  c.y.download();
+  const bool g_ok = from_graph == c.y.host && from_graph != a;
+  std::printf("%s graph replay on new inputs equals eager\n", g_ok ? "ok  " : "FAIL");
+  failures += !g_ok;
+  CK(cudaGraphExecDestroy(ge));
+  CK(cudaGraphDestroy(g));
+  r.release();
+  c.release();
+  CK(cudaStreamDestroy(s));
+  return failures;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double copy_bandwidth() {
+  const size_t bytes = size_t(2) << 30;
+  void *a, *b;
+  CK(cudaMalloc(&a, bytes));
+  CK(cudaMalloc(&b, bytes));
+  CK(cudaMemset(a, 1, bytes));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<double> t;
+  for (int i = 0; i < 23; ++i) {
+    CK(cudaEventRecord(e0));
+    CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    if (i >= 3) t.push_back(ms * 1e-3);
+  }
+  CK(cudaFree(a));
+  CK(cudaFree(b));
+  return 2.0 * double(bytes) / median(t);
+}
+
+struct Shape {
+  const char* name;
+  int64_t d, h;
+  fmlp_activation_t act;
+  bool gated;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* json = nullptr;
+  std::string shapes_arg = "gpt2-small,seed-4096,llama3-8b,llama3-70b", ms_arg = "1,4,16,64";
+  int reps = 200, cases = 48;
+  bool matrix = true;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--json" && i + 1 < argc)
+      json = argv[++i];
+    else if (a == "--shapes" && i + 1 < argc)
+      shapes_arg = argv[++i];
+    else if (a == "--ms" && i + 1 < argc)
+      ms_arg = argv[++i];
+    else if (a == "--reps" && i + 1 < argc)
+      reps = std::atoi(argv[++i]);
+    else if (a == "--cases" && i + 1 < argc)
+      cases = std::atoi(argv[++i]);
+    else if (a == "--kernel" && i + 1 < argc)
+      g_kernel = argv[++i];
+    else if (a == "--skip-matrix")
+      matrix = false;
+    else {
+      std::fprintf(stderr, "unknown argument %s\n", a.c_str());
+      return 1;
+    }
+  }
+  if (fmlp_backend_available(FMLP_BACKEND_CUDA) != FMLP_SUCCESS) {
+    std::printf("cuda backend unavailable: %s\n", fmlp_last_error());
+    return 1;
+  }
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::mt19937 rng(1234);
+  int failures = 0;
+  if (matrix) {
+    failures += feature_matrix(rng, cases);
+    failures += determinism_and_graph(rng);
+  }
+  const double bw = copy_bandwidth();
+  std::printf("%s, %d SMs, L2 %d MiB, copy bandwidth %.3f TB/s\n", prop.name,
+              prop.multiProcessorCount, prop.l2CacheSize >> 20, bw / 1e12);
+
+  const Shape all[] = {{"gpt2-small", 768, 3072, FMLP_ACT_GELU_TANH, false},
+                       {"seed-4096", 4096, 4096, FMLP_ACT_GELU, false},
+                       {"llama3-8b", 4096, 14336, FMLP_ACT_SILU, true},
+                       {"llama3-70b", 8192, 28672, FMLP_ACT_SILU, true}};
+  std::vector<int64_t> ms;
+  for (size_t p0 = 0; p0 < ms_arg.size();) {
+    ms.push_back(std::atoll(ms_arg.c_str() + p0));
+    const size_t c = ms_arg.find(',', p0);
+    p0 = c == std::string::npos ? ms_arg.size() : c + 1;
+  }
+  std::string out = "{\"gpu\": \"" + std::string(prop.name) +
+                    "\", \"copy_TBps\": " + std::to_string(bw / 1e12) + ", \"mlp\": [";
+  bool first = true;
+  cudaStream_t s;
+  CK(cudaStreamCreate(&s));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::printf("%-11s %3s %9s %9s %9s %7s %s\n", "shape", "M", "us", "floor_us", "GB/s", "%floor",
+              "check");
+  for (const Shape& sh : all) {
+    if (shapes_arg.find(sh.name) == std::string::npos) continue;
+    const int64_t rows1 = sh.gated ? 2 * sh.h : sh.h;
+    const double wbytes = double(rows1 * sh.d + sh.d * sh.h) * 2;
+    const int copies = std::max(1, int(std::ceil(3.0 * prop.l2CacheSize / wbytes)));
+    for (int64_t m : ms) {
+      Problem p{m,
+                sh.d,
+                sh.h,
+                sh.d,
+                FMLP_DTYPE_BF16,
+                FMLP_DTYPE_BF16,
+                FMLP_DTYPE_BF16,
+                sh.act,
+                FMLP_NORM_NONE,
+                sh.gated,
+                false,
+                !sh.gated,
+                false,
+                false,
+                false,
+                false,
+                0};
+      std::vector<Case> cs(static_cast<size_t>(copies));
+      std::vector<Runner> rs(static_cast<size_t>(copies));
+      for (int i = 0; i < copies; ++i) {
+        if (i == 0) {
+          cs[0].make(p, rng);
+        } else {  // same contents, separate memory: only the rotation matters for timing
+          cs[i] = cs[0];
+          for (Buf* b : {&cs[i].w1, &cs[i].w2, &cs[i].b1, &cs[i].b2}) {
+            if (!b->dev) continue;
+            void* src = b->dev;
+            CK(cudaMalloc(&b->dev, b->host.size() + 256));
+            CK(cudaMemcpy(b->dev, src, b->host.size(), cudaMemcpyDeviceToDevice));
+          }
+          cs[i].wu.dev = nullptr;
+        }
+        rs[i].setup(cs[i]);
+      }
+      // correctness on rows {0, M-1}
+      std::vector<uint8_t> y_before = cs[0].y.host;
+      FK(rs[0].run(cs[0], s));
+      CK(cudaStreamSynchronize(s));
+      cs[0].y.download();
+      CheckResult cr = check_rows(cs[0], y_before, 0, 1);
+      if (m > 1 && cr.ok) {
+        CheckResult c2 = check_rows(cs[0], y_before, m - 1, 1);
+        if (!c2.ok || c2.worst_units > cr.worst_units) cr = c2;
+      }
+      failures += !cr.ok;
+      // timing: one graph = one call per weight copy
+      cudaGraph_t g;
+      cudaGraphExec_t ge;
+      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+      for (int i = 0; i < copies; ++i) FK(rs[i].run(cs[i], s));
+      CK(cudaStreamEndCapture(s, &g));
+      CK(cudaGraphInstantiate(&ge, g, 0));
+      for (int i = 0; i < 10; ++i) CK(cudaGraphLaunch(ge, s));
+      std::vector<double> t;
+      for (int i = 0; i < reps; ++i) {
+        CK(cudaEventRecord(e0, s));
+        CK(cudaGraphLaunch(ge, s));
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        float msec;
+        CK(cudaEventElapsedTime(&msec, e0, e1));
+        t.push_back(msec * 1e3 / copies);
+      }
+      CK(cudaGetLastError());
+      const double us = median(t);
+      const double bytes = wbytes + 4.0 * double(m * sh.d);
+      const double floor_us = bytes / bw * 1e6;
+      std::printf("%-11s %3lld %9.2f %9.2f %9.0f %6.1f%% %s %.2f units %s\n", sh.name, (long long)m,
+                  us, floor_us, bytes / us * 1e-3, 100 * floor_us / us, cr.ok ? "ok" : "FAIL",
+                  cr.worst_units, cr.detail.c_str());
+      std::fflush(stdout);
+      char row[512];
+      std::snprintf(row, sizeof row,
+                    "%s{\"shape\": \"%s\", \"M\": %lld, \"us\": %.3f, \"floor_us\": %.3f, "
+                    "\"pct_of_floor\": %.2f, \"GBps\": %.1f, \"copies\": %d, \"check_ok\": %s, "
+                    "\"worst_units\": %.3f, \"kernel\": \"%s\"}",
+                    first ? "" : ", ", sh.name, (long long)m, us, floor_us, 100 * floor_us / us,
+                    bytes / us * 1e-3, copies, cr.ok ? "true" : "false", cr.worst_units,
+                    g_kernel ? g_kernel : "auto");
+      out += row;
+      first = false;
+      CK(cudaGraphExecDestroy(ge));
+      CK(cudaGraphDestroy(g));
+      for (int i = 0; i < copies; ++i) {
+        rs[i].release();
+        if (i > 0) {
+          for (Buf* b : {&cs[i].w1, &cs[i].w2, &cs[i].b1, &cs[i].b2}) b->release();
+        }
+      }
+      cs[0].release();
+    }
+  }
+  out += "], \"failures\": " + std::to_string(failures) + "}\n";
+  if (json) {
+    FILE* f = std::fopen(json, "w");
+    if (f) {
+      std::fputs(out.c_str(), f);
+      std::fclose(f);
+    }
+  }
+  std::printf("%s: %d failures\n", failures ? "FAILED" : "PASSED", failures);
+  return failures ? 1 : 0;
+}

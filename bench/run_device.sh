@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One device session: build (CUDA on), GPU test suite, sanitizers, our benchmark, PyTorch peers.
+# Usage on the GPU machine, from the repo root: bash bench/run_device.sh [steps...]
+#   steps: build test sanitize bench peers (default: all). Logs and JSON go to $OUT (or ./out).
+# A git-ignored .device/fmt (headers + libfmt + cmake config) is used when the machine lacks fmt.
+set -uo pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+steps=${*:-build test sanitize bench peers}
+export PATH=/usr/local/cuda/bin:$PATH
+B=${BUILD_DIR:-/tmp/fmlp-build}
+extra=()
+if [ -d .device/fmt ]; then
+  extra+=(-DCMAKE_PREFIX_PATH=$PWD/.device/fmt)
+  export LD_LIBRARY_PATH=$PWD/.device/fmt/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+fi
+has() { [[ " $steps " == *" $1 "* ]]; }
+
+if has build; then
+  cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFMLP_CUDA=ON -DFMLP_BUILD_CLI=OFF \
+    -DFMLP_BUILD_TESTS=ON "-DFMLP_CUDA_GENCODE=-gencode=arch=compute_90a,code=sm_90a" "${extra[@]}" \
+    >"$OUT/build.log" 2>&1 && ninja -C "$B" -j"$(nproc)" >>"$OUT/build.log" 2>&1 ||
+    { tail -40 "$OUT/build.log"; exit 1; }
+  echo "build ok"
+fi
+if has test; then
+  ctest --test-dir "$B" -j8 --output-on-failure -E clang_format >"$OUT/ctest.log" 2>&1
+  echo "ctest rc=$?"; grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/ctest.log" | head -20
+fi
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    timeout 240 compute-sanitizer --tool $tool --print-limit 10 "$B/tests/test_mlp_vs_ref" \
+      --gtest_filter='*Shapes/mlp_decode_sm80_gemv:*Epilogue/mlp_decode_sm80_gemv:*Shapes/mlp_decode_sm90_splitk' \
+      >"$OUT/$tool.log" 2>&1
+    echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/$tool.log" | head -4
+  done
+fi
+if has bench; then
+  "$B/bench/fusedmlp_cuda_bench" --json "$OUT/ours.json" 2>&1 | tee "$OUT/bench.log" | tail -22
+  if [ -n "${SPLITK_TOO:-}" ]; then
+    "$B/bench/fusedmlp_cuda_bench" --skip-matrix --kernel mlp_decode_sm90_splitk --ms 1 \
+      --json "$OUT/ours_splitk.json" 2>&1 | tee "$OUT/bench_splitk.log" | tail -6
+  fi
+fi
+if has peers; then
+  PYTHONUNBUFFERED=1 timeout ${PEERS_TIMEOUT:-420} python3 bench/peers.py --json "$OUT/peers.json" \
+    2>&1 | tee "$OUT/peers.log" | tail -20
+fi
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
+nvcc --version | tail -1 >>"$OUT/gpu.txt"

@@ -1,0 +1,111 @@
+// Pieces shared by the cpu mlp kernels: the argument view they read, the workspace layout, the
+// norm pass and the two epilogues, the static thread partition and the common supports() checks.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "core/mlp_desc.hpp"
+#include "cpu/simd.hpp"
+
+namespace fmlp::detail::cpu {
+
+// A 1-D parameter (bias, gamma, beta) or nothing.
+struct Vec {
+  const char* data = nullptr;
+  fmlp_dtype_t dtype = FMLP_DTYPE_F32;
+  const char* at(int64_t i) const { return data ? data + i * int64_t(elem_size(dtype)) : nullptr; }
+};
+
+// Rows of a matrix with inner stride 1; `ld` in bytes.
+struct Rows {
+  const char* data = nullptr;
+  int64_t ld = 0;
+  const char* row(int64_t r) const { return data + r * ld; }
+};
+
+// Everything the kernels read, with the gate/up forms (stacked or separate) already resolved.
+struct MlpView {
+  int64_t m, k, h, n;
+  fmlp_dtype_t act_dtype, w_dtype;
+  fmlp_activation_t act;
+  fmlp_norm_t norm;
+  float eps;
+  bool gated;
+  Rows x, residual, w_gate, w_up, w2;  // w_gate is w1 when dense; residual.data may be null
+  char* y;
+  int64_t y_ld;
+  Vec b_gate, b_up, b2, gamma, beta;
+};
+MlpView make_view(const fmlp_mlp_args_t& a, const MlpDesc& d);
+
+// Row strides in floats of the normalised x and of the hidden activations: rounded up to 16 so
+// every row starts on a cache line; the padding columns hold zeros.
+inline int64_t padded(int64_t n) {
+  return (n + 15) / 16 * 16;
+}
+
+// Workspace: [xn: m x padded(k)] [h: m x padded(h)] [extra floats], 64-byte aligned inside.
+size_t workspace_floats_bytes(const MlpDesc& d, int64_t extra_floats);
+float* workspace_base(void* ws);
+
+// Writes xn row i (fp32, normalised, zero padded to padded(k)).
+void normalize_row(const MlpView& v, int64_t i, float* xn);
+
+// h[j] = act(g[j] + b_gate[j0+j]) (* (u[j] + b_up[j0+j]) when u is given), j < cnt.
+void hidden_epilogue(const MlpView& v, int64_t j0, int64_t cnt, const float* g, const float* u,
+                     float* h);
+
+// y[i][o0+j] = acc[j] + b2[o0+j] (+ residual[i][o0+j], read before y is written), j < cnt.
+void output_epilogue(const MlpView& v, int64_t i, int64_t o0, int64_t cnt, const float* acc);
+
+// Static split of `units` into chunks of `grain` over `nt` threads: [*begin, *end) for thread t.
+inline void split(int64_t units, int64_t grain, int nt, int t, int64_t* begin, int64_t* end) {
+  const int64_t chunks = (units + grain - 1) / grain;
+  const int64_t c0 = chunks * t / nt, c1 = chunks * (t + 1) / nt;
+  *begin = std::min(units, c0 * grain);
+  *end = std::min(units, c1 * grain);
+}
+
+// Threads for a problem of `macs` multiply-adds: 1 below the fork/join break-even.
+int thread_count(double macs);
+
+bool common_supports(const MlpDesc& d, std::string* why);
+
+// Dot products of 4 weight rows (dtype WT) with MR fp32 rows over k elements: out[r] lane j =
+// w[j] . a[r]. The a rows must be readable and zero up to k rounded to 8; the weight tail is
+// loaded zero-padded, so every output takes the same operations whatever tile it falls in.
+template <fmlp_dtype_t WT, int MR>
+inline void dot_tile(const char* const* w, const float* const* a, int64_t k, __m128* out) {
+  constexpr int64_t es = WT == FMLP_DTYPE_F32 ? 4 : 2;
+  __m256 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= k; c += 8) {
+    __m256 av[MR];
+    for (int r = 0; r < MR; ++r) av[r] = _mm256_loadu_ps(a[r] + c);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 wv = load8<WT>(w[j] + c * es);
+      for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(wv, av[r], acc[r][j]);
+    }
+  }
+  if (c < k) {
+    for (int j = 0; j < 4; ++j) {
+      const __m256 wv = load_partial<WT>(w[j] + c * es, k - c);
+      for (int r = 0; r < MR; ++r)
+        acc[r][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(a[r] + c), acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) out[r] = hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
+// The kernels' entry points (mlp_decode.cpp, mlp_blocked.cpp).
+constexpr int64_t kDecodeMaxM = 16;
+bool decode_supports(const MlpDesc& d, std::string* why);
+size_t decode_workspace(const MlpDesc& d);
+fmlp_status_t decode_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* ws, void* stream);
+bool blocked_supports(const MlpDesc& d, std::string* why);
+size_t blocked_workspace(const MlpDesc& d);
+fmlp_status_t blocked_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* ws, void* stream);
+
+}  // namespace fmlp::detail::cpu

@@ -1,0 +1,120 @@
+// mlp_cpu_avx2_decode: the small-M kernel. At small M the op is a stream over the weights, so
+// each weight matrix is read from memory exactly once for all M rows together: every thread owns
+// a contiguous slice of weight rows (hidden units for W1/gate/up, outputs for W2), dots each
+// 4-row group with all M rows while it is in L1, and keeps the fp32 hidden activations in the
+// workspace between the two passes.
+#include <fmt/format.h>
+#include <omp.h>
+
+#include <algorithm>
+
+#include "cpu/mlp_common.hpp"
+
+namespace fmlp::detail::cpu {
+namespace {
+
+// out[r * ldo + (j - j0)] = w.row(j) . a[r] for j in [j0, j1), r < m.
+template <fmlp_dtype_t WT>
+void gemv_rows(const Rows& w, int64_t j0, int64_t j1, const float* a, int64_t lda, int64_t m,
+               int64_t k, float* out, int64_t ldo) {
+  for (int64_t j = j0; j < j1; j += 4) {
+    const int64_t nj = std::min<int64_t>(4, j1 - j);
+    const char* wr[4];
+    for (int64_t q = 0; q < 4; ++q) wr[q] = w.row(j + std::min(q, nj - 1));
+    float* o = out + (j - j0);
+    const auto emit = [&](int64_t r, __m128 s) {
+      if (nj == 4) {
+        _mm_storeu_ps(o + r * ldo, s);
+      } else {
+        alignas(16) float tmp[4];
+        _mm_store_ps(tmp, s);
+        std::copy(tmp, tmp + nj, o + r * ldo);
+      }
+    };
+    int64_t r = 0;
+    for (; r + 3 <= m; r += 3) {
+      const float* ar[3] = {a + r * lda, a + (r + 1) * lda, a + (r + 2) * lda};
+      __m128 s[3];
+      dot_tile<WT, 3>(wr, ar, k, s);
+      for (int q = 0; q < 3; ++q) emit(r + q, s[q]);
+    }
+    if (m - r == 2) {
+      const float* ar[2] = {a + r * lda, a + (r + 1) * lda};
+      __m128 s[2];
+      dot_tile<WT, 2>(wr, ar, k, s);
+      emit(r, s[0]);
+      emit(r + 1, s[1]);
+    } else if (m - r == 1) {
+      const float* ar[1] = {a + r * lda};
+      __m128 s[1];
+      dot_tile<WT, 1>(wr, ar, k, s);
+      emit(r, s[0]);
+    }
+  }
+}
+
+template <fmlp_dtype_t WT>
+void decode_impl(const MlpView& v, float* base) {
+  const int64_t m = v.m, kp = padded(v.k), hp = padded(v.h);
+  float* xn = base;
+  float* hid = xn + m * kp;
+  float* up = hid + m * hp;  // gated only
+  const double macs = double(m) * double(v.h * v.k * (v.gated ? 2 : 1) + v.n * v.h);
+#pragma omp parallel num_threads(thread_count(macs))
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t b, e;
+    split(m, 1, nt, t, &b, &e);
+    for (int64_t i = b; i < e; ++i) normalize_row(v, i, xn + i * kp);
+#pragma omp barrier
+    // 16 units per chunk keeps each thread's hidden columns on their own cache lines.
+    split(v.h, 16, nt, t, &b, &e);
+    if (b < e) {
+      gemv_rows<WT>(v.w_gate, b, e, xn, kp, m, v.k, hid + b, hp);
+      if (v.gated) gemv_rows<WT>(v.w_up, b, e, xn, kp, m, v.k, up + b, hp);
+      for (int64_t i = 0; i < m; ++i)
+        hidden_epilogue(v, b, e - b, hid + i * hp + b, v.gated ? up + i * hp + b : nullptr,
+                        hid + i * hp + b);
+    }
+    if (t == nt - 1)  // the W2 pass reads whole 8-lane groups: the padding must be 0
+      for (int64_t i = 0; i < m; ++i) std::fill(hid + i * hp + v.h, hid + (i + 1) * hp, 0.f);
+#pragma omp barrier
+    // 32 outputs per chunk: a whole cache line of y per thread even for fp16/bf16.
+    split(v.n, 32, nt, t, &b, &e);
+    constexpr int64_t kBlock = 64;
+    alignas(32) float acc[kDecodeMaxM * kBlock];
+    for (int64_t o = b; o < e; o += kBlock) {
+      const int64_t cnt = std::min(kBlock, e - o);
+      gemv_rows<WT>(v.w2, o, o + cnt, hid, hp, m, v.h, acc, kBlock);
+      for (int64_t i = 0; i < m; ++i) output_epilogue(v, i, o, cnt, acc + i * kBlock);
+    }
+  }
+}
+
+}  // namespace
+
+bool decode_supports(const MlpDesc& d, std::string* why) {
+  if (!common_supports(d, why)) return false;
+  if (d.m > kDecodeMaxM) {
+    *why = fmt::format("M={} > {}; the blocked kernel is faster", d.m, kDecodeMaxM);
+    return false;
+  }
+  return true;
+}
+
+size_t decode_workspace(const MlpDesc& d) {
+  return workspace_floats_bytes(d, d.gated ? d.m * padded(d.hidden) : 0);
+}
+
+fmlp_status_t decode_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* ws, void*) {
+  const MlpView v = make_view(a, d);
+  float* base = workspace_base(ws);
+  switch (d.w_dtype) {
+    case FMLP_DTYPE_F16: decode_impl<FMLP_DTYPE_F16>(v, base); break;
+    case FMLP_DTYPE_BF16: decode_impl<FMLP_DTYPE_BF16>(v, base); break;
+    default: decode_impl<FMLP_DTYPE_F32>(v, base); break;
+  }
+  return FMLP_SUCCESS;
+}
+
+}  // namespace fmlp::detail::cpu

@@ -1,0 +1,106 @@
+// The cuda backend's entry in the op table, and whether it can run on this machine.
+#include <cuda_runtime.h>
+
+#include <array>
+#include <atomic>
+
+#include "core/error.hpp"
+#include "core/mlp_desc.hpp"
+#include "cuda/mlp_decode.cuh"
+
+namespace fmlp::detail {
+namespace {
+
+constexpr int kMaxDevices = 64;
+
+// Compute capability major * 10 + minor, cached; 0 when unreadable.
+int compute_capability(int device) {
+  static std::array<std::atomic<int>, kMaxDevices> cache{};
+  if (device < 0 || device >= kMaxDevices) return 0;
+  int v = cache[size_t(device)].load(std::memory_order_relaxed);
+  if (v != 0) return v;
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  v = major * 10 + minor;
+  cache[size_t(device)].store(v, std::memory_order_relaxed);
+  return v;
+}
+
+// Both decode kernels need bf16 tensor cores / cp.async-era hardware: compute capability 8.0+.
+bool device_supported(const MlpDesc& d, std::string* why) {
+  if (d.device == FMLP_DEVICE_CUDA) {
+    const int cc = compute_capability(d.device_id);
+    if (cc < 80) {
+      *why = cc == 0 ? fmt::format("cannot query cuda:{}", d.device_id)
+                     : fmt::format(
+                           "cuda:{} has compute capability {}.{}; the kernel needs bf16 "
+                           "tensor cores (8.0 or newer); use backend cpu",
+                           d.device_id, cc / 10, cc % 10);
+      return false;
+    }
+  }
+  return true;
+}
+
+bool splitk_supports(const MlpDesc& d, std::string* why) {
+  return device_supported(d, why) && mlp_decode_sm90_splitk_supports(d, why);
+}
+
+bool gemv_supports(const MlpDesc& d, std::string* why) {
+  return device_supported(d, why) && mlp_decode_sm80_gemv_supports(d, why);
+}
+
+// Preference order: the CUDA-core stream kernel for M <= 4, then the tensor-core kernel.
+const MlpKernel kCudaKernels[] = {
+    {"mlp_decode_sm80_gemv", FMLP_BACKEND_CUDA, gemv_supports, mlp_decode_sm80_gemv_workspace,
+     mlp_decode_sm80_gemv_run},
+    {"mlp_decode_sm90_splitk", FMLP_BACKEND_CUDA, splitk_supports, mlp_decode_sm90_splitk_workspace,
+     mlp_decode_sm90_splitk_run},
+};
+
+std::string probe_devices() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return fmt::format("no CUDA device found (cudaGetDeviceCount: {}); use backend cpu",
+                       cudaGetErrorString(err));
+  }
+  if (count == 0) return "no CUDA device found (cudaGetDeviceCount: 0 devices); use backend cpu";
+  for (int i = 0; i < count; ++i)
+    if (compute_capability(i) >= 80) return {};
+  return fmt::format(
+      "none of the {} CUDA devices has compute capability 8.0 or newer (cuda:0 has "
+      "{}.{}); use backend cpu",
+      count, compute_capability(0) / 10, compute_capability(0) % 10);
+}
+
+}  // namespace
+
+int cuda_sm_count(int device) {
+  static std::array<std::atomic<int>, kMaxDevices> cache{};
+  if (device < 0 || device >= kMaxDevices) return 0;
+  int v = cache[size_t(device)].load(std::memory_order_relaxed);
+  if (v != 0) return v;
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  cache[size_t(device)].store(v, std::memory_order_relaxed);
+  return v;
+}
+
+MlpKernelList cuda_mlp_kernels() {
+  return {kCudaKernels, sizeof(kCudaKernels) / sizeof(kCudaKernels[0])};
+}
+
+std::string cuda_unavailable_reason() {
+  static const std::string reason = probe_devices();
+  return reason;
+}
+
+}  // namespace fmlp::detail

@@ -1,0 +1,82 @@
+// Device helpers shared by the CUDA kernels: dtype loads/stores, the bf16 hi/lo split that lets
+// bf16 tensor cores reach fp32-like accuracy, mma.sync wrappers and the activations (same NaN/Inf
+// semantics as src/ref/activation.hpp: the formulas are written the same way, without clamps).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "fusedmlp/fusedmlp.h"
+
+namespace fmlp::cuda {
+
+__device__ __forceinline__ float load_scalar(const void* p, fmlp_dtype_t t, int64_t i) {
+  switch (t) {
+    case FMLP_DTYPE_F32: return static_cast<const float*>(p)[i];
+    case FMLP_DTYPE_F16: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  }
+}
+
+__device__ __forceinline__ void store_scalar(void* p, fmlp_dtype_t t, int64_t i, float v) {
+  switch (t) {
+    case FMLP_DTYPE_F32: static_cast<float*>(p)[i] = v; break;
+    case FMLP_DTYPE_F16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
+    default: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
+  }
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo_k, float hi_k) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo_k, hi_k);  // .x = lo_k at the lower address
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// v ~= hi + lo with both bf16: 16 significant bits, enough for fp32-grade results (1e-5).
+__device__ __forceinline__ void split_bf16(float v, __nv_bfloat16* hi, __nv_bfloat16* lo) {
+  *hi = __float2bfloat16_rn(v);
+  *lo = __float2bfloat16_rn(v - __bfloat162float(*hi));
+}
+
+// Streaming 16-byte weight load: read once per call, so keep it out of L1.
+__device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+// C[16x8] += A[16x16] * B[16x8], bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void red_add_f32(float* p, float v) {
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_add_v2_f32(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+  red_add_f32(p, a);
+  red_add_f32(p + 1, b);
+#endif
+}
+
+__device__ __forceinline__ float activate(fmlp_activation_t act, float x) {
+  switch (act) {
+    case FMLP_ACT_RELU: return x > 0.f ? x : (isnan(x) ? x : 0.f);
+    case FMLP_ACT_GELU: return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
+    case FMLP_ACT_GELU_TANH:
+      return 0.5f * x * (1.f + tanhf(0.79788456080286535588f * (x + 0.044715f * x * x * x)));
+    default: return x / (1.f + expf(-x));
+  }
+}
+
+}  // namespace fmlp::cuda

@@ -1,0 +1,413 @@
+// mlp_decode_sm80_gemv: the whole MLP of one token in one launch, on the CUDA cores.
+//
+// At M = 1 the MLP is a pure weight stream: every weight is used for one FMA, so the kernel is
+// built for bytes in flight, not for arithmetic. Two blocks of 256 threads per multiprocessor each
+// own a contiguous slice of the hidden dimension (whole tiles of 8 units, dealt evenly, so every
+// block streams the same number of bytes to within one tile):
+//   1. each block normalises the M rows of x into shared memory (fp32; x is small and L2-resident),
+//   2. phase 1: each warp takes hidden units of the slice in turn and streams the unit's W1 row
+//      (gated: gate and up rows) with 16-byte non-allocating loads, 8 per row in flight per lane,
+//      reduces across the warp and writes act(.) [* up] to shared memory: the hidden activations
+//      never touch global memory,
+//   3. phase 2: the block multiplies its hidden slice by the matching 16-byte-aligned columns of W2
+//      (nn.Linear layout, so each W2 row holds the slice contiguously), lanes grouped per row, and
+//      adds the partial outputs into an fp32 workspace with red.global.add,
+//   4. the last block to finish (a counter in the workspace) adds b2 and the residual, writes y,
+//      and re-zeroes the accumulators and the counter, so the next call (or graph replay) needs
+//      no memset.
+// Deterministic mode goes to the splitk kernel, which reduces in a fixed order.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+#include "core/tensor_check.hpp"
+#include "cuda/common.cuh"
+#include "cuda/mlp_decode.cuh"
+
+namespace fmlp::detail {
+namespace {
+
+using fmlp::cuda::activate;
+using fmlp::cuda::ld_stream_v4;
+using fmlp::cuda::load_scalar;
+using fmlp::cuda::store_scalar;
+
+// Two blocks per multiprocessor: while one waits at a barrier (phase change, finalisation) the
+// other keeps its weight stream going.
+constexpr int kThreads = 256;
+constexpr int kBlocksPerSm = 2;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxTokens = 1;  // beyond one token the tensor-core kernel is faster (measured)
+constexpr int kTile = 8;        // hidden units per tile: one 16-byte chunk of a W2 row
+constexpr int kRowLoads = 8;    // 16-byte loads in flight per lane per W1 row (x2 when gated)
+constexpr int kPhase2Unroll = 16;  // W2 rows in flight per lane
+
+struct GemvParams {
+  const void* x;
+  void* y;
+  const void* res;
+  int64_t x_ld, y_ld, res_ld;
+  const void* wg;  // dense: W1; gated: gate rows
+  const void* wu;  // gated: up rows
+  const void* w2;
+  int64_t wg_ld, wu_ld, w2_ld;
+  const void *bg, *bu, *b2, *gamma, *beta;
+  fmlp_dtype_t act_t, bg_t, bu_t, b2_t, gamma_t, beta_t;
+  fmlp_activation_t act;
+  fmlp_norm_t norm;
+  float eps;
+  int m, k, h, n;
+  float* acc;         // [m, n] fp32 accumulators, zero between calls
+  unsigned* counter;  // blocks done, zero between calls
+};
+
+template <typename WT>
+__device__ __forceinline__ void widen8(const uint4& v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<WT, __half>) {
+      const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    } else {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over the block; every thread gets the result. `scratch` holds kWarps floats.
+__device__ float block_sum(float v, float* scratch) {
+  v = warp_sum(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = lane < kWarps ? scratch[lane] : 0.f;
+  return warp_sum(t);
+}
+
+__device__ __forceinline__ float opt(const void* p, fmlp_dtype_t t, int64_t i, float absent) {
+  return p ? load_scalar(p, t, i) : absent;
+}
+
+// Stage the M rows of x in shared memory as fp32, normalised when asked.
+template <int M>
+__device__ void stage_tokens(const GemvParams& p, float* xs, float* scratch) {
+  for (int m = 0; m < M; ++m) {
+    const char* row = static_cast<const char*>(p.x) +
+                      m * p.x_ld * int64_t(p.act_t == FMLP_DTYPE_F32 ? 4 : 2);
+    float* xr = xs + m * p.k;
+    for (int c = threadIdx.x; c < p.k; c += kThreads) xr[c] = load_scalar(row, p.act_t, c);
+    if (p.norm == FMLP_NORM_NONE) continue;
+    __syncthreads();
+    float s = 0.f;
+    if (p.norm == FMLP_NORM_LAYERNORM)
+      for (int c = threadIdx.x; c < p.k; c += kThreads) s += xr[c];
+    const float mean = p.norm == FMLP_NORM_LAYERNORM ? block_sum(s, scratch) / float(p.k) : 0.f;
+    float q = 0.f;
+    for (int c = threadIdx.x; c < p.k; c += kThreads) q += (xr[c] - mean) * (xr[c] - mean);
+    const float inv = rsqrtf(block_sum(q, scratch) / float(p.k) + p.eps);
+    for (int c = threadIdx.x; c < p.k; c += kThreads)
+      xr[c] = (xr[c] - mean) * inv * opt(p.gamma, p.gamma_t, c, 1.f) +
+              opt(p.beta, p.beta_t, c, 0.f);
+  }
+  __syncthreads();
+}
+
+// dot(W row, x_m) for all M tokens, for one row (dense) or the gate and up rows together (gated,
+// so both rows' loads are in flight at once); per-lane sums, not yet reduced over the warp.
+template <int M, typename WT, bool GATED>
+__device__ __forceinline__ void row_dot(const WT* g_row, const WT* u_row, const float* xs, int k,
+                                        float (&g)[M], float (&u)[M]) {
+  const int lane = threadIdx.x % 32;
+  for (int base = lane * 8; base < k; base += 32 * 8 * kRowLoads) {
+    uint4 vg[kRowLoads], vu[kRowLoads];
+#pragma unroll
+    for (int i = 0; i < kRowLoads; ++i) {
+      const int c = base + i * 256;
+      if (c < k) {
+        vg[i] = ld_stream_v4(g_row + c);
+        if constexpr (GATED) vu[i] = ld_stream_v4(u_row + c);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kRowLoads; ++i) {
+      const int c = base + i * 256;
+      if (c >= k) break;
+      float wg[8], wu[8];
+      widen8<WT>(vg[i], wg);
+      if constexpr (GATED) widen8<WT>(vu[i], wu);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float4 a = *reinterpret_cast<const float4*>(xs + m * k + c);
+        const float4 b = *reinterpret_cast<const float4*>(xs + m * k + c + 4);
+        const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          g[m] = fmaf(wg[e], xv[e], g[m]);
+          if constexpr (GATED) u[m] = fmaf(wu[e], xv[e], u[m]);
+        }
+      }
+    }
+  }
+}
+
+template <int M, typename WT, bool GATED>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) mlp_decode_sm80_gemv(const GemvParams p) {
+  extern __shared__ float smem[];
+  __shared__ float scratch[kWarps];
+  __shared__ unsigned is_last;
+  float* xs = smem;          // [M, k]
+  float* hs = xs + M * p.k;  // [M, slice]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int tiles = p.h / kTile;
+  const int t0 = int(int64_t(tiles) * blockIdx.x / gridDim.x);
+  const int t1 = int(int64_t(tiles) * (blockIdx.x + 1) / gridDim.x);
+  const int h0 = t0 * kTile, slice = (t1 - t0) * kTile;
+
+  stage_tokens<M>(p, xs, scratch);
+
+  // Phase 1: hidden slice -> shared memory.
+  for (int j = warp; j < slice; j += kWarps) {
+    float g[M] = {}, u[M] = {};
+    row_dot<M, WT, GATED>(static_cast<const WT*>(p.wg) + (h0 + j) * p.wg_ld,
+                          GATED ? static_cast<const WT*>(p.wu) + (h0 + j) * p.wu_ld : nullptr, xs,
+                          p.k, g, u);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float gs = warp_sum(g[m]);
+      float v = activate(p.act, gs + opt(p.bg, p.bg_t, h0 + j, 0.f));
+      if constexpr (GATED) v *= warp_sum(u[m]) + opt(p.bu, p.bu_t, h0 + j, 0.f);
+      if (lane == 0) hs[m * slice + j] = v;
+    }
+  }
+
+  // Phase 2: lanes form groups of G (a power of two >= the slice's tile count); a group takes one
+  // W2 row, each lane a 16-byte chunk of the block's columns. The first batch of W2 loads does not
+  // depend on h, so it is issued before the barrier that publishes h.
+  const int nt = t1 - t0;
+  int G = 1;
+  while (G < nt && G < 32) G <<= 1;
+  const int groups = kThreads / G, group = threadIdx.x / G, gl = threadIdx.x % G;
+  const WT* w2 = static_cast<const WT*>(p.w2) + h0;
+  uint4 v[kPhase2Unroll];
+  auto load_batch = [&](int o0, int t) {
+#pragma unroll
+    for (int r = 0; r < kPhase2Unroll; ++r) {
+      const int o = o0 + r * groups;
+      if (o < p.n && t < nt) v[r] = ld_stream_v4(w2 + o * p.w2_ld + t * kTile);
+    }
+  };
+  load_batch(group, gl);
+  __syncthreads();
+  bool preloaded = true;
+  for (int o0 = group; o0 < p.n; o0 += groups * kPhase2Unroll) {
+    float part[kPhase2Unroll][M] = {};
+    for (int tb = 0; tb < nt; tb += G) {
+      const int t = tb + gl;
+      if (!preloaded) load_batch(o0, t);
+      preloaded = false;
+#pragma unroll
+      for (int r = 0; r < kPhase2Unroll; ++r) {
+        if (o0 + r * groups >= p.n || t >= nt) continue;
+        float w[8];
+        widen8<WT>(v[r], w);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const float4 a = *reinterpret_cast<const float4*>(hs + m * slice + t * kTile);
+          const float4 b = *reinterpret_cast<const float4*>(hs + m * slice + t * kTile + 4);
+          part[r][m] += w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x +
+                        w[5] * b.y + w[6] * b.z + w[7] * b.w;
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kPhase2Unroll; ++r) {
+      const int o = o0 + r * groups;
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float s = part[r][m];
+        for (int off = G / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        if (gl == 0 && o < p.n) atomicAdd(p.acc + m * p.n + o, s);
+      }
+    }
+  }
+
+  // The block that finishes last adds b2 and the residual, writes y and re-zeroes the workspace.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const size_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
+  for (int i = threadIdx.x; i < M * p.n; i += kThreads) {
+    const int m = i / p.n, o = i % p.n;
+    float r = __ldcg(p.acc + i) + opt(p.b2, p.b2_t, o, 0.f);
+    p.acc[i] = 0.f;
+    if (p.res) r += load_scalar(static_cast<const char*>(p.res) + m * p.res_ld * es, p.act_t, o);
+    store_scalar(static_cast<char*>(p.y) + m * p.y_ld * es, p.act_t, o, r);
+  }
+  if (threadIdx.x == 0) *p.counter = 0;
+}
+
+size_t smem_bytes(const MlpDesc& d, int blocks) {
+  const int64_t tiles = d.hidden / kTile;
+  const int64_t slice = (tiles + blocks - 1) / blocks * kTile;
+  return size_t(d.m * (d.d_in + slice)) * sizeof(float);
+}
+
+int blocks_for(const MlpDesc& d) {
+  const int64_t tiles = d.hidden / kTile;
+  return int(std::max<int64_t>(1, std::min<int64_t>(tiles, kBlocksPerSm * int64_t(cuda_sm_count(d.device_id)))));
+}
+
+int max_dynamic_smem(int device) {
+  int v = 0;
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 48 * 1024;
+  }
+  return v - 1024;  // static shared memory of the kernel
+}
+
+template <int M, typename WT, bool GATED>
+fmlp_status_t launch(const GemvParams& p, int blocks, size_t smem, cudaStream_t stream) {
+  auto* kernel = &mlp_decode_sm80_gemv<M, WT, GATED>;
+  if (smem > 48 * 1024) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (e != cudaSuccess)
+      return fail(FMLP_ERROR_CUDA, "mlp_decode_sm80_gemv: cannot raise shared memory to {} bytes: {}",
+                  smem, cudaGetErrorString(e));
+  }
+  kernel<<<blocks, kThreads, smem, stream>>>(p);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return fail(FMLP_ERROR_CUDA, "mlp_decode_sm80_gemv launch failed: {}", cudaGetErrorString(e));
+  return FMLP_SUCCESS;
+}
+
+template <typename WT>
+fmlp_status_t dispatch(const GemvParams& p, const MlpDesc& d, int blocks, size_t smem,
+                       cudaStream_t s) {
+  return d.gated ? launch<1, WT, true>(p, blocks, smem, s) : launch<1, WT, false>(p, blocks, smem, s);
+}
+
+size_t align_up(size_t n) { return (n + 255) / 256 * 256; }
+
+}  // namespace
+
+bool mlp_decode_sm80_gemv_supports(const MlpDesc& d, std::string* why) {
+  if (d.device != FMLP_DEVICE_CUDA) return (*why = "needs CUDA device memory", false);
+  if (d.deterministic)
+    return (*why = "deterministic mode: the splitk kernel reduces in a fixed order", false);
+  if (d.m > kMaxTokens)
+    return (*why = fmt::format("M={} > {}; the tensor-core decode kernel takes larger M", d.m,
+                               kMaxTokens),
+            false);
+  if (d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16)
+    return (*why = fmt::format("{} weights: this kernel streams bf16/fp16 only",
+                               fmlp_dtype_name(d.w_dtype)),
+            false);
+  if (d.d_in % 8 != 0 || d.hidden % 8 != 0)
+    return (*why = fmt::format("d_in {} and hidden {} must be multiples of 8 for 16-byte loads; "
+                               "the splitk kernel handles other sizes",
+                               d.d_in, d.hidden),
+            false);
+  if (!d.weights_vec16)
+    return (*why = "a weight matrix is not 16-byte aligned (base or row stride); pack the weights "
+                   "with fmlp_mlp_pack",
+            false);
+  if (d.d_in > (int64_t(1) << 30) || d.hidden > (int64_t(1) << 30) || d.d_out > (int64_t(1) << 30))
+    return (*why = "sizes above 2^30 need 64-bit indexing", false);
+  const size_t smem = smem_bytes(d, blocks_for(d));
+  if (smem > size_t(max_dynamic_smem(d.device_id)))
+    return (*why = fmt::format("M x d_in = {} x {} tokens need {} bytes of shared memory, more "
+                               "than the device has",
+                               d.m, d.d_in, smem),
+            false);
+  return true;
+}
+
+size_t mlp_decode_sm80_gemv_workspace(const MlpDesc& d) {
+  return align_up(size_t(d.m) * size_t(d.d_out) * 4) + align_up(4);
+}
+
+fmlp_status_t mlp_decode_sm80_gemv_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* ws,
+                                       void* stream) {
+  const fmlp_mlp_weights_t& w = a.weights;
+  GemvParams p{};
+  p.x = a.x.data;
+  p.y = a.y.data;
+  p.res = d.has_residual ? a.residual.data : nullptr;
+  p.x_ld = a.x.stride[0];
+  p.y_ld = a.y.stride[0];
+  p.res_ld = d.has_residual ? a.residual.stride[0] : 0;
+  p.wg = w.w1.data;
+  p.wg_ld = w.w1.stride[0];
+  if (d.gated && d.stacked_gate_up) {
+    p.wu = static_cast<const char*>(w.w1.data) + d.hidden * w.w1.stride[0] * 2;
+    p.wu_ld = w.w1.stride[0];
+  } else if (d.gated) {
+    p.wu = w.w_up.data;
+    p.wu_ld = w.w_up.stride[0];
+  }
+  p.w2 = w.w2.data;
+  p.w2_ld = w.w2.stride[0];
+  p.bg = d.has_b1 ? w.b1.data : nullptr;
+  p.bg_t = w.b1.dtype;
+  if (d.gated && d.stacked_gate_up && d.has_b1) {
+    p.bu = static_cast<const char*>(w.b1.data) + d.hidden * int64_t(dtype_size(w.b1.dtype));
+    p.bu_t = w.b1.dtype;
+  } else if (d.has_b_up) {
+    p.bu = w.b_up.data;
+    p.bu_t = w.b_up.dtype;
+  }
+  p.b2 = d.has_b2 ? w.b2.data : nullptr;
+  p.b2_t = w.b2.dtype;
+  p.gamma = d.has_norm_weight ? w.norm_weight.data : nullptr;
+  p.gamma_t = w.norm_weight.dtype;
+  p.beta = d.has_norm_bias ? w.norm_bias.data : nullptr;
+  p.beta_t = w.norm_bias.dtype;
+  p.act_t = d.act_dtype;
+  p.act = d.activation;
+  p.norm = d.norm;
+  p.eps = d.norm_eps;
+  p.m = int(d.m);
+  p.k = int(d.d_in);
+  p.h = int(d.hidden);
+  p.n = int(d.d_out);
+  char* base = static_cast<char*>(ws);
+  p.acc = reinterpret_cast<float*>(base);
+  base += align_up(size_t(d.m) * size_t(d.d_out) * 4);
+  p.counter = reinterpret_cast<unsigned*>(base);
+
+  // Launch on the tensors' device, leaving the caller's current device as it was.
+  int current = -1;
+  cudaGetDevice(&current);
+  if (current != d.device_id && cudaSetDevice(d.device_id) != cudaSuccess) {
+    const cudaError_t e = cudaGetLastError();
+    return fail(FMLP_ERROR_CUDA, "cudaSetDevice({}) failed: {}", d.device_id, cudaGetErrorString(e));
+  }
+  const int blocks = blocks_for(d);
+  const size_t smem = smem_bytes(d, blocks);
+  auto s = static_cast<cudaStream_t>(stream);
+  const fmlp_status_t status = d.w_dtype == FMLP_DTYPE_F16
+                                   ? dispatch<__half>(p, d, blocks, smem, s)
+                                   : dispatch<__nv_bfloat16>(p, d, blocks, smem, s);
+  if (current >= 0 && current != d.device_id) cudaSetDevice(current);
+  return status;
+}
+
+}  // namespace fmlp::detail

@@ -1,0 +1,422 @@
+// Every op-table entry against the double reference over a grid of cases (see tolerance.hpp for the
+// accuracy rule). New kernels are picked up automatically: the suite is instantiated once per
+// entry of fmlp_mlp_kernel_name(). Full cross products cover the important axes section by
+// section; the remaining axes of each case are drawn from a seeded generator, so every run covers
+// fresh combinations and a failure is reproduced with FMLP_TEST_SEED.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "mlp_case.hpp"
+#include "tolerance.hpp"
+
+namespace fmlp_test {
+namespace {
+
+enum class Section {
+  kShapes,
+  kDtypes,
+  kEpilogue,
+  kLayout,
+  kNonFinite,
+  kDOut,
+  kRealistic,
+  kRandom,
+  kVectorFriendly
+};
+constexpr Section kAllSections[] = {Section::kShapes,    Section::kDtypes,    Section::kEpilogue,
+                                    Section::kLayout,    Section::kNonFinite, Section::kDOut,
+                                    Section::kRealistic, Section::kRandom,
+                                    Section::kVectorFriendly};
+constexpr int64_t kMaxMacs = 4'000'000;  // per sampled case; keeps the suite within its budget
+
+const char* section_name(Section s) {
+  const char* names[] = {"Shapes", "Dtypes",    "Epilogue", "Layout",        "NonFinite",
+                         "DOut",   "Realistic", "Random",   "VectorFriendly"};
+  return names[int(s)];
+}
+
+const fmlp_activation_t kActs[] = {FMLP_ACT_RELU, FMLP_ACT_GELU, FMLP_ACT_GELU_TANH, FMLP_ACT_SILU};
+const Gate kGates[] = {Gate::kDense, Gate::kStacked, Gate::kSeparate};
+const fmlp_dtype_t kActDtypes[] = {FMLP_DTYPE_F32, FMLP_DTYPE_F16, FMLP_DTYPE_BF16};
+const Residual kResiduals[] = {Residual::kNone, Residual::kSeparate, Residual::kInPlace};
+
+// The cases of one section. Deterministic for a given test seed.
+std::vector<MlpCase> section_cases(Section s) {
+  Rng rng(mix_seed(test_seed(), uint64_t(s) + 1));
+  std::vector<MlpCase> v;
+  auto add = [&](MlpCase c) {
+    normalize(&c);
+    v.push_back(c);
+  };
+  const int64_t sizes[] = {1, 7, 64, 127, 769};
+  switch (s) {
+    case Section::kShapes:  // d_in x hidden x M, d_out = d_in
+      for (int64_t k : sizes)
+        for (int64_t h : sizes)
+          for (int64_t m : {1, 3, 16, 100}) {
+            MlpCase c = random_case(rng, kMaxMacs);
+            c.d_in = c.d_out = k;
+            c.hidden = h;
+            c.m = m;
+            add(c);
+          }
+      break;
+    case Section::kVectorFriendly:  // what 16-byte streaming kernels take: sizes % 8 == 0,
+                                    // aligned bf16/fp16 weights, few tokens; epilogues at random
+      for (int64_t m : {1, 2, 3, 4})
+        for (Gate g : kGates)
+          for (fmlp_activation_t a : kActs) {
+            MlpCase c = random_case(rng, kMaxMacs);
+            const int64_t vsizes[] = {8, 64, 136, 776};
+            c.d_in = vsizes[rng() % 4];
+            c.hidden = vsizes[rng() % 4];
+            c.d_out = rng() % 4 == 0 ? vsizes[rng() % 4] : c.d_in;
+            c.m = m;
+            c.gate = g;
+            c.act = a;
+            c.w_dtype = rng() % 2 ? FMLP_DTYPE_BF16 : FMLP_DTYPE_F16;
+            c.misaligned = c.strided = false;
+            add(c);
+          }
+      break;
+    case Section::kDtypes:  // activation dtype x weight dtype x gate x activation
+      for (fmlp_dtype_t x : kActDtypes)
+        for (fmlp_dtype_t w : {FMLP_DTYPE_F32, FMLP_DTYPE_F16, FMLP_DTYPE_BF16, FMLP_DTYPE_F8_E4M3})
+          for (Gate g : kGates)
+            for (fmlp_activation_t a : kActs) {
+              MlpCase c = random_case(rng, 300'000);
+              c.x_dtype = x;
+              c.w_dtype = w;
+              c.gate = g;
+              c.act = a;
+              add(c);
+            }
+      break;
+    case Section::kEpilogue:  // biases x residual x norm
+      for (int bias = 0; bias < 4; ++bias)
+        for (Residual r : kResiduals)
+          for (int norm = 0; norm < 6; ++norm) {
+            MlpCase c = random_case(rng, 1'000'000);
+            const bool b1 = bias & 1, b2 = bias & 2;
+            c.b1 = b1 ? kActDtypes[rng() % 3] : kAbsent;
+            c.b_up = b1 ? kActDtypes[rng() % 3] : kAbsent;
+            c.b2 = b2 ? kActDtypes[rng() % 3] : kAbsent;
+            c.residual = r;
+            c.norm = norm == 0   ? FMLP_NORM_NONE
+                     : norm <= 3 ? FMLP_NORM_LAYERNORM
+                                 : FMLP_NORM_RMSNORM;
+            c.gamma = (norm == 2 || norm == 3 || norm == 5) ? kActDtypes[rng() % 3] : kAbsent;
+            c.beta = norm == 3 ? kActDtypes[rng() % 3] : kAbsent;
+            add(c);
+          }
+      break;
+    case Section::kLayout:  // misaligned x strided x residual x activation dtype
+      for (bool mis : {false, true})
+        for (bool str : {false, true})
+          for (Residual r : kResiduals)
+            for (fmlp_dtype_t x : kActDtypes) {
+              MlpCase c = random_case(rng, 1'000'000);
+              c.misaligned = mis;
+              c.strided = str;
+              c.residual = r;
+              c.x_dtype = x;
+              add(c);
+            }
+      break;
+    case Section::kNonFinite:  // NaN row + Inf row, every activation x norm x gate
+      for (fmlp_activation_t a : kActs)
+        for (fmlp_norm_t n : {FMLP_NORM_NONE, FMLP_NORM_LAYERNORM, FMLP_NORM_RMSNORM})
+          for (Gate g : kGates) {
+            MlpCase c = random_case(rng, 1'000'000);
+            c.act = a;
+            c.norm = n;
+            c.gate = g;
+            c.m = std::max<int64_t>(c.m, 3);
+            c.nonfinite = true;
+            add(c);
+          }
+      break;
+    case Section::kDOut:  // d_out != d_in, no residual
+      for (auto [k, n] :
+           {std::pair<int64_t, int64_t>{64, 1}, {64, 7}, {7, 130}, {769, 64}, {1, 127}, {127, 769}})
+        for (Gate g : {Gate::kDense, Gate::kStacked}) {
+          MlpCase c = random_case(rng, 1'000'000);
+          c.d_in = k;
+          c.d_out = n;
+          c.gate = g;
+          c.residual = Residual::kNone;
+          add(c);
+        }
+      break;
+    case Section::kRealistic:  // a GPT-2-sized block at decode and small-prefill M
+      for (int64_t m : {1, 5})
+        for (int variant = 0; variant < 4; ++variant) {
+          MlpCase c;
+          c.m = m;
+          c.d_in = c.d_out = 768;
+          c.hidden = 3072;
+          c.data_seed = rng();
+          if (variant == 0) {
+            c.act = FMLP_ACT_GELU;
+            c.b1 = c.b2 = FMLP_DTYPE_F32;
+          } else if (variant == 1) {
+            c.act = FMLP_ACT_SILU;
+            c.gate = Gate::kStacked;
+            c.x_dtype = c.w_dtype = FMLP_DTYPE_BF16;
+            c.norm = FMLP_NORM_RMSNORM;
+            c.gamma = FMLP_DTYPE_BF16;
+            c.residual = Residual::kInPlace;
+          } else if (variant == 2) {
+            c.act = FMLP_ACT_GELU_TANH;
+            c.gate = Gate::kSeparate;
+            c.x_dtype = c.w_dtype = FMLP_DTYPE_F16;
+            c.b1 = c.b_up = c.b2 = FMLP_DTYPE_F16;
+            c.norm = FMLP_NORM_LAYERNORM;
+            c.gamma = c.beta = FMLP_DTYPE_F32;
+            c.residual = Residual::kSeparate;
+          } else {
+            c.act = FMLP_ACT_RELU;
+            c.x_dtype = FMLP_DTYPE_BF16;
+            c.w_dtype = FMLP_DTYPE_F8_E4M3;
+            c.per_row_scale = true;
+            c.b2 = FMLP_DTYPE_BF16;
+          }
+          add(c);
+        }
+      break;
+    case Section::kRandom:
+      for (int i = 0; i < 250; ++i) add(random_case(rng, kMaxMacs));
+      break;
+  }
+  return v;
+}
+
+std::string case_header(Section s, size_t i, const MlpCase& c) {
+  return std::string(section_name(s)) + " case #" + std::to_string(i) + " [" + c.name() +
+         "] (FMLP_TEST_SEED=" + std::to_string(test_seed()) + ")";
+}
+
+std::vector<int> kernel_indices() {
+  std::vector<int> v;
+  for (int i = 0; i < fmlp_mlp_kernel_count(); ++i) v.push_back(i);
+  return v;
+}
+
+class KernelTest : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    kernel_ = fmlp_mlp_kernel_name(GetParam());
+    const fmlp_backend_t b = fmlp_mlp_kernel_backend(GetParam());
+    device_ = b == FMLP_BACKEND_CUDA;
+    if (fmlp_backend_available(b) != FMLP_SUCCESS)
+      GTEST_SKIP() << kernel_ << ": backend " << fmlp_backend_name(b)
+                   << " is not available here: " << fmlp_last_error();
+    if (device_ && !device_unavailable_reason().empty())
+      GTEST_SKIP() << kernel_ << ": " << device_unavailable_reason();
+  }
+  void run_section(Section s);
+
+  const char* kernel_ = nullptr;
+  bool device_ = false;
+};
+
+void KernelTest::run_section(Section s) {
+  const std::vector<MlpCase> cases = section_cases(s);
+  int ran = 0, unsupported = 0, failed = 0;
+  double worst = 0.0;
+  std::string unsupported_why;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const MlpCase& c = cases[i];
+    PlacedCase p(c, device_);
+    const fmlp_status_t sup = fmlp_mlp_kernel_supports(&p.args(), kernel_);
+    if (sup == FMLP_ERROR_NOT_SUPPORTED) {
+      if (unsupported++ == 0) unsupported_why = fmlp_last_error();
+      continue;
+    }
+    if (sup != FMLP_SUCCESS) {
+      ADD_FAILURE() << case_header(s, i, c)
+                    << ": a valid case was rejected: " << fmlp_status_name(sup) << ": "
+                    << fmlp_last_error();
+      continue;
+    }
+    const CaseData data = make_data(c, c.data_seed);
+    p.upload(data);
+    const RunOutcome run = run_kernel(p, kernel_);
+    if (run.status != FMLP_SUCCESS) {
+      ADD_FAILURE() << case_header(s, i, c) << ": " << fmlp_status_name(run.status) << ": "
+                    << run.error;
+      continue;
+    }
+    std::string stray;
+    const std::vector<double> out = p.download_y(&stray);
+    EXPECT_TRUE(stray.empty()) << case_header(s, i, c) << ": " << stray;
+    const CompareOutcome cmp = compare(c, out, reference(c, data));
+    ++ran;
+    worst = std::max(worst, cmp.worst_ratio);
+    if (cmp.ok) continue;
+    if (++failed <= 8)
+      ADD_FAILURE() << case_header(s, i, c) << ": " << cmp.bad << " of " << out.size()
+                    << " outputs wrong; " << cmp.detail << "; max |diff| over finite outputs "
+                    << cmp.max_err;
+  }
+  if (failed > 8) ADD_FAILURE() << failed - 8 << " more failing cases not shown";
+  std::printf("[fmlp] %s %s: %d of %zu cases ran (%d unsupported), worst err/tol %.3g\n", kernel_,
+              section_name(s), ran, cases.size(), unsupported, worst);
+  if (ran == 0 && unsupported > 0)
+    GTEST_SKIP() << kernel_ << " supports none of the " << cases.size() << " cases of section "
+                 << section_name(s) << "; first reason: " << unsupported_why;
+}
+
+TEST_P(KernelTest, Shapes) {
+  run_section(Section::kShapes);
+}
+TEST_P(KernelTest, VectorFriendly) {
+  run_section(Section::kVectorFriendly);
+}
+TEST_P(KernelTest, Dtypes) {
+  run_section(Section::kDtypes);
+}
+TEST_P(KernelTest, Epilogue) {
+  run_section(Section::kEpilogue);
+}
+TEST_P(KernelTest, Layout) {
+  run_section(Section::kLayout);
+}
+TEST_P(KernelTest, NonFinite) {
+  run_section(Section::kNonFinite);
+}
+TEST_P(KernelTest, DOutDiffers) {
+  run_section(Section::kDOut);
+}
+TEST_P(KernelTest, Realistic) {
+  run_section(Section::kRealistic);
+}
+TEST_P(KernelTest, Random) {
+  run_section(Section::kRandom);
+}
+
+// A kernel that handles none of the grid is a defect (dead code in the op table).
+TEST_P(KernelTest, SupportsSomeGridCase) {
+  int supported = 0, total = 0;
+  std::string why;
+  for (Section s : kAllSections)
+    for (const MlpCase& c : section_cases(s)) {
+      ++total;
+      PlacedCase p(c, device_);
+      const fmlp_status_t st = fmlp_mlp_kernel_supports(&p.args(), kernel_);
+      if (st == FMLP_SUCCESS)
+        ++supported;
+      else if (st == FMLP_ERROR_NOT_SUPPORTED && why.empty())
+        why = fmlp_last_error();
+      else if (st != FMLP_ERROR_NOT_SUPPORTED)
+        ADD_FAILURE() << "[" << c.name() << "]: " << fmlp_status_name(st) << ": "
+                      << fmlp_last_error();
+    }
+  std::printf("[fmlp] %s supports %d of %d grid cases\n", kernel_, supported, total);
+  EXPECT_GT(supported, 0) << kernel_ << " supports none of the " << total
+                          << " grid cases; first reason: " << why;
+}
+
+// deterministic = 1: two runs on the same input give the same bits.
+TEST_P(KernelTest, DeterministicIsBitwiseReproducible) {
+  std::vector<MlpCase> cases(3);
+  cases[0].m = 16, cases[0].d_in = cases[0].d_out = 256, cases[0].hidden = 1024;
+  cases[0].gate = Gate::kStacked, cases[0].act = FMLP_ACT_SILU;
+  cases[0].x_dtype = cases[0].w_dtype = FMLP_DTYPE_BF16;
+  cases[1].m = 100, cases[1].d_in = cases[1].d_out = 127, cases[1].hidden = 769;
+  cases[1].b1 = cases[1].b2 = FMLP_DTYPE_F32, cases[1].residual = Residual::kInPlace;
+  cases[2].m = 3, cases[2].d_in = cases[2].d_out = 769, cases[2].hidden = 127;
+  cases[2].gate = Gate::kSeparate, cases[2].x_dtype = cases[2].w_dtype = FMLP_DTYPE_F16;
+  cases[2].norm = FMLP_NORM_LAYERNORM;
+  int ran = 0;
+  for (MlpCase& c : cases) {
+    c.deterministic = true;
+    c.data_seed = mix_seed(test_seed(), uint64_t(ran) + 100);
+    PlacedCase p(c, device_);
+    if (fmlp_mlp_kernel_supports(&p.args(), kernel_) != FMLP_SUCCESS) continue;
+    const CaseData data = make_data(c, c.data_seed);
+    std::vector<unsigned char> first;
+    for (int rep = 0; rep < 2; ++rep) {
+      p.upload(data);
+      const RunOutcome run = run_kernel(p, kernel_);
+      ASSERT_EQ(run.status, FMLP_SUCCESS) << "[" << c.name() << "]: " << run.error;
+      if (rep == 0)
+        first = p.y_bytes();
+      else
+        EXPECT_TRUE(first == p.y_bytes()) << "[" << c.name() << "]: two deterministic runs differ "
+                                          << "(FMLP_TEST_SEED=" << test_seed() << ")";
+    }
+    ++ran;
+  }
+  if (ran == 0) GTEST_SKIP() << kernel_ << " supports none of the determinism cases";
+}
+
+// M = 0 succeeds and writes nothing (y's buffer stays 0xFF, or keeps the in-place residual).
+TEST_P(KernelTest, ZeroRowsIsNoOp) {
+  int ran = 0;
+  for (int variant = 0; variant < 4; ++variant) {
+    MlpCase c;
+    c.m = 0;
+    c.d_in = 64, c.hidden = 127, c.d_out = 7;
+    c.gate = variant == 1 ? Gate::kStacked : variant == 2 ? Gate::kSeparate : Gate::kDense;
+    c.residual = variant == 3 ? Residual::kInPlace : Residual::kSeparate;
+    c.misaligned = c.strided = variant >= 2;
+    c.x_dtype = kActDtypes[variant % 3];
+    PlacedCase p(c, device_);
+    if (fmlp_mlp_kernel_supports(&p.args(), kernel_) != FMLP_SUCCESS) continue;
+    p.upload(make_data(c, 1));
+    size_t ws = 1;
+    ASSERT_EQ(fmlp_mlp_kernel_workspace_size(&p.args(), kernel_, &ws), FMLP_SUCCESS);
+    EXPECT_EQ(ws, 0u) << "[" << c.name() << "]";
+    EXPECT_EQ(fmlp_mlp_with_kernel(&p.args(), kernel_, nullptr, 0, nullptr), FMLP_SUCCESS)
+        << "[" << c.name() << "]: " << fmlp_last_error();
+    std::string stray;
+    p.download_y(&stray);
+    EXPECT_TRUE(stray.empty()) << "[" << c.name() << "]: " << stray;
+    ++ran;
+  }
+  if (ran == 0) GTEST_SKIP() << kernel_ << " supports none of the M = 0 cases";
+}
+
+// The comparison is not vacuous: it flags unwritten (poisoned) output, an error just above the
+// tolerance, and a finite value where the reference is NaN.
+TEST(Harness, FlagsUnwrittenPerturbedAndNonFiniteMismatches) {
+  MlpCase c;
+  c.m = 3, c.d_in = 64, c.hidden = 127, c.d_out = 7, c.nonfinite = true;
+  const CaseData data = make_data(c, mix_seed(test_seed(), 7));
+  const Reference ref = reference(c, data);
+  PlacedCase p(c, false);
+  p.upload(data);
+  ASSERT_EQ(run_kernel(p, "mlp_ref_scalar_fp64").status, FMLP_SUCCESS);
+  std::string stray;
+  std::vector<double> out = p.download_y(&stray);
+  ASSERT_TRUE(compare(c, out, ref).ok);
+  p.poison_y();
+  EXPECT_FALSE(compare(c, p.download_y(&stray), ref).ok) << "poisoned output passed";
+  const size_t e = size_t(2 * c.d_out);  // row 2 is finite
+  const double tol = mlp_rtol(c.x_dtype, c.w_dtype) * (std::fabs(ref.y[e]) + ref.scale[e]);
+  std::vector<double> bad = out;
+  bad[e] += 1.5 * tol;
+  EXPECT_FALSE(compare(c, bad, ref).ok) << "an error of 1.5 x tol passed";
+  bad = out;
+  bad[e] += 0.5 * tol;
+  EXPECT_TRUE(compare(c, bad, ref).ok) << "an error of 0.5 x tol failed";
+  bad = out;
+  ASSERT_TRUE(std::isnan(ref.y[0])) << "row 0 holds a NaN input";
+  bad[0] = 0.0;
+  EXPECT_FALSE(compare(c, bad, ref).ok) << "a finite value where NaN is expected passed";
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, KernelTest, ::testing::ValuesIn(kernel_indices()),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return std::string(fmlp_mlp_kernel_name(info.param));
+                         });
+
+}  // namespace
+}  // namespace fmlp_test

@@ -1,0 +1,50 @@
+// fusedmlp info: the library, the machine and what can run on it.
+#include <cblas.h>
+#include <omp.h>
+
+#include <memory>
+
+#include "commands.hpp"
+#include "sysinfo.hpp"
+
+namespace fmlp_cli {
+namespace {
+
+std::string availability(fmlp_backend_t b) {
+  if (fmlp_backend_available(b) == FMLP_SUCCESS) return "available";
+  return fmt::format("unavailable: {}", fmlp_last_error());
+}
+
+int run_info() {
+  fmt::print("fusedmlp {}", fmlp_version());
+  if (const std::string c = git_commit(); !c.empty()) fmt::print(" (commit {})", c);
+  fmt::print("\ncpu:       {}\n", cpu_model());
+  std::string flags;
+  for (const IsaFlag& f : isa_flags()) flags += fmt::format(" {}{}", f.present ? "+" : "-", f.name);
+  fmt::print("isa:      {}\n", flags.empty() ? " (not x86: the cpu backend needs x86-64)" : flags);
+  const CacheInfo llc = last_level_cache();
+  fmt::print("llc:       {} ({})\n", format_bytes(double(llc.bytes)), llc.source);
+  fmt::print("openmp:    {} threads (of {} processors; set OMP_NUM_THREADS to change)\n",
+             omp_get_max_threads(), omp_get_num_procs());
+  fmt::print("openblas:  {} ({} threads)\n", openblas_get_config(), openblas_get_num_threads());
+  fmt::print("backends:\n");
+  for (fmlp_backend_t b : {FMLP_BACKEND_REF, FMLP_BACKEND_CPU, FMLP_BACKEND_CUDA})
+    fmt::print("  {:<5} {}\n", fmlp_backend_name(b), availability(b));
+  fmt::print("mlp kernels (dispatch takes the first of the backend that handles the request):\n");
+  const int n = fmlp_mlp_kernel_count();
+  for (int i = 0; i < n; ++i)
+    fmt::print("  {:<5} {}\n", fmlp_backend_name(fmlp_mlp_kernel_backend(i)),
+               fmlp_mlp_kernel_name(i));
+  if (n == 0) fmt::print("  (none)\n");
+  return 0;
+}
+
+}  // namespace
+
+void add_info_command(CLI::App& app, Command* selected) {
+  CLI::App* cmd = app.add_subcommand(
+      "info", "Version, CPU and ISA, threads, backend availability and the kernel table");
+  cmd->callback([selected] { *selected = [] { return run_info(); }; });
+}
+
+}  // namespace fmlp_cli
