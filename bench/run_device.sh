@@ -30,17 +30,17 @@ fi
 if has sanitize; then
   for tool in memcheck racecheck; do
     timeout 240 compute-sanitizer --tool $tool --print-limit 10 "$B/tests/test_mlp_vs_ref" \
-      --gtest_filter='*Shapes/mlp_decode_sm80_gemv:*Epilogue/mlp_decode_sm80_gemv:*Shapes/mlp_decode_sm90_splitk' \
+      --gtest_filter='*VectorFriendly/mlp_decode_sm80_gemv:*Shapes/mlp_decode_sm90_splitk:*Epilogue/mlp_decode_sm90_splitk' \
       >"$OUT/$tool.log" 2>&1
     echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/$tool.log" | head -4
   done
 fi
 if has bench; then
   "$B/bench/fusedmlp_cuda_bench" --json "$OUT/ours.json" 2>&1 | tee "$OUT/bench.log" | tail -22
-  if [ -n "${SPLITK_TOO:-}" ]; then
-    "$B/bench/fusedmlp_cuda_bench" --skip-matrix --kernel mlp_decode_sm90_splitk --ms 1 \
-      --json "$OUT/ours_splitk.json" 2>&1 | tee "$OUT/bench_splitk.log" | tail -6
-  fi
+  for k in ${ALSO_KERNELS:-}; do  # the same M=1 shapes on other kernels, for the planner's table
+    "$B/bench/fusedmlp_cuda_bench" --skip-matrix --kernel "$k" --ms 1 \
+      --json "$OUT/ours_$k.json" 2>&1 | tee "$OUT/bench_$k.log" | tail -6
+  done
 fi
 if has peers; then
   PYTHONUNBUFFERED=1 timeout ${PEERS_TIMEOUT:-420} python3 bench/peers.py --json "$OUT/peers.json" \

@@ -29,10 +29,10 @@ enum class Section {
   kRandom,
   kVectorFriendly
 };
-constexpr Section kAllSections[] = {Section::kShapes,    Section::kDtypes,    Section::kEpilogue,
-                                    Section::kLayout,    Section::kNonFinite, Section::kDOut,
-                                    Section::kRealistic, Section::kRandom,
-                                    Section::kVectorFriendly};
+constexpr Section kAllSections[] = {
+    Section::kShapes,    Section::kDtypes,    Section::kEpilogue,
+    Section::kLayout,    Section::kNonFinite, Section::kDOut,
+    Section::kRealistic, Section::kRandom,    Section::kVectorFriendly};
 constexpr int64_t kMaxMacs = 4'000'000;  // per sampled case; keeps the suite within its budget
 
 const char* section_name(Section s) {
@@ -73,7 +73,7 @@ std::vector<MlpCase> section_cases(Section s) {
         for (Gate g : kGates)
           for (fmlp_activation_t a : kActs) {
             MlpCase c = random_case(rng, kMaxMacs);
-            const int64_t vsizes[] = {8, 64, 136, 776};
+            const int64_t vsizes[] = {64, 256, 512, 776};
             c.d_in = vsizes[rng() % 4];
             c.hidden = vsizes[rng() % 4];
             c.d_out = rng() % 4 == 0 ? vsizes[rng() % 4] : c.d_in;

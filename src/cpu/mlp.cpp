@@ -87,6 +87,21 @@ void normalize_row(const MlpView& v, int64_t i, float* xn) {
     _mm256_storeu_ps(xn + c,
                      c < k ? load_partial(x + c * es, v.act_dtype, k - c) : _mm256_setzero_ps());
   if (v.norm == FMLP_NORM_NONE) return;
+  if (v.norm == FMLP_NORM_LAYERNORM) {
+    // Centring on x[0] first keeps the fp32 rounding of the mean relative to the spread of the
+    // row rather than to its offset (a row like 3 + small noise would otherwise lose digits).
+    const __m256 shift = _mm256_set1_ps(xn[0]);
+    for (c = 0; c < k; c += 8) {
+      const __m256 r = _mm256_sub_ps(_mm256_loadu_ps(xn + c), shift);
+      if (k - c >= 8) {
+        _mm256_storeu_ps(xn + c, r);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, r);
+        std::copy(tmp, tmp + (k - c), xn + c);
+      }
+    }
+  }
   // Padding lanes are 0, so they add nothing to the sums; the mean is subtracted only from the
   // k real lanes below.
   const float mean = v.norm == FMLP_NORM_LAYERNORM ? sum8(xn, kp) / float(k) : 0.f;

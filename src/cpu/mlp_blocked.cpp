@@ -17,7 +17,7 @@ namespace {
 
 constexpr int64_t kMc = 128;  // rows per tile: M=128 widens every weight once
 constexpr int64_t kNc = 64;   // weight rows per tile; gated tiles hold 32 gate + 32 up rows
-constexpr int64_t kKc = 512;  // k block: 4 fp32 weight rows (8 KiB) stay in L1
+constexpr int64_t kKc = 256;  // k block: 4 fp32 weight rows (4 KiB) stay in L1, 128 x rows in L2
 
 // Widens row[k0, k0 + kc) to fp32, zero-padded to a multiple of 8.
 template <fmlp_dtype_t WT>

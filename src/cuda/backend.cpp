@@ -54,7 +54,8 @@ bool gemv_supports(const MlpDesc& d, std::string* why) {
   return device_supported(d, why) && mlp_decode_sm80_gemv_supports(d, why);
 }
 
-// Preference order: the CUDA-core stream kernel for M <= 4, then the tensor-core kernel.
+// Preference order, measured on an H200: the register-stream kernel for one token (1.1-1.7x faster
+// than the tensor-core kernel at M = 1), the tensor-core kernel otherwise.
 const MlpKernel kCudaKernels[] = {
     {"mlp_decode_sm80_gemv", FMLP_BACKEND_CUDA, gemv_supports, mlp_decode_sm80_gemv_workspace,
      mlp_decode_sm80_gemv_run},

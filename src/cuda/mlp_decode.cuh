@@ -18,7 +18,7 @@ fmlp_status_t mlp_decode_sm90_splitk_run(const fmlp_mlp_args_t& a, const MlpDesc
 
 bool mlp_decode_sm80_gemv_supports(const MlpDesc& d, std::string* why);
 size_t mlp_decode_sm80_gemv_workspace(const MlpDesc& d);
-fmlp_status_t mlp_decode_sm80_gemv_run(const fmlp_mlp_args_t& a, const MlpDesc& d,
-                                       void* workspace, void* stream);
+fmlp_status_t mlp_decode_sm80_gemv_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* workspace,
+                                       void* stream);
 
 }  // namespace fmlp::detail

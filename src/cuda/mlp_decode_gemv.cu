@@ -24,6 +24,7 @@
 #include "core/error.hpp"
 #include "core/tensor_check.hpp"
 #include "cuda/common.cuh"
+#include "cuda/decode_common.cuh"
 #include "cuda/mlp_decode.cuh"
 
 namespace fmlp::detail {
@@ -32,16 +33,19 @@ namespace {
 using fmlp::cuda::activate;
 using fmlp::cuda::ld_stream_v4;
 using fmlp::cuda::load_scalar;
+using fmlp::cuda::opt;
 using fmlp::cuda::store_scalar;
+using fmlp::cuda::warp_sum;
+using fmlp::cuda::widen8;
 
 // Two blocks per multiprocessor: while one waits at a barrier (phase change, finalisation) the
 // other keeps its weight stream going.
 constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 2;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxTokens = 1;  // beyond one token the tensor-core kernel is faster (measured)
-constexpr int kTile = 8;        // hidden units per tile: one 16-byte chunk of a W2 row
-constexpr int kRowLoads = 8;    // 16-byte loads in flight per lane per W1 row (x2 when gated)
+constexpr int kMaxTokens = 1;      // beyond one token the tensor-core kernel is faster (measured)
+constexpr int kTile = 8;           // hidden units per tile: one 16-byte chunk of a W2 row
+constexpr int kRowLoads = 8;       // 16-byte loads in flight per lane per W1 row (x2 when gated)
 constexpr int kPhase2Unroll = 16;  // W2 rows in flight per lane
 
 struct GemvParams {
@@ -63,28 +67,6 @@ struct GemvParams {
   unsigned* counter;  // blocks done, zero between calls
 };
 
-template <typename WT>
-__device__ __forceinline__ void widen8(const uint4& v, float (&f)[8]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (std::is_same_v<WT, __half>) {
-      const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-      f[2 * i] = p.x;
-      f[2 * i + 1] = p.y;
-    } else {
-      f[2 * i] = __uint_as_float(w[i] << 16);
-      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-  }
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // Sum over the block; every thread gets the result. `scratch` holds kWarps floats.
 __device__ float block_sum(float v, float* scratch) {
   v = warp_sum(v);
@@ -96,16 +78,12 @@ __device__ float block_sum(float v, float* scratch) {
   return warp_sum(t);
 }
 
-__device__ __forceinline__ float opt(const void* p, fmlp_dtype_t t, int64_t i, float absent) {
-  return p ? load_scalar(p, t, i) : absent;
-}
-
 // Stage the M rows of x in shared memory as fp32, normalised when asked.
 template <int M>
 __device__ void stage_tokens(const GemvParams& p, float* xs, float* scratch) {
   for (int m = 0; m < M; ++m) {
-    const char* row = static_cast<const char*>(p.x) +
-                      m * p.x_ld * int64_t(p.act_t == FMLP_DTYPE_F32 ? 4 : 2);
+    const char* row =
+        static_cast<const char*>(p.x) + m * p.x_ld * int64_t(p.act_t == FMLP_DTYPE_F32 ? 4 : 2);
     float* xr = xs + m * p.k;
     for (int c = threadIdx.x; c < p.k; c += kThreads) xr[c] = load_scalar(row, p.act_t, c);
     if (p.norm == FMLP_NORM_NONE) continue;
@@ -118,8 +96,8 @@ __device__ void stage_tokens(const GemvParams& p, float* xs, float* scratch) {
     for (int c = threadIdx.x; c < p.k; c += kThreads) q += (xr[c] - mean) * (xr[c] - mean);
     const float inv = rsqrtf(block_sum(q, scratch) / float(p.k) + p.eps);
     for (int c = threadIdx.x; c < p.k; c += kThreads)
-      xr[c] = (xr[c] - mean) * inv * opt(p.gamma, p.gamma_t, c, 1.f) +
-              opt(p.beta, p.beta_t, c, 0.f);
+      xr[c] =
+          (xr[c] - mean) * inv * opt(p.gamma, p.gamma_t, c, 1.f) + opt(p.beta, p.beta_t, c, 0.f);
   }
   __syncthreads();
 }
@@ -269,7 +247,8 @@ size_t smem_bytes(const MlpDesc& d, int blocks) {
 
 int blocks_for(const MlpDesc& d) {
   const int64_t tiles = d.hidden / kTile;
-  return int(std::max<int64_t>(1, std::min<int64_t>(tiles, kBlocksPerSm * int64_t(cuda_sm_count(d.device_id)))));
+  return int(std::max<int64_t>(
+      1, std::min<int64_t>(tiles, kBlocksPerSm * int64_t(cuda_sm_count(d.device_id)))));
 }
 
 int max_dynamic_smem(int device) {
@@ -288,8 +267,9 @@ fmlp_status_t launch(const GemvParams& p, int blocks, size_t smem, cudaStream_t 
     const cudaError_t e =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess)
-      return fail(FMLP_ERROR_CUDA, "mlp_decode_sm80_gemv: cannot raise shared memory to {} bytes: {}",
-                  smem, cudaGetErrorString(e));
+      return fail(FMLP_ERROR_CUDA,
+                  "mlp_decode_sm80_gemv: cannot raise shared memory to {} bytes: {}", smem,
+                  cudaGetErrorString(e));
   }
   kernel<<<blocks, kThreads, smem, stream>>>(p);
   const cudaError_t e = cudaGetLastError();
@@ -301,10 +281,13 @@ fmlp_status_t launch(const GemvParams& p, int blocks, size_t smem, cudaStream_t 
 template <typename WT>
 fmlp_status_t dispatch(const GemvParams& p, const MlpDesc& d, int blocks, size_t smem,
                        cudaStream_t s) {
-  return d.gated ? launch<1, WT, true>(p, blocks, smem, s) : launch<1, WT, false>(p, blocks, smem, s);
+  return d.gated ? launch<1, WT, true>(p, blocks, smem, s)
+                 : launch<1, WT, false>(p, blocks, smem, s);
 }
 
-size_t align_up(size_t n) { return (n + 255) / 256 * 256; }
+size_t align_up(size_t n) {
+  return (n + 255) / 256 * 256;
+}
 
 }  // namespace
 
@@ -326,8 +309,9 @@ bool mlp_decode_sm80_gemv_supports(const MlpDesc& d, std::string* why) {
                                d.d_in, d.hidden),
             false);
   if (!d.weights_vec16)
-    return (*why = "a weight matrix is not 16-byte aligned (base or row stride); pack the weights "
-                   "with fmlp_mlp_pack",
+    return (*why =
+                "a weight matrix is not 16-byte aligned (base or row stride); pack the weights "
+                "with fmlp_mlp_pack",
             false);
   if (d.d_in > (int64_t(1) << 30) || d.hidden > (int64_t(1) << 30) || d.d_out > (int64_t(1) << 30))
     return (*why = "sizes above 2^30 need 64-bit indexing", false);
@@ -398,7 +382,8 @@ fmlp_status_t mlp_decode_sm80_gemv_run(const fmlp_mlp_args_t& a, const MlpDesc& 
   cudaGetDevice(&current);
   if (current != d.device_id && cudaSetDevice(d.device_id) != cudaSuccess) {
     const cudaError_t e = cudaGetLastError();
-    return fail(FMLP_ERROR_CUDA, "cudaSetDevice({}) failed: {}", d.device_id, cudaGetErrorString(e));
+    return fail(FMLP_ERROR_CUDA, "cudaSetDevice({}) failed: {}", d.device_id,
+                cudaGetErrorString(e));
   }
   const int blocks = blocks_for(d);
   const size_t smem = smem_bytes(d, blocks);

@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Turns benchmark JSON into the committed results: merged CSV/JSON, a PNG plot, a markdown table.
+
+  cuda: python3 bench/report.py cuda --ours OUT/ours.json --peers OUT/peers.json \
+            --gpu-info OUT/gpu.txt --commit SHA --out bench/results/cuda_decode_h200
+  cpu:  python3 bench/report.py cpu --bench cpu_bench.json --commit SHA --out bench/results/cpu_bench
+
+The CUDA floor is (weight + x/y bytes) / the device copy bandwidth that fusedmlp_cuda_bench measured
+in the same device session as the peers (bench/peers.py: PyTorch eager and torch.compile, each
+also replayed from a CUDA graph); the best of the four peer variants is the peer.
+"""
+import argparse
+import csv
+import json
+import os
+import sys
+
+
+def write_rows(out, rows, meta):
+    with open(out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(out + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def plot(out, rows, x_key, series, ylabel, title, logx=True, hline=None):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes), 3.6), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        rs = [r for r in rows if r["shape"] == shape]
+        for key, label, style in series:
+            pts = [(r[x_key], r[key]) for r in rs if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), style, label=label)
+        if hline is not None:
+            ax.axhline(hline, color="gray", lw=0.8, ls=":")
+        if logx:
+            ax.set_xscale("log", base=2)
+        ax.set_title(shape)
+        ax.set_xlabel(x_key)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=110)
+
+
+def cuda(a):
+    ours = json.load(open(a.ours))
+    peers = json.load(open(a.peers))
+    peer_by = {(p["shape"], p["M"]): p for p in peers["mlp"]}
+    gpu_info = open(a.gpu_info).read().split("\n") if a.gpu_info else []
+    rows = []
+    for r in ours["mlp"]:
+        p = peer_by.get((r["shape"], r["M"]), {})
+        variants = {k[:-3]: v for k, v in p.items()
+                    if k.endswith("_us") and k not in ("floor_us", "best_us") and v}
+        best = min(variants.items(), key=lambda kv: kv[1]) if variants else (None, None)
+        rows.append({
+            "shape": r["shape"], "M": r["M"], "ours_us": r["us"], "floor_us": r["floor_us"],
+            "ours_pct_of_floor": round(100 * r["floor_us"] / r["us"], 1),
+            "ours_GBps": r["GBps"], "check_ok": r["check_ok"],
+            "best_peer": best[0], "peer_us": None if best[1] is None else round(best[1], 2),
+            "peer_pct_of_floor": None if best[1] is None else round(100 * r["floor_us"] / best[1], 1),
+            "speedup_vs_best_peer": None if best[1] is None else round(best[1] / r["us"], 3),
+        })
+    meta = {"gpu": ours.get("gpu"), "gpu_info": gpu_info, "copy_TBps": ours.get("copy_TBps"),
+            "torch": peers.get("torch"), "commit": a.commit,
+            "method": "bf16, weights rotated over > 3x L2, CUDA-graph replay, median; floor = "
+                      "(weight + x/y bytes) / measured copy bandwidth"}
+    write_rows(a.out, rows, meta)
+    plot(a.out, rows, "M",
+         [("ours_pct_of_floor", "fusedmlp", "o-"), ("peer_pct_of_floor", "best PyTorch peer", "s--")],
+         "% of HBM floor", f"fused MLP decode, {meta['gpu']} (copy {meta['copy_TBps']:.2f} TB/s), "
+         f"commit {a.commit}", hline=100)
+    print("| shape | M | fusedmlp µs | % of floor | best peer µs (variant) | speedup vs peer |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['M']} | {r['ours_us']:.1f} | {r['ours_pct_of_floor']}% | "
+              f"{r['peer_us']} ({r['best_peer']}) | {r['speedup_vs_best_peer']}x |")
+
+
+def cpu(a):
+    b = json.load(open(a.bench))
+    rows = []
+    for r in b["results"]:
+        rows.append({k: r.get(k) for k in r if not isinstance(r.get(k), (dict, list))})
+    meta = {k: v for k, v in b.items() if k != "results"}
+    meta["commit"] = a.commit
+    write_rows(a.out, rows, meta)
+    speed_key = next((k for k in ("speedup", "speedup_vs_openblas") if k in rows[0]), None)
+    bw_key = next((k for k in ("pct_bw", "pct_of_bandwidth", "pct_read_bw") if k in rows[0]), None)
+    series = []
+    if speed_key:
+        series.append((speed_key, "speedup vs OpenBLAS fp32 pipeline", "o-"))
+    plot(a.out, rows, "M", series, "speedup (x)", f"fusedmlp cpu vs OpenBLAS, commit {a.commit}",
+         hline=1.0)
+    print("rows:", len(rows), "keys:", list(rows[0].keys()), "speed:", speed_key, "bw:", bw_key)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("cuda")
+    c.add_argument("--ours", required=True)
+    c.add_argument("--peers", required=True)
+    c.add_argument("--gpu-info")
+    c.add_argument("--commit", default="unknown")
+    c.add_argument("--out", required=True)
+    p = sub.add_parser("cpu")
+    p.add_argument("--bench", required=True)
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--out", required=True)
+    a = ap.parse_args()
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    return cuda(a) if a.cmd == "cuda" else cpu(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
