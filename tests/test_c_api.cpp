@@ -268,3 +268,24 @@ TEST(TensorHelpers, ViewsAndDefaults) {
 }
 
 }  // namespace
+
+// The build string says whether CUDA is in; the device list is well formed either way.
+TEST(Info, BuildInfoAndDeviceList) {
+  const std::string build = fmlp_build_info();
+  EXPECT_NE(build.find(fmlp_version()), std::string::npos) << build;
+  EXPECT_TRUE(build.find("cuda on") != std::string::npos ||
+              build.find("cuda off") != std::string::npos)
+      << build;
+  size_t needed = 0;
+  ASSERT_EQ(fmlp_cuda_devices(nullptr, 0, &needed), FMLP_SUCCESS);
+  ASSERT_GE(needed, 1u);
+  std::string list(needed, 'x');
+  ASSERT_EQ(fmlp_cuda_devices(list.data(), list.size(), &needed), FMLP_SUCCESS);
+  EXPECT_EQ(list.back(), '\0');
+  char tiny[4];
+  ASSERT_EQ(fmlp_cuda_devices(tiny, sizeof tiny, &needed), FMLP_SUCCESS);
+  EXPECT_LT(std::strlen(tiny), sizeof tiny);
+  if (fmlp_backend_available(FMLP_BACKEND_CUDA) == FMLP_SUCCESS) {
+    EXPECT_NE(list.find("cuda:0"), std::string::npos) << list;
+  }
+}

@@ -27,6 +27,14 @@ int run_info() {
   fmt::print("openmp:    {} threads (of {} processors; set OMP_NUM_THREADS to change)\n",
              omp_get_max_threads(), omp_get_num_procs());
   fmt::print("openblas:  {} ({} threads)\n", openblas_get_config(), openblas_get_num_threads());
+  fmt::print("build:     {}\n", fmlp_build_info());
+  size_t need = 0;
+  fmlp_cuda_devices(nullptr, 0, &need);
+  std::string devices(need, '\0');
+  fmlp_cuda_devices(devices.data(), devices.size(), &need);
+  devices.resize(need - 1);
+  fmt::print("gpus:      {}\n", devices.empty() ? "none found" : "");
+  if (!devices.empty()) fmt::print("{}", devices);
   fmt::print("backends:\n");
   for (fmlp_backend_t b : {FMLP_BACKEND_REF, FMLP_BACKEND_CPU, FMLP_BACKEND_CUDA})
     fmt::print("  {:<5} {}\n", fmlp_backend_name(b), availability(b));

@@ -141,6 +141,11 @@ FMLP_API const char* fmlp_version(void);
 FMLP_API const char* fmlp_backend_name(fmlp_backend_t backend);
 FMLP_API const char* fmlp_dtype_name(fmlp_dtype_t dtype);
 FMLP_API const char* fmlp_activation_name(fmlp_activation_t act);
+/* How this library was built: version, CUDA on/off and the GPU code it carries. */
+FMLP_API const char* fmlp_build_info(void);
+/* One line per visible CUDA device ("cuda:0 NVIDIA H200, sm_90, 132 SMs, 139.8 GiB"), or "" when
+ * none; written like fmlp_mlp_explain (always NUL-terminated, *needed = full length + 1). */
+FMLP_API fmlp_status_t fmlp_cuda_devices(char* buf, size_t buf_size, size_t* needed);
 /* FMLP_SUCCESS when the backend can run here; otherwise the reason is in fmlp_last_error(). */
 FMLP_API fmlp_status_t fmlp_backend_available(fmlp_backend_t backend);
 

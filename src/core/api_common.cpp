@@ -1,4 +1,5 @@
 // C ABI: errors, names, tensor helpers, backend availability.
+#include <algorithm>
 #include <string>
 
 #include "core/error.hpp"
@@ -62,6 +63,26 @@ const char* fmlp_status_name(fmlp_status_t s) {
 
 const char* fmlp_version(void) {
   return FMLP_VERSION_STRING;
+}
+
+const char* fmlp_build_info(void) {
+#ifdef FMLP_WITH_CUDA
+  return "fusedmlp " FMLP_VERSION_STRING "; cuda on (" FMLP_CUDA_GENCODE_STRING ")";
+#else
+  return "fusedmlp " FMLP_VERSION_STRING "; cuda off";
+#endif
+}
+
+fmlp_status_t fmlp_cuda_devices(char* buf, size_t buf_size, size_t* needed) {
+  const std::string list = cuda_device_list();
+  if (needed) *needed = list.size() + 1;
+  if (buf && buf_size > 0) {
+    const size_t n = std::min(list.size(), buf_size - 1);
+    list.copy(buf, n);
+    buf[n] = '\0';
+  }
+  clear_last_error();
+  return FMLP_SUCCESS;
 }
 
 const char* fmlp_backend_name(fmlp_backend_t b) {

@@ -65,6 +65,7 @@ MlpKernelList cuda_mlp_kernels();  // empty when CUDA is not built
 std::string ref_unavailable_reason();
 std::string cpu_unavailable_reason();
 std::string cuda_unavailable_reason();
+std::string cuda_device_list();  // one line per device; empty without CUDA or devices
 
 struct Candidate {
   const MlpKernel* kernel;

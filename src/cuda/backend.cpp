@@ -99,6 +99,26 @@ MlpKernelList cuda_mlp_kernels() {
   return {kCudaKernels, sizeof(kCudaKernels) / sizeof(kCudaKernels[0])};
 }
 
+std::string cuda_device_list() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return {};
+  }
+  std::string out;
+  for (int i = 0; i < count; ++i) {
+    cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) {
+      cudaGetLastError();
+      continue;
+    }
+    out += fmt::format("cuda:{} {}, sm_{}{}, {} SMs, {:.1f} GiB, L2 {} MiB\n", i, prop.name,
+                       prop.major, prop.minor, prop.multiProcessorCount,
+                       double(prop.totalGlobalMem) / double(1ull << 30), prop.l2CacheSize >> 20);
+  }
+  return out;
+}
+
 std::string cuda_unavailable_reason() {
   static const std::string reason = probe_devices();
   return reason;
