@@ -3,7 +3,8 @@
 
   cuda: python3 bench/report.py cuda --ours OUT/ours.json --peers OUT/peers.json \
             --gpu-info OUT/gpu.txt --commit SHA --out bench/results/cuda_decode_h200
-  cpu:  python3 bench/report.py cpu --bench cpu_bench.json --commit SHA --out bench/results/cpu_bench
+  cpu:  python3 bench/report.py cpu --bench a.json:label [--bench b.json:label] --commit SHA \
+            --out bench/results/cpu_speedup
 
 The CUDA floor is (weight + x/y bytes) / the device copy bandwidth that fusedmlp_cuda_bench measured
 in the same device session as the peers (bench/peers.py: PyTorch eager and torch.compile, each
@@ -89,21 +90,31 @@ def cuda(a):
 
 
 def cpu(a):
-    b = json.load(open(a.bench))
-    rows = []
-    for r in b["results"]:
-        rows.append({k: r.get(k) for k in r if not isinstance(r.get(k), (dict, list))})
-    meta = {k: v for k, v in b.items() if k != "results"}
-    meta["commit"] = a.commit
-    write_rows(a.out, rows, meta)
-    speed_key = next((k for k in ("speedup", "speedup_vs_openblas") if k in rows[0]), None)
-    bw_key = next((k for k in ("pct_bw", "pct_of_bandwidth", "pct_read_bw") if k in rows[0]), None)
-    series = []
-    if speed_key:
-        series.append((speed_key, "speedup vs OpenBLAS fp32 pipeline", "o-"))
-    plot(a.out, rows, "M", series, "speedup (x)", f"fusedmlp cpu vs OpenBLAS, commit {a.commit}",
+    """One plot of the speedup over the OpenBLAS pipeline against M, one series per bench file."""
+    rows, metas, series = [], {}, []
+    for spec in a.bench:
+        path, label = spec.split(":", 1) if ":" in spec else (spec, os.path.basename(spec))
+        b = json.load(open(path))
+        metas[label] = b.get("environment", {})
+        for r in b["results"]:
+            row = {k: v for k, v in r.items() if not isinstance(v, (dict, list))}
+            row["series"] = label
+            row["M"] = r["m"]
+            rows.append(row)
+        series.append(label)
+    write_rows(a.out, rows, {"environment": metas, "commit": a.commit})
+    merged = {}
+    for r in rows:
+        merged.setdefault((r["shape"], r["M"]), {"shape": r["shape"], "M": r["M"]})[r["series"]] = r["speedup"]
+    plot(a.out, list(merged.values()), "M", [(lbl, lbl, "o-") for lbl in series],
+         "speedup over OpenBLAS pipeline (x)", f"fusedmlp cpu backend, 2 cores, commit {a.commit}",
          hline=1.0)
-    print("rows:", len(rows), "keys:", list(rows[0].keys()), "speed:", speed_key, "bw:", bw_key)
+    print("| shape | M | fused µs | % of read bw | " + " | ".join(f"speedup ({s})" for s in series) + " |")
+    print("|---|---|---|---|" + "---|" * len(series))
+    first = [r for r in rows if r["series"] == series[0]]
+    for r in first:
+        sp = " | ".join(f"{merged[(r['shape'], r['M'])].get(s, float('nan')):.2f}x" for s in series)
+        print(f"| {r['shape']} | {r['M']} | {r['fused_us']:.0f} | {r['pct_read_bandwidth']:.0f}% | {sp} |")
 
 
 def main():
@@ -116,7 +127,7 @@ def main():
     c.add_argument("--commit", default="unknown")
     c.add_argument("--out", required=True)
     p = sub.add_parser("cpu")
-    p.add_argument("--bench", required=True)
+    p.add_argument("--bench", action="append", required=True, help="FILE[:label], repeatable")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", required=True)
     a = ap.parse_args()

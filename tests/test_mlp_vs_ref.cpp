@@ -4,6 +4,7 @@
 // section; the remaining axes of each case are drawn from a seeded generator, so every run covers
 // fresh combinations and a failure is reproduced with FMLP_TEST_SEED.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -27,7 +28,8 @@ enum class Section {
   kDOut,
   kRealistic,
   kRandom,
-  kVectorFriendly
+  kVectorFriendly,
+  kLargeM
 };
 constexpr Section kAllSections[] = {
     Section::kShapes,    Section::kDtypes,    Section::kEpilogue,
@@ -36,8 +38,8 @@ constexpr Section kAllSections[] = {
 constexpr int64_t kMaxMacs = 4'000'000;  // per sampled case; keeps the suite within its budget
 
 const char* section_name(Section s) {
-  const char* names[] = {"Shapes", "Dtypes",    "Epilogue", "Layout",        "NonFinite",
-                         "DOut",   "Realistic", "Random",   "VectorFriendly"};
+  const char* names[] = {"Shapes", "Dtypes",    "Epilogue", "Layout",         "NonFinite",
+                         "DOut",   "Realistic", "Random",   "VectorFriendly", "LargeM"};
   return names[int(s)];
 }
 
@@ -84,6 +86,18 @@ std::vector<MlpCase> section_cases(Section s) {
             c.misaligned = c.strided = false;
             add(c);
           }
+      break;
+    case Section::kLargeM:  // more rows than one cache block of the GEMM-style kernels
+      for (int64_t m : {145, 300})
+        for (Gate g : kGates) {
+          MlpCase c = random_case(rng, kMaxMacs);
+          const int64_t ksizes[] = {7, 64, 127};
+          c.d_in = c.d_out = ksizes[rng() % 3];
+          c.hidden = ksizes[rng() % 3];
+          c.m = m;
+          c.gate = g;
+          add(c);
+        }
       break;
     case Section::kDtypes:  // activation dtype x weight dtype x gate x activation
       for (fmlp_dtype_t x : kActDtypes)
@@ -276,6 +290,9 @@ void KernelTest::run_section(Section s) {
 TEST_P(KernelTest, Shapes) {
   run_section(Section::kShapes);
 }
+TEST_P(KernelTest, LargeM) {
+  run_section(Section::kLargeM);
+}
 TEST_P(KernelTest, VectorFriendly) {
   run_section(Section::kVectorFriendly);
 }
@@ -355,6 +372,42 @@ TEST_P(KernelTest, DeterministicIsBitwiseReproducible) {
     ++ran;
   }
   if (ran == 0) GTEST_SKIP() << kernel_ << " supports none of the determinism cases";
+}
+
+// Host kernels give the same bits whatever the thread count (the work split never changes an
+// element's summation order).
+TEST_P(KernelTest, ThreadCountIndependent) {
+  if (device_) GTEST_SKIP() << "host kernels only";
+  MlpCase cases[2];
+  cases[0].m = 150, cases[0].d_in = cases[0].d_out = 127, cases[0].hidden = 769;
+  cases[0].gate = Gate::kStacked, cases[0].act = FMLP_ACT_SILU;
+  cases[0].w_dtype = FMLP_DTYPE_BF16, cases[0].norm = FMLP_NORM_RMSNORM;
+  cases[1].m = 5, cases[1].d_in = cases[1].d_out = 769, cases[1].hidden = 127;
+  cases[1].b1 = cases[1].b2 = FMLP_DTYPE_F32, cases[1].residual = Residual::kInPlace;
+  const int threads_before = omp_get_max_threads();
+  int ran = 0;
+  for (MlpCase& c : cases) {
+    c.data_seed = mix_seed(test_seed(), uint64_t(ran) + 200);
+    PlacedCase p(c, false);
+    if (fmlp_mlp_kernel_supports(&p.args(), kernel_) != FMLP_SUCCESS) continue;
+    const CaseData data = make_data(c, c.data_seed);
+    std::vector<unsigned char> one;
+    for (int threads : {1, 2, 3}) {
+      omp_set_num_threads(threads);
+      p.upload(data);
+      const RunOutcome run = run_kernel(p, kernel_);
+      ASSERT_EQ(run.status, FMLP_SUCCESS) << "[" << c.name() << "]: " << run.error;
+      if (threads == 1)
+        one = p.y_bytes();
+      else
+        EXPECT_TRUE(one == p.y_bytes())
+            << "[" << c.name() << "]: " << threads
+            << " threads differ from 1 (FMLP_TEST_SEED=" << test_seed() << ")";
+    }
+    ++ran;
+  }
+  omp_set_num_threads(threads_before);
+  if (ran == 0) GTEST_SKIP() << kernel_ << " supports none of the thread-count cases";
 }
 
 // M = 0 succeeds and writes nothing (y's buffer stays 0xFF, or keeps the in-place residual).

@@ -33,6 +33,9 @@ struct BenchOptions {
   int threads = 0;
   bool packed = false;
   bool no_baseline = false;
+  bool hot = false;
+  bool baseline_sgemm = false;  // sgemm at M = 1 too (default: the faster sgemv)  // no weight
+                                // rotation: cache-resident weights when they fit
   int64_t bw_mib = 1024;
   uint64_t seed = 1;
   std::string json, csv;
@@ -191,11 +194,12 @@ int run_bench(const BenchOptions& o) {
     progress("{}: {}; generating random weights", shape.name, describe(shape));
     HostMlp problem(MlpCase{shape, o.ms.front(), o.act_dtype, o.w_dtype, Residual::kNone}, o.seed);
     const double set_bytes = double(problem.weight_bytes());
-    problem.set_copies(copies_for(set_bytes, env.llc.bytes));
+    problem.set_copies(o.hot ? 1 : copies_for(set_bytes, env.llc.bytes));
     std::unique_ptr<BlasBaseline> baseline;
     if (!o.no_baseline) {
       const double f32_bytes = set_bytes * 4.0 / double(dtype_bytes(o.w_dtype));
-      baseline = std::make_unique<BlasBaseline>(problem, copies_for(f32_bytes, env.llc.bytes));
+      baseline = std::make_unique<BlasBaseline>(
+          problem, o.hot ? 1 : copies_for(f32_bytes, env.llc.bytes), o.baseline_sgemm);
     }
     for (int64_t m : o.ms) {
       progress("[{}/{}] {} M={}", results.size() + 1, total, shape.name, m);
@@ -252,6 +256,12 @@ void add_bench_command(CLI::App& app, Command* selected) {
       ->capture_default_str();
   cmd->add_flag("--packed", o->packed, "Time fmlp_mlp_packed_run on pre-packed weights");
   cmd->add_flag("--no-baseline", o->no_baseline, "Skip the OpenBLAS pipeline");
+  cmd->add_flag("--baseline-sgemm", o->baseline_sgemm,
+                "OpenBLAS pipeline with sgemm at M = 1 too (by default M = 1 uses the faster "
+                "sgemv)");
+  cmd->add_flag("--hot", o->hot,
+                "One weight copy: weights that fit the last-level cache stay there (the default "
+                "rotates copies over 3x the cache so every call reads memory)");
   cmd->add_option("--bw-mib", o->bw_mib, "Buffer size of the bandwidth measurement, MiB")
       ->capture_default_str();
   cmd->add_option("--seed", o->seed, "Random data seed")->capture_default_str();

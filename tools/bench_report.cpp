@@ -104,7 +104,7 @@ void print_bench_table(std::FILE* out, const BenchEnv& e, const std::vector<Benc
              e.git_commit.empty() ? "" : " (" + e.git_commit + ")", e.date);
   fmt::print(out, "cpu: {}, {} threads, LLC {} ({})\n", e.cpu_model, e.threads,
              format_bytes(double(e.llc.bytes)), e.llc.source);
-  fmt::print(out, "memory read bandwidth: {:.1f} GB/s (median of {} passes over {})\n",
+  fmt::print(out, "memory read bandwidth: {:.1f} GB/s (best of {} passes over {})\n",
              e.bandwidth.gbps, e.bandwidth.passes, format_bytes(double(e.bandwidth.buffer_bytes)));
   fmt::print(out, "backend {}, activations {}, weights {}{}; times are medians\n\n",
              e.requested_backend, e.act_dtype, e.w_dtype, e.packed ? ", packed" : "");

@@ -23,7 +23,7 @@ struct CacheInfo {
 CacheInfo last_level_cache();
 
 struct Bandwidth {
-  double gbps = 0.0;  // median over passes, 1e9 bytes per second
+  double gbps = 0.0;  // best pass, 1e9 bytes per second
   size_t buffer_bytes = 0;
   int passes = 0;
   int threads = 0;

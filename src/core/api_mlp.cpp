@@ -13,9 +13,9 @@ namespace fmlp::detail {
 
 std::string describe(const MlpDesc& d) {
   std::string s =
-      fmt::format("M={} d_in={} hidden={} d_out={} x={} w={} {}{}", d.m, d.d_in, d.hidden,
-                  d.d_out, fmlp_dtype_name(d.act_dtype), fmlp_dtype_name(d.w_dtype),
-                  d.gated ? "gated-" : "", fmlp_activation_name(d.activation));
+      fmt::format("M={} d_in={} hidden={} d_out={} x={} w={} {}{}", d.m, d.d_in, d.hidden, d.d_out,
+                  fmlp_dtype_name(d.act_dtype), fmlp_dtype_name(d.w_dtype), d.gated ? "gated-" : "",
+                  fmlp_activation_name(d.activation));
   if (d.norm == FMLP_NORM_LAYERNORM) s += " layernorm";
   if (d.norm == FMLP_NORM_RMSNORM) s += " rmsnorm";
   if (d.has_b1 || d.has_b_up || d.has_b2) s += " bias";

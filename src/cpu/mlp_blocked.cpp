@@ -5,7 +5,7 @@
 // hidden activations for GEMM2, which GEMM1's epilogue writes straight into that layout. The
 // weights (f32/f16/bf16 rows, k contiguous) are widened to fp32 while packed into 16-column
 // panels, kKc deep, by 8x8 transposes; a dense panel is 16 hidden units, a gated one 8 gate + 8
-// up rows of the same 8 units, so the gating meets both halves in one tile. Threads split the
+// up rows of the same 8 units, so the gating meets both halves in one tile. Threads claim whole
 // weight panels, so each widens and streams only its own weight rows; every output element is
 // summed in k order, kKc blocks at a time, whatever thread, tile or M block it falls in.
 #include <omp.h>
@@ -18,10 +18,27 @@
 namespace fmlp::detail::cpu {
 namespace {
 
-constexpr int64_t kMr = 6;          // rows of A per micro-tile
-constexpr int64_t kNr = 16;         // columns of B per micro-tile (two ymm)
-constexpr int64_t kKc = 256;        // k block: a 16 KiB B panel stays in L1 while A streams
-constexpr int64_t kMcPanels = 24;   // A panels per M block: 144 x kKc fp32 = 144 KiB in L2
+constexpr int64_t kMr = 6;         // rows of A per micro-tile
+constexpr int64_t kNr = 16;        // columns of B per micro-tile (two ymm)
+constexpr int64_t kKc = 256;       // k block: a 16 KiB B panel stays in L1 while A streams
+constexpr int64_t kMcPanels = 24;  // A panels per M block: 144 x kKc fp32 = 144 KiB in L2
+
+// One k step of the assembly loop: A at byte offset AO, B at BO (the assembler adds the sums).
+// clang-format off
+#define FMLP_ROW(AO, R, C0, C1)                       \
+  "vbroadcastss " AO "(%[a]), %%ymm" R "\n\t"         \
+  "vfmadd231ps %%ymm12, %%ymm" R ", %[" C0 "]\n\t"    \
+  "vfmadd231ps %%ymm13, %%ymm" R ", %[" C1 "]\n\t"
+#define FMLP_K_STEP(AO, BO)                           \
+  "vmovaps " BO "(%[b]), %%ymm12\n\t"                 \
+  "vmovaps " BO "+32(%[b]), %%ymm13\n\t"              \
+  FMLP_ROW(AO "+0", "14", "c00", "c01")               \
+  FMLP_ROW(AO "+4", "15", "c10", "c11")               \
+  FMLP_ROW(AO "+8", "14", "c20", "c21")               \
+  FMLP_ROW(AO "+12", "15", "c30", "c31")              \
+  FMLP_ROW(AO "+16", "14", "c40", "c41")              \
+  FMLP_ROW(AO "+20", "15", "c50", "c51")
+// clang-format on
 
 // c[r][0..15] = (first ? 0 : c[r][0..15]) + sum_k a[k * 6 + r] * b[k * 16 + 0..15], each
 // accumulator updated by one fma per k in k order. The main loop is written in assembly: GCC's
@@ -37,92 +54,16 @@ inline void micro_6x16(const float* a, const float* b, int64_t kc, float* c, int
   if (int64_t n = kc / 4; n > 0) {
     // 4 k steps per iteration; A's next lines (L2) are prefetched 8 iterations ahead.
     asm volatile(
+        // clang-format off
         "1:\n\t"
-        "vmovaps 0(%[b]), %%ymm12\n\t"
-        "vmovaps 32(%[b]), %%ymm13\n\t"
-        "vbroadcastss 0(%[a]), %%ymm14\n\t"
-        "vfmadd231ps %%ymm12, %%ymm14, %[c00]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm14, %[c01]\n\t"
-        "vbroadcastss 4(%[a]), %%ymm15\n\t"
-        "vfmadd231ps %%ymm12, %%ymm15, %[c10]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[c11]\n\t"
-        "vbroadcastss 8(%[a]), %%ymm14\n\t"
-        "vfmadd231ps %%ymm12, %%ymm14, %[c20]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm14, %[c21]\n\t"
-        "vbroadcastss 12(%[a]), %%ymm15\n\t"
-        "vfmadd231ps %%ymm12, %%ymm15, %[c30]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[c31]\n\t"
-        "vbroadcastss 16(%[a]), %%ymm14\n\t"
-        "vfmadd231ps %%ymm12, %%ymm14, %[c40]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm14, %[c41]\n\t"
-        "vbroadcastss 20(%[a]), %%ymm15\n\t"
-        "vfmadd231ps %%ymm12, %%ymm15, %[c50]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[c51]\n\t"
-        "vmovaps 64(%[b]), %%ymm12\n\t"
-        "vmovaps 96(%[b]), %%ymm13\n\t"
-        "vbroadcastss 24(%[a]), %%ymm14\n\t"
-        "vfmadd231ps %%ymm12, %%ymm14, %[c00]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm14, %[c01]\n\t"
-        "vbroadcastss 28(%[a]), %%ymm15\n\t"
-        "vfmadd231ps %%ymm12, %%ymm15, %[c10]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[c11]\n\t"
-        "vbroadcastss 32(%[a]), %%ymm14\n\t"
-        "vfmadd231ps %%ymm12, %%ymm14, %[c20]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm14, %[c21]\n\t"
-        "vbroadcastss 36(%[a]), %%ymm15\n\t"
-        "vfmadd231ps %%ymm12, %%ymm15, %[c30]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[c31]\n\t"
-        "vbroadcastss 40(%[a]), %%ymm14\n\t"
-        "vfmadd231ps %%ymm12, %%ymm14, %[c40]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm14, %[c41]\n\t"
-        "vbroadcastss 44(%[a]), %%ymm15\n\t"
-        "vfmadd231ps %%ymm12, %%ymm15, %[c50]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[c51]\n\t"
-        "vmovaps 128(%[b]), %%ymm12\n\t"
-        "vmovaps 160(%[b]), %%ymm13\n\t"
-        "vbroadcastss 48(%[a]), %%ymm14\n\t"
-        "vfmadd231ps %%ymm12, %%ymm14, %[c00]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm14, %[c01]\n\t"
-        "vbroadcastss 52(%[a]), %%ymm15\n\t"
-        "vfmadd231ps %%ymm12, %%ymm15, %[c10]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[c11]\n\t"
-        "vbroadcastss 56(%[a]), %%ymm14\n\t"
-        "vfmadd231ps %%ymm12, %%ymm14, %[c20]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm14, %[c21]\n\t"
-        "vbroadcastss 60(%[a]), %%ymm15\n\t"
-        "vfmadd231ps %%ymm12, %%ymm15, %[c30]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[c31]\n\t"
-        "vbroadcastss 64(%[a]), %%ymm14\n\t"
-        "vfmadd231ps %%ymm12, %%ymm14, %[c40]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm14, %[c41]\n\t"
-        "vbroadcastss 68(%[a]), %%ymm15\n\t"
-        "vfmadd231ps %%ymm12, %%ymm15, %[c50]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[c51]\n\t"
-        "vmovaps 192(%[b]), %%ymm12\n\t"
-        "vmovaps 224(%[b]), %%ymm13\n\t"
-        "vbroadcastss 72(%[a]), %%ymm14\n\t"
-        "vfmadd231ps %%ymm12, %%ymm14, %[c00]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm14, %[c01]\n\t"
-        "vbroadcastss 76(%[a]), %%ymm15\n\t"
-        "vfmadd231ps %%ymm12, %%ymm15, %[c10]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[c11]\n\t"
-        "vbroadcastss 80(%[a]), %%ymm14\n\t"
-        "vfmadd231ps %%ymm12, %%ymm14, %[c20]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm14, %[c21]\n\t"
-        "vbroadcastss 84(%[a]), %%ymm15\n\t"
-        "vfmadd231ps %%ymm12, %%ymm15, %[c30]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[c31]\n\t"
-        "vbroadcastss 88(%[a]), %%ymm14\n\t"
-        "vfmadd231ps %%ymm12, %%ymm14, %[c40]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm14, %[c41]\n\t"
-        "vbroadcastss 92(%[a]), %%ymm15\n\t"
-        "vfmadd231ps %%ymm12, %%ymm15, %[c50]\n\t"
-        "vfmadd231ps %%ymm13, %%ymm15, %[c51]\n\t"
+        FMLP_K_STEP("0", "0") FMLP_K_STEP("24", "64") FMLP_K_STEP("48", "128")
+        FMLP_K_STEP("72", "192")
         "prefetcht0 768(%[a])\n\t"
         "add $96, %[a]\n\t"
         "add $256, %[b]\n\t"
         "dec %[n]\n\t"
         "jnz 1b\n\t"
+        // clang-format on
         : [c00] "+x"(acc[0][0]), [c01] "+x"(acc[0][1]), [c10] "+x"(acc[1][0]),
           [c11] "+x"(acc[1][1]), [c20] "+x"(acc[2][0]), [c21] "+x"(acc[2][1]),
           [c30] "+x"(acc[3][0]), [c31] "+x"(acc[3][1]), [c40] "+x"(acc[4][0]),
@@ -144,6 +85,9 @@ inline void micro_6x16(const float* a, const float* b, int64_t kc, float* c, int
     _mm256_storeu_ps(c + r * ldc + 8, acc[r][1]);
   }
 }
+
+#undef FMLP_K_STEP
+#undef FMLP_ROW
 
 inline void transpose8(__m256* v) {
   __m256 t[8], s[8];
@@ -167,19 +111,28 @@ inline void transpose8(__m256* v) {
 template <fmlp_dtype_t WT>
 void pack_half(const Rows& w, int64_t r0, int64_t valid, int64_t k0, int64_t kc, float* dst) {
   constexpr int64_t es = WT == FMLP_DTYPE_F32 ? 4 : 2;
-  for (int64_t k = 0; k < kc; k += 8) {
+  const char* src[8];
+  for (int64_t q = 0; q < 8; ++q) src[q] = q < valid ? w.row(r0 + q) + k0 * es : nullptr;
+  int64_t k = 0;
+  __m256 v[8];
+  if (valid >= 8) {  // the common case, without per-row or per-k checks
+    for (; k + 8 <= kc; k += 8) {
+      for (int q = 0; q < 8; ++q) v[q] = load8<WT>(src[q] + k * es);
+      transpose8(v);
+      for (int q = 0; q < 8; ++q) _mm256_store_ps(dst + (k + q) * kNr, v[q]);
+    }
+  }
+  for (; k < kc; k += 8) {
     const int64_t left = kc - k;
-    __m256 v[8];
     for (int64_t q = 0; q < 8; ++q) {
-      if (q >= valid) {
+      if (!src[q])
         v[q] = _mm256_setzero_ps();
-        continue;
-      }
-      const char* p = w.row(r0 + q) + (k0 + k) * es;
-      v[q] = left >= 8 ? load8<WT>(p) : load_partial<WT>(p, left);
+      else
+        v[q] = left >= 8 ? load8<WT>(src[q] + k * es) : load_partial<WT>(src[q] + k * es, left);
     }
     transpose8(v);
-    for (int64_t q = 0; q < std::min<int64_t>(8, left); ++q) _mm256_store_ps(dst + (k + q) * kNr, v[q]);
+    for (int64_t q = 0; q < std::min<int64_t>(8, left); ++q)
+      _mm256_store_ps(dst + (k + q) * kNr, v[q]);
   }
 }
 
@@ -200,39 +153,27 @@ int64_t panels(int64_t m) {
 
 // C = A B^T over `count` B panels, claimed one at a time from `next` by the team's threads (call
 // from inside the parallel region). A is packed in 6-row panels of `ka` floats per row (k < kdim
-// used); pack(panel, k0, kc, dst) packs one B block, prefetch(panel, k0, row) starts fetching one
-// of its 16 weight rows; epilogue(panel, pb, pe, ctile) finishes a panel for A panels [pb, pe).
-// A panel is computed whole by one thread in a fixed order, so results do not depend on which.
-template <class PACK, class PREFETCH, class EPILOGUE>
+// used); pack(panel, k0, kc, dst) packs one B block; epilogue(panel, pb, pe, ctile) finishes a
+// panel for A panels [pb, pe). A panel is computed whole by one thread in a fixed order, so the
+// results do not depend on which thread takes it. Claiming dynamically keeps a thread slowed by
+// another process on its core from holding up the others at the barrier.
+template <class PACK, class EPILOGUE>
 void gemm(const float* apack, int64_t ka, int64_t m, int64_t kdim, int64_t count,
-          std::atomic<int64_t>& next, const Scratch& s, PACK pack, PREFETCH prefetch,
-          EPILOGUE epilogue) {
+          std::atomic<int64_t>& next, const Scratch& s, PACK pack, EPILOGUE epilogue) {
   const int64_t np = panels(m);
   const int64_t blocks = (np + kMcPanels - 1) / kMcPanels, per = (np + blocks - 1) / blocks;
-  // Claiming panels dynamically keeps a thread slowed by another process on its core from
-  // holding up the barrier; claiming the next one early lets its first block be prefetched.
-  int64_t c = next.fetch_add(1, std::memory_order_relaxed);
-  while (c < count) {
-    const int64_t cn = next.fetch_add(1, std::memory_order_relaxed);
+  for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < count;) {
     for (int64_t pb = 0; pb < np; pb += per) {
       const int64_t pe = std::min(np, pb + per);
       for (int64_t k0 = 0; k0 < kdim; k0 += kKc) {
         const int64_t kc = std::min(kKc, kdim - k0);
         pack(c, k0, kc, s.bpack);
-        // The next block's weights come from L3 or memory: fetching them, a row per
-        // micro-kernel, hides that latency behind this block's arithmetic.
-        const int64_t pc = k0 + kKc < kdim || pe < np ? c : cn;
-        const int64_t pk = k0 + kKc < kdim ? k0 + kKc : 0;
-        for (int64_t p = pb; p < pe; ++p) {
-          if (p - pb < kNr && pc < count) prefetch(pc, pk, p - pb);
+        for (int64_t p = pb; p < pe; ++p)
           micro_6x16(apack + p * kMr * ka + k0 * kMr, s.bpack, kc, s.ctile + (p - pb) * kMr * kNr,
                      kNr, k0 == 0);
-        }
-        for (int64_t row = pe - pb; row < kNr && pc < count; ++row) prefetch(pc, pk, row);
       }
       epilogue(c, pb, pe, s.ctile);
     }
-    c = cn;
   }
 }
 
@@ -257,15 +198,6 @@ inline void put_hidden(float* hpack, int64_t hp, int64_t i, int64_t j, __m256 va
   _mm256_store_ps(tmp, val);
   float* out = hpack + (i / kMr) * kMr * hp + j * kMr + i % kMr;
   for (int64_t l = 0; l < std::min<int64_t>(8, n); ++l) out[l * kMr] = tmp[l];
-}
-
-// Prefetches row r of w (if it exists) over k [k0, k0 + kKc) into L2.
-template <fmlp_dtype_t WT>
-void prefetch_row(const Rows& w, int64_t r, int64_t rows, int64_t k0, int64_t kdim) {
-  constexpr int64_t es = WT == FMLP_DTYPE_F32 ? 4 : 2;
-  if (r >= rows) return;
-  const int64_t bytes = std::min(kKc, kdim - k0) * es;
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(w.row(r) + k0 * es + off, _MM_HINT_T1);
 }
 
 template <fmlp_dtype_t WT>
@@ -297,12 +229,6 @@ void blocked_impl(const MlpView& v, float* base, int max_threads) {
       else
         pack_half<WT>(v.w_gate, u + 8, valid(v.h, u + 8), k0, kc, dst + 8);
     };
-    const auto prefetch1 = [&](int64_t c, int64_t k0, int64_t row) {
-      if (v.gated)
-        prefetch_row<WT>(row < 8 ? v.w_gate : v.w_up, c * 8 + row % 8, v.h, k0, v.k);
-      else
-        prefetch_row<WT>(v.w_gate, c * 16 + row, v.h, k0, v.k);
-    };
     // Rows past m in the last panel get values too (from zero x rows): GEMM2 reads them.
     const auto epilogue1 = [&](int64_t c, int64_t pb, int64_t pe, const float* ct) {
       const int64_t u = c * unit_w;
@@ -325,22 +251,19 @@ void blocked_impl(const MlpView& v, float* base, int max_threads) {
         }
       }
     };
-    gemm(apack, kp, m, v.k, panels1, next1, s, pack1, prefetch1, epilogue1);
+    gemm(apack, kp, m, v.k, panels1, next1, s, pack1, epilogue1);
 #pragma omp barrier
     const auto pack2 = [&](int64_t c, int64_t k0, int64_t kc, float* dst) {
       const int64_t o = c * kNr;
       pack_half<WT>(v.w2, o, valid(v.n, o), k0, kc, dst);
       pack_half<WT>(v.w2, o + 8, valid(v.n, o + 8), k0, kc, dst + 8);
     };
-    const auto prefetch2 = [&](int64_t c, int64_t k0, int64_t row) {
-      prefetch_row<WT>(v.w2, c * kNr + row, v.n, k0, v.h);
-    };
     const auto epilogue2 = [&](int64_t c, int64_t pb, int64_t pe, const float* ct) {
       const int64_t o = c * kNr, cnt = std::min(kNr, v.n - o);
       for (int64_t i = pb * kMr; i < std::min(pe * kMr, m); ++i)
         output_epilogue(v, i, o, cnt, ct + (i - pb * kMr) * kNr);
     };
-    gemm(hpack, hp, m, v.h, panels2, next2, s, pack2, prefetch2, epilogue2);
+    gemm(hpack, hp, m, v.h, panels2, next2, s, pack2, epilogue2);
   }
 }
 
@@ -354,8 +277,9 @@ bool blocked_supports(const MlpDesc& d, std::string* why) {
 // workspace against this size again at run time, and a run never uses more threads than that.
 size_t blocked_workspace(const MlpDesc& d) {
   const int64_t rows = panels(d.m) * kMr;
-  const int64_t floats = rows * (padded(d.d_in) + padded(d.hidden)) +
-                         int64_t(std::max(1, omp_get_max_threads())) * scratch_floats(padded(d.d_in));
+  const int64_t floats =
+      rows * (padded(d.d_in) + padded(d.hidden)) +
+      int64_t(std::max(1, omp_get_max_threads())) * scratch_floats(padded(d.d_in));
   return size_t(floats) * sizeof(float) + 64;
 }
 

@@ -13,7 +13,9 @@ std::string cuda_unavailable_reason() {
          "exists)";
 }
 
-std::string cuda_device_list() { return {}; }
+std::string cuda_device_list() {
+  return {};
+}
 
 fmlp_status_t cuda_mlp_pack(fmlp_mlp_packed_s*, const fmlp_mlp_weights_t&, const MlpDesc&, void*) {
   return fail(FMLP_ERROR_BACKEND_UNAVAILABLE, "{}", cuda_unavailable_reason());
