@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "fusedmlp/dtype.hpp"
 #include "fusedmlp/fusedmlp.h"
 #include "fusedmlp/fusedmlp.hpp"
 
@@ -288,4 +289,25 @@ TEST(Info, BuildInfoAndDeviceList) {
   if (fmlp_backend_available(FMLP_BACKEND_CUDA) == FMLP_SUCCESS) {
     EXPECT_NE(list.find("cuda:0"), std::string::npos) << list;
   }
+}
+
+// The public host conversions round to nearest even, keep NaN a NaN and saturate fp8 at 448.
+TEST(Dtype, PublicConversions) {
+  EXPECT_EQ(fmlp::float_to_bf16(1.0f), 0x3f80);
+  EXPECT_EQ(fmlp::float_to_f16(1.0f), 0x3c00);
+  EXPECT_EQ(fmlp::float_to_f16(1e6f), 0x7c00);  // overflow: +Inf
+  EXPECT_TRUE(std::isnan(fmlp::bf16_to_float(fmlp::float_to_bf16(std::nanf("")))));
+  EXPECT_TRUE(std::isnan(fmlp::f16_to_float(fmlp::float_to_f16(std::nanf("")))));
+  EXPECT_EQ(fmlp::float_to_f8e4m3(448.0f), 0x7e);
+  EXPECT_EQ(fmlp::float_to_f8e4m3(1000.0f), 0x7e);  // finite overflow saturates
+  EXPECT_EQ(fmlp::float_to_f8e4m3(-1000.0f), 0xfe);
+  EXPECT_TRUE(std::isnan(fmlp::f8e4m3_to_float(fmlp::float_to_f8e4m3(std::nanf("")))));
+  for (float v : {0.0f, 0.5f, -1.75f, 3.0e-3f, 100.0f}) {
+    const float b = fmlp::bf16_to_float(fmlp::float_to_bf16(v));
+    const float h = fmlp::f16_to_float(fmlp::float_to_f16(v));
+    EXPECT_LE(std::fabs(b - v), std::fabs(v) * 0x1p-8f) << v;  // half a bf16 ulp at most
+    EXPECT_LE(std::fabs(h - v), std::fabs(v) * 0x1p-11f + 0x1p-25f) << v;
+  }
+  EXPECT_EQ(fmlp::f8e4m3_to_float(fmlp::float_to_f8e4m3(0.1015625f)), 0.1015625f);  // 13/128
+  EXPECT_EQ(fmlp::dtype_size(FMLP_DTYPE_BF16), 2u);
 }

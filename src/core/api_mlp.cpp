@@ -87,23 +87,30 @@ fmlp_status_t select_kernel(const MlpDesc& d, fmlp_backend_t requested, const Ml
               b == FMLP_BACKEND_REF ? "" : "\n  (backend ref handles every valid host request)");
 }
 
-fmlp_status_t run_selected(const fmlp_mlp_args_t& args, const MlpDesc& d, fmlp_backend_t backend,
-                           void* workspace, size_t workspace_bytes, void* stream) {
-  const MlpKernel* k = nullptr;
-  if (const fmlp_status_t s = select_kernel(d, backend, &k); s != FMLP_SUCCESS) return s;
+// Runs one chosen kernel after the workspace check; M = 0 is a successful no-op.
+fmlp_status_t run_kernel(const MlpKernel& k, const fmlp_mlp_args_t& args, const MlpDesc& d,
+                         void* workspace, size_t workspace_bytes, void* stream,
+                         const char* size_query) {
   if (d.m == 0) {
     clear_last_error();
     return FMLP_SUCCESS;
   }
-  const size_t need = k->workspace_bytes(d);
+  const size_t need = k.workspace_bytes(d);
   if (need > 0 && (workspace == nullptr || workspace_bytes < need))
     return fail(FMLP_ERROR_WORKSPACE_TOO_SMALL,
-                "kernel {} needs a workspace of {} bytes but got "
-                "{} bytes{}; size it with fmlp_mlp_workspace_size",
-                k->name, need, workspace == nullptr ? 0 : workspace_bytes,
-                workspace == nullptr ? " (NULL)" : "");
+                "kernel {} needs a workspace of {} bytes but got {} bytes{}; size it with {}",
+                k.name, need, workspace == nullptr ? 0 : workspace_bytes,
+                workspace == nullptr ? " (NULL)" : "", size_query);
   clear_last_error();
-  return k->run(args, d, workspace, stream);
+  return k.run(args, d, workspace, stream);
+}
+
+fmlp_status_t run_selected(const fmlp_mlp_args_t& args, const MlpDesc& d, fmlp_backend_t backend,
+                           void* workspace, size_t workspace_bytes, void* stream,
+                           const char* size_query) {
+  const MlpKernel* k = nullptr;
+  if (const fmlp_status_t s = select_kernel(d, backend, &k); s != FMLP_SUCCESS) return s;
+  return run_kernel(*k, args, d, workspace, workspace_bytes, stream, size_query);
 }
 
 }  // namespace
@@ -129,7 +136,8 @@ fmlp_status_t fmlp_mlp(const fmlp_mlp_args_t* args, fmlp_backend_t backend, void
                        size_t workspace_bytes, void* stream) {
   MlpDesc d;
   if (const fmlp_status_t s = validate_mlp(args, &d); s != FMLP_SUCCESS) return s;
-  return run_selected(*args, d, backend, workspace, workspace_bytes, stream);
+  return run_selected(*args, d, backend, workspace, workspace_bytes, stream,
+                      "fmlp_mlp_workspace_size");
 }
 
 fmlp_status_t fmlp_mlp_explain(const fmlp_mlp_args_t* args, fmlp_backend_t backend, char* buf,
@@ -211,7 +219,8 @@ fmlp_status_t fmlp_mlp_packed_run(const fmlp_mlp_packed_t* packed, const fmlp_te
   MlpDesc d;
   if (const fmlp_status_t s = packed_args(packed, y, x, residual, &args, &d); s != FMLP_SUCCESS)
     return s;
-  return run_selected(args, d, packed->backend, workspace, workspace_bytes, stream);
+  return run_selected(args, d, packed->backend, workspace, workspace_bytes, stream,
+                      "fmlp_mlp_packed_workspace_size");
 }
 
 }  // extern "C"
@@ -287,18 +296,8 @@ fmlp_status_t fmlp_mlp_with_kernel(const fmlp_mlp_args_t* args, const char* kern
   MlpDesc d;
   const MlpKernel* k = nullptr;
   if (const fmlp_status_t s = named_kernel(args, kernel, &d, &k); s != FMLP_SUCCESS) return s;
-  if (d.m == 0) {
-    clear_last_error();
-    return FMLP_SUCCESS;
-  }
-  const size_t need = k->workspace_bytes(d);
-  if (need > 0 && (workspace == nullptr || workspace_bytes < need))
-    return fail(FMLP_ERROR_WORKSPACE_TOO_SMALL,
-                "kernel {} needs a workspace of {} bytes but got "
-                "{}; size it with fmlp_mlp_kernel_workspace_size",
-                k->name, need, workspace_bytes);
-  clear_last_error();
-  return k->run(*args, d, workspace, stream);
+  return run_kernel(*k, *args, d, workspace, workspace_bytes, stream,
+                    "fmlp_mlp_kernel_workspace_size");
 }
 
 }  // extern "C"

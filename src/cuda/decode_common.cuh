@@ -6,6 +6,7 @@
 
 #include <type_traits>
 
+#include "core/mlp_desc.hpp"
 #include "cuda/common.cuh"
 
 namespace fmlp::cuda {
@@ -37,5 +38,27 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ float opt(const void* p, fmlp_dtype_t t, int64_t i, float absent) {
   return p ? load_scalar(p, t, i) : absent;
 }
+
+// The operands of one mlp call as the decode kernels read them (kernel parameter structs derive
+// from it): stacked gate/up resolved into two row-strided views, absent vectors as nullptr,
+// strides in elements. Filled on the host by decode_operands().
+struct DecodeOperands {
+  const void* x;
+  void* y;
+  const void* res;
+  int64_t x_ld, y_ld, res_ld;
+  const void* wg;  // dense: W1; gated: gate rows
+  const void* wu;  // gated: up rows
+  const void* w2;
+  int64_t wg_ld, wu_ld, w2_ld;
+  const void *bg, *bu, *b2, *gamma, *beta;
+  fmlp_dtype_t act_t, bg_t, bu_t, b2_t, gamma_t, beta_t;
+  fmlp_activation_t act;
+  fmlp_norm_t norm;
+  float eps;
+  int m, k, h, n;
+};
+
+DecodeOperands decode_operands(const fmlp_mlp_args_t& a, const fmlp::detail::MlpDesc& d);
 
 }  // namespace fmlp::cuda

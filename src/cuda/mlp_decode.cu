@@ -32,6 +32,7 @@
 #include "core/error.hpp"
 #include "core/tensor_check.hpp"
 #include "cuda/common.cuh"
+#include "cuda/decode_common.cuh"
 #include "cuda/mlp_decode.cuh"
 
 namespace fmlp::detail {
@@ -50,22 +51,8 @@ constexpr int kMaxTokens = 64;
 constexpr int kStatsBytes = kMaxTokens * 8;
 constexpr size_t kXsBudget = 96 * 1024;  // shared memory for one chunk of staged tokens
 
-struct DecodeParams {
-  const void* x;
-  void* y;
-  const void* res;
-  int64_t x_ld, y_ld, res_ld;
-  const void* wg;  // dense: W1; gated: gate rows
-  const void* wu;  // gated: up rows
-  const void* w2;
-  int64_t wg_ld, wu_ld, w2_ld;
-  const void *bg, *bu, *b2, *gamma, *beta;
-  fmlp_dtype_t act_t, bg_t, bu_t, b2_t, gamma_t, beta_t;
-  fmlp_activation_t act;
-  fmlp_norm_t norm;
-  float eps;
+struct DecodeParams : fmlp::cuda::DecodeOperands {
   int gated, split_x, split_h, deterministic, vec;
-  int m, k, h, n;
   int tiles, tile_hidden;  // tile_hidden: 8 gated, 16 dense
   int tw, ks;              // GEMM1 warps: tw tile columns x ks k-splits
   int kc;                  // staged chunk of k, a multiple of 32
@@ -604,53 +591,12 @@ fmlp_status_t mlp_decode_sm90_splitk_run(const fmlp_mlp_args_t& a, const MlpDesc
   if (!make_config(d, &c, &why)) return fail(FMLP_ERROR_NOT_SUPPORTED, "{}", why);
   const KernelFn fn = kernel_for(d, c);
   if (fn == nullptr) return fail(FMLP_ERROR_INTERNAL, "mlp_decode_sm90_splitk: no instantiation");
-  const fmlp_mlp_weights_t& w = a.weights;
-  const size_t es = dtype_size(d.w_dtype);
   DecodeParams p{};
-  p.x = a.x.data;
-  p.y = a.y.data;
-  p.res = d.has_residual ? a.residual.data : nullptr;
-  p.x_ld = a.x.stride[0];
-  p.y_ld = a.y.stride[0];
-  p.res_ld = d.has_residual ? a.residual.stride[0] : 0;
-  p.wg = w.w1.data;
-  p.wg_ld = w.w1.stride[0];
-  if (d.gated && d.stacked_gate_up) {
-    p.wu = static_cast<const char*>(w.w1.data) + d.hidden * w.w1.stride[0] * es;
-    p.wu_ld = w.w1.stride[0];
-  } else if (d.gated) {
-    p.wu = w.w_up.data;
-    p.wu_ld = w.w_up.stride[0];
-  }
-  p.w2 = w.w2.data;
-  p.w2_ld = w.w2.stride[0];
-  p.bg = d.has_b1 ? w.b1.data : nullptr;
-  p.bg_t = w.b1.dtype;
-  if (d.gated && d.stacked_gate_up && d.has_b1) {
-    p.bu = static_cast<const char*>(w.b1.data) + d.hidden * dtype_size(w.b1.dtype);
-    p.bu_t = w.b1.dtype;
-  } else if (d.has_b_up) {
-    p.bu = w.b_up.data;
-    p.bu_t = w.b_up.dtype;
-  }
-  p.b2 = d.has_b2 ? w.b2.data : nullptr;
-  p.b2_t = w.b2.dtype;
-  p.gamma = d.has_norm_weight ? w.norm_weight.data : nullptr;
-  p.gamma_t = w.norm_weight.dtype;
-  p.beta = d.has_norm_bias ? w.norm_bias.data : nullptr;
-  p.beta_t = w.norm_bias.dtype;
-  p.act_t = d.act_dtype;
-  p.act = d.activation;
-  p.norm = d.norm;
-  p.eps = d.norm_eps;
+  static_cast<fmlp::cuda::DecodeOperands&>(p) = fmlp::cuda::decode_operands(a, d);
   p.gated = d.gated;
   p.split_x = c.split_x;
   p.split_h = c.split_h;
   p.deterministic = d.deterministic;
-  p.m = int(d.m);
-  p.k = int(d.d_in);
-  p.h = int(d.hidden);
-  p.n = int(d.d_out);
   p.tiles = c.tiles;
   p.tile_hidden = c.tile_hidden;
   p.tw = c.tw;

@@ -48,21 +48,7 @@ constexpr int kTile = 8;           // hidden units per tile: one 16-byte chunk o
 constexpr int kRowLoads = 8;       // 16-byte loads in flight per lane per W1 row (x2 when gated)
 constexpr int kPhase2Unroll = 16;  // W2 rows in flight per lane
 
-struct GemvParams {
-  const void* x;
-  void* y;
-  const void* res;
-  int64_t x_ld, y_ld, res_ld;
-  const void* wg;  // dense: W1; gated: gate rows
-  const void* wu;  // gated: up rows
-  const void* w2;
-  int64_t wg_ld, wu_ld, w2_ld;
-  const void *bg, *bu, *b2, *gamma, *beta;
-  fmlp_dtype_t act_t, bg_t, bu_t, b2_t, gamma_t, beta_t;
-  fmlp_activation_t act;
-  fmlp_norm_t norm;
-  float eps;
-  int m, k, h, n;
+struct GemvParams : fmlp::cuda::DecodeOperands {
   float* acc;         // [m, n] fp32 accumulators, zero between calls
   unsigned* counter;  // blocks done, zero between calls
 };
@@ -330,48 +316,8 @@ size_t mlp_decode_sm80_gemv_workspace(const MlpDesc& d) {
 
 fmlp_status_t mlp_decode_sm80_gemv_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* ws,
                                        void* stream) {
-  const fmlp_mlp_weights_t& w = a.weights;
   GemvParams p{};
-  p.x = a.x.data;
-  p.y = a.y.data;
-  p.res = d.has_residual ? a.residual.data : nullptr;
-  p.x_ld = a.x.stride[0];
-  p.y_ld = a.y.stride[0];
-  p.res_ld = d.has_residual ? a.residual.stride[0] : 0;
-  p.wg = w.w1.data;
-  p.wg_ld = w.w1.stride[0];
-  if (d.gated && d.stacked_gate_up) {
-    p.wu = static_cast<const char*>(w.w1.data) + d.hidden * w.w1.stride[0] * 2;
-    p.wu_ld = w.w1.stride[0];
-  } else if (d.gated) {
-    p.wu = w.w_up.data;
-    p.wu_ld = w.w_up.stride[0];
-  }
-  p.w2 = w.w2.data;
-  p.w2_ld = w.w2.stride[0];
-  p.bg = d.has_b1 ? w.b1.data : nullptr;
-  p.bg_t = w.b1.dtype;
-  if (d.gated && d.stacked_gate_up && d.has_b1) {
-    p.bu = static_cast<const char*>(w.b1.data) + d.hidden * int64_t(dtype_size(w.b1.dtype));
-    p.bu_t = w.b1.dtype;
-  } else if (d.has_b_up) {
-    p.bu = w.b_up.data;
-    p.bu_t = w.b_up.dtype;
-  }
-  p.b2 = d.has_b2 ? w.b2.data : nullptr;
-  p.b2_t = w.b2.dtype;
-  p.gamma = d.has_norm_weight ? w.norm_weight.data : nullptr;
-  p.gamma_t = w.norm_weight.dtype;
-  p.beta = d.has_norm_bias ? w.norm_bias.data : nullptr;
-  p.beta_t = w.norm_bias.dtype;
-  p.act_t = d.act_dtype;
-  p.act = d.activation;
-  p.norm = d.norm;
-  p.eps = d.norm_eps;
-  p.m = int(d.m);
-  p.k = int(d.d_in);
-  p.h = int(d.hidden);
-  p.n = int(d.d_out);
+  static_cast<fmlp::cuda::DecodeOperands&>(p) = fmlp::cuda::decode_operands(a, d);
   char* base = static_cast<char*>(ws);
   p.acc = reinterpret_cast<float*>(base);
   base += align_up(size_t(d.m) * size_t(d.d_out) * 4);
