@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up (packages + build) and runs the whole test suite; ctest prints the summary.
+# Sets up (packages + build) and runs the whole test suite: ctest, then the Python package's
+# pytest suite; each prints its summary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -9,3 +10,22 @@ if [ -x "$BUILD_DIR/tools/fusedmlp" ]; then
   "$BUILD_DIR/tools/fusedmlp" info | grep -E "^(build|gpus):|^  cuda " || true
 fi
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "${JOBS:-$(nproc)}"
+
+# Python package (pyproject.toml: scikit-build-core + nanobind, libfusedmlp linked in statically).
+# A system Python (Debian 12) needs its headers and pip, and pip's leave to install outside a venv.
+if ! python3 -m pip --version >/dev/null 2>&1 ||
+   [ ! -f "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ]; then
+  echo "setup: installing python3-dev python3-pip" >&2
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends python3-dev python3-pip >/dev/null
+fi
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH=/usr/local/cuda/bin:$PATH
+fi
+export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore
+export CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-$(nproc)}
+python3 -m pip install -q pytest numpy scikit-build-core nanobind
+# Without build isolation the build directory (build-python/) stays valid, so reruns are incremental.
+CMAKE_ARGS="-DFMLP_CUDA=${FMLP_CUDA:-AUTO}" python3 -m pip install -q --no-build-isolation .
+python3 -m pytest -q python/tests
