@@ -23,8 +23,9 @@ const std::string& last_error() {
   return g_last_error;
 }
 
-std::string ref_unavailable_reason() {
-  return {};
+const std::string& ref_unavailable_reason() {
+  static const std::string none;
+  return none;
 }
 }  // namespace fmlp::detail
 
@@ -116,19 +117,19 @@ const char* fmlp_activation_name(fmlp_activation_t a) {
 }
 
 fmlp_status_t fmlp_backend_available(fmlp_backend_t backend) {
-  std::string why;
+  const std::string* why = nullptr;
   switch (backend) {
     case FMLP_BACKEND_AUTO:
-    case FMLP_BACKEND_REF: why = ref_unavailable_reason(); break;
-    case FMLP_BACKEND_CPU: why = cpu_unavailable_reason(); break;
-    case FMLP_BACKEND_CUDA: why = cuda_unavailable_reason(); break;
+    case FMLP_BACKEND_REF: why = &ref_unavailable_reason(); break;
+    case FMLP_BACKEND_CPU: why = &cpu_unavailable_reason(); break;
+    case FMLP_BACKEND_CUDA: why = &cuda_unavailable_reason(); break;
     default:
       return fail(FMLP_ERROR_INVALID_VALUE,
                   "backend is {}; expected auto (0), ref (1), cpu (2) "
                   "or cuda (3)",
                   int(backend));
   }
-  if (!why.empty()) return fail(FMLP_ERROR_BACKEND_UNAVAILABLE, "{}", why);
+  if (!why->empty()) return fail(FMLP_ERROR_BACKEND_UNAVAILABLE, "{}", *why);
   clear_last_error();
   return FMLP_SUCCESS;
 }

@@ -39,10 +39,6 @@ std::vector<Candidate> mlp_candidates(const MlpDesc& desc, fmlp_backend_t backen
   return out;
 }
 
-namespace {
-
-// AUTO follows the data: device memory goes to cuda, host memory to cpu when this CPU has the
-// ISA, else ref. An explicit backend must match where the data lives.
 fmlp_status_t resolve_backend(fmlp_backend_t requested, const MlpDesc& d, fmlp_backend_t* out) {
   if (unsigned(requested) > unsigned(FMLP_BACKEND_CUDA))
     return fail(FMLP_ERROR_INVALID_VALUE,
@@ -62,26 +58,31 @@ fmlp_status_t resolve_backend(fmlp_backend_t requested, const MlpDesc& d, fmlp_b
                 fmlp_backend_name(b), wants_device ? "CUDA device" : "host",
                 device_string(d.device, d.device_id),
                 d.device == FMLP_DEVICE_CUDA ? "cuda" : "cpu or ref");
-  const std::string why = b == FMLP_BACKEND_CUDA  ? cuda_unavailable_reason()
-                          : b == FMLP_BACKEND_CPU ? cpu_unavailable_reason()
-                                                  : ref_unavailable_reason();
+  const std::string& why = b == FMLP_BACKEND_CUDA  ? cuda_unavailable_reason()
+                           : b == FMLP_BACKEND_CPU ? cpu_unavailable_reason()
+                                                   : ref_unavailable_reason();
   if (!why.empty())
     return fail(FMLP_ERROR_BACKEND_UNAVAILABLE, "backend {}: {}", fmlp_backend_name(b), why);
   *out = b;
   return FMLP_SUCCESS;
 }
 
+namespace {
+
 fmlp_status_t select_kernel(const MlpDesc& d, fmlp_backend_t requested, const MlpKernel** out) {
   fmlp_backend_t b;
   if (const fmlp_status_t s = resolve_backend(requested, d, &b); s != FMLP_SUCCESS) return s;
+  // The common case allocates nothing: the first supporting entry wins and nobody reads `why`.
+  std::string why;
+  for (const MlpKernelList& list : {cuda_mlp_kernels(), cpu_mlp_kernels(), ref_mlp_kernels()})
+    for (size_t i = 0; i < list.count; ++i)
+      if (list.kernels[i].backend == b && list.kernels[i].supports(d, &why)) {
+        *out = &list.kernels[i];
+        return FMLP_SUCCESS;
+      }
   std::string reasons;
-  for (const Candidate& c : mlp_candidates(d, b)) {
-    if (c.supported) {
-      *out = c.kernel;
-      return FMLP_SUCCESS;
-    }
+  for (const Candidate& c : mlp_candidates(d, b))
     reasons += fmt::format("\n  {}: {}", c.kernel->name, c.why);
-  }
   return fail(FMLP_ERROR_NOT_SUPPORTED, "no {} kernel handles {}:{}{}", fmlp_backend_name(b),
               describe(d), reasons.empty() ? " (none registered)" : reasons.c_str(),
               b == FMLP_BACKEND_REF ? "" : "\n  (backend ref handles every valid host request)");

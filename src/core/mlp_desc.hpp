@@ -62,9 +62,10 @@ MlpKernelList cpu_mlp_kernels();
 MlpKernelList cuda_mlp_kernels();  // empty when CUDA is not built
 
 // Why the backend cannot run on this machine, or empty when it can.
-std::string ref_unavailable_reason();
-std::string cpu_unavailable_reason();
-std::string cuda_unavailable_reason();
+// Computed once per process; dispatch asks on every call.
+const std::string& ref_unavailable_reason();
+const std::string& cpu_unavailable_reason();
+const std::string& cuda_unavailable_reason();
 std::string cuda_device_list();  // one line per device; empty without CUDA or devices
 
 struct Candidate {
@@ -73,6 +74,10 @@ struct Candidate {
   std::string why;
 };
 std::vector<Candidate> mlp_candidates(const MlpDesc& desc, fmlp_backend_t backend);
+
+// Resolves AUTO (device memory: cuda; host memory: cpu when this CPU has the ISA, else ref) and
+// checks that the backend matches where the data lives and can run here.
+fmlp_status_t resolve_backend(fmlp_backend_t requested, const MlpDesc& desc, fmlp_backend_t* out);
 
 }  // namespace fmlp::detail
 

@@ -133,18 +133,7 @@ fmlp_status_t fmlp_mlp_pack(fmlp_mlp_packed_t** packed, const fmlp_mlp_weights_t
   MlpDesc d;
   if (const fmlp_status_t s = validate_mlp_weights(*weights, *config, -1, &d); s != FMLP_SUCCESS)
     return s;
-  if (unsigned(backend) > unsigned(FMLP_BACKEND_CUDA))
-    return fail(FMLP_ERROR_INVALID_VALUE,
-                "backend is {}; expected auto (0), ref (1), cpu (2) or "
-                "cuda (3)",
-                int(backend));
-  if (backend == FMLP_BACKEND_AUTO)
-    backend = d.device == FMLP_DEVICE_CUDA       ? FMLP_BACKEND_CUDA
-              : cpu_unavailable_reason().empty() ? FMLP_BACKEND_CPU
-                                                 : FMLP_BACKEND_REF;
-  if ((backend == FMLP_BACKEND_CUDA) != (d.device == FMLP_DEVICE_CUDA))
-    return fail(FMLP_ERROR_DEVICE_MISMATCH, "backend {} cannot pack weights that live on {}",
-                fmlp_backend_name(backend), device_string(d.device, d.device_id));
+  if (const fmlp_status_t s = resolve_backend(backend, d, &backend); s != FMLP_SUCCESS) return s;
   auto* p = new (std::nothrow) fmlp_mlp_packed_s{};
   if (p == nullptr) return fail(FMLP_ERROR_OUT_OF_MEMORY, "cannot allocate the packed handle");
   p->backend = backend;

@@ -4,7 +4,9 @@
 
 namespace fmlp::detail {
 
-std::string cpu_unavailable_reason() {
+namespace {
+
+std::string probe_isa() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
   std::string missing;
@@ -16,6 +18,13 @@ std::string cpu_unavailable_reason() {
 #else
   return "the cpu backend needs an x86-64 CPU with AVX2, FMA and F16C; use backend ref";
 #endif
+}
+
+}  // namespace
+
+const std::string& cpu_unavailable_reason() {
+  static const std::string reason = probe_isa();
+  return reason;
 }
 
 }  // namespace fmlp::detail

@@ -178,8 +178,8 @@ bool common_supports(const MlpDesc& d, std::string* why) {
     *why = "fp8 e4m3 weights are not implemented on cpu yet; use backend ref";
     return false;
   }
-  if (std::string isa = cpu_unavailable_reason(); !isa.empty()) {
-    *why = std::move(isa);
+  if (const std::string& isa = cpu_unavailable_reason(); !isa.empty()) {
+    *why = isa;
     return false;
   }
   return true;

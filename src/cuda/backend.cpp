@@ -119,7 +119,7 @@ std::string cuda_device_list() {
   return out;
 }
 
-std::string cuda_unavailable_reason() {
+const std::string& cuda_unavailable_reason() {
   static const std::string reason = probe_devices();
   return reason;
 }

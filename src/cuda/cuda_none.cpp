@@ -8,9 +8,11 @@ MlpKernelList cuda_mlp_kernels() {
   return {nullptr, 0};
 }
 
-std::string cuda_unavailable_reason() {
-  return "this build of fusedmlp has no CUDA support (configure with -DFMLP_CUDA=ON where nvcc "
-         "exists)";
+const std::string& cuda_unavailable_reason() {
+  static const std::string reason =
+      "this build of fusedmlp has no CUDA support (configure with -DFMLP_CUDA=ON where nvcc "
+      "exists)";
+  return reason;
 }
 
 std::string cuda_device_list() {
