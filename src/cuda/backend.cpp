@@ -50,6 +50,16 @@ bool splitk_supports(const MlpDesc& d, std::string* why) {
   return device_supported(d, why) && mlp_decode_sm90_splitk_supports(d, why);
 }
 
+bool cluster_supports(const MlpDesc& d, std::string* why) {
+  if (!device_supported(d, why)) return false;
+  if (const int cc = compute_capability(d.device_id); cc < 90)
+    return (*why = fmt::format("cuda:{} has compute capability {}.{}; thread-block clusters need "
+                               "9.0 (Hopper) or newer",
+                               d.device_id, cc / 10, cc % 10),
+            false);
+  return mlp_decode_sm90_cluster_supports(d, why);
+}
+
 bool gemv_supports(const MlpDesc& d, std::string* why) {
   return device_supported(d, why) && mlp_decode_sm80_gemv_supports(d, why);
 }
@@ -57,6 +67,8 @@ bool gemv_supports(const MlpDesc& d, std::string* why) {
 // Preference order, measured on an H200: the register-stream kernel for one token (1.1-1.7x faster
 // than the tensor-core kernel at M = 1), the tensor-core kernel otherwise.
 const MlpKernel kCudaKernels[] = {
+    {"mlp_decode_sm90_cluster", FMLP_BACKEND_CUDA, cluster_supports,
+     mlp_decode_sm90_cluster_workspace, mlp_decode_sm90_cluster_run},
     {"mlp_decode_sm80_gemv", FMLP_BACKEND_CUDA, gemv_supports, mlp_decode_sm80_gemv_workspace,
      mlp_decode_sm80_gemv_run},
     {"mlp_decode_sm90_splitk", FMLP_BACKEND_CUDA, splitk_supports, mlp_decode_sm90_splitk_workspace,
