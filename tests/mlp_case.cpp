@@ -109,10 +109,19 @@ void make_weight(HostMatrix* w, HostMatrix* scale, const MlpCase& c, int64_t row
     fill_uniform(w, rng, -bound, bound);
     return;
   }
-  // Stored codes span about +-16, well inside e4m3's range and precise to 3 mantissa bits.
+  // Stored codes span about +-16, well inside e4m3's range and precise to 3 mantissa bits; or,
+  // with fp8_all_codes, any finite non-zero code, so every exponent and subnormal is decoded.
   *scale = make_matrix(FMLP_DTYPE_F32, c.per_row_scale ? rows : 1, 0);
   std::uniform_real_distribution<double> spread(0.5, 2.0);
-  for (int64_t r = 0; r < scale->rows; ++r) scale->set(r, 0, bound / 16.0 * spread(rng));
+  const double top = c.fp8_all_codes ? 448.0 : 16.0;
+  for (int64_t r = 0; r < scale->rows; ++r) scale->set(r, 0, bound / top * spread(rng));
+  if (c.fp8_all_codes) {
+    for (unsigned char& code : w->bytes) {
+      do code = uint8_t(rng());
+      while ((code & 0x7f) == 0 || (code & 0x7f) == 0x7f);
+    }
+    return;
+  }
   std::uniform_real_distribution<double> u(-bound, bound);
   for (int64_t r = 0; r < rows; ++r) {
     const double s = scale->get(c.per_row_scale ? r : 0, 0);
@@ -148,6 +157,8 @@ std::string MlpCase::name() const {
                   fmlp_activation_name(act) + " " + gate_name(gate) +
                   " x=" + fmlp_dtype_name(x_dtype) + " w=" + fmlp_dtype_name(w_dtype);
   if (w_dtype == FMLP_DTYPE_F8_E4M3) s += per_row_scale ? "(row scales)" : "(tensor scale)";
+  if (fp8_all_codes) s += " all-fp8-codes";
+  if (nan_weights) s += " nan-weights";
   if (b1 != kAbsent) s += std::string(" b1=") + fmlp_dtype_name(b1);
   if (b_up != kAbsent) s += std::string(" b_up=") + fmlp_dtype_name(b_up);
   if (b2 != kAbsent) s += std::string(" b2=") + fmlp_dtype_name(b2);
@@ -182,7 +193,8 @@ void normalize(MlpCase* c) {
   if (c->norm == FMLP_NORM_NONE) c->gamma = kAbsent;
   if (c->norm != FMLP_NORM_LAYERNORM) c->beta = kAbsent;
   if (c->m < 3) c->nonfinite = false;
-  if (c->w_dtype != FMLP_DTYPE_F8_E4M3) c->per_row_scale = false;
+  if (c->w_dtype != FMLP_DTYPE_F8_E4M3)
+    c->per_row_scale = c->fp8_all_codes = c->nan_weights = false;
 }
 
 MlpCase random_case(Rng& rng, int64_t max_macs) {
@@ -252,6 +264,10 @@ CaseData make_data(const MlpCase& c, uint64_t seed) {
               rng);
   if (c.gate == Gate::kSeparate) make_weight(&d.w_up, &d.w_up_scale, c, c.hidden, c.d_in, rng);
   make_weight(&d.w2, &d.w2_scale, c, c.d_out, c.hidden, rng);
+  if (c.nan_weights) {
+    d.w2.bytes[size_t(rng() % uint64_t(c.hidden))] = 0x7f;
+    d.w2.bytes[size_t((c.d_out - 1) * c.hidden + int64_t(rng() % uint64_t(c.hidden)))] = 0xff;
+  }
   d.b1 = make_matrix(c.b1, c.gate == Gate::kStacked ? 2 * c.hidden : c.hidden, 0);
   fill_uniform(&d.b1, rng, -0.5, 0.5);
   d.b_up = make_matrix(c.b_up, c.hidden, 0);

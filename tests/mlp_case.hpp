@@ -28,6 +28,9 @@ struct MlpCase {
   fmlp_dtype_t x_dtype = FMLP_DTYPE_F32;  // x, y and residual
   fmlp_dtype_t w_dtype = FMLP_DTYPE_F32;  // w1, w_up, w2
   bool per_row_scale = false;             // fp8 weights: [rows] scales instead of [1]
+  bool fp8_all_codes = false;  // fp8 weights: codes drawn from every finite non-zero code
+                               // (subnormals and 448 included) instead of about +-16
+  bool nan_weights = false;    // fp8 weights: w2 holds a 0x7f NaN in row 0, 0xff in the last row
   fmlp_dtype_t b1 = kAbsent, b_up = kAbsent, b2 = kAbsent;
   fmlp_norm_t norm = FMLP_NORM_NONE;
   fmlp_dtype_t gamma = kAbsent, beta = kAbsent;

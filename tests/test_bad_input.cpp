@@ -472,6 +472,59 @@ const std::vector<BadCase>& bad_cases() {
        FMLP_ERROR_BAD_SCALE,
        {"weights.w_up_scale is given", "weights.w1_scale"},
        BadCase::kWeightsOnly},
+      {"Fp8W2WithoutScale",
+       [](F f) {
+         f.use_fp8();
+         f.w().w2_scale = fmlp_tensor_none();
+       },
+       FMLP_ERROR_BAD_SCALE,
+       {"weights.w2 is fp8 e4m3 but weights.w2_scale is absent", "[1]", "[4]"},
+       BadCase::kWeightsOnly},
+      {"Fp8SeparateUpWithoutScale",
+       [](F f) {
+         f.use_fp8();
+         f.args.config.gated = 1;
+         f.w().w_up = fmlp_tensor_2d(f.s.w8 + 32, FMLP_DTYPE_F8_E4M3, 3, 4, 4);
+       },
+       FMLP_ERROR_BAD_SCALE,
+       {"weights.w_up is fp8 e4m3 but weights.w_up_scale is absent"},
+       BadCase::kWeightsOnly},
+      {"UpScaleWrongLength",
+       [](F f) {
+         f.use_fp8();
+         f.args.config.gated = 1;
+         f.w().w_up = fmlp_tensor_2d(f.s.w8 + 32, FMLP_DTYPE_F8_E4M3, 3, 4, 4);
+         f.w().w_up_scale = fmlp_tensor_1d(f.s.scale, FMLP_DTYPE_F32, 4);
+       },
+       FMLP_ERROR_BAD_SCALE,
+       {"weights.w_up_scale has 4 entries", "1 (per tensor) or 3"},
+       BadCase::kWeightsOnly},
+      {"ScaleNot1D",
+       [](F f) {
+         f.use_fp8();
+         f.w().w1_scale = fmlp_tensor_2d(f.s.scale, FMLP_DTYPE_F32, 3, 1, 1);
+       },
+       FMLP_ERROR_SHAPE_MISMATCH,
+       {"weights.w1_scale must be 1-D", "2-D"},
+       BadCase::kWeightsOnly},
+      {"ScaleDataNull",
+       [](F f) {
+         f.use_fp8();
+         f.w().w2_scale.data = nullptr;
+         f.w().w2_scale.ndim = 1;
+       },
+       FMLP_ERROR_NULL_POINTER,
+       {"weights.w2_scale.data is NULL"},
+       BadCase::kWeightsOnly},
+      {"Fp8WeightsMixedWithBf16",
+       [](F f) {
+         f.use_fp8();
+         f.w().w2 = fmlp_tensor_2d(f.s.w2, FMLP_DTYPE_BF16, 4, 3, 3);
+         f.w().w2_scale = fmlp_tensor_none();
+       },
+       FMLP_ERROR_DTYPE_MISMATCH,
+       {"weights.w2 is bf16 but weights.w1 is f8_e4m3"},
+       BadCase::kWeightsOnly},
   };
   return cases;
 }

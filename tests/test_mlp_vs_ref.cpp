@@ -29,17 +29,18 @@ enum class Section {
   kRealistic,
   kRandom,
   kVectorFriendly,
-  kLargeM
+  kLargeM,
+  kFp8
 };
 constexpr Section kAllSections[] = {
-    Section::kShapes,    Section::kDtypes,    Section::kEpilogue,
-    Section::kLayout,    Section::kNonFinite, Section::kDOut,
-    Section::kRealistic, Section::kRandom,    Section::kVectorFriendly};
+    Section::kShapes,         Section::kDtypes, Section::kEpilogue,  Section::kLayout,
+    Section::kNonFinite,      Section::kDOut,   Section::kRealistic, Section::kRandom,
+    Section::kVectorFriendly, Section::kFp8};
 constexpr int64_t kMaxMacs = 4'000'000;  // per sampled case; keeps the suite within its budget
 
 const char* section_name(Section s) {
-  const char* names[] = {"Shapes", "Dtypes",    "Epilogue", "Layout",         "NonFinite",
-                         "DOut",   "Realistic", "Random",   "VectorFriendly", "LargeM"};
+  const char* names[] = {"Shapes",    "Dtypes", "Epilogue",       "Layout", "NonFinite", "DOut",
+                         "Realistic", "Random", "VectorFriendly", "LargeM", "Fp8"};
   return names[int(s)];
 }
 
@@ -207,6 +208,27 @@ std::vector<MlpCase> section_cases(Section s) {
     case Section::kRandom:
       for (int i = 0; i < 250; ++i) add(random_case(rng, kMaxMacs));
       break;
+    case Section::kFp8:  // fp8 weights: M x gate x scale granularity, odd sizes, every code, NaN
+      for (int64_t m : {1, 3, 16, 17, 300})
+        for (Gate g : kGates)
+          for (bool per_row : {false, true}) {
+            MlpCase c = random_case(rng, kMaxMacs);
+            const int64_t fsizes[] = {1, 7, 64, 127, 769};
+            const int n = m > 17 ? 4 : 5;  // M = 300 keeps the dims at 127 and below
+            c.d_in = fsizes[rng() % n];
+            c.hidden = fsizes[rng() % n];
+            c.d_out = rng() % 2 ? fsizes[rng() % n] : c.d_in;
+            c.m = m;
+            c.gate = g;
+            c.w_dtype = FMLP_DTYPE_F8_E4M3;
+            c.per_row_scale = per_row;
+            c.fp8_all_codes = rng() % 2;
+            c.nan_weights = rng() % 3 == 0;
+            for (int64_t* d : {&c.d_in, &c.hidden, &c.d_out})
+              if (c.macs() > kMaxMacs && *d > 127) *d = 127;
+            add(c);
+          }
+      break;
   }
   return v;
 }
@@ -317,6 +339,9 @@ TEST_P(KernelTest, Realistic) {
 TEST_P(KernelTest, Random) {
   run_section(Section::kRandom);
 }
+TEST_P(KernelTest, Fp8) {
+  run_section(Section::kFp8);
+}
 
 // A kernel that handles none of the grid is a defect (dead code in the op table).
 TEST_P(KernelTest, SupportsSomeGridCase) {
@@ -378,12 +403,16 @@ TEST_P(KernelTest, DeterministicIsBitwiseReproducible) {
 // element's summation order).
 TEST_P(KernelTest, ThreadCountIndependent) {
   if (device_) GTEST_SKIP() << "host kernels only";
-  MlpCase cases[2];
+  MlpCase cases[4];
   cases[0].m = 150, cases[0].d_in = cases[0].d_out = 127, cases[0].hidden = 769;
   cases[0].gate = Gate::kStacked, cases[0].act = FMLP_ACT_SILU;
   cases[0].w_dtype = FMLP_DTYPE_BF16, cases[0].norm = FMLP_NORM_RMSNORM;
   cases[1].m = 5, cases[1].d_in = cases[1].d_out = 769, cases[1].hidden = 127;
   cases[1].b1 = cases[1].b2 = FMLP_DTYPE_F32, cases[1].residual = Residual::kInPlace;
+  for (MlpCase* c : {&cases[2], &cases[3]}) {  // fp8: row scales, every code
+    *c = c == &cases[2] ? cases[0] : cases[1];
+    c->w_dtype = FMLP_DTYPE_F8_E4M3, c->per_row_scale = c->fp8_all_codes = true;
+  }
   const int threads_before = omp_get_max_threads();
   int ran = 0;
   for (MlpCase& c : cases) {

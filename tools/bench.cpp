@@ -237,7 +237,9 @@ void add_bench_command(CLI::App& app, Command* selected) {
   cmd->add_option("--act-dtype", o->act_dtype, "Activation dtype of x and y")
       ->transform(choice_of(act_dtype_names()))
       ->default_str("f32");
-  cmd->add_option("--w-dtype", o->w_dtype, "Weight dtype (f8_e4m3 uses per-row fp32 scales)")
+  cmd->add_option("--w-dtype,--wdtype", o->w_dtype,
+                  "Weight dtype (f8 = f8_e4m3: fp32 weights quantised by fmlp_quantize_fp8 with "
+                  "per-row scales)")
       ->transform(choice_of(weight_dtype_names()))
       ->default_str("bf16");
   cmd->add_option("--backend", o->backend,

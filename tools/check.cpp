@@ -2,7 +2,9 @@
 #include <memory>
 
 #include "accuracy.hpp"
+#include "cli_common.hpp"
 #include "commands.hpp"
+#include "fp8_report.hpp"
 #include "workloads.hpp"
 
 namespace fmlp_cli {
@@ -13,6 +15,8 @@ struct CheckOptions {
   uint64_t seed = 7;
   int threads = 0;
   bool quiet = false;
+  fmlp_dtype_t w_dtype = FMLP_DTYPE_INVALID;  // set: every case uses it (f8: plus the report)
+  int64_t report_m = 4;
 };
 
 MlpCase make_case(int64_t m, int64_t d_in, int64_t hidden, int64_t d_out, fmlp_activation_t act,
@@ -106,12 +110,16 @@ std::vector<KernelToRun> runnable_kernels(const std::string& only) {
 
 int run_check(const CheckOptions& o) {
   apply_thread_count(o.threads);
+  if (o.report_m < 1)
+    throw CliError(fmt::format("--report-m is {}; pass 1 or more rows", o.report_m));
   const std::vector<KernelToRun> kernels = runnable_kernels(o.kernel);
   if (kernels.empty()) {
     fmt::print("no kernel besides the reference can run here, so there is nothing to check\n");
     return 0;
   }
-  const std::vector<MlpCase> cases = check_cases();
+  std::vector<MlpCase> cases = check_cases();
+  if (o.w_dtype != FMLP_DTYPE_INVALID)
+    for (MlpCase& c : cases) c.w_dtype = o.w_dtype;
   int passed = 0, failed = 0, skipped = 0;
   for (size_t ci = 0; ci < cases.size(); ++ci) {
     HostMlp problem(cases[ci], o.seed + ci);
@@ -149,6 +157,7 @@ int run_check(const CheckOptions& o) {
   }
   fmt::print("{} passed, {} failed, {} skipped (kernel does not handle the case)\n", passed, failed,
              skipped);
+  if (o.w_dtype == FMLP_DTYPE_F8_E4M3 && !print_fp8_accuracy_report(o.seed, o.report_m)) ++failed;
   if (failed > 0) {
     fmt::print(stderr,
                "fusedmlp check: {} case(s) failed; the FAIL lines name the kernel and "
@@ -171,6 +180,14 @@ void add_check_command(CLI::App& app, Command* selected) {
   cmd->add_option("--seed", o->seed, "Random data seed")->capture_default_str();
   cmd->add_option("--threads", o->threads, "OpenMP threads (0: default)")->capture_default_str();
   cmd->add_flag("-q,--quiet", o->quiet, "Do not print SKIP lines");
+  cmd->add_option(
+         "--w-dtype,--wdtype", o->w_dtype,
+         "Run every case with this weight dtype; f8 (f8_e4m3, per-row scales from "
+         "fmlp_quantize_fp8) also reports the fp8 accuracy on the gpt2-small and llama3-8b "
+         "shapes against the bf16-weight fp64 ref")
+      ->transform(choice_of(weight_dtype_names()));
+  cmd->add_option("--report-m", o->report_m, "Rows of x in the fp8 accuracy report")
+      ->capture_default_str();
   cmd->callback([o, selected] { *selected = [o] { return run_check(*o); }; });
 }
 

@@ -29,6 +29,7 @@ const std::map<std::string, fmlp_dtype_t>& weight_dtype_names() {
   static const std::map<std::string, fmlp_dtype_t> m = {{"f32", FMLP_DTYPE_F32},
                                                         {"f16", FMLP_DTYPE_F16},
                                                         {"bf16", FMLP_DTYPE_BF16},
+                                                        {"f8", FMLP_DTYPE_F8_E4M3},
                                                         {"f8_e4m3", FMLP_DTYPE_F8_E4M3}};
   return m;
 }

@@ -85,32 +85,22 @@ HostTensor HostTensor::clone() const {
   return c;
 }
 
-void fill_uniform(HostTensor& t, float bound, uint64_t seed, uint64_t stream, HostTensor* scales) {
+void fill_uniform(HostTensor& t, float bound, uint64_t seed, uint64_t stream) {
   const uint64_t key = splitmix64(seed * 0x100000001b3ull + stream);
-  const bool fp8 = t.dtype() == FMLP_DTYPE_F8_E4M3;
-  if (fp8 && (scales == nullptr || scales->numel() != t.rows()))
-    throw CliError("internal: fp8 fill without a [rows] scale tensor");
-  const int64_t rows = t.cols() == 0 ? 1 : t.rows();
-  const int64_t cols = t.cols() == 0 ? t.rows() : t.cols();
-#pragma omp parallel
-  {
-    std::vector<float> row(size_t(fp8 ? cols : 0));
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      if (!fp8) {
-        for (int64_t c = 0; c < cols; ++c)
-          t.set(r * cols + c, bound * uniform_at(key, uint64_t(r * cols + c)));
-        continue;
-      }
-      float max_abs = 0.f;
-      for (int64_t c = 0; c < cols; ++c) {
-        row[size_t(c)] = bound * uniform_at(key, uint64_t(r * cols + c));
-        max_abs = std::max(max_abs, std::fabs(row[size_t(c)]));
-      }
-      const float scale = max_abs > 0.f ? max_abs / 448.0f : 1.0f;
-      scales->set(r, scale);
-      for (int64_t c = 0; c < cols; ++c) t.set(r * cols + c, row[size_t(c)] / scale);
-    }
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < t.numel(); ++i) t.set(i, bound * uniform_at(key, uint64_t(i)));
+}
+
+void fill_normal(HostTensor& t, float sigma, uint64_t seed, uint64_t stream) {
+  const uint64_t key = splitmix64(seed * 0x100000001b3ull + stream);
+  // Box-Muller on two counter-based uniforms; u1 in (0, 1] keeps the log finite.
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const double u1 = 0.5 * (1.0 + double(uniform_at(key, 2 * uint64_t(i)))) + 0x1p-25;
+    const double u2 = 0.5 * (1.0 + double(uniform_at(key, 2 * uint64_t(i) + 1)));
+    const double n =
+        std::sqrt(-2.0 * std::log(std::min(u1, 1.0))) * std::cos(6.283185307179586 * u2);
+    t.set(i, float(sigma * n));
   }
 }
 

@@ -38,10 +38,11 @@ class HostTensor {
 };
 
 // Fills t with bound * U(-1, 1), deterministic in (seed, stream) whatever the thread count.
-// fp8 tensors need `scales` (fp32 [rows]): each row is stored as value / scale, with the scale
-// chosen so the row's largest magnitude maps to 448.
-void fill_uniform(HostTensor& t, float bound, uint64_t seed, uint64_t stream,
-                  HostTensor* scales = nullptr);
+// (fp8 weights are drawn in fp32 and quantised with fmlp_quantize_fp8: see workloads.cpp.)
+void fill_uniform(HostTensor& t, float bound, uint64_t seed, uint64_t stream);
+
+// Fills t with N(0, sigma^2), deterministic in (seed, stream) whatever the thread count.
+void fill_normal(HostTensor& t, float sigma, uint64_t seed, uint64_t stream);
 
 // Writes t as fp32 (row-major) to dst, applying per-row fp8 scales when given.
 void widen_to_f32(const HostTensor& t, const HostTensor* scales, float* dst);

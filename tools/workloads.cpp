@@ -180,14 +180,28 @@ WeightSet allocate_weights(const MlpShape& s, fmlp_dtype_t w_dtype) {
   return w;
 }
 
+void quantize_weight(const HostTensor& w, HostTensor& q, HostTensor& scale) {
+  const fmlp_tensor_t wv = w.view(), qv = q.view(), sv = scale.view();
+  check_status(fmlp_quantize_fp8(&wv, &qv, &sv, nullptr), "quantising weights to fp8");
+}
+
+namespace {
+// A weight matrix ~ bound * U(-1, 1); fp8 ones through the library's quantiser.
+void fill_weight(HostTensor& w, HostTensor& scale, float bound, uint64_t seed, uint64_t stream) {
+  if (w.dtype() != FMLP_DTYPE_F8_E4M3) return fill_uniform(w, bound, seed, stream);
+  HostTensor f(FMLP_DTYPE_F32, w.rows(), w.cols());
+  fill_uniform(f, bound, seed, stream);
+  quantize_weight(f, w, scale);
+}
+}  // namespace
+
 WeightSet random_weights(const MlpShape& s, fmlp_dtype_t w_dtype, uint64_t seed) {
   WeightSet w = allocate_weights(s, w_dtype);
   const float bound1 = 1.0f / std::sqrt(float(s.d_in));
   const float bound2 = 1.0f / std::sqrt(float(s.hidden));
-  const bool fp8 = w_dtype == FMLP_DTYPE_F8_E4M3;
-  fill_uniform(w.w1, bound1, seed, 1, fp8 ? &w.w1_scale : nullptr);
-  if (!w.w_up.empty()) fill_uniform(w.w_up, bound1, seed, 2, fp8 ? &w.w_up_scale : nullptr);
-  fill_uniform(w.w2, bound2, seed, 3, fp8 ? &w.w2_scale : nullptr);
+  fill_weight(w.w1, w.w1_scale, bound1, seed, 1);
+  if (!w.w_up.empty()) fill_weight(w.w_up, w.w_up_scale, bound1, seed, 2);
+  fill_weight(w.w2, w.w2_scale, bound2, seed, 3);
   if (!w.b1.empty()) fill_uniform(w.b1, 0.1f, seed, 4);
   if (!w.b_up.empty()) fill_uniform(w.b_up, 0.1f, seed, 5);
   if (!w.b2.empty()) fill_uniform(w.b2, 0.1f, seed, 6);

@@ -54,8 +54,12 @@ struct WeightSet {
 WeightSet allocate_weights(const MlpShape& s, fmlp_dtype_t w_dtype);
 
 // Weights ~ U(-1, 1) / sqrt(fan_in), biases ~ U(-0.1, 0.1), norm gamma ~ 1 + U(-0.1, 0.1).
-// Biases share the weight dtype (bf16 for fp8 weights); norm parameters are fp32.
+// Biases share the weight dtype (bf16 for fp8 weights); norm parameters are fp32. fp8 weights
+// are drawn in fp32 and quantised by fmlp_quantize_fp8 with per-row scales.
 WeightSet random_weights(const MlpShape& s, fmlp_dtype_t w_dtype, uint64_t seed);
+
+// q (fp8 [rows, cols]) and scale (fp32 [rows] per row, or [1]) from w through fmlp_quantize_fp8.
+void quantize_weight(const HostTensor& w, HostTensor& q, HostTensor& scale);
 
 fmlp_mlp_config_t make_config(const MlpShape& s);
 

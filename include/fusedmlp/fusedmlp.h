@@ -202,6 +202,28 @@ FMLP_API fmlp_status_t fmlp_mlp_kernel_workspace_size(const fmlp_mlp_args_t* arg
 FMLP_API fmlp_status_t fmlp_mlp_with_kernel(const fmlp_mlp_args_t* args, const char* kernel,
                                             void* workspace, size_t workspace_bytes, void* stream);
 
+/* ---- fp8 weight quantisation (host) ----
+ * Quantises w [rows, cols] (f32, f16 or bf16, host memory, inner stride 1) to float8_e4m3fn q
+ * [rows, cols] with fp32 dequantisation scales, so that w ~= q * scale. The shape of `scale`
+ * picks the granularity: [1] one scale for the whole tensor, [rows] one per row (output unit;
+ * the better choice: a row's outliers then cost only that row precision). Policy, per tensor or
+ * per row:
+ *   amax  = max |w| over the finite values (NaN and +-Inf are left out);
+ *   scale = amax / 448 in fp32 (448 = largest e4m3 value), or 1 when that is not > 0 (all-zero
+ *           or all-non-finite rows, or an amax so small that amax / 448 underflows), so every
+ *           scale is finite and positive as fmlp_mlp requires;
+ *   q     = e4m3(w / scale): the fp32 quotient rounded to nearest even; NaN stays NaN (0x7f);
+ *           +-Inf and anything that would round past 448 saturate to +-448.
+ * On finite input this is PyTorch's (w.float() / scale).clamp(-448, 448).to(float8_e4m3fn) with
+ * scale = w.abs().amax() / 448. The round trip q * scale is within half an e4m3 step of w (plus
+ * fp32 rounding): |q * scale - w| <= 2^-4 |w| where |w| >= 2^-6 scale, <= 2^-10 scale below
+ * (the subnormal codes).
+ * *amax_out (may be NULL) gets the largest amax used (over the whole tensor).
+ * Quantise once at load time; device tensors are rejected (NOT_SUPPORTED): quantise on the host
+ * and copy q and scale to the device. On error nothing is written. */
+FMLP_API fmlp_status_t fmlp_quantize_fp8(const fmlp_tensor_t* w, const fmlp_tensor_t* q,
+                                         const fmlp_tensor_t* scale, float* amax_out);
+
 #ifdef __cplusplus
 }
 #endif

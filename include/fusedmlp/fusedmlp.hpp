@@ -138,4 +138,13 @@ class PackedMlp {
   std::unique_ptr<fmlp_mlp_packed_t, Deleter> handle_;
 };
 
+// fp8 e4m3 quantisation on the host (policy: fmlp_quantize_fp8 in fusedmlp.h). scale is f32 [1]
+// (per tensor) or [rows] (per row); returns the largest |w| over the finite values.
+inline float quantize_fp8(const fmlp_tensor_t& w, const fmlp_tensor_t& q,
+                          const fmlp_tensor_t& scale) {
+  float amax = 0.f;
+  check(fmlp_quantize_fp8(&w, &q, &scale, &amax));
+  return amax;
+}
+
 }  // namespace fmlp

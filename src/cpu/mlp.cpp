@@ -12,8 +12,13 @@ namespace fmlp::detail {
 namespace cpu {
 namespace {
 
-Rows rows_of(const fmlp_tensor_t& t) {
-  return {static_cast<const char*>(t.data), t.stride[0] * int64_t(elem_size(t.dtype))};
+Rows rows_of(const fmlp_tensor_t& t, const fmlp_tensor_t* scale = nullptr) {
+  Rows r{static_cast<const char*>(t.data), t.stride[0] * int64_t(elem_size(t.dtype))};
+  if (scale != nullptr && !tensor_absent(*scale)) {
+    r.scale = static_cast<const float*>(scale->data);
+    r.scale_step = scale->shape[0] == 1 ? 0 : 1;
+  }
+  return r;
 }
 
 Vec vec_of(const fmlp_tensor_t& t) {
@@ -52,16 +57,16 @@ MlpView make_view(const fmlp_mlp_args_t& a, const MlpDesc& d) {
   v.y = static_cast<char*>(a.y.data);
   v.y_ld = a.y.stride[0] * int64_t(elem_size(a.y.dtype));
   if (d.has_residual) v.residual = rows_of(a.residual);
-  v.w_gate = rows_of(w.w1);
+  v.w_gate = rows_of(w.w1, &w.w1_scale);
   v.b_gate = vec_of(w.b1);
   if (d.gated && d.stacked_gate_up) {
-    v.w_up = {v.w_gate.row(d.hidden), v.w_gate.ld};
+    v.w_up = v.w_gate.from(d.hidden);
     if (v.b_gate.data) v.b_up = {v.b_gate.at(d.hidden), v.b_gate.dtype};
   } else if (d.gated) {
-    v.w_up = rows_of(w.w_up);
+    v.w_up = rows_of(w.w_up, &w.w_up_scale);
     v.b_up = vec_of(w.b_up);
   }
-  v.w2 = rows_of(w.w2);
+  v.w2 = rows_of(w.w2, &w.w2_scale);
   v.b2 = vec_of(w.b2);
   v.gamma = vec_of(w.norm_weight);
   v.beta = vec_of(w.norm_bias);
@@ -172,10 +177,6 @@ int thread_count(double macs) {
 bool common_supports(const MlpDesc& d, std::string* why) {
   if (d.device != FMLP_DEVICE_CPU || d.layout == WeightLayout::kCudaPacked) {
     *why = "needs host memory";
-    return false;
-  }
-  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) {
-    *why = "fp8 e4m3 weights are not implemented on cpu yet; use backend ref";
     return false;
   }
   if (const std::string& isa = cpu_unavailable_reason(); !isa.empty()) {

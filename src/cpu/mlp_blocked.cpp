@@ -107,17 +107,33 @@ inline void transpose8(__m256* v) {
   }
 }
 
+// 8 weights of one row (n < 8: n of them, the other lanes 0) as fp32; fp8 codes are dequantised
+// with the row's scale here, so the GEMM itself is the same for every dtype.
+template <fmlp_dtype_t WT>
+inline __m256 load_weights8(const char* p, int64_t n, __m256 row_scale) {
+  if constexpr (WT == FMLP_DTYPE_F8_E4M3) {
+    const __m256 codes = n >= 8 ? load8_f8(p) : load8_f8_partial(p, n);
+    return _mm256_mul_ps(_mm256_mul_ps(codes, _mm256_set1_ps(kF8Unscale)), row_scale);
+  } else {
+    return n >= 8 ? load8<WT>(p) : load_partial<WT>(p, n);
+  }
+}
+
 // dst[k * 16 + q] = w[r0 + q][k0 + k] widened to fp32 for q < 8 (0 for q >= valid), k < kc.
 template <fmlp_dtype_t WT>
 void pack_half(const Rows& w, int64_t r0, int64_t valid, int64_t k0, int64_t kc, float* dst) {
-  constexpr int64_t es = WT == FMLP_DTYPE_F32 ? 4 : 2;
+  constexpr int64_t es = WT == FMLP_DTYPE_F32 ? 4 : WT == FMLP_DTYPE_F8_E4M3 ? 1 : 2;
   const char* src[8];
-  for (int64_t q = 0; q < 8; ++q) src[q] = q < valid ? w.row(r0 + q) + k0 * es : nullptr;
+  __m256 scale[8];
+  for (int64_t q = 0; q < 8; ++q) {
+    src[q] = q < valid ? w.row(r0 + q) + k0 * es : nullptr;
+    scale[q] = _mm256_set1_ps(WT == FMLP_DTYPE_F8_E4M3 && q < valid ? w.row_scale(r0 + q) : 1.f);
+  }
   int64_t k = 0;
   __m256 v[8];
   if (valid >= 8) {  // the common case, without per-row or per-k checks
     for (; k + 8 <= kc; k += 8) {
-      for (int q = 0; q < 8; ++q) v[q] = load8<WT>(src[q] + k * es);
+      for (int q = 0; q < 8; ++q) v[q] = load_weights8<WT>(src[q] + k * es, 8, scale[q]);
       transpose8(v);
       for (int q = 0; q < 8; ++q) _mm256_store_ps(dst + (k + q) * kNr, v[q]);
     }
@@ -128,7 +144,7 @@ void pack_half(const Rows& w, int64_t r0, int64_t valid, int64_t k0, int64_t kc,
       if (!src[q])
         v[q] = _mm256_setzero_ps();
       else
-        v[q] = left >= 8 ? load8<WT>(src[q] + k * es) : load_partial<WT>(src[q] + k * es, left);
+        v[q] = load_weights8<WT>(src[q] + k * es, left, scale[q]);
     }
     transpose8(v);
     for (int64_t q = 0; q < std::min<int64_t>(8, left); ++q)
@@ -290,6 +306,7 @@ fmlp_status_t blocked_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* ws, 
   switch (d.w_dtype) {
     case FMLP_DTYPE_F16: blocked_impl<FMLP_DTYPE_F16>(v, base, max_threads); break;
     case FMLP_DTYPE_BF16: blocked_impl<FMLP_DTYPE_BF16>(v, base, max_threads); break;
+    case FMLP_DTYPE_F8_E4M3: blocked_impl<FMLP_DTYPE_F8_E4M3>(v, base, max_threads); break;
     default: blocked_impl<FMLP_DTYPE_F32>(v, base, max_threads); break;
   }
   return FMLP_SUCCESS;

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/mlp_desc.hpp"
+#include "cpu/fp8.hpp"
 #include "cpu/simd.hpp"
 
 namespace fmlp::detail::cpu {
@@ -16,11 +17,19 @@ struct Vec {
   const char* at(int64_t i) const { return data ? data + i * int64_t(elem_size(dtype)) : nullptr; }
 };
 
-// Rows of a matrix with inner stride 1; `ld` in bytes.
+// Rows of a matrix with inner stride 1; `ld` in bytes. fp8 weights carry their scales: row r's
+// is scale[r * scale_step] (step 0: one scale for the tensor).
 struct Rows {
   const char* data = nullptr;
   int64_t ld = 0;
+  const float* scale = nullptr;
+  int64_t scale_step = 0;
   const char* row(int64_t r) const { return data + r * ld; }
+  float row_scale(int64_t r) const { return scale[r * scale_step]; }
+  // The rows from r0 on, as a matrix of their own.
+  Rows from(int64_t r0) const {
+    return {row(r0), ld, scale ? scale + r0 * scale_step : nullptr, scale_step};
+  }
 };
 
 // Everything the kernels read, with the gate/up forms (stacked or separate) already resolved.
@@ -71,11 +80,35 @@ int thread_count(double macs);
 
 bool common_supports(const MlpDesc& d, std::string* why);
 
+// fp8 rows (code / 256, see fp8.hpp), 16 codes per step: the two halves go into the same
+// accumulators in k order.
+template <int MR>
+inline void dot_tile_f8(const char* const* w, const float* const* a, int64_t k, __m128* out) {
+  __m256 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < k; c += 16) {
+    for (int j = 0; j < 4; ++j) {
+      __m256 lo, hi;
+      if (k - c >= 16)
+        load16_f8(w[j] + c, &lo, &hi);
+      else
+        load16_f8_partial(w[j] + c, k - c, &lo, &hi);
+      for (int r = 0; r < MR; ++r) {
+        acc[r][j] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(a[r] + c), acc[r][j]);
+        acc[r][j] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(a[r] + c + 8), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) out[r] = hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
 // Dot products of 4 weight rows (dtype WT) with MR fp32 rows over k elements: out[r] lane j =
-// w[j] . a[r]. The a rows must be readable and zero up to k rounded to 8; the weight tail is
-// loaded zero-padded, so every output takes the same operations whatever tile it falls in.
+// w[j] . a[r] (fp8: / 256, unscaled). The a rows must be readable and zero up to k rounded to 16;
+// the weight tail is loaded zero-padded, so every output takes the same operations whatever tile
+// it falls in.
 template <fmlp_dtype_t WT, int MR>
-inline void dot_tile(const char* const* w, const float* const* a, int64_t k, __m128* out) {
+inline void dot_tile_wide(const char* const* w, const float* const* a, int64_t k, __m128* out) {
   constexpr int64_t es = WT == FMLP_DTYPE_F32 ? 4 : 2;
   __m256 acc[MR][4];
   for (int r = 0; r < MR; ++r)
@@ -97,6 +130,14 @@ inline void dot_tile(const char* const* w, const float* const* a, int64_t k, __m
     }
   }
   for (int r = 0; r < MR; ++r) out[r] = hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
+template <fmlp_dtype_t WT, int MR>
+inline void dot_tile(const char* const* w, const float* const* a, int64_t k, __m128* out) {
+  if constexpr (WT == FMLP_DTYPE_F8_E4M3)
+    dot_tile_f8<MR>(w, a, k, out);
+  else
+    dot_tile_wide<WT, MR>(w, a, k, out);
 }
 
 // The kernels' entry points (mlp_decode.cpp, mlp_blocked.cpp).

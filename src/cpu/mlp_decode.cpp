@@ -21,8 +21,16 @@ void gemv_rows(const Rows& w, int64_t j0, int64_t j1, const float* a, int64_t ld
     const int64_t nj = std::min<int64_t>(4, j1 - j);
     const char* wr[4];
     for (int64_t q = 0; q < 4; ++q) wr[q] = w.row(j + std::min(q, nj - 1));
+    // fp8: the dot products are of code / 256; scale them per output row, not per element.
+    __m128 row_scale = _mm_set1_ps(1.0f);
+    if constexpr (WT == FMLP_DTYPE_F8_E4M3)
+      row_scale = _mm_setr_ps(w.row_scale(j), w.row_scale(j + std::min<int64_t>(1, nj - 1)),
+                              w.row_scale(j + std::min<int64_t>(2, nj - 1)),
+                              w.row_scale(j + std::min<int64_t>(3, nj - 1)));
     float* o = out + (j - j0);
     const auto emit = [&](int64_t r, __m128 s) {
+      if constexpr (WT == FMLP_DTYPE_F8_E4M3)
+        s = _mm_mul_ps(_mm_mul_ps(s, _mm_set1_ps(kF8Unscale)), row_scale);
       if (nj == 4) {
         _mm_storeu_ps(o + r * ldo, s);
       } else {
@@ -112,6 +120,7 @@ fmlp_status_t decode_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* ws, v
   switch (d.w_dtype) {
     case FMLP_DTYPE_F16: decode_impl<FMLP_DTYPE_F16>(v, base); break;
     case FMLP_DTYPE_BF16: decode_impl<FMLP_DTYPE_BF16>(v, base); break;
+    case FMLP_DTYPE_F8_E4M3: decode_impl<FMLP_DTYPE_F8_E4M3>(v, base); break;
     default: decode_impl<FMLP_DTYPE_F32>(v, base); break;
   }
   return FMLP_SUCCESS;

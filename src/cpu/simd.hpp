@@ -13,7 +13,7 @@
 namespace fmlp::detail::cpu {
 
 inline size_t elem_size(fmlp_dtype_t t) {
-  return t == FMLP_DTYPE_F32 ? 4 : 2;
+  return t == FMLP_DTYPE_F32 ? 4 : t == FMLP_DTYPE_F8_E4M3 ? 1 : 2;
 }
 
 template <fmlp_dtype_t T>
