@@ -3,6 +3,8 @@
 
   cuda: python3 bench/report.py cuda --ours OUT/ours.json --peers OUT/peers.json \
             --gpu-info OUT/gpu.txt --commit SHA --out bench/results/cuda_decode_h200
+  prefill: python3 bench/report.py prefill --ours OUT/ours_prefill.json \
+            --peers OUT/peers_prefill.json --commit SHA --out bench/results/cuda_prefill_h200
   cpu:  python3 bench/report.py cpu --bench a.json:label [--bench b.json:label] --commit SHA \
             --out bench/results/cpu_speedup
 
@@ -89,6 +91,55 @@ def cuda(a):
               f"{r['peer_us']} ({r['best_peer']}) | {r['speedup_vs_best_peer']}x |")
 
 
+def prefill(a):
+    """Time per token against M per shape: what dispatch runs (the planner's pick), each of our
+    kernels, and the best PyTorch peer (eager or torch.compile, graph replay)."""
+    ours = json.load(open(a.ours))
+    peers = json.load(open(a.peers)) if a.peers else {"prefill": []}
+    peer_by = {(p["shape"], p["M"]): p for p in peers["prefill"]}
+    kernels = list(dict.fromkeys(r["kernel"] for r in ours["prefill"]))
+    merged = {}
+    for r in ours["prefill"]:
+        row = merged.setdefault((r["shape"], r["M"]), {"shape": r["shape"], "M": r["M"]})
+        row[r["kernel"] + "_us_per_token"] = r["us_per_token"]
+        if r["kernel"] == r["planner_pick"]:
+            row.update(planner_pick=r["kernel"], ours_us=r["us"], ours_us_per_token=r["us_per_token"],
+                       ours_TFLOPs=r["TFLOPs"], ours_pct_of_matmul=r["pct_of_matmul"],
+                       check_ok=r["check_ok"])
+    rows = []
+    for key, row in merged.items():
+        p = peer_by.get(key, {})
+        row["best_peer"] = p.get("best_peer")
+        row["peer_us"] = p.get("best_us")
+        row["peer_us_per_token"] = None if p.get("best_us") is None else p["best_us"] / key[1]
+        row["peer_pct_of_matmul"] = p.get("best_pct_of_matmul")
+        row["speedup_vs_best_peer"] = (None if p.get("best_us") is None or "ours_us" not in row
+                                       else round(p["best_us"] / row["ours_us"], 3))
+        rows.append(row)
+    fields = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("shape", "M"), k))
+    rows = [{k: r.get(k) for k in fields} for r in rows]
+    meta = {"gpu": ours.get("gpu"), "matmul_TFLOPs": ours.get("matmul_TFLOPs"),
+            "peer_matmul_TFLOPs": peers.get("matmul_TFLOPs"), "torch": peers.get("torch"),
+            "commit": a.commit,
+            "method": "bf16, CUDA-graph replay, median; weights rotated over > 3x L2 where they "
+                      "fit; % of matmul = TFLOP/s / cuBLASLt bf16 8192^3 rate measured in the run"}
+    write_rows(a.out, rows, meta)
+    series = [("ours_us_per_token", "fusedmlp (planner)", "o-"),
+              ("peer_us_per_token", "best PyTorch peer", "s--")]
+    series += [(k + "_us_per_token", k, ":") for k in kernels]
+    plot(a.out, rows, "M", series, "µs per token",
+         f"fused MLP prefill, {meta['gpu']} (matmul {meta['matmul_TFLOPs']:.0f} TFLOP/s), "
+         f"commit {a.commit}")
+    print("| shape | M | kernel | µs | µs/token | % of matmul | best peer µs (variant) | speedup |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r.get("ours_us") is None:
+            continue
+        print(f"| {r['shape']} | {r['M']} | {r['planner_pick']} | {r['ours_us']:.1f} | "
+              f"{r['ours_us_per_token']:.3f} | {r['ours_pct_of_matmul']:.1f}% | "
+              f"{r['peer_us']} ({r['best_peer']}) | {r['speedup_vs_best_peer']}x |")
+
+
 def cpu(a):
     """One plot of the speedup over the OpenBLAS pipeline against M, one series per bench file."""
     rows, metas, series = [], {}, []
@@ -126,13 +177,18 @@ def main():
     c.add_argument("--gpu-info")
     c.add_argument("--commit", default="unknown")
     c.add_argument("--out", required=True)
+    f = sub.add_parser("prefill")
+    f.add_argument("--ours", required=True)
+    f.add_argument("--peers")
+    f.add_argument("--commit", default="unknown")
+    f.add_argument("--out", required=True)
     p = sub.add_parser("cpu")
     p.add_argument("--bench", action="append", required=True, help="FILE[:label], repeatable")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", required=True)
     a = ap.parse_args()
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    return cuda(a) if a.cmd == "cuda" else cpu(a)
+    return {"cuda": cuda, "prefill": prefill, "cpu": cpu}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device session: build (CUDA on), GPU test suite, sanitizers, our benchmark, PyTorch peers.
 # Usage on the GPU machine, from the repo root: bash bench/run_device.sh [steps...]
-#   steps: build test sanitize bench peers (default: all). Logs and JSON go to $OUT (or ./out).
+#   steps: build test sanitize bench peers (default: these) and prefill (M = 1..8192 sweep of our
+#   kernels and the PyTorch peers, for the planner's crossover table; not in the default).
+#   Logs and JSON go to $OUT (or ./out).
 # A git-ignored .device/fmt (headers + libfmt + cmake config) is used when the machine lacks fmt.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
@@ -45,6 +47,15 @@ fi
 if has peers; then
   PYTHONUNBUFFERED=1 timeout ${PEERS_TIMEOUT:-420} python3 bench/peers.py --json "$OUT/peers.json" \
     2>&1 | tee "$OUT/peers.log" | tail -20
+fi
+if has prefill; then
+  "$B/bench/fusedmlp_cuda_bench_prefill" --json "$OUT/ours_prefill.json" ${PREFILL_ARGS:-} 2>&1 |
+    tee "$OUT/bench_prefill.log" | tail -30
+  PYTHONUNBUFFERED=1 timeout ${PEERS_TIMEOUT:-420} python3 bench/peers_prefill.py \
+    --json "$OUT/peers_prefill.json" ${PEERS_PREFILL_ARGS:-} 2>&1 | tee "$OUT/peers_prefill.log" |
+    tail -20
+  python3 bench/report.py prefill --ours "$OUT/ours_prefill.json" --peers "$OUT/peers_prefill.json" \
+    --out "$OUT/cuda_prefill" >"$OUT/prefill_table.md" 2>&1 || tail -5 "$OUT/prefill_table.md"
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
 nvcc --version | tail -1 >>"$OUT/gpu.txt"

@@ -8,6 +8,9 @@
 #include "core/mlp_desc.hpp"
 #include "core/mlp_validate.hpp"
 #include "core/tensor_check.hpp"
+#if FMLP_WITH_CUDA
+#include "cuda/planner.hpp"
+#endif
 
 namespace fmlp::detail {
 
@@ -72,6 +75,14 @@ namespace {
 fmlp_status_t select_kernel(const MlpDesc& d, fmlp_backend_t requested, const MlpKernel** out) {
   fmlp_backend_t b;
   if (const fmlp_status_t s = resolve_backend(requested, d, &b); s != FMLP_SUCCESS) return s;
+#if FMLP_WITH_CUDA
+  // The CUDA planner picks decode or prefill entries by M and shape (src/cuda/planner.hpp).
+  if (b == FMLP_BACKEND_CUDA)
+    if (const MlpKernel* k = cuda_plan(d, nullptr)) {
+      *out = k;
+      return FMLP_SUCCESS;
+    }
+#endif
   // The common case allocates nothing: the first supporting entry wins and nobody reads `why`.
   std::string why;
   for (const MlpKernelList& list : {cuda_mlp_kernels(), cpu_mlp_kernels(), ref_mlp_kernels()})
@@ -148,14 +159,24 @@ fmlp_status_t fmlp_mlp_explain(const fmlp_mlp_args_t* args, fmlp_backend_t backe
   fmlp_backend_t b;
   if (const fmlp_status_t s = resolve_backend(backend, d, &b); s != FMLP_SUCCESS) return s;
   std::string report = fmt::format("mlp {}\nbackend {}\n", describe(d), fmlp_backend_name(b));
+  const MlpKernel* planned = nullptr;
+#if FMLP_WITH_CUDA
+  if (b == FMLP_BACKEND_CUDA) {
+    std::string plan;
+    planned = cuda_plan(d, &plan);
+    report += fmt::format("  planner  {}\n", plan);
+  }
+#endif
   bool chosen = false;
   for (const Candidate& c : mlp_candidates(d, b)) {
-    if (c.supported && !chosen) {
+    if (c.supported && !chosen && (planned == nullptr || c.kernel == planned)) {
       chosen = true;
       report += fmt::format("  chosen   {} (workspace {} bytes)\n", c.kernel->name,
                             c.kernel->workspace_bytes(d));
     } else if (c.supported) {
-      report += fmt::format("  skipped  {}: an earlier entry is preferred\n", c.kernel->name);
+      report += fmt::format(
+          "  skipped  {}: {}\n", c.kernel->name,
+          planned ? "the planner prefers another entry" : "an earlier entry is preferred");
     } else {
       report += fmt::format("  rejected {}: {}\n", c.kernel->name, c.why);
     }

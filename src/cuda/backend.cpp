@@ -7,6 +7,7 @@
 #include "core/error.hpp"
 #include "core/mlp_desc.hpp"
 #include "cuda/mlp_decode.cuh"
+#include "cuda/mlp_prefill.cuh"
 
 namespace fmlp::detail {
 namespace {
@@ -64,6 +65,10 @@ bool gemv_supports(const MlpDesc& d, std::string* why) {
   return device_supported(d, why) && mlp_decode_sm80_gemv_supports(d, why);
 }
 
+bool prefill_supports(const MlpDesc& d, std::string* why) {
+  return device_supported(d, why) && mlp_prefill_sm90_cublaslt_supports(d, why);
+}
+
 // Preference order, measured on an H200: the register-stream kernel for one token (1.1-1.7x faster
 // than the tensor-core kernel at M = 1), the tensor-core kernel otherwise.
 const MlpKernel kCudaKernels[] = {
@@ -73,6 +78,9 @@ const MlpKernel kCudaKernels[] = {
      mlp_decode_sm80_gemv_run},
     {"mlp_decode_sm90_splitk", FMLP_BACKEND_CUDA, splitk_supports, mlp_decode_sm90_splitk_workspace,
      mlp_decode_sm90_splitk_run},
+    // Any M; dispatch reaches it through the planner (src/cuda/planner.cpp) from the crossover M.
+    {kPrefillKernelName, FMLP_BACKEND_CUDA, prefill_supports, mlp_prefill_sm90_cublaslt_workspace,
+     mlp_prefill_sm90_cublaslt_run},
 };
 
 std::string probe_devices() {

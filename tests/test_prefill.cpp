@@ -1,0 +1,281 @@
+// The CUDA prefill path (mlp_prefill_sm90_cublaslt) and the planner that routes to it: odd and
+// large M against the double reference, every activation, gating form, bias, residual and layout;
+// its rejections; a CUDA graph captured after a warm call; the workspace left zero-filled; and
+// the planner's choice at M = 1 versus M = 4096. Skips without a CUDA build or a GPU.
+//
+// Tolerance: tests/tolerance.hpp unchanged. The path rounds G (gate/up pre-activations) and h to
+// the activation dtype before GEMM2, as PyTorch does; each such rounding is one unit roundoff u
+// of a layer-1 magnitude, so y picks up about sqrt(3) u * scale (u = 2^-8 bf16, 2^-11 f16),
+// inside the 2^-7 / 2^-9 rtol of the activation dtype that budgets "intermediates rounded before
+// a tensor-core GEMM". fp32 keeps fp32 intermediates and non-TF32 GEMMs (1e-4 budget).
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "cuda_graph.hpp"
+#include "mlp_case.hpp"
+#include "tolerance.hpp"
+
+namespace fmlp_test {
+namespace {
+
+#ifndef FMLP_TEST_WITH_CUDA
+TEST(Prefill, NeedsCuda) {
+  GTEST_SKIP() << device_unavailable_reason();
+}
+#else
+constexpr const char* kPrefill = "mlp_prefill_sm90_cublaslt";
+
+#define SKIP_WITHOUT_GPU()                                               \
+  do {                                                                   \
+    if (fmlp_backend_available(FMLP_BACKEND_CUDA) != FMLP_SUCCESS)       \
+      GTEST_SKIP() << "cuda backend: " << fmlp_last_error();             \
+    if (!device_unavailable_reason().empty())                            \
+      GTEST_SKIP() << "device buffers: " << device_unavailable_reason(); \
+  } while (0)
+
+MlpCase base_case(int64_t m, int64_t d_in, int64_t hidden, int64_t d_out, fmlp_dtype_t t) {
+  MlpCase c;
+  c.m = m, c.d_in = d_in, c.hidden = hidden, c.d_out = d_out;
+  c.x_dtype = c.w_dtype = t;
+  return c;
+}
+
+// Runs kernel on c (fresh data) and checks it against the reference; "" when it matches.
+std::string check_case(const MlpCase& c, const char* kernel, uint64_t salt) {
+  PlacedCase p(c, /*device=*/true);
+  const CaseData data = make_data(c, mix_seed(test_seed(), salt));
+  p.upload(data);
+  const RunOutcome run = run_kernel(p, kernel);
+  if (run.status != FMLP_SUCCESS)
+    return std::string(fmlp_status_name(run.status)) + ": " + run.error;
+  std::string stray;
+  const std::vector<double> out = p.download_y(&stray);
+  if (!stray.empty()) return stray;
+  const CompareOutcome cmp = compare(c, out, reference(c, data));
+  if (!cmp.ok)
+    return std::to_string(cmp.bad) + " of " + std::to_string(out.size()) + " outputs wrong; " +
+           cmp.detail;
+  return {};
+}
+
+std::vector<MlpCase> prefill_cases() {
+  std::vector<MlpCase> v;
+  const fmlp_dtype_t dtypes[] = {FMLP_DTYPE_BF16, FMLP_DTYPE_F16, FMLP_DTYPE_F32};
+  const fmlp_activation_t acts[] = {FMLP_ACT_RELU, FMLP_ACT_GELU, FMLP_ACT_GELU_TANH,
+                                    FMLP_ACT_SILU};
+  const Gate gates[] = {Gate::kDense, Gate::kStacked, Gate::kSeparate};
+  uint64_t k = 0;
+  // M in {1, 3, 300, 1000} x gate x activation x dtype over a tile-unfriendly shape.
+  for (const int64_t m : {1, 3, 300, 1000})
+    for (const Gate g : gates)
+      for (const fmlp_activation_t act : acts) {
+        MlpCase c = base_case(m, 136, 200, 72, dtypes[k++ % 3]);
+        c.gate = g, c.act = act;
+        c.b1 = FMLP_DTYPE_F32;
+        if (g == Gate::kSeparate) c.b_up = FMLP_DTYPE_BF16;
+        c.b2 = k % 2 ? FMLP_DTYPE_BF16 : c.x_dtype;
+        v.push_back(c);
+      }
+  // Epilogue and layout axes at M = 300.
+  for (const fmlp_dtype_t t : dtypes)
+    for (int variant = 0; variant < 6; ++variant) {
+      MlpCase c = base_case(300, 256, 512, 256, t);
+      c.gate = variant % 2 ? Gate::kStacked : Gate::kDense;
+      c.act = variant % 2 ? FMLP_ACT_SILU : FMLP_ACT_GELU_TANH;
+      c.residual = variant < 2   ? Residual::kInPlace
+                   : variant < 4 ? Residual::kSeparate
+                                 : Residual::kNone;
+      c.norm = variant % 3 == 0   ? FMLP_NORM_LAYERNORM
+               : variant % 3 == 1 ? FMLP_NORM_RMSNORM
+                                  : FMLP_NORM_NONE;
+      c.gamma = c.norm != FMLP_NORM_NONE ? FMLP_DTYPE_F32 : kAbsent;
+      c.beta = c.norm == FMLP_NORM_LAYERNORM ? t : kAbsent;
+      c.b1 = variant == 5 ? kAbsent : t;
+      c.b2 = variant >= 4 ? FMLP_DTYPE_F32 : t;
+      c.strided = variant >= 3;
+      v.push_back(c);
+    }
+  // Larger, realistic-ratio shapes.
+  MlpCase big = base_case(1000, 1024, 2816, 1024, FMLP_DTYPE_BF16);
+  big.gate = Gate::kStacked, big.act = FMLP_ACT_SILU, big.residual = Residual::kInPlace;
+  v.push_back(big);
+  MlpCase gpt = base_case(257, 768, 3072, 768, FMLP_DTYPE_F16);
+  gpt.act = FMLP_ACT_GELU_TANH, gpt.b1 = gpt.b2 = FMLP_DTYPE_F16, gpt.norm = FMLP_NORM_LAYERNORM;
+  gpt.gamma = gpt.beta = FMLP_DTYPE_F16;
+  v.push_back(gpt);
+  for (MlpCase& c : v) normalize(&c);
+  return v;
+}
+
+TEST(Prefill, MatchesReference) {
+  SKIP_WITHOUT_GPU();
+  int i = 0;
+  for (const MlpCase& c : prefill_cases()) {
+    const std::string err = check_case(c, kPrefill, uint64_t(++i));
+    EXPECT_TRUE(err.empty()) << "[" << c.name() << "]: " << err
+                             << " (FMLP_TEST_SEED=" << test_seed() << ")";
+  }
+}
+
+// Sizes that are not multiples of 8 (d_in = 769: rows of 1538 bytes) and pointers one element past
+// a 256-byte boundary. cuBLASLt is told the real alignments; where it has no algorithm the run is
+// refused with a reason and y stays untouched, otherwise the result must match.
+TEST(Prefill, OddSizesAndMisalignedPointers) {
+  SKIP_WITHOUT_GPU();
+  int i = 100;
+  for (const bool mis : {false, true})
+    for (const Gate g : {Gate::kDense, Gate::kStacked, Gate::kSeparate}) {
+      MlpCase c = base_case(300, 769, 127, 7, FMLP_DTYPE_BF16);
+      c.gate = g, c.act = FMLP_ACT_GELU, c.misaligned = mis, c.strided = mis;
+      c.b1 = c.b2 = FMLP_DTYPE_BF16;
+      c.residual = mis ? Residual::kSeparate : Residual::kInPlace;
+      normalize(&c);
+      PlacedCase p(c, true);
+      const CaseData data = make_data(c, mix_seed(test_seed(), uint64_t(++i)));
+      p.upload(data);
+      const std::vector<unsigned char> before = p.y_bytes();
+      const RunOutcome run = run_kernel(p, kPrefill);
+      if (run.status == FMLP_ERROR_NOT_SUPPORTED) {
+        EXPECT_NE(run.error.find("cuBLASLt has no algorithm"), std::string::npos) << run.error;
+        EXPECT_EQ(p.y_bytes(), before) << "[" << c.name() << "]: y written on refusal";
+        std::printf("[fmlp] %s refused: %s\n", c.name().c_str(), run.error.c_str());
+        continue;
+      }
+      ASSERT_EQ(run.status, FMLP_SUCCESS) << run.error;
+      std::string stray;
+      const std::vector<double> out = p.download_y(&stray);
+      EXPECT_TRUE(stray.empty()) << stray;
+      const CompareOutcome cmp = compare(c, out, reference(c, data));
+      EXPECT_TRUE(cmp.ok) << "[" << c.name() << "]: " << cmp.bad << " wrong; " << cmp.detail;
+    }
+}
+
+TEST(Prefill, NonFiniteInputsPropagate) {
+  SKIP_WITHOUT_GPU();
+  int i = 200;
+  for (const fmlp_activation_t act :
+       {FMLP_ACT_RELU, FMLP_ACT_GELU, FMLP_ACT_GELU_TANH, FMLP_ACT_SILU})
+    for (const Gate g : {Gate::kDense, Gate::kStacked}) {
+      MlpCase c = base_case(5, 64, 96, 64, FMLP_DTYPE_BF16);
+      c.gate = g, c.act = act, c.nonfinite = true, c.b1 = FMLP_DTYPE_BF16;
+      normalize(&c);
+      const std::string err = check_case(c, kPrefill, uint64_t(++i));
+      EXPECT_TRUE(err.empty()) << "[" << c.name() << "]: " << err;
+    }
+}
+
+TEST(Prefill, RejectsWithReasons) {
+  SKIP_WITHOUT_GPU();
+  MlpCase mixed = base_case(300, 64, 64, 64, FMLP_DTYPE_F32);
+  mixed.w_dtype = FMLP_DTYPE_BF16;
+  MlpCase fp8 = base_case(300, 64, 64, 64, FMLP_DTYPE_BF16);
+  fp8.w_dtype = FMLP_DTYPE_F8_E4M3;
+  const std::pair<MlpCase, const char*> cases[] = {{mixed, "cast x to"},
+                                                   {fp8, "dequantise the weights"}};
+  for (const auto& [c, hint] : cases) {
+    PlacedCase p(c, true);
+    EXPECT_EQ(fmlp_mlp_kernel_supports(&p.args(), kPrefill), FMLP_ERROR_NOT_SUPPORTED);
+    EXPECT_NE(std::string(fmlp_last_error()).find(hint), std::string::npos) << fmlp_last_error();
+  }
+}
+
+TEST(Prefill, LeavesWorkspaceZeroed) {
+  SKIP_WITHOUT_GPU();
+  MlpCase c = base_case(333, 128, 384, 128, FMLP_DTYPE_BF16);
+  c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.norm = FMLP_NORM_RMSNORM, c.b2 = FMLP_DTYPE_F32;
+  normalize(&c);
+  PlacedCase p(c, true);
+  p.upload(make_data(c, mix_seed(test_seed(), 300)));
+  size_t bytes = 0;
+  ASSERT_EQ(fmlp_mlp_kernel_workspace_size(&p.args(), kPrefill, &bytes), FMLP_SUCCESS);
+  Buffer ws(bytes, true);
+  ws.fill(0);
+  ASSERT_EQ(fmlp_mlp_with_kernel(&p.args(), kPrefill, ws.data(), bytes, nullptr), FMLP_SUCCESS)
+      << fmlp_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<unsigned char> after = ws.download();
+  size_t nonzero = 0;
+  for (unsigned char b : after) nonzero += b != 0;
+  EXPECT_EQ(nonzero, 0u) << "the workspace contract (fusedmlp.h) wants it left zero-filled";
+}
+
+// A warm call creates the handle and caches the heuristic answers; the captured graph then holds
+// only launches, and replays on new inputs match the reference.
+TEST(Prefill, GraphCaptureAfterWarmCall) {
+  SKIP_WITHOUT_GPU();
+  MlpCase c = base_case(300, 256, 704, 256, FMLP_DTYPE_BF16);
+  c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.residual = Residual::kSeparate;
+  c.norm = FMLP_NORM_RMSNORM, c.gamma = FMLP_DTYPE_BF16, c.b2 = FMLP_DTYPE_F32;
+  normalize(&c);
+  PlacedCase p(c, true);
+  size_t bytes = 0;
+  ASSERT_EQ(fmlp_mlp_workspace_size(&p.args(), FMLP_BACKEND_CUDA, &bytes), FMLP_SUCCESS)
+      << fmlp_last_error();
+  Buffer ws(bytes, true);
+  ws.fill(0);
+  p.upload(make_data(c, mix_seed(test_seed(), 400)));
+  ASSERT_EQ(fmlp_mlp(&p.args(), FMLP_BACKEND_CUDA, ws.data(), bytes, nullptr), FMLP_SUCCESS)
+      << fmlp_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  MlpGraph graph(p.args(), FMLP_BACKEND_CUDA, ws.data(), bytes);
+  ASSERT_TRUE(graph.ready()) << fmlp_status_name(graph.status()) << ": " << graph.error();
+  for (uint64_t replay = 1; replay <= 3; ++replay) {
+    const CaseData data = make_data(c, mix_seed(test_seed(), 400 + replay));
+    p.upload(data);
+    ASSERT_TRUE(graph.replay()) << graph.error();
+    std::string stray;
+    const std::vector<double> out = p.download_y(&stray);
+    EXPECT_TRUE(stray.empty()) << stray;
+    const CompareOutcome cmp = compare(c, out, reference(c, data));
+    EXPECT_TRUE(cmp.ok) << "replay " << replay << ": " << cmp.bad << " wrong; " << cmp.detail;
+  }
+}
+
+std::string explain(const fmlp_mlp_args_t& args) {
+  size_t needed = 0;
+  EXPECT_EQ(fmlp_mlp_explain(&args, FMLP_BACKEND_CUDA, nullptr, 0, &needed), FMLP_SUCCESS);
+  std::string s(needed, '\0');
+  EXPECT_EQ(fmlp_mlp_explain(&args, FMLP_BACKEND_CUDA, s.data(), s.size(), &needed), FMLP_SUCCESS);
+  s.resize(needed - 1);
+  return s;
+}
+
+TEST(Planner, DecodeAtOneTokenPrefillAtManyTokens) {
+  SKIP_WITHOUT_GPU();
+  for (const int64_t m : {1, 4096}) {
+    MlpCase c = base_case(m, 512, 1024, 512, FMLP_DTYPE_BF16);
+    c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU;
+    normalize(&c);
+    PlacedCase p(c, true);
+    const std::string report = explain(p.args());
+    EXPECT_NE(report.find("planner  M=" + std::to_string(m)), std::string::npos) << report;
+    const bool prefill = report.find(std::string("chosen   ") + kPrefill) != std::string::npos;
+    EXPECT_EQ(prefill, m > 1) << report;
+    if (m == 1) {
+      EXPECT_NE(report.find("chosen   mlp_decode"), std::string::npos) << report;
+      EXPECT_NE(report.find("< crossover"), std::string::npos) << report;
+    } else {
+      EXPECT_NE(report.find(">= crossover"), std::string::npos) << report;
+    }
+    // Dispatch runs what explain reports.
+    const CaseData data = make_data(c, mix_seed(test_seed(), 500 + uint64_t(m)));
+    p.upload(data);
+    size_t bytes = 0;
+    ASSERT_EQ(fmlp_mlp_workspace_size(&p.args(), FMLP_BACKEND_CUDA, &bytes), FMLP_SUCCESS);
+    Buffer ws(bytes, true);
+    ws.fill(0);
+    ASSERT_EQ(fmlp_mlp(&p.args(), FMLP_BACKEND_CUDA, ws.data(), bytes, nullptr), FMLP_SUCCESS)
+        << fmlp_last_error();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::string stray;
+    const CompareOutcome cmp = compare(c, p.download_y(&stray), reference(c, data));
+    EXPECT_TRUE(cmp.ok) << "M=" << m << ": " << cmp.detail;
+  }
+}
+
+#endif  // FMLP_TEST_WITH_CUDA
+
+}  // namespace
+}  // namespace fmlp_test
