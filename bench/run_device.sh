@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session: build (CUDA on), GPU test suite, sanitizers, our benchmark, PyTorch peers.
 # Usage on the GPU machine, from the repo root: bash bench/run_device.sh [steps...]
-#   steps: build test sanitize bench peers (default: all). Logs and JSON go to $OUT (or ./out).
+#   steps: build test sanitize bench peers ops (default: all but ops). Logs and JSON go to $OUT (or ./out).
 # A git-ignored .device/fmt (headers + libfmt + cmake config) is used when the machine lacks fmt.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
@@ -45,6 +45,11 @@ fi
 if has peers; then
   PYTHONUNBUFFERED=1 timeout ${PEERS_TIMEOUT:-420} python3 bench/peers.py --json "$OUT/peers.json" \
     2>&1 | tee "$OUT/peers.log" | tail -20
+fi
+if has ops; then  # linear + softmax: our bench, then the PyTorch peers with the speedup table
+  "$B/bench/fusedmlp_ops_bench" --json "$OUT/ops.json" 2>&1 | tee "$OUT/ops_bench.log" | tail -70
+  PYTHONUNBUFFERED=1 timeout ${PEERS_TIMEOUT:-420} python3 bench/peers_ops.py \
+    --json "$OUT/peers_ops.json" --ours "$OUT/ops.json" 2>&1 | tee "$OUT/peers_ops.log" | tail -70
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
 nvcc --version | tail -1 >>"$OUT/gpu.txt"
