@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device session: build (CUDA on), GPU test suite, sanitizers, our benchmark, PyTorch peers.
 # Usage on the GPU machine, from the repo root: bash bench/run_device.sh [steps...]
-#   steps: build test sanitize bench peers (default: these) and prefill (M = 1..8192 sweep of our
-#   kernels and the PyTorch peers, for the planner's crossover table; not in the default).
-#   Logs and JSON go to $OUT (or ./out).
+#   steps: build test sanitize bench peers (default: these); prefill (M = 1..8192 sweep of our
+#   kernels and the PyTorch peers, for the planner's crossover table) and ops (linear + softmax
+#   bench and peers) run when named. Logs and JSON go to $OUT (or ./out).
 # A git-ignored .device/fmt (headers + libfmt + cmake config) is used when the machine lacks fmt.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
@@ -56,6 +56,11 @@ if has prefill; then
     tail -20
   python3 bench/report.py prefill --ours "$OUT/ours_prefill.json" --peers "$OUT/peers_prefill.json" \
     --out "$OUT/cuda_prefill" >"$OUT/prefill_table.md" 2>&1 || tail -5 "$OUT/prefill_table.md"
+fi
+if has ops; then  # linear + softmax: our bench, then the PyTorch peers with the speedup table
+  "$B/bench/fusedmlp_ops_bench" --json "$OUT/ops.json" 2>&1 | tee "$OUT/ops_bench.log" | tail -70
+  PYTHONUNBUFFERED=1 timeout ${PEERS_TIMEOUT:-420} python3 bench/peers_ops.py \
+    --json "$OUT/peers_ops.json" --ours "$OUT/ops.json" 2>&1 | tee "$OUT/peers_ops.log" | tail -70
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
 nvcc --version | tail -1 >>"$OUT/gpu.txt"

@@ -224,6 +224,70 @@ FMLP_API fmlp_status_t fmlp_mlp_with_kernel(const fmlp_mlp_args_t* args, const c
 FMLP_API fmlp_status_t fmlp_quantize_fp8(const fmlp_tensor_t* w, const fmlp_tensor_t* q,
                                          const fmlp_tensor_t* scale, float* amax_out);
 
+/* ==== linear and softmax ops ====
+ * linear:  y[M, N] = x[M, K] W^T + bias        W: [N, K] (nn.Linear layout, rows may be strided)
+ *   x, y: one dtype (f32, f16, bf16); W: f32, f16, bf16 or f8_e4m3 (then w_scale is required:
+ *   fp32 [1] per tensor or [N] per row, W is dequantised as w * scale); bias: optional [N],
+ *   f32, f16 or bf16. M, N or K may be 0 (K = 0 gives y = bias, or 0). y may not overlap any
+ *   input. Accumulation is fp32 or wider.
+ *   Host scales are checked to be finite and > 0; device scales are not read by validation
+ *   (that would synchronise), so a bad device scale gives a bad result, not an error.
+ * softmax: y = softmax(x / T) over the last dim, or log_softmax when `log` is 1.
+ *   x, y: [rows, n] (or [n]), f32, f16 or bf16, same dtype; y may be exactly x (in place) but
+ *   may not overlap it otherwise. temperature: finite, > 0 (1 is plain softmax).
+ *   Non-finite inputs behave like PyTorch's kernels (max-subtracted exp): a NaN or +Inf anywhere
+ *   in a row, or a row of only -Inf, makes the whole row NaN; -Inf elements of an otherwise
+ *   finite row give 0 (log: -Inf). n = 0 or rows = 0 is a no-op.
+ * Workspaces follow the mlp contract above (CUDA: zero-filled once, left zeroed). */
+typedef struct fmlp_linear_args_t {
+  fmlp_tensor_t y;
+  fmlp_tensor_t x;
+  fmlp_tensor_t w;
+  fmlp_tensor_t w_scale; /* only for f8_e4m3 weights */
+  fmlp_tensor_t bias;    /* optional */
+} fmlp_linear_args_t;
+
+typedef struct fmlp_softmax_args_t {
+  fmlp_tensor_t y;
+  fmlp_tensor_t x;
+  float temperature; /* > 0; 1 for plain softmax */
+  int32_t log;       /* 0: softmax, 1: log_softmax */
+} fmlp_softmax_args_t;
+
+FMLP_API fmlp_status_t fmlp_linear_workspace_size(const fmlp_linear_args_t* args,
+                                                  fmlp_backend_t backend, size_t* bytes);
+FMLP_API fmlp_status_t fmlp_linear(const fmlp_linear_args_t* args, fmlp_backend_t backend,
+                                   void* workspace, size_t workspace_bytes, void* stream);
+FMLP_API fmlp_status_t fmlp_linear_explain(const fmlp_linear_args_t* args, fmlp_backend_t backend,
+                                           char* buf, size_t buf_size, size_t* needed);
+FMLP_API int fmlp_linear_kernel_count(void);
+FMLP_API const char* fmlp_linear_kernel_name(int index);
+FMLP_API fmlp_backend_t fmlp_linear_kernel_backend(int index);
+FMLP_API fmlp_status_t fmlp_linear_kernel_supports(const fmlp_linear_args_t* args,
+                                                   const char* kernel);
+FMLP_API fmlp_status_t fmlp_linear_kernel_workspace_size(const fmlp_linear_args_t* args,
+                                                         const char* kernel, size_t* bytes);
+FMLP_API fmlp_status_t fmlp_linear_with_kernel(const fmlp_linear_args_t* args, const char* kernel,
+                                               void* workspace, size_t workspace_bytes,
+                                               void* stream);
+
+FMLP_API fmlp_status_t fmlp_softmax_workspace_size(const fmlp_softmax_args_t* args,
+                                                   fmlp_backend_t backend, size_t* bytes);
+FMLP_API fmlp_status_t fmlp_softmax(const fmlp_softmax_args_t* args, fmlp_backend_t backend,
+                                    void* workspace, size_t workspace_bytes, void* stream);
+FMLP_API fmlp_status_t fmlp_softmax_explain(const fmlp_softmax_args_t* args, fmlp_backend_t backend,
+                                            char* buf, size_t buf_size, size_t* needed);
+FMLP_API int fmlp_softmax_kernel_count(void);
+FMLP_API const char* fmlp_softmax_kernel_name(int index);
+FMLP_API fmlp_backend_t fmlp_softmax_kernel_backend(int index);
+FMLP_API fmlp_status_t fmlp_softmax_kernel_supports(const fmlp_softmax_args_t* args,
+                                                    const char* kernel);
+FMLP_API fmlp_status_t fmlp_softmax_kernel_workspace_size(const fmlp_softmax_args_t* args,
+                                                          const char* kernel, size_t* bytes);
+FMLP_API fmlp_status_t fmlp_softmax_with_kernel(const fmlp_softmax_args_t* args, const char* kernel,
+                                                void* workspace, size_t workspace_bytes,
+                                                void* stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -147,4 +147,46 @@ inline float quantize_fp8(const fmlp_tensor_t& w, const fmlp_tensor_t& q,
   return amax;
 }
 
+// ---- linear and softmax ----
+namespace detail {
+template <typename ARGS, typename SIZE, typename RUN>
+void run_with_host_workspace(const ARGS& args, fmlp_backend_t backend, void* workspace,
+                             size_t workspace_bytes, void* stream, SIZE size, RUN run) {
+  std::vector<unsigned char> owned;
+  if (workspace == nullptr && args.x.device_type == FMLP_DEVICE_CPU) {
+    size_t bytes = 0;
+    check(size(&args, backend, &bytes));
+    owned.resize(bytes);
+    workspace = owned.empty() ? nullptr : owned.data();
+    workspace_bytes = owned.size();
+  }
+  check(run(&args, backend, workspace, workspace_bytes, stream));
+}
+}  // namespace detail
+
+// y = x W^T + bias; w_scale only for fp8 weights. On the host a workspace is allocated when none
+// is given.
+inline fmlp_linear_args_t linear_args(const fmlp_tensor_t& y, const fmlp_tensor_t& x,
+                                      const fmlp_tensor_t& w,
+                                      const fmlp_tensor_t& bias = fmlp_tensor_none(),
+                                      const fmlp_tensor_t& w_scale = fmlp_tensor_none()) {
+  return fmlp_linear_args_t{y, x, w, w_scale, bias};
+}
+inline void linear(const fmlp_linear_args_t& args, fmlp_backend_t backend = FMLP_BACKEND_AUTO,
+                   void* workspace = nullptr, size_t workspace_bytes = 0, void* stream = nullptr) {
+  detail::run_with_host_workspace(args, backend, workspace, workspace_bytes, stream,
+                                  fmlp_linear_workspace_size, fmlp_linear);
+}
+
+// y = softmax(x / temperature) over the last dim (log_softmax when log is true).
+inline fmlp_softmax_args_t softmax_args(const fmlp_tensor_t& y, const fmlp_tensor_t& x,
+                                        float temperature = 1.f, bool log = false) {
+  return fmlp_softmax_args_t{y, x, temperature, log ? 1 : 0};
+}
+inline void softmax(const fmlp_softmax_args_t& args, fmlp_backend_t backend = FMLP_BACKEND_AUTO,
+                    void* workspace = nullptr, size_t workspace_bytes = 0, void* stream = nullptr) {
+  detail::run_with_host_workspace(args, backend, workspace, workspace_bytes, stream,
+                                  fmlp_softmax_workspace_size, fmlp_softmax);
+}
+
 }  // namespace fmlp

@@ -145,3 +145,22 @@ const std::string& cuda_unavailable_reason() {
 }
 
 }  // namespace fmlp::detail
+
+// ---- linear and softmax ops (src/cuda/linear_gemv.cu, softmax.cu) ----
+#include "cuda/ops.cuh"
+
+namespace fmlp::detail {
+
+int cuda_compute_capability(int device) {
+  return compute_capability(device);
+}
+
+bool cuda_op_device_ok(fmlp_device_type_t device, int device_id, std::string* why) {
+  if (device != FMLP_DEVICE_CUDA) return (*why = "needs CUDA device memory", false);
+  MlpDesc d;
+  d.device = device;
+  d.device_id = device_id;
+  return device_supported(d, why);
+}
+
+}  // namespace fmlp::detail

@@ -24,3 +24,18 @@ fmlp_status_t cuda_mlp_pack(fmlp_mlp_packed_s*, const fmlp_mlp_weights_t&, const
 }
 
 }  // namespace fmlp::detail
+
+// ---- linear and softmax ops: nothing to register without CUDA ----
+#include "core/linear_desc.hpp"
+
+namespace fmlp::detail {
+
+LinearKernelList cuda_linear_kernels() {
+  return {nullptr, 0};
+}
+
+SoftmaxKernelList cuda_softmax_kernels() {
+  return {nullptr, 0};
+}
+
+}  // namespace fmlp::detail

@@ -1,0 +1,117 @@
+# PyTorch peers of fusedmlp's linear and softmax ops, measured like fusedmlp_ops_bench: weights and
+# inputs rotated over more than 3x the L2 so each call reads HBM, each variant replayed from a
+# CUDA graph, median (same method as bench/peers.py). With --ours (fusedmlp_ops_bench's JSON) it
+# prints our time over the peer's for every shape measured by both.
+# usage: python3 bench/peers_ops.py [--json peers_ops.json] [--ours ops.json]
+import argparse
+import json
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+
+def bench_shapes():
+    """The linear shapes of linear_cuda_bench.cpp's table, read from its source."""
+    src = open(__file__.replace("peers_ops.py", "linear_cuda_bench.cpp")).read()
+    return [(n, int(a), int(b)) for n, a, b in re.findall(r'\{"([^"]+)", (\d+), (\d+)\}', src)]
+
+
+def median_us(fn, rep_ms=200):
+    return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
+
+
+def graphed(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default="peers_ops.json")
+    ap.add_argument("--ours", default=None)
+    a = ap.parse_args()
+    dev = "cuda"
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    src = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() / (median_us(lambda: dst.copy_(src), 100) * 1e-6)
+    del src, dst
+    res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12,
+           "rows": []}
+    print(f"{res['gpu']} torch {res['torch']} copy {bw / 1e12:.3f} TB/s", flush=True)
+    # Semantics check for the docs: torch's answer for a +Inf in a row.
+    t = torch.tensor([[float("inf"), 1.0]], device=dev)
+    res["softmax_inf_row"] = torch.softmax(t, -1).tolist()
+    print("torch.softmax([inf, 1]) =", res["softmax_inf_row"], flush=True)
+
+    def record(row):
+        res["rows"].append(row)
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}),
+              flush=True)
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+    cases = [(s, 1) for s in bench_shapes()]
+    for name in ("llama3-8b.q", "llama3-8b.down", "llama3-8b.lm_head", "mixtral.router"):
+        cases += [(s, m) for s in bench_shapes() if s[0] == name for m in (4, 16, 64)]
+    for (name, n, k), m in cases:
+        wbytes = n * k * 2
+        copies = min(64, max(1, math.ceil(3 * l2 / wbytes)))
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / math.sqrt(k)
+              for _ in range(copies)]
+        b = torch.randn(n, device=dev, dtype=torch.bfloat16) * 0.1
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+
+        def run():
+            for w in ws:
+                F.linear(x, w, b)
+        us = median_us(graphed(run)) / copies
+        record({"op": "linear", "shape": name, "dtype": "bf16", "M": m, "N": n, "K": k,
+                "us": us, "pct_of_copy": 100 * (wbytes + 2 * m * (n + k)) / bw / (us * 1e-6)})
+        del ws
+    for log in (False, True):
+        for rows, n, dt in ((1, 128256, torch.float32), (256, 128256, torch.float32),
+                            (1, 128256, torch.bfloat16), (64, 32000, torch.bfloat16),
+                            (4096, 1024, torch.float32), (1, 1 << 20, torch.float32)):
+            nbytes = rows * n * (4 if dt == torch.float32 else 2)
+            copies = min(256, max(1, math.ceil(3 * l2 / nbytes)))
+            xs = [torch.randn(rows, n, device=dev, dtype=dt) * 8 for _ in range(copies)]
+            fn = torch.log_softmax if log else torch.softmax
+
+            def run():
+                for x in xs:
+                    fn(x, -1)
+            us = median_us(graphed(run)) / copies
+            record({"op": "logsoftm" if log else "softmax", "shape": f"{rows}x{n}",
+                    "dtype": "f32" if dt == torch.float32 else "bf16", "M": rows, "N": n,
+                    "us": us, "pct_of_copy": 100 * 2 * nbytes / bw / (us * 1e-6)})
+            del xs
+    if a.ours:
+        ours = json.load(open(a.ours))["rows"]
+        key = lambda r: (r["op"], r["shape"], r["dtype"], r["M"])
+        peer = {key(r): r["us"] for r in res["rows"]}
+        print(f"{'op':9}{'shape':24}{'dtype':6}{'M':>4} {'ours us':>9} {'torch us':>9} {'speedup':>8}")
+        for r in ours:
+            if key(r) in peer:
+                p = peer[key(r)]
+                r["torch_us"], r["speedup_vs_torch"] = p, p / r["us"]
+                print(f"{r['op']:9}{r['shape']:24}{r['dtype']:6}{r['M']:>4} {r['us']:9.2f} "
+                      f"{p:9.2f} {p / r['us']:8.2f}")
+        res["ours_vs_torch"] = ours
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

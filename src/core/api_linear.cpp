@@ -1,0 +1,195 @@
+// C ABI of the linear op: the one place its arguments are validated, then dispatch through the
+// op table (op_table.hpp).
+#include <cmath>
+
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+#include "core/linear_desc.hpp"
+#include "core/tensor_check.hpp"
+
+namespace fmlp::detail {
+namespace {
+
+#define FMLP_TRY(expr)                           \
+  do {                                           \
+    const fmlp_status_t status_ = (expr);        \
+    if (status_ != FMLP_SUCCESS) return status_; \
+  } while (0)
+
+bool is_act_dtype(fmlp_dtype_t t) {
+  return t == FMLP_DTYPE_F32 || t == FMLP_DTYPE_F16 || t == FMLP_DTYPE_BF16;
+}
+
+fmlp_status_t check_scale(const fmlp_linear_args_t& a, LinearDesc* d) {
+  const fmlp_tensor_t& s = a.w_scale;
+  const bool fp8 = a.w.dtype == FMLP_DTYPE_F8_E4M3;
+  if (tensor_absent(s)) {
+    if (fp8)
+      return fail(FMLP_ERROR_BAD_SCALE,
+                  "w is fp8 e4m3 but w_scale is absent; pass fp32 scales of shape [1] (per "
+                  "tensor) or [{}] (per row)",
+                  d->n);
+    d->w_scale = ScaleKind::kNone;
+    return FMLP_SUCCESS;
+  }
+  if (!fp8)
+    return fail(FMLP_ERROR_BAD_SCALE,
+                "w_scale is given but w is {}; scales apply to fp8 e4m3 weights only, drop the "
+                "scale",
+                fmlp_dtype_name(a.w.dtype));
+  const int64_t any[1] = {-1};
+  FMLP_TRY(check_tensor("w_scale", s, 1, any, "[1] or [N]"));
+  if (s.dtype != FMLP_DTYPE_F32)
+    return fail(FMLP_ERROR_BAD_SCALE, "w_scale has dtype {}; scales must be f32",
+                fmlp_dtype_name(s.dtype));
+  if (s.shape[0] == 1 && d->n != 1)
+    d->w_scale = ScaleKind::kPerTensor;
+  else if (s.shape[0] == d->n)
+    d->w_scale = ScaleKind::kPerRow;
+  else
+    return fail(FMLP_ERROR_BAD_SCALE,
+                "w_scale has {} entries; expected 1 (per tensor) or {} (one per row of w)",
+                s.shape[0], d->n);
+  if (s.device_type == FMLP_DEVICE_CPU) {
+    const float* p = static_cast<const float*>(s.data);
+    for (int64_t i = 0; i < s.shape[0]; ++i)
+      if (!(std::isfinite(p[i]) && p[i] > 0.f))
+        return fail(FMLP_ERROR_BAD_SCALE, "w_scale[{}] is {}; scales must be finite and > 0", i,
+                    p[i]);
+  }
+  return FMLP_SUCCESS;
+}
+
+fmlp_status_t validate_linear(const fmlp_linear_args_t* a, LinearDesc* d) {
+  if (a == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "args is NULL");
+  if (tensor_absent(a->w)) return fail(FMLP_ERROR_NULL_POINTER, "w is absent; pass [N, K]");
+  if (tensor_absent(a->x)) return fail(FMLP_ERROR_NULL_POINTER, "x is absent; pass [M, K]");
+  if (tensor_absent(a->y)) return fail(FMLP_ERROR_NULL_POINTER, "y is absent; pass [M, N]");
+  const int64_t any2[2] = {-1, -1};
+  FMLP_TRY(check_tensor("w", a->w, 2, any2, "[N, K]"));
+  d->n = a->w.shape[0];
+  d->k = a->w.shape[1];
+  const int64_t x_shape[2] = {-1, d->k};
+  FMLP_TRY(check_tensor("x", a->x, 2, x_shape, "[M, K]"));
+  d->m = a->x.shape[0];
+  const int64_t y_shape[2] = {d->m, d->n};
+  FMLP_TRY(check_tensor("y", a->y, 2, y_shape, "[M, N]"));
+  if (!is_act_dtype(a->w.dtype) && a->w.dtype != FMLP_DTYPE_F8_E4M3)
+    return fail(FMLP_ERROR_DTYPE_MISMATCH,
+                "w has dtype {}; weights must be f32, f16, bf16 or f8_e4m3",
+                fmlp_dtype_name(a->w.dtype));
+  if (!is_act_dtype(a->x.dtype))
+    return fail(FMLP_ERROR_DTYPE_MISMATCH, "x has dtype {}; activations must be f32, f16 or bf16",
+                fmlp_dtype_name(a->x.dtype));
+  if (a->y.dtype != a->x.dtype)
+    return fail(FMLP_ERROR_DTYPE_MISMATCH, "y is {} but x is {}; y must have x's dtype",
+                fmlp_dtype_name(a->y.dtype), fmlp_dtype_name(a->x.dtype));
+  d->act_dtype = a->x.dtype;
+  d->w_dtype = a->w.dtype;
+  FMLP_TRY(check_scale(*a, d));
+  d->bias_dtype = FMLP_DTYPE_INVALID;
+  if (!tensor_absent(a->bias)) {
+    const int64_t b_shape[1] = {d->n};
+    FMLP_TRY(check_tensor("bias", a->bias, 1, b_shape, "[N]"));
+    if (!is_act_dtype(a->bias.dtype))
+      return fail(FMLP_ERROR_DTYPE_MISMATCH, "bias has dtype {}; it must be f32, f16 or bf16",
+                  fmlp_dtype_name(a->bias.dtype));
+    d->bias_dtype = a->bias.dtype;
+  }
+  d->device = a->w.device_type;
+  d->device_id = a->w.device_id;
+  const struct {
+    const fmlp_tensor_t* t;
+    const char* name;
+  } all[] = {{&a->x, "x"}, {&a->y, "y"}, {&a->w_scale, "w_scale"}, {&a->bias, "bias"}};
+  for (const auto& n : all) {
+    if (tensor_absent(*n.t)) continue;
+    if (n.t->device_type != d->device || n.t->device_id != d->device_id)
+      return fail(FMLP_ERROR_DEVICE_MISMATCH,
+                  "{} is on {} but w is on {}; put every tensor on one device", n.name,
+                  device_string(n.t->device_type, n.t->device_id),
+                  device_string(d->device, d->device_id));
+  }
+  const ByteRange yr = byte_range(a->y);
+  for (const auto& n : all)
+    if (n.t != &a->y && ranges_overlap(yr, byte_range(*n.t)))
+      return fail(FMLP_ERROR_ALIASING,
+                  "y overlaps {}; the kernels read {} while y is written, so pass a separate "
+                  "output buffer",
+                  n.name, n.name);
+  if (ranges_overlap(yr, byte_range(a->w)))
+    return fail(FMLP_ERROR_ALIASING,
+                "y overlaps w; the output must not share memory with the weights");
+  const int64_t es = int64_t(dtype_size(d->w_dtype));
+  d->w_vec16 = uintptr_t(a->w.data) % 16 == 0 && (d->k * es) % 16 == 0 &&
+               (d->n <= 1 || (a->w.stride[0] * es) % 16 == 0);
+  return FMLP_SUCCESS;
+}
+
+struct LinearOp {
+  using Args = fmlp_linear_args_t;
+  using Desc = LinearDesc;
+  static constexpr const char* kName = "linear";
+  static fmlp_status_t validate(const Args* a, Desc* d) { return validate_linear(a, d); }
+  static std::string describe(const Desc& d) { return fmlp::detail::describe(d); }
+  static bool empty(const Desc& d) { return d.m == 0 || d.n == 0; }
+  static std::array<LinearKernelList, 3> lists() {
+    return {cuda_linear_kernels(), cpu_linear_kernels(), ref_linear_kernels()};
+  }
+};
+using Table = OpTable<LinearOp>;
+
+}  // namespace
+
+std::string describe(const LinearDesc& d) {
+  return fmt::format("M={} N={} K={} x={} w={}{}{}{} on {}", d.m, d.n, d.k,
+                     fmlp_dtype_name(d.act_dtype), fmlp_dtype_name(d.w_dtype),
+                     d.w_scale == ScaleKind::kPerTensor ? " scale/tensor"
+                     : d.w_scale == ScaleKind::kPerRow  ? " scale/row"
+                                                        : "",
+                     d.bias_dtype != FMLP_DTYPE_INVALID ? " bias" : "", d.w_vec16 ? " vec16" : "",
+                     device_string(d.device, d.device_id));
+}
+
+}  // namespace fmlp::detail
+
+using fmlp::detail::Table;
+
+extern "C" {
+
+fmlp_status_t fmlp_linear_workspace_size(const fmlp_linear_args_t* args, fmlp_backend_t backend,
+                                         size_t* bytes) {
+  return Table::workspace_size(args, backend, bytes);
+}
+fmlp_status_t fmlp_linear(const fmlp_linear_args_t* args, fmlp_backend_t backend, void* workspace,
+                          size_t workspace_bytes, void* stream) {
+  return Table::run(args, backend, workspace, workspace_bytes, stream,
+                    "fmlp_linear_workspace_size");
+}
+fmlp_status_t fmlp_linear_explain(const fmlp_linear_args_t* args, fmlp_backend_t backend, char* buf,
+                                  size_t buf_size, size_t* needed) {
+  return Table::explain(args, backend, buf, buf_size, needed);
+}
+int fmlp_linear_kernel_count(void) {
+  return Table::count();
+}
+const char* fmlp_linear_kernel_name(int index) {
+  return Table::name(index);
+}
+fmlp_backend_t fmlp_linear_kernel_backend(int index) {
+  return Table::backend(index);
+}
+fmlp_status_t fmlp_linear_kernel_supports(const fmlp_linear_args_t* args, const char* kernel) {
+  return Table::kernel_supports(args, kernel);
+}
+fmlp_status_t fmlp_linear_kernel_workspace_size(const fmlp_linear_args_t* args, const char* kernel,
+                                                size_t* bytes) {
+  return Table::kernel_workspace(args, kernel, bytes);
+}
+fmlp_status_t fmlp_linear_with_kernel(const fmlp_linear_args_t* args, const char* kernel,
+                                      void* workspace, size_t workspace_bytes, void* stream) {
+  return Table::with_kernel(args, kernel, workspace, workspace_bytes, stream,
+                            "fmlp_linear_kernel_workspace_size");
+}
+
+}  // extern "C"

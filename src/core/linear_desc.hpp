@@ -1,0 +1,55 @@
+// The linear and softmax ops as the kernels see them: validated, pointer-free descriptions and
+// their op-table entries (op_table.hpp). api_linear.cpp / api_softmax.cpp validate every argument
+// once; kernels trust what they receive.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "core/mlp_desc.hpp"
+#include "core/op_table.hpp"
+
+namespace fmlp::detail {
+
+struct LinearDesc {
+  int64_t m = 0, n = 0, k = 0;
+  fmlp_dtype_t act_dtype = FMLP_DTYPE_INVALID;  // x and y
+  fmlp_dtype_t w_dtype = FMLP_DTYPE_INVALID;
+  fmlp_dtype_t bias_dtype = FMLP_DTYPE_INVALID;  // INVALID when there is no bias
+  ScaleKind w_scale = ScaleKind::kNone;
+  fmlp_device_type_t device = FMLP_DEVICE_CPU;
+  int32_t device_id = 0;
+  // W starts on a 16-byte boundary, its row stride is a multiple of 16 bytes and K fills whole
+  // 16-byte chunks, so kernels may stream it with 16-byte vector loads.
+  bool w_vec16 = false;
+};
+
+using LinearKernel = OpKernel<fmlp_linear_args_t, LinearDesc>;
+using LinearKernelList = OpKernelList<fmlp_linear_args_t, LinearDesc>;
+LinearKernelList ref_linear_kernels();
+LinearKernelList cpu_linear_kernels();
+LinearKernelList cuda_linear_kernels();  // empty when CUDA is not built
+std::string describe(const LinearDesc& d);
+
+struct SoftmaxDesc {
+  int64_t rows = 0, n = 0;
+  fmlp_dtype_t dtype = FMLP_DTYPE_INVALID;  // x and y
+  float temperature = 1.f;
+  bool log = false;
+  bool in_place = false;  // y is the very same view as x
+  fmlp_device_type_t device = FMLP_DEVICE_CPU;
+  int32_t device_id = 0;
+};
+
+using SoftmaxKernel = OpKernel<fmlp_softmax_args_t, SoftmaxDesc>;
+using SoftmaxKernelList = OpKernelList<fmlp_softmax_args_t, SoftmaxDesc>;
+SoftmaxKernelList ref_softmax_kernels();
+SoftmaxKernelList cpu_softmax_kernels();
+SoftmaxKernelList cuda_softmax_kernels();  // empty when CUDA is not built
+std::string describe(const SoftmaxDesc& d);
+
+// A 2-D view's row r as bytes (1-D views are one row).
+inline const char* row_ptr(const fmlp_tensor_t& t, int64_t r, size_t esize) {
+  return static_cast<const char*>(t.data) + (t.ndim == 2 ? r * t.stride[0] : 0) * int64_t(esize);
+}
+
+}  // namespace fmlp::detail

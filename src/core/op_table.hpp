@@ -1,0 +1,201 @@
+// The op-table pattern of the mlp op (mlp_desc.hpp) for the smaller ops (linear, softmax): an
+// entry type per op, each backend's list of entries, and the dispatch/explain/named-kernel logic
+// written once. An op plugs in through a traits struct OP with
+//   using Args = fmlp_<op>_args_t; using Desc = <Op>Desc;
+//   static constexpr const char* kName;        // "linear", for messages
+//   static fmlp_status_t validate(const Args*, Desc*);
+//   static std::string describe(const Desc&);
+//   static bool empty(const Desc&);            // nothing to compute: success without a kernel
+//   static std::array<OpKernelList<Args, Desc>, 3> lists();   // cuda, cpu, ref
+#pragma once
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/error.hpp"
+#include "core/mlp_desc.hpp"
+
+namespace fmlp::detail {
+
+template <typename ARGS, typename DESC>
+struct OpKernel {
+  const char* name;  // op_arch_technique
+  fmlp_backend_t backend;
+  bool (*supports)(const DESC& desc, std::string* why);
+  size_t (*workspace_bytes)(const DESC& desc);
+  // `args` are validated; the workspace holds workspace_bytes(desc). Never throws.
+  fmlp_status_t (*run)(const ARGS& args, const DESC& desc, void* workspace, void* stream);
+};
+
+template <typename ARGS, typename DESC>
+struct OpKernelList {
+  const OpKernel<ARGS, DESC>* kernels;
+  size_t count;
+};
+
+template <typename OP>
+struct OpTable {
+  using Args = typename OP::Args;
+  using Desc = typename OP::Desc;
+  using Kernel = OpKernel<Args, Desc>;
+
+  static std::vector<const Kernel*> all() {
+    std::vector<const Kernel*> v;
+    for (const auto& l : OP::lists())
+      for (size_t i = 0; i < l.count; ++i) v.push_back(&l.kernels[i]);
+    return v;
+  }
+
+  static fmlp_status_t resolve(fmlp_backend_t requested, const Desc& d, fmlp_backend_t* out) {
+    MlpDesc where;  // resolve_backend only reads the device fields
+    where.device = d.device;
+    where.device_id = d.device_id;
+    return resolve_backend(requested, where, out);
+  }
+
+  static fmlp_status_t select(const Desc& d, fmlp_backend_t requested, const Kernel** out) {
+    fmlp_backend_t b;
+    if (const fmlp_status_t s = resolve(requested, d, &b); s != FMLP_SUCCESS) return s;
+    std::string why;
+    for (const auto& l : OP::lists())
+      for (size_t i = 0; i < l.count; ++i)
+        if (l.kernels[i].backend == b && l.kernels[i].supports(d, &why)) {
+          *out = &l.kernels[i];
+          return FMLP_SUCCESS;
+        }
+    std::string reasons;
+    for (const Kernel* k : all()) {
+      if (k->backend != b) continue;
+      std::string w;
+      k->supports(d, &w);
+      reasons += fmt::format("\n  {}: {}", k->name, w);
+    }
+    return fail(FMLP_ERROR_NOT_SUPPORTED, "no {} {} kernel handles {}:{}", fmlp_backend_name(b),
+                OP::kName, OP::describe(d), reasons.empty() ? " (none registered)" : reasons);
+  }
+
+  static fmlp_status_t run_kernel(const Kernel& k, const Args& a, const Desc& d, void* ws,
+                                  size_t ws_bytes, void* stream, const char* size_query) {
+    if (OP::empty(d)) {
+      clear_last_error();
+      return FMLP_SUCCESS;
+    }
+    const size_t need = k.workspace_bytes(d);
+    if (need > 0 && (ws == nullptr || ws_bytes < need))
+      return fail(FMLP_ERROR_WORKSPACE_TOO_SMALL,
+                  "kernel {} needs a workspace of {} bytes but got {} bytes{}; size it with {}",
+                  k.name, need, ws == nullptr ? 0 : ws_bytes, ws == nullptr ? " (NULL)" : "",
+                  size_query);
+    clear_last_error();
+    return k.run(a, d, ws, stream);
+  }
+
+  static fmlp_status_t workspace_size(const Args* a, fmlp_backend_t backend, size_t* bytes) {
+    if (bytes == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "bytes is NULL");
+    Desc d;
+    const Kernel* k = nullptr;
+    if (const fmlp_status_t s = OP::validate(a, &d); s != FMLP_SUCCESS) return s;
+    if (const fmlp_status_t s = select(d, backend, &k); s != FMLP_SUCCESS) return s;
+    *bytes = OP::empty(d) ? 0 : k->workspace_bytes(d);
+    clear_last_error();
+    return FMLP_SUCCESS;
+  }
+
+  static fmlp_status_t run(const Args* a, fmlp_backend_t backend, void* ws, size_t ws_bytes,
+                           void* stream, const char* size_query) {
+    Desc d;
+    const Kernel* k = nullptr;
+    if (const fmlp_status_t s = OP::validate(a, &d); s != FMLP_SUCCESS) return s;
+    if (const fmlp_status_t s = select(d, backend, &k); s != FMLP_SUCCESS) return s;
+    return run_kernel(*k, *a, d, ws, ws_bytes, stream, size_query);
+  }
+
+  static fmlp_status_t explain(const Args* a, fmlp_backend_t backend, char* buf, size_t buf_size,
+                               size_t* needed) {
+    Desc d;
+    if (const fmlp_status_t s = OP::validate(a, &d); s != FMLP_SUCCESS) return s;
+    fmlp_backend_t b;
+    if (const fmlp_status_t s = resolve(backend, d, &b); s != FMLP_SUCCESS) return s;
+    std::string report =
+        fmt::format("{} {}\nbackend {}\n", OP::kName, OP::describe(d), fmlp_backend_name(b));
+    bool chosen = false;
+    for (const Kernel* k : all()) {
+      if (k->backend != b) continue;
+      std::string why;
+      const bool ok = k->supports(d, &why);
+      if (ok && !chosen) {
+        chosen = true;
+        report +=
+            fmt::format("  chosen   {} (workspace {} bytes)\n", k->name, k->workspace_bytes(d));
+      } else if (ok) {
+        report += fmt::format("  skipped  {}: an earlier entry is preferred\n", k->name);
+      } else {
+        report += fmt::format("  rejected {}: {}\n", k->name, why);
+      }
+    }
+    if (!chosen) report += "  no kernel of this backend handles the request\n";
+    if (needed) *needed = report.size() + 1;
+    if (buf && buf_size > 0) {
+      const size_t n = std::min(report.size(), buf_size - 1);
+      std::memcpy(buf, report.data(), n);
+      buf[n] = '\0';
+    }
+    clear_last_error();
+    return FMLP_SUCCESS;
+  }
+
+  // Validates and finds the named kernel; NOT_SUPPORTED with its reason when it cannot run them.
+  static fmlp_status_t named(const Args* a, const char* name, Desc* d, const Kernel** out) {
+    if (name == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "kernel name is NULL");
+    if (const fmlp_status_t s = OP::validate(a, d); s != FMLP_SUCCESS) return s;
+    for (const Kernel* k : all()) {
+      if (std::strcmp(k->name, name) != 0) continue;
+      fmlp_backend_t b;
+      if (const fmlp_status_t s = resolve(k->backend, *d, &b); s != FMLP_SUCCESS) return s;
+      std::string why;
+      if (!k->supports(*d, &why))
+        return fail(FMLP_ERROR_NOT_SUPPORTED, "{} does not handle {}: {}", name, OP::describe(*d),
+                    why);
+      *out = k;
+      return FMLP_SUCCESS;
+    }
+    return fail(FMLP_ERROR_INVALID_VALUE, "no {} kernel is named '{}'", OP::kName, name);
+  }
+
+  static int count() { return int(all().size()); }
+  static const char* name(int i) {
+    const auto v = all();
+    return i >= 0 && size_t(i) < v.size() ? v[size_t(i)]->name : nullptr;
+  }
+  static fmlp_backend_t backend(int i) {
+    const auto v = all();
+    return i >= 0 && size_t(i) < v.size() ? v[size_t(i)]->backend : FMLP_BACKEND_AUTO;
+  }
+  static fmlp_status_t kernel_supports(const Args* a, const char* kernel) {
+    Desc d;
+    const Kernel* k = nullptr;
+    if (const fmlp_status_t s = named(a, kernel, &d, &k); s != FMLP_SUCCESS) return s;
+    clear_last_error();
+    return FMLP_SUCCESS;
+  }
+  static fmlp_status_t kernel_workspace(const Args* a, const char* kernel, size_t* bytes) {
+    if (bytes == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "bytes is NULL");
+    Desc d;
+    const Kernel* k = nullptr;
+    if (const fmlp_status_t s = named(a, kernel, &d, &k); s != FMLP_SUCCESS) return s;
+    *bytes = OP::empty(d) ? 0 : k->workspace_bytes(d);
+    clear_last_error();
+    return FMLP_SUCCESS;
+  }
+  static fmlp_status_t with_kernel(const Args* a, const char* kernel, void* ws, size_t ws_bytes,
+                                   void* stream, const char* size_query) {
+    Desc d;
+    const Kernel* k = nullptr;
+    if (const fmlp_status_t s = named(a, kernel, &d, &k); s != FMLP_SUCCESS) return s;
+    return run_kernel(*k, *a, d, ws, ws_bytes, stream, size_query);
+  }
+};
+
+}  // namespace fmlp::detail

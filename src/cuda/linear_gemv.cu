@@ -1,0 +1,334 @@
+// linear_sm80_gemv: y[M, N] = x[M, K] W^T + b for small M, in one launch on the CUDA cores.
+//
+// At small M the op is a stream over W, so the kernel is built for bytes in flight:
+//   - a task is (8 W rows, one K split, one tile of up to MT x rows); each of the block's 8 warps
+//     owns one W row, its lanes read consecutive 16-byte chunks (non-allocating loads, kUnroll in
+//     flight per lane) and FMA them with the x tile staged in shared memory as fp32, so every W
+//     load serves all MT rows of the tile; fp32 accumulation, warp-shuffle reduction,
+//   - the x tiles of one W slice are adjacent task ids, so blocks that re-read a slice for the
+//     next x tile find it in L2 (larger M re-reads W from L2, a simple correct fallback),
+//   - the launcher splits K only when there would be fewer than 2 blocks per multiprocessor
+//     (small N, e.g. a router 4096 -> 8): each split writes fp32 partial sums to the workspace and
+//     the last split to arrive for a task (a counter per task, no spinning) adds them in split
+//     order, so results are deterministic; it re-zeroes its counter for the next call,
+//   - the epilogue applies the fp8 scale, adds the bias and converts to the output dtype.
+// Unaligned or ragged W (base, row stride or K not in whole 16-byte chunks) takes the same kernel
+// with element loads.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+#include "cuda/common.cuh"
+#include "cuda/decode_common.cuh"
+#include "cuda/ops.cuh"
+
+namespace fmlp::detail {
+namespace {
+
+using fmlp::cuda::ld_stream_v4;
+using fmlp::cuda::load_scalar;
+using fmlp::cuda::store_scalar;
+using fmlp::cuda::warp_sum;
+using fmlp::cuda::widen8;
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kUnroll = 4;           // 16-byte W loads in flight per lane
+constexpr int kXsBytes = 32 * 1024;  // staged x per block
+constexpr int kBlocksPerSm = 6;      // 6 x 32 KB of x fits the 227 KB of an sm_90 SM
+using Fp8 = unsigned char;
+
+struct LinearParams {
+  const void* x;
+  void* y;
+  const void* w;
+  const float* scale;  // nullptr: no scale
+  const void* bias;    // nullptr: no bias
+  int64_t x_ld, y_ld, w_ld;
+  fmlp_dtype_t act_t, bias_t;
+  int scale_per_row;
+  int m, n, k;
+  int mtiles, splits, rowgroups;
+  int kc;              // K per split, a multiple of the 16-byte sweep of a warp
+  int kx;              // K staged per pass, a multiple of it too
+  float* partial;      // [splits, m, n] when splits > 1
+  unsigned* counters;  // [rowgroups * mtiles] when splits > 1, zero between calls
+};
+
+template <typename WT>
+constexpr int kPerChunk = 16 / int(sizeof(WT));  // W elements per 16-byte chunk
+
+__device__ __forceinline__ float fp8_to_f32(uint32_t b) {
+  // The magnitude bits placed in an fp32 give 2^-120 times the value (subnormals exactly).
+  const float f = __uint_as_float(((b & 0x7fu) << 20) | ((b & 0x80u) << 24)) * 0x1p120f;
+  return (b & 0x7fu) == 0x7fu ? __uint_as_float(0x7fc00000u) : f;
+}
+
+template <typename WT>
+__device__ __forceinline__ float load_w(const WT* row, int64_t c) {
+  if constexpr (std::is_same_v<WT, Fp8>)
+    return fp8_to_f32(row[c]);
+  else if constexpr (std::is_same_v<WT, float>)
+    return row[c];
+  else if constexpr (std::is_same_v<WT, __half>)
+    return __half2float(row[c]);
+  else
+    return __bfloat162float(row[c]);
+}
+
+// One 16-byte chunk of W as fp32.
+template <typename WT>
+__device__ __forceinline__ void widen(const uint4& v, float (&f)[kPerChunk<WT>]) {
+  if constexpr (std::is_same_v<WT, float>) {
+    f[0] = __uint_as_float(v.x), f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z), f[3] = __uint_as_float(v.w);
+  } else if constexpr (std::is_same_v<WT, Fp8>) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) f[i] = fp8_to_f32((w[i / 4] >> (8 * (i % 4))) & 0xffu);
+  } else {
+    widen8<WT>(v, f);
+  }
+}
+
+// acc[r] += W row[c0, c0 + len) . xs row r, for one warp; xs holds MT rows of `ld` floats.
+template <typename WT, int MT, bool VEC>
+__device__ __forceinline__ void row_dot(const WT* row, int len, const float* xs, int ld,
+                                        float (&acc)[MT]) {
+  const int lane = threadIdx.x % 32;
+  if constexpr (VEC) {
+    constexpr int E = kPerChunk<WT>;
+    const int chunks = len / E;
+    for (int c0 = lane; c0 < chunks; c0 += 32 * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (c0 + 32 * u < chunks) v[u] = ld_stream_v4(row + int64_t(c0 + 32 * u) * E);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = c0 + 32 * u;
+        if (c >= chunks) break;
+        float f[E];
+        widen<WT>(v[u], f);
+#pragma unroll
+        for (int r = 0; r < MT; ++r) {
+#pragma unroll
+          for (int e = 0; e < E; e += 4) {
+            const float4 xv = *reinterpret_cast<const float4*>(xs + r * ld + c * E + e);
+            acc[r] = fmaf(f[e], xv.x, acc[r]);
+            acc[r] = fmaf(f[e + 1], xv.y, acc[r]);
+            acc[r] = fmaf(f[e + 2], xv.z, acc[r]);
+            acc[r] = fmaf(f[e + 3], xv.w, acc[r]);
+          }
+        }
+      }
+    }
+  } else {
+    for (int c = lane; c < len; c += 32) {
+      const float wv = load_w(row, c);
+#pragma unroll
+      for (int r = 0; r < MT; ++r) acc[r] = fmaf(wv, xs[r * ld + c], acc[r]);
+    }
+  }
+}
+
+__device__ __forceinline__ void epilogue(const LinearParams& p, int row, int m, float v) {
+  if (p.scale) v *= p.scale[p.scale_per_row ? row : 0];
+  if (p.bias) v += load_scalar(p.bias, p.bias_t, row);
+  const int64_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
+  store_scalar(static_cast<char*>(p.y) + m * p.y_ld * es, p.act_t, row, v);
+}
+
+template <typename WT, int MT, bool VEC>
+__global__ void __launch_bounds__(kThreads) linear_sm80_gemv(const LinearParams p) {
+  extern __shared__ float4 smem4[];
+  float* xs = reinterpret_cast<float*>(smem4);  // [MT, kx]
+  __shared__ unsigned is_last;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
+  const int64_t tasks = int64_t(p.rowgroups) * p.splits * p.mtiles;
+  int64_t staged = -1;
+  for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
+    const int mt = int(task % p.mtiles);
+    const int split = int(task / p.mtiles % p.splits);
+    const int rg = int(task / (int64_t(p.mtiles) * p.splits));
+    const int m0 = mt * MT, mcount = min(MT, p.m - m0);
+    const int k0 = split * p.kc, k1 = min(p.k, k0 + p.kc);
+    const int row = rg * kWarps + warp;
+    const WT* wrow = static_cast<const WT*>(p.w) + int64_t(min(row, p.n - 1)) * p.w_ld;
+    float acc[MT] = {};
+    // With one staging pass per task, consecutive tasks of the same x tile and split (all of
+    // them when M <= MT and K is not split) reuse what is staged.
+    const int64_t key = int64_t(split) * p.mtiles + mt;
+    const bool reuse = p.kc <= p.kx && key == staged;
+    staged = key;
+    for (int kb = k0; kb < k1; kb += p.kx) {
+      const int len = min(p.kx, k1 - kb);
+      if (reuse) {
+        if (row < p.n) row_dot<WT, MT, VEC>(wrow + kb, len, xs, p.kx, acc);
+        continue;
+      }
+      __syncthreads();  // the previous pass is done reading xs
+      for (int i = threadIdx.x; i < MT * len; i += kThreads) {
+        const int r = i / len, c = i % len;
+        xs[r * p.kx + c] = r < mcount
+                               ? load_scalar(static_cast<const char*>(p.x) + (m0 + r) * p.x_ld * es,
+                                             p.act_t, kb + c)
+                               : 0.f;
+      }
+      __syncthreads();
+      if (row < p.n) row_dot<WT, MT, VEC>(wrow + kb, len, xs, p.kx, acc);
+    }
+#pragma unroll
+    for (int r = 0; r < MT; ++r) acc[r] = warp_sum(acc[r]);
+    if (p.splits == 1) {
+      if (lane == 0 && row < p.n)
+        for (int r = 0; r < mcount; ++r) epilogue(p, row, m0 + r, acc[r]);
+      continue;
+    }
+    if (lane == 0 && row < p.n)
+      for (int r = 0; r < mcount; ++r)
+        p.partial[(int64_t(split) * p.m + m0 + r) * p.n + row] = acc[r];
+    __threadfence();
+    __syncthreads();
+    unsigned* counter = p.counters + int64_t(rg) * p.mtiles + mt;
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1u) == unsigned(p.splits - 1);
+    __syncthreads();
+    if (!is_last) continue;
+    __threadfence();
+    if (threadIdx.x < kWarps * MT) {
+      const int r = threadIdx.x / kWarps, o = rg * kWarps + threadIdx.x % kWarps;
+      if (r < mcount && o < p.n) {
+        float s = 0.f;
+        for (int q = 0; q < p.splits; ++q)
+          s += __ldcg(p.partial + (int64_t(q) * p.m + m0 + r) * p.n + o);
+        epilogue(p, o, m0 + r, s);
+      }
+    }
+    if (threadIdx.x == 0) *counter = 0;
+  }
+}
+
+struct Config {
+  int mt, mtiles, splits, rowgroups, kc, kx, blocks;
+};
+
+int elem_bytes(fmlp_dtype_t t) {
+  return t == FMLP_DTYPE_F32 ? 4 : t == FMLP_DTYPE_F8_E4M3 ? 1 : 2;
+}
+
+Config config_for(const LinearDesc& d) {
+  Config c{};
+  c.mt = d.m <= 1 ? 1 : d.m <= 2 ? 2 : d.m <= 4 ? 4 : 8;
+  c.mtiles = int((d.m + c.mt - 1) / c.mt);
+  c.rowgroups = int((d.n + kWarps - 1) / kWarps);
+  const int sweep = 32 * (16 / elem_bytes(d.w_dtype));  // K of one 16-byte load per lane
+  const int sms = std::max(1, cuda_sm_count(d.device_id));
+  const int64_t base = int64_t(c.rowgroups) * c.mtiles;
+  // Split K only to reach 2 blocks per multiprocessor, never below kUnroll sweeps per split.
+  const int64_t want = (2 * sms + base - 1) / base;
+  const int64_t useful = std::max<int64_t>(1, d.k / (int64_t(sweep) * kUnroll));
+  c.splits = int(std::max<int64_t>(1, std::min(want, useful)));
+  const int64_t per = (d.k + c.splits - 1) / c.splits;
+  c.kc = int(std::max<int64_t>(sweep, (per + sweep - 1) / sweep * sweep));
+  c.splits = int(std::max<int64_t>(1, (d.k + c.kc - 1) / c.kc));
+  c.kx = std::min(c.kc, kXsBytes / (4 * c.mt) / sweep * sweep);
+  c.blocks = int(std::min<int64_t>(base * c.splits, int64_t(sms) * kBlocksPerSm));
+  return c;
+}
+
+size_t align_up(size_t n) {
+  return (n + 255) / 256 * 256;
+}
+
+bool gemv_supports(const LinearDesc& d, std::string* why) {
+  if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
+  if (d.m >= (int64_t(1) << 31) || d.n >= (int64_t(1) << 31) || d.k >= (int64_t(1) << 31))
+    return (*why = "M, N and K must be below 2^31", false);
+  return true;
+}
+
+size_t gemv_workspace(const LinearDesc& d) {
+  const Config c = config_for(d);
+  if (c.splits == 1) return 0;
+  return align_up(size_t(c.splits) * size_t(d.m) * size_t(d.n) * 4) +
+         align_up(size_t(c.rowgroups) * size_t(c.mtiles) * 4);
+}
+
+template <typename WT, int MT>
+fmlp_status_t launch(const LinearParams& p, const Config& c, bool vec, cudaStream_t s) {
+  const size_t smem = size_t(MT) * size_t(c.kx) * 4;
+  if (vec)
+    linear_sm80_gemv<WT, MT, true><<<c.blocks, kThreads, smem, s>>>(p);
+  else
+    linear_sm80_gemv<WT, MT, false><<<c.blocks, kThreads, smem, s>>>(p);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return fail(FMLP_ERROR_CUDA, "linear_sm80_gemv launch failed: {}", cudaGetErrorString(e));
+  return FMLP_SUCCESS;
+}
+
+template <typename WT>
+fmlp_status_t dispatch_mt(const LinearParams& p, const Config& c, bool vec, cudaStream_t s) {
+  switch (c.mt) {
+    case 1: return launch<WT, 1>(p, c, vec, s);
+    case 2: return launch<WT, 2>(p, c, vec, s);
+    case 4: return launch<WT, 4>(p, c, vec, s);
+    default: return launch<WT, 8>(p, c, vec, s);
+  }
+}
+
+fmlp_status_t gemv_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws, void* stream) {
+  const Config c = config_for(d);
+  LinearParams p{};
+  p.x = a.x.data;
+  p.y = a.y.data;
+  p.w = a.w.data;
+  p.scale = d.w_scale == ScaleKind::kNone ? nullptr : static_cast<const float*>(a.w_scale.data);
+  p.scale_per_row = d.w_scale == ScaleKind::kPerRow;
+  p.bias = d.bias_dtype == FMLP_DTYPE_INVALID ? nullptr : a.bias.data;
+  p.bias_t = d.bias_dtype;
+  p.x_ld = a.x.stride[0];
+  p.y_ld = a.y.stride[0];
+  p.w_ld = a.w.stride[0];
+  p.act_t = d.act_dtype;
+  p.m = int(d.m), p.n = int(d.n), p.k = int(d.k);
+  p.mtiles = c.mtiles, p.splits = c.splits, p.rowgroups = c.rowgroups, p.kc = c.kc, p.kx = c.kx;
+  if (c.splits > 1) {
+    char* base = static_cast<char*>(ws);
+    p.partial = reinterpret_cast<float*>(base);
+    p.counters = reinterpret_cast<unsigned*>(
+        base + align_up(size_t(c.splits) * size_t(d.m) * size_t(d.n) * 4));
+  }
+  int current = -1;
+  cudaGetDevice(&current);
+  if (current != d.device_id && cudaSetDevice(d.device_id) != cudaSuccess) {
+    const cudaError_t e = cudaGetLastError();
+    return fail(FMLP_ERROR_CUDA, "cudaSetDevice({}) failed: {}", d.device_id,
+                cudaGetErrorString(e));
+  }
+  auto s = static_cast<cudaStream_t>(stream);
+  fmlp_status_t st;
+  switch (d.w_dtype) {
+    case FMLP_DTYPE_F32: st = dispatch_mt<float>(p, c, d.w_vec16, s); break;
+    case FMLP_DTYPE_F16: st = dispatch_mt<__half>(p, c, d.w_vec16, s); break;
+    case FMLP_DTYPE_BF16: st = dispatch_mt<__nv_bfloat16>(p, c, d.w_vec16, s); break;
+    default: st = dispatch_mt<Fp8>(p, c, d.w_vec16, s); break;
+  }
+  if (current >= 0 && current != d.device_id) cudaSetDevice(current);
+  return st;
+}
+
+const LinearKernel kCudaKernels[] = {
+    {"linear_sm80_gemv", FMLP_BACKEND_CUDA, gemv_supports, gemv_workspace, gemv_run},
+};
+
+}  // namespace
+
+LinearKernelList cuda_linear_kernels() {
+  return {kCudaKernels, 1};
+}
+
+}  // namespace fmlp::detail

@@ -1,0 +1,17 @@
+// Launch contracts of the cuda linear and softmax kernels, shared by their launchers and the op
+// table.
+#pragma once
+#include <cstddef>
+#include <string>
+
+#include "core/linear_desc.hpp"
+
+namespace fmlp::detail {
+
+int cuda_sm_count(int device);            // backend.cpp; 0 when unreadable
+int cuda_compute_capability(int device);  // backend.cpp; major * 10 + minor, 0 when unreadable
+
+// Common checks of the cuda op kernels: device memory, compute capability 8.0+, 32-bit sizes.
+bool cuda_op_device_ok(fmlp_device_type_t device, int device_id, std::string* why);
+
+}  // namespace fmlp::detail

@@ -1,0 +1,378 @@
+// softmax_sm80_rows: softmax / log_softmax over the last dim, in two shapes of launch.
+//
+// Many rows (>= 2 per multiprocessor, or short rows): one launch, one block per row at a time.
+// Pass 1 keeps a running (max, sum of exp) per thread, rescaling the sum when the max grows, and
+// reduces the pairs over the block in a fixed order; pass 2 writes exp((x - max) / T) / sum (log:
+// (x - max) / T - log sum). Long rows park their first ~200 KB in shared memory during pass 1, so
+// pass 2 re-reads only the rest, which the L2 still holds: HBM sees about one read and one write.
+//
+// Few long rows (e.g. one row of 128256 logits): each row is split over many blocks so the whole
+// GPU streams it. Launch 1: every block reduces its chunk to (max, sum) in the workspace; the last
+// block of a row to arrive (a counter per row, no spinning) combines the row's chunks in chunk
+// order and re-zeroes the counter. Launch 2 writes the outputs. Two launches: a single one would
+// need every block of a row to wait for that combine, i.e. a grid-wide spin.
+//
+// Non-finite inputs follow the formula, like PyTorch: the max ignores NaN but the sum does not;
+// +Inf makes the max +Inf and (Inf - Inf) a NaN; an all -Inf row gives (-Inf - -Inf) = NaN.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+#include "cuda/common.cuh"
+#include "cuda/decode_common.cuh"
+#include "cuda/ops.cuh"
+
+namespace fmlp::detail {
+namespace {
+
+using fmlp::cuda::load_scalar;
+using fmlp::cuda::store_scalar;
+using fmlp::cuda::widen8;
+
+constexpr int kSplitThreads = 256;
+constexpr int kMaxThreads = 1024;
+constexpr int kCacheBytes = 200 * 1024;
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct SoftmaxParams {
+  const void* x;
+  void* y;
+  int64_t x_ld, y_ld, n;
+  int rows;
+  fmlp_dtype_t t;
+  float sc2;    // log2(e) / T
+  float inv_t;  // 1 / T
+  int log;
+  int chunks;          // split launch: chunks per row
+  int64_t chunk_len;   // split launch: elements per chunk, a multiple of the vector width
+  int64_t cache_vecs;  // fused launch: 16-byte vectors of a row kept in shared memory
+  float2* partials;    // [rows, chunks]
+  float2* stats;       // [rows]: max, sum
+  unsigned* counters;  // [rows], zero between calls
+};
+
+struct Ms {
+  float m, s;
+};
+
+// Sums are relative to max(m, 0 when m is -Inf), so rows of -Inf add 0 instead of a NaN.
+__device__ __forceinline__ Ms combine(Ms a, Ms b, float sc2) {
+  const float m = fmaxf(a.m, b.m);
+  const float ms = m == -INFINITY ? 0.f : m;
+  return {m, a.s * exp2f((a.m - ms) * sc2) + b.s * exp2f((b.m - ms) * sc2)};
+}
+
+template <int E>
+__device__ __forceinline__ void accumulate(Ms& a, const float (&v)[E], float sc2) {
+  float mb = a.m;
+#pragma unroll
+  for (int e = 0; e < E; ++e) mb = fmaxf(mb, v[e]);
+  if (mb > a.m) {
+    a.s *= exp2f((a.m - mb) * sc2);
+    a.m = mb;
+  }
+  const float ms = a.m == -INFINITY ? 0.f : a.m;
+#pragma unroll
+  for (int e = 0; e < E; ++e) a.s += exp2f((v[e] - ms) * sc2);
+}
+
+// Every thread gets the block's combination, reduced in a fixed order.
+__device__ Ms block_reduce(Ms v, float sc2, Ms* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    v = combine(v, {__shfl_xor_sync(~0u, v.m, o), __shfl_xor_sync(~0u, v.s, o)}, sc2);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < int(blockDim.x / 32) ? scratch[lane] : Ms{-INFINITY, 0.f};
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    v = combine(v, {__shfl_xor_sync(~0u, v.m, o), __shfl_xor_sync(~0u, v.s, o)}, sc2);
+  return v;
+}
+
+template <typename T, bool VEC>
+constexpr int kWidth = VEC ? 16 / int(sizeof(T)) : 1;
+
+template <typename T, bool VEC>
+__device__ __forceinline__ void unpack(const uint4& raw, float (&f)[kWidth<T, VEC>]) {
+  if constexpr (!VEC) {
+    f[0] = __uint_as_float(raw.x);  // element loads never go through here
+  } else if constexpr (std::is_same_v<T, float>) {
+    f[0] = __uint_as_float(raw.x), f[1] = __uint_as_float(raw.y);
+    f[2] = __uint_as_float(raw.z), f[3] = __uint_as_float(raw.w);
+  } else {
+    widen8<T>(raw, f);
+  }
+}
+
+template <typename T, bool VEC>
+__device__ __forceinline__ void load(const char* row, int64_t i, fmlp_dtype_t t,
+                                     float (&f)[kWidth<T, VEC>], uint4* raw_out = nullptr) {
+  if constexpr (VEC) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(row + i * 16);
+    if (raw_out) *raw_out = raw;
+    unpack<T, VEC>(raw, f);
+  } else {
+    f[0] = load_scalar(row, t, i);
+  }
+}
+
+template <typename T, bool VEC>
+__device__ __forceinline__ void store(char* row, int64_t i, fmlp_dtype_t t,
+                                      const float (&f)[kWidth<T, VEC>]) {
+  if constexpr (!VEC) {
+    store_scalar(row, t, i, f[0]);
+  } else if constexpr (std::is_same_v<T, float>) {
+    *reinterpret_cast<float4*>(row + i * 16) = make_float4(f[0], f[1], f[2], f[3]);
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (std::is_same_v<T, __half>) {
+        const __half2 h = __floats2half2_rn(f[2 * k], f[2 * k + 1]);
+        w[k] = *reinterpret_cast<const uint32_t*>(&h);
+      } else {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);
+        w[k] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+    }
+    *reinterpret_cast<uint4*>(row + i * 16) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+template <int E>
+__device__ __forceinline__ void finish(float (&f)[E], const SoftmaxParams& p, Ms tot) {
+  const float inv_s = 1.f / tot.s, log_s = logf(tot.s);
+#pragma unroll
+  for (int e = 0; e < E; ++e)
+    f[e] = p.log ? (f[e] - tot.m) * p.inv_t - log_s : exp2f((f[e] - tot.m) * p.sc2) * inv_s;
+}
+
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kMaxThreads) softmax_sm80_fused(const SoftmaxParams p) {
+  extern __shared__ uint4 cache[];
+  __shared__ Ms scratch[32];
+  constexpr int E = kWidth<T, VEC>;
+  const int64_t es = sizeof(T), nv = p.n / E;
+  for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
+    const char* x = static_cast<const char*>(p.x) + r * p.x_ld * es;
+    char* y = static_cast<char*>(p.y) + r * p.y_ld * es;
+    Ms acc{-INFINITY, 0.f};
+    for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) {
+      float f[E];
+      uint4 raw = make_uint4(0, 0, 0, 0);
+      load<T, VEC>(x, i, p.t, f, &raw);
+      if (VEC && i < p.cache_vecs) cache[i] = raw;  // read back by this same thread below
+      accumulate<E>(acc, f, p.sc2);
+    }
+    const Ms tot = block_reduce(acc, p.sc2, scratch);
+    for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) {
+      float f[E];
+      if (VEC && i < p.cache_vecs)
+        unpack<T, VEC>(cache[i], f);
+      else
+        load<T, VEC>(x, i, p.t, f);
+      finish<E>(f, p, tot);
+      store<T, VEC>(y, i, p.t, f);
+    }
+  }
+}
+
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kSplitThreads) softmax_sm80_split_stats(const SoftmaxParams p) {
+  __shared__ Ms scratch[32];
+  __shared__ unsigned is_last;
+  constexpr int E = kWidth<T, VEC>;
+  const int64_t es = sizeof(T);
+  const int r = blockIdx.x / p.chunks, c = blockIdx.x % p.chunks;
+  const char* x = static_cast<const char*>(p.x) + r * p.x_ld * es;
+  const int64_t b = c * p.chunk_len / E, e = min(p.n, (c + 1) * p.chunk_len) / E;
+  Ms acc{-INFINITY, 0.f};
+  for (int64_t i = b + threadIdx.x; i < e; i += kSplitThreads) {
+    float f[E];
+    load<T, VEC>(x, i, p.t, f);
+    accumulate<E>(acc, f, p.sc2);
+  }
+  const Ms tot = block_reduce(acc, p.sc2, scratch);
+  if (threadIdx.x == 0) {
+    p.partials[blockIdx.x] = make_float2(tot.m, tot.s);
+    __threadfence();
+    is_last = atomicAdd(p.counters + r, 1u) == unsigned(p.chunks - 1);
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  Ms v{-INFINITY, 0.f};
+  for (int q = threadIdx.x; q < p.chunks; q += kSplitThreads) {
+    const float2 pq = __ldcg(p.partials + int64_t(r) * p.chunks + q);
+    v = combine(v, {pq.x, pq.y}, p.sc2);
+  }
+  v = block_reduce(v, p.sc2, scratch);
+  if (threadIdx.x == 0) {
+    p.stats[r] = make_float2(v.m, v.s);
+    p.counters[r] = 0;
+  }
+}
+
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kSplitThreads) softmax_sm80_split_write(const SoftmaxParams p) {
+  constexpr int E = kWidth<T, VEC>;
+  const int64_t es = sizeof(T);
+  const int r = blockIdx.x / p.chunks, c = blockIdx.x % p.chunks;
+  const char* x = static_cast<const char*>(p.x) + r * p.x_ld * es;
+  char* y = static_cast<char*>(p.y) + r * p.y_ld * es;
+  const float2 st = p.stats[r];
+  const int64_t b = c * p.chunk_len / E, e = min(p.n, (c + 1) * p.chunk_len) / E;
+  for (int64_t i = b + threadIdx.x; i < e; i += kSplitThreads) {
+    float f[E];
+    load<T, VEC>(x, i, p.t, f);
+    finish<E>(f, p, {st.x, st.y});
+    store<T, VEC>(y, i, p.t, f);
+  }
+}
+
+struct Config {
+  bool split, vec;
+  int threads, blocks, chunks;
+  int64_t chunk_len, cache_vecs;
+};
+
+Config config_for(const SoftmaxDesc& d, const fmlp_softmax_args_t* a) {
+  Config c{};
+  const int64_t es = int64_t(dtype_size(d.dtype)), width = 16 / es;
+  c.vec = d.n % width == 0;
+  if (a) {
+    for (const fmlp_tensor_t* t : {&a->x, &a->y})
+      if (uintptr_t(t->data) % 16 != 0 || (t->ndim == 2 && d.rows > 1 && (t->stride[0] * es) % 16))
+        c.vec = false;
+  }
+  const int64_t w = c.vec ? width : 1;
+  const int sms = std::max(1, cuda_sm_count(d.device_id));
+  c.split = d.rows < 2 * sms && d.n >= 8192;
+  if (c.split) {
+    c.threads = kSplitThreads;
+    const int64_t target = (4 * int64_t(sms) + d.rows - 1) / d.rows;
+    // In whole vector sweeps of the block whatever `vec` says, so the workspace size (asked
+    // without the pointers) is the one the run uses.
+    const int64_t sweep = kSplitThreads * width;
+    const int64_t per = std::max<int64_t>((d.n + target - 1) / target, sweep);
+    c.chunk_len = (per + sweep - 1) / sweep * sweep;
+    c.chunks = int((d.n + c.chunk_len - 1) / c.chunk_len);
+    c.blocks = int(d.rows) * c.chunks;
+    return c;
+  }
+  const int64_t vecs = d.n / w;
+  int threads = 64;
+  while (threads < kMaxThreads && threads * 4 < vecs) threads *= 2;
+  c.threads = threads;
+  const bool long_rows = d.n * es > 64 * 1024;
+  c.cache_vecs = c.vec && long_rows ? std::min<int64_t>(vecs, kCacheBytes / 16) : 0;
+  const int per_sm = c.cache_vecs > 0 ? 1 : std::max(1, 2048 / threads);
+  c.blocks = int(std::min<int64_t>(d.rows, int64_t(sms) * per_sm));
+  return c;
+}
+
+size_t align_up(size_t n) {
+  return (n + 255) / 256 * 256;
+}
+
+bool rows_supports(const SoftmaxDesc& d, std::string* why) {
+  if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
+  if (d.rows >= (int64_t(1) << 31) || d.n >= (int64_t(1) << 40))
+    return (*why = "rows must be below 2^31 and n below 2^40", false);
+  return true;
+}
+
+size_t rows_workspace(const SoftmaxDesc& d) {
+  const Config c = config_for(d, nullptr);
+  if (!c.split) return 0;
+  return align_up(size_t(c.blocks) * 8) + align_up(size_t(d.rows) * 8) +
+         align_up(size_t(d.rows) * 4);
+}
+
+template <typename T, bool VEC>
+fmlp_status_t launch(const SoftmaxParams& p, const Config& c, cudaStream_t s) {
+  if (c.split) {
+    softmax_sm80_split_stats<T, VEC><<<c.blocks, kSplitThreads, 0, s>>>(p);
+    softmax_sm80_split_write<T, VEC><<<c.blocks, kSplitThreads, 0, s>>>(p);
+  } else {
+    const size_t smem = size_t(c.cache_vecs) * 16;
+    auto* kernel = &softmax_sm80_fused<T, VEC>;
+    if (smem > 48 * 1024) {
+      const cudaError_t e =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+      if (e != cudaSuccess)
+        return fail(FMLP_ERROR_CUDA,
+                    "softmax_sm80_rows: cannot raise shared memory to {} bytes: {}", smem,
+                    cudaGetErrorString(e));
+    }
+    kernel<<<c.blocks, c.threads, smem, s>>>(p);
+  }
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return fail(FMLP_ERROR_CUDA, "softmax_sm80_rows launch failed: {}", cudaGetErrorString(e));
+  return FMLP_SUCCESS;
+}
+
+template <typename T>
+fmlp_status_t dispatch(const SoftmaxParams& p, const Config& c, cudaStream_t s) {
+  return c.vec ? launch<T, true>(p, c, s) : launch<T, false>(p, c, s);
+}
+
+fmlp_status_t rows_run(const fmlp_softmax_args_t& a, const SoftmaxDesc& d, void* ws, void* stream) {
+  const Config c = config_for(d, &a);
+  SoftmaxParams p{};
+  p.x = a.x.data;
+  p.y = a.y.data;
+  p.x_ld = a.x.ndim == 2 ? a.x.stride[0] : 0;
+  p.y_ld = a.y.ndim == 2 ? a.y.stride[0] : 0;
+  p.n = d.n;
+  p.rows = int(d.rows);
+  p.t = d.dtype;
+  p.inv_t = 1.f / d.temperature;
+  p.sc2 = kLog2e / d.temperature;
+  p.log = d.log;
+  p.chunks = c.chunks;
+  p.chunk_len = c.chunk_len;
+  p.cache_vecs = c.cache_vecs;
+  if (c.split) {
+    char* base = static_cast<char*>(ws);
+    p.partials = reinterpret_cast<float2*>(base);
+    base += align_up(size_t(c.blocks) * 8);
+    p.stats = reinterpret_cast<float2*>(base);
+    base += align_up(size_t(d.rows) * 8);
+    p.counters = reinterpret_cast<unsigned*>(base);
+  }
+  int current = -1;
+  cudaGetDevice(&current);
+  if (current != d.device_id && cudaSetDevice(d.device_id) != cudaSuccess) {
+    const cudaError_t e = cudaGetLastError();
+    return fail(FMLP_ERROR_CUDA, "cudaSetDevice({}) failed: {}", d.device_id,
+                cudaGetErrorString(e));
+  }
+  auto s = static_cast<cudaStream_t>(stream);
+  fmlp_status_t st;
+  switch (d.dtype) {
+    case FMLP_DTYPE_F16: st = dispatch<__half>(p, c, s); break;
+    case FMLP_DTYPE_BF16: st = dispatch<__nv_bfloat16>(p, c, s); break;
+    default: st = dispatch<float>(p, c, s); break;
+  }
+  if (current >= 0 && current != d.device_id) cudaSetDevice(current);
+  return st;
+}
+
+const SoftmaxKernel kCudaKernels[] = {
+    {"softmax_sm80_rows", FMLP_BACKEND_CUDA, rows_supports, rows_workspace, rows_run},
+};
+
+}  // namespace
+
+SoftmaxKernelList cuda_softmax_kernels() {
+  return {kCudaKernels, 1};
+}
+
+}  // namespace fmlp::detail

@@ -1,0 +1,48 @@
+// ref backend of the linear op: scalar, fp64 accumulation; the oracle the other kernels are
+// tested against.
+#include "core/dtype.hpp"
+#include "core/linear_desc.hpp"
+#include "core/tensor_check.hpp"
+
+namespace fmlp::detail {
+namespace {
+
+bool host_only(const LinearDesc& d, std::string* why) {
+  if (d.device != FMLP_DEVICE_CPU) return (*why = "needs host memory", false);
+  return true;
+}
+
+size_t no_workspace(const LinearDesc&) {
+  return 0;
+}
+
+fmlp_status_t ref_run(const fmlp_linear_args_t& a, const LinearDesc& d, void*, void*) {
+  const size_t xs = dtype_size(a.x.dtype), ws = dtype_size(a.w.dtype);
+  const float* scale = static_cast<const float*>(a.w_scale.data);
+  for (int64_t i = 0; i < d.m; ++i) {
+    const char* x = row_ptr(a.x, i, xs);
+    char* y = const_cast<char*>(row_ptr(a.y, i, xs));
+    for (int64_t o = 0; o < d.n; ++o) {
+      const char* w = row_ptr(a.w, o, ws);
+      double acc = 0.0;
+      for (int64_t c = 0; c < d.k; ++c)
+        acc += load_as_double(w, d.w_dtype, c) * load_as_double(x, d.act_dtype, c);
+      if (d.w_scale != ScaleKind::kNone) acc *= scale[d.w_scale == ScaleKind::kPerRow ? o : 0];
+      if (d.bias_dtype != FMLP_DTYPE_INVALID) acc += load_as_double(a.bias.data, d.bias_dtype, o);
+      store_from_double(y, d.act_dtype, o, acc);
+    }
+  }
+  return FMLP_SUCCESS;
+}
+
+const LinearKernel kRefKernels[] = {
+    {"linear_ref_scalar_fp64", FMLP_BACKEND_REF, host_only, no_workspace, ref_run},
+};
+
+}  // namespace
+
+LinearKernelList ref_linear_kernels() {
+  return {kRefKernels, 1};
+}
+
+}  // namespace fmlp::detail

@@ -1,0 +1,295 @@
+// Every linear op-table entry against an fp64 reference computed here (tolerance rule of
+// tolerance.hpp: rtol * (|ref| + l2 norm of the summed terms) + atol, rtol the larger of the
+// activation and weight dtypes': f32 1e-4, f16 2^-9, bf16 and f8 2^-7), plus bad input.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "op_tensor.hpp"
+#include "tolerance.hpp"
+
+namespace fmlp_test {
+namespace {
+
+struct LinCase {
+  int64_t m = 1, n = 7, k = 127;
+  fmlp_dtype_t xt = FMLP_DTYPE_F32, wt = FMLP_DTYPE_F32, bt = kAbsent;
+  bool per_row = false, misaligned = false, strided = false, nonfinite = false;
+  std::string name() const {
+    return "M=" + std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k) +
+           " x=" + fmlp_dtype_name(xt) + " w=" + fmlp_dtype_name(wt) +
+           (bt != kAbsent ? std::string(" bias=") + fmlp_dtype_name(bt) : "") +
+           (wt == FMLP_DTYPE_F8_E4M3 ? (per_row ? " scale/row" : " scale/tensor") : "") +
+           (misaligned ? " misaligned" : "") + (strided ? " strided" : "") +
+           (nonfinite ? " nonfinite" : "");
+  }
+};
+
+HostMatrix matrix(fmlp_dtype_t t, int64_t rows, int64_t cols) {
+  HostMatrix h;
+  h.dtype = t;
+  h.rows = rows;
+  h.cols = cols;
+  h.bytes.resize(size_t(rows * cols) * fmlp::dtype_size(t));
+  return h;
+}
+
+// Runs one case through `kernel`; returns "" or the failure.
+std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t seed) {
+  Rng rng(seed);
+  std::normal_distribution<double> nd;
+  std::uniform_real_distribution<double> ud(-1.0, 1.0);
+  HostMatrix x = matrix(c.xt, c.m, c.k), w = matrix(c.wt, c.n, c.k);
+  HostMatrix s = matrix(FMLP_DTYPE_F32, 1, c.per_row ? c.n : 1), b;
+  for (int64_t i = 0; i < c.m; ++i)
+    for (int64_t j = 0; j < c.k; ++j) x.set(i, j, nd(rng));
+  const double wscale = c.wt == FMLP_DTYPE_F8_E4M3 ? 100.0 : 1.0 / std::sqrt(double(c.k));
+  for (int64_t i = 0; i < c.n; ++i)
+    for (int64_t j = 0; j < c.k; ++j) w.set(i, j, ud(rng) * wscale);
+  for (int64_t i = 0; i < s.cols; ++i)
+    s.set(0, i, (0.5 + ud(rng) * 0.25) / (100.0 * std::sqrt(double(c.k))));
+  if (c.nonfinite && c.m >= 3) {
+    x.set(0, c.k / 2, NAN);
+    x.set(1, 0, INFINITY);
+  }
+  if (c.bt != kAbsent) {
+    b = matrix(c.bt, 1, c.n);
+    for (int64_t i = 0; i < c.n; ++i) b.set(0, i, 0.1 * nd(rng));
+  }
+  PlacedTensor px(c.xt, c.m, c.k, device, c.misaligned, c.strided);
+  PlacedTensor pw(c.wt, c.n, c.k, device, c.misaligned, c.strided);
+  PlacedTensor py(c.xt, c.m, c.n, device, c.misaligned, c.strided);
+  PlacedTensor ps(FMLP_DTYPE_F32, 1, s.cols, device, false, false);
+  PlacedTensor pb;
+  px.upload(x);
+  pw.upload(w);
+  ps.upload(s);
+  fmlp_linear_args_t a{py.view(), px.view(), pw.view(), fmlp_tensor_none(), fmlp_tensor_none()};
+  if (c.wt == FMLP_DTYPE_F8_E4M3) a.w_scale = ps.vector_view();
+  if (c.bt != kAbsent) {
+    pb = PlacedTensor(c.bt, 1, c.n, device, c.misaligned, false);
+    pb.upload(b);
+    a.bias = pb.vector_view();
+  }
+  if (fmlp_linear_kernel_supports(&a, kernel) != FMLP_SUCCESS)
+    return std::string("unsupported: ") + fmlp_last_error();
+  size_t bytes = 0;
+  if (fmlp_linear_kernel_workspace_size(&a, kernel, &bytes) != FMLP_SUCCESS)
+    return fmlp_last_error();
+  Buffer ws(bytes, device);
+  ws.fill(0);
+  const fmlp_status_t st =
+      fmlp_linear_with_kernel(&a, kernel, bytes ? ws.data() : nullptr, bytes, nullptr);
+  if (st != FMLP_SUCCESS) return std::string(fmlp_status_name(st)) + ": " + fmlp_last_error();
+  std::string stray;
+  const std::vector<double> out = py.download(&stray);
+  if (!stray.empty()) return stray;
+  if (device) {  // the workspace must be left zeroed for the next call
+    for (unsigned char v : ws.download())
+      if (v != 0) return "the workspace was not left zero-filled";
+  }
+  const double rtol = mlp_rtol(c.xt, c.wt);
+  int bad = 0;
+  std::string first;
+  for (int64_t i = 0; i < c.m; ++i)
+    for (int64_t o = 0; o < c.n; ++o) {
+      const double sc = c.wt == FMLP_DTYPE_F8_E4M3 ? s.get(0, c.per_row ? o : 0) : 1.0;
+      double ref = 0.0, l2 = 0.0;
+      for (int64_t j = 0; j < c.k; ++j) {
+        const double t = w.get(o, j) * sc * x.get(i, j);
+        ref += t;
+        l2 += t * t;
+      }
+      if (c.bt != kAbsent) ref += b.get(0, o), l2 += b.get(0, o) * b.get(0, o);
+      const ElementCheck e =
+          check_element(out[size_t(i * c.n + o)], ref, std::sqrt(l2), rtol, c.xt);
+      if (!e.ok && bad++ == 0)
+        first = "y[" + std::to_string(i) + "][" + std::to_string(o) +
+                "] = " + std::to_string(out[size_t(i * c.n + o)]) + ", ref " + std::to_string(ref) +
+                ": " + e.why;
+    }
+  return bad ? std::to_string(bad) + " wrong outputs; first " + first : "";
+}
+
+std::vector<LinCase> cases() {
+  std::vector<LinCase> v;
+  Rng rng(test_seed());
+  const fmlp_dtype_t acts[] = {FMLP_DTYPE_F32, FMLP_DTYPE_F16, FMLP_DTYPE_BF16};
+  const fmlp_dtype_t ws[] = {FMLP_DTYPE_F32, FMLP_DTYPE_F16, FMLP_DTYPE_BF16, FMLP_DTYPE_F8_E4M3};
+  for (int64_t m : {1, 3, 17, 64})
+    for (int64_t n : {1, 7, 127, 769})
+      for (int64_t k : {1, 7, 127, 769, 4095}) {
+        if (m * n * k > 20'000'000) continue;
+        LinCase c;
+        c.m = m, c.n = n, c.k = k;
+        c.xt = acts[rng() % 3];
+        c.wt = ws[rng() % 4];
+        c.bt = rng() % 2 ? acts[rng() % 3] : kAbsent;
+        c.per_row = rng() % 2;
+        c.misaligned = rng() % 3 == 0;
+        c.strided = rng() % 3 == 0;
+        v.push_back(c);
+      }
+  for (fmlp_dtype_t x : acts)
+    for (fmlp_dtype_t w : ws)
+      for (int variant = 0; variant < 4; ++variant) {  // 16-byte friendly and layout variants
+        LinCase c;
+        c.m = variant == 3 ? 9 : 1 + variant;
+        c.n = 264;
+        c.k = 4096;
+        c.xt = x, c.wt = w;
+        c.bt = variant % 2 ? FMLP_DTYPE_F32 : kAbsent;
+        c.per_row = variant % 2;
+        c.misaligned = variant == 2;
+        c.strided = variant == 3;
+        c.nonfinite = variant >= 2;
+        v.push_back(c);
+      }
+  for (int64_t n : {1, 8, 3}) {  // router-like: tiny N, long K (split K on the GPU)
+    LinCase c;
+    c.m = n == 3 ? 5 : 1, c.n = n, c.k = 8192;
+    c.xt = c.wt = FMLP_DTYPE_BF16;
+    c.bt = FMLP_DTYPE_BF16;
+    v.push_back(c);
+  }
+  return v;
+}
+
+std::vector<int> kernel_indices() {
+  std::vector<int> v;
+  for (int i = 0; i < fmlp_linear_kernel_count(); ++i) v.push_back(i);
+  return v;
+}
+
+class LinearKernelTest : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    kernel_ = fmlp_linear_kernel_name(GetParam());
+    const fmlp_backend_t b = fmlp_linear_kernel_backend(GetParam());
+    device_ = b == FMLP_BACKEND_CUDA;
+    if (fmlp_backend_available(b) != FMLP_SUCCESS)
+      GTEST_SKIP() << kernel_ << ": backend unavailable: " << fmlp_last_error();
+    if (device_ && !device_unavailable_reason().empty())
+      GTEST_SKIP() << kernel_ << ": " << device_unavailable_reason();
+  }
+  const char* kernel_ = nullptr;
+  bool device_ = false;
+};
+
+TEST_P(LinearKernelTest, MatchesReference) {
+  int i = 0;
+  for (const LinCase& c : cases()) {
+    const std::string err = run_case(c, kernel_, device_, mix_seed(test_seed(), uint64_t(++i)));
+    EXPECT_TRUE(err.empty()) << "[" << c.name() << "] (FMLP_TEST_SEED=" << test_seed()
+                             << "): " << err;
+  }
+}
+
+TEST_P(LinearKernelTest, ZeroRowsAndZeroKWork) {
+  for (auto [m, k] : {std::pair<int64_t, int64_t>{0, 64}, {2, 0}}) {
+    LinCase c;
+    c.m = m, c.k = k, c.n = 5, c.bt = FMLP_DTYPE_F32;
+    EXPECT_EQ(run_case(c, kernel_, device_, 3), "") << c.name();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, LinearKernelTest, ::testing::ValuesIn(kernel_indices()),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return std::string(fmlp_linear_kernel_name(info.param));
+                         });
+
+// Bad input: every entry point rejects it with a message naming the argument; y is untouched.
+struct BadLinear {
+  alignas(64) float x[16], y[16], w[16], b[8], s[8];
+  alignas(64) uint8_t w8[16];
+  fmlp_linear_args_t a{};
+  BadLinear() {
+    std::fill(std::begin(x), std::end(x), 0.5f);
+    std::fill(std::begin(w), std::end(w), 0.5f);
+    std::fill(std::begin(b), std::end(b), 1.f);
+    std::fill(std::begin(s), std::end(s), 1.f);
+    std::memset(y, 0x5A, sizeof y);
+    std::memset(w8, 0x38, sizeof w8);
+    a.x = fmlp_tensor_2d(x, FMLP_DTYPE_F32, 2, 4, 4);  // M = 2, K = 4, N = 3
+    a.y = fmlp_tensor_2d(y, FMLP_DTYPE_F32, 2, 3, 3);
+    a.w = fmlp_tensor_2d(w, FMLP_DTYPE_F32, 3, 4, 4);
+    a.bias = fmlp_tensor_1d(b, FMLP_DTYPE_F32, 3);
+  }
+};
+
+void expect_rejected(BadLinear& f, fmlp_status_t status, const std::vector<std::string>& words) {
+  unsigned char before[sizeof f.y];
+  std::memcpy(before, f.y, sizeof f.y);
+  size_t bytes = 0;
+  EXPECT_EQ(fmlp_linear_workspace_size(&f.a, FMLP_BACKEND_REF, &bytes), status);
+  EXPECT_EQ(fmlp_linear(&f.a, FMLP_BACKEND_REF, nullptr, 0, nullptr), status);
+  const std::string msg = fmlp_last_error();
+  for (const std::string& w : words) EXPECT_NE(msg.find(w), std::string::npos) << msg;
+  EXPECT_EQ(fmlp_linear_with_kernel(&f.a, "linear_ref_scalar_fp64", nullptr, 0, nullptr), status);
+  EXPECT_EQ(std::memcmp(before, f.y, sizeof f.y), 0) << "y was written";
+}
+
+TEST(LinearBadInput, ValidBaseline) {
+  BadLinear f;
+  ASSERT_EQ(fmlp_linear(&f.a, FMLP_BACKEND_REF, nullptr, 0, nullptr), FMLP_SUCCESS)
+      << fmlp_last_error();
+  EXPECT_FLOAT_EQ(f.y[0], 0.5f * 0.5f * 4 + 1.f);
+}
+TEST(LinearBadInput, NullPointers) {
+  BadLinear f;
+  EXPECT_EQ(fmlp_linear(nullptr, FMLP_BACKEND_REF, nullptr, 0, nullptr), FMLP_ERROR_NULL_POINTER);
+  f.a.w = fmlp_tensor_none();
+  expect_rejected(f, FMLP_ERROR_NULL_POINTER, {"w is absent"});
+  BadLinear g;
+  g.a.x.data = nullptr;
+  expect_rejected(g, FMLP_ERROR_NULL_POINTER, {"x.data is NULL"});
+}
+TEST(LinearBadInput, Shapes) {
+  BadLinear f;
+  f.a.x = fmlp_tensor_2d(f.x, FMLP_DTYPE_F32, 2, 5, 5);
+  expect_rejected(f, FMLP_ERROR_SHAPE_MISMATCH, {"x must have shape", "[2, 5]"});
+  BadLinear g;
+  g.a.y = fmlp_tensor_2d(g.y, FMLP_DTYPE_F32, 2, 4, 4);
+  expect_rejected(g, FMLP_ERROR_SHAPE_MISMATCH, {"y must have shape", "[2, 3]"});
+  BadLinear h;
+  h.a.bias = fmlp_tensor_1d(h.b, FMLP_DTYPE_F32, 4);
+  expect_rejected(h, FMLP_ERROR_SHAPE_MISMATCH, {"bias must have shape"});
+}
+TEST(LinearBadInput, Dtypes) {
+  BadLinear f;
+  f.a.y.dtype = FMLP_DTYPE_BF16;
+  expect_rejected(f, FMLP_ERROR_DTYPE_MISMATCH, {"y is bf16 but x is f32"});
+  BadLinear g;
+  g.a.x.dtype = FMLP_DTYPE_F8_E4M3;
+  g.a.y.dtype = FMLP_DTYPE_F8_E4M3;
+  expect_rejected(g, FMLP_ERROR_DTYPE_MISMATCH, {"x has dtype f8_e4m3"});
+}
+TEST(LinearBadInput, Scales) {
+  BadLinear f;
+  f.a.w = fmlp_tensor_2d(f.w8, FMLP_DTYPE_F8_E4M3, 3, 4, 4);
+  expect_rejected(f, FMLP_ERROR_BAD_SCALE, {"w_scale is absent"});
+  f.a.w_scale = fmlp_tensor_1d(f.s, FMLP_DTYPE_F32, 2);
+  expect_rejected(f, FMLP_ERROR_BAD_SCALE, {"w_scale has 2 entries"});
+  f.s[1] = -1.f;
+  f.a.w_scale = fmlp_tensor_1d(f.s, FMLP_DTYPE_F32, 3);
+  expect_rejected(f, FMLP_ERROR_BAD_SCALE, {"w_scale[1] is -1"});
+  BadLinear g;
+  g.a.w_scale = fmlp_tensor_1d(g.s, FMLP_DTYPE_F32, 1);
+  expect_rejected(g, FMLP_ERROR_BAD_SCALE, {"w_scale is given but w is f32"});
+}
+TEST(LinearBadInput, DeviceAndAliasing) {
+  BadLinear f;
+  f.a.bias.device_type = FMLP_DEVICE_CUDA;
+  expect_rejected(f, FMLP_ERROR_DEVICE_MISMATCH, {"bias is on cuda:0 but w is on cpu"});
+  BadLinear g;
+  g.a.y = fmlp_tensor_2d(g.x + 2, FMLP_DTYPE_F32, 2, 3, 3);
+  expect_rejected(g, FMLP_ERROR_ALIASING, {"y overlaps x"});
+  BadLinear h;
+  h.a.x.stride[1] = 2;
+  expect_rejected(h, FMLP_ERROR_BAD_STRIDE, {"x.stride[1]"});
+}
+
+}  // namespace
+}  // namespace fmlp_test

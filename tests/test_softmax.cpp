@@ -1,0 +1,248 @@
+// Every softmax op-table entry against an fp64 reference computed here, plus bad input.
+// Tolerance per element (relative, like tests/tolerance.hpp's dtypes: f32 1e-4, f16 2^-9,
+// bf16 2^-7): softmax |out - ref| <= rtol * |ref| * (1 + |z - max|) + atol, log_softmax
+// |out - ref| <= rtol * (1 + |z - max| + |log sum|); the |z - max| terms budget the fp32 rounding
+// of the exponent argument, which grows with it. Non-finite refs must be matched in class.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "op_tensor.hpp"
+#include "tolerance.hpp"
+
+namespace fmlp_test {
+namespace {
+
+struct SmCase {
+  int64_t rows = 1, n = 7;
+  fmlp_dtype_t t = FMLP_DTYPE_F32;
+  float temperature = 1.f;
+  bool log = false, misaligned = false, strided = false, nonfinite = false, in_place = false;
+  std::string name() const {
+    return std::string(log ? "log_softmax" : "softmax") + " rows=" + std::to_string(rows) +
+           " n=" + std::to_string(n) + " " + fmlp_dtype_name(t) +
+           " T=" + std::to_string(temperature) + (misaligned ? " misaligned" : "") +
+           (strided ? " strided" : "") + (nonfinite ? " nonfinite" : "") +
+           (in_place ? " in-place" : "");
+  }
+};
+
+std::string run_case(const SmCase& c, const char* kernel, bool device, uint64_t seed) {
+  Rng rng(seed);
+  std::normal_distribution<double> nd(0.0, 3.0);
+  HostMatrix x;
+  x.dtype = c.t, x.rows = c.rows, x.cols = c.n;
+  x.bytes.resize(size_t(c.rows * c.n) * fmlp::dtype_size(c.t));
+  for (int64_t r = 0; r < c.rows; ++r)
+    for (int64_t i = 0; i < c.n; ++i) x.set(r, i, nd(rng));
+  const double inf = std::numeric_limits<double>::infinity();
+  if (c.nonfinite) {  // row 0: NaN; 1: +Inf; 2: all -Inf; 3: some -Inf
+    for (int64_t r = 0; r < std::min<int64_t>(c.rows, 4); ++r) {
+      const int64_t at = int64_t(rng() % uint64_t(c.n));
+      if (r == 0) x.set(r, at, NAN);
+      if (r == 1) x.set(r, at, inf);
+      if (r == 2)
+        for (int64_t i = 0; i < c.n; ++i) x.set(r, i, -inf);
+      if (r == 3) x.set(r, at, -inf), x.set(r, (at + 1) % c.n, -inf);
+    }
+  }
+  PlacedTensor px(c.t, c.rows, c.n, device, c.misaligned, c.strided);
+  PlacedTensor py(c.t, c.rows, c.n, device, c.misaligned, c.strided);
+  px.upload(x);
+  fmlp_softmax_args_t a{c.in_place ? px.view() : py.view(), px.view(), c.temperature,
+                        c.log ? 1 : 0};
+  if (fmlp_softmax_kernel_supports(&a, kernel) != FMLP_SUCCESS)
+    return std::string("unsupported: ") + fmlp_last_error();
+  size_t bytes = 0;
+  if (fmlp_softmax_kernel_workspace_size(&a, kernel, &bytes) != FMLP_SUCCESS)
+    return fmlp_last_error();
+  Buffer ws(bytes, device);
+  ws.fill(0);
+  const fmlp_status_t st =
+      fmlp_softmax_with_kernel(&a, kernel, bytes ? ws.data() : nullptr, bytes, nullptr);
+  if (st != FMLP_SUCCESS) return std::string(fmlp_status_name(st)) + ": " + fmlp_last_error();
+  std::string stray;
+  const std::vector<double> out = (c.in_place ? px : py).download(&stray);
+  if (!stray.empty()) return stray;
+  if (device)
+    for (unsigned char v : ws.download())
+      if (v != 0) return "the workspace was not left zero-filled";
+  const double rtol = dtype_rtol(c.t), t = c.temperature;
+  int bad = 0;
+  std::string first;
+  for (int64_t r = 0; r < c.rows; ++r) {
+    double m = -inf;
+    bool nan = false;
+    for (int64_t i = 0; i < c.n; ++i) {
+      const double v = x.get(r, i);
+      nan |= std::isnan(v);
+      m = std::max(m, v);
+    }
+    double s = 0.0;
+    for (int64_t i = 0; i < c.n; ++i) s += std::exp((x.get(r, i) - m) / t);
+    if (nan) s = NAN;
+    for (int64_t i = 0; i < c.n; ++i) {
+      const double z = (x.get(r, i) - m) / t;
+      const double ref = c.log ? z - std::log(s) : std::exp(z) / s;
+      const double o = out[size_t(r * c.n + i)];
+      const double expected = round_to_dtype(ref, c.t);
+      bool ok;
+      if (std::isnan(expected))
+        ok = std::isnan(o);
+      else if (std::isinf(z))  // a -Inf input of a finite row: exactly 0 (log: -Inf)
+        ok = o == expected;
+      else if (std::isinf(expected))
+        ok = o == expected;
+      else {
+        const double tol = c.log ? rtol * (1.0 + std::fabs(z) + std::fabs(std::log(s)))
+                                 : rtol * std::fabs(ref) * (1.0 + std::fabs(z)) + dtype_atol(c.t);
+        ok = std::isfinite(o) && std::fabs(o - ref) <= tol;
+      }
+      if (!ok && bad++ == 0)
+        first = "y[" + std::to_string(r) + "][" + std::to_string(i) + "] = " + std::to_string(o) +
+                ", ref " + std::to_string(ref);
+    }
+  }
+  return bad ? std::to_string(bad) + " wrong outputs; first " + first : "";
+}
+
+std::vector<SmCase> cases() {
+  std::vector<SmCase> v;
+  Rng rng(mix_seed(test_seed(), 99));
+  const fmlp_dtype_t ts[] = {FMLP_DTYPE_F32, FMLP_DTYPE_F16, FMLP_DTYPE_BF16};
+  for (int64_t n : {1, 7, 127, 769, 4096, 8200, 128256})
+    for (int64_t rows : {1, 3, 300}) {
+      if (rows * n > 4'000'000) continue;
+      SmCase c;
+      c.rows = rows, c.n = n;
+      c.t = ts[rng() % 3];
+      c.log = rng() % 2;
+      c.temperature = rng() % 3 == 0 ? 0.7f : 1.f;
+      c.misaligned = rng() % 3 == 0;
+      c.strided = rng() % 3 == 0;
+      c.nonfinite = rows >= 4 || rng() % 2;
+      c.in_place = rng() % 4 == 0;
+      v.push_back(c);
+    }
+  for (fmlp_dtype_t t : ts)
+    for (bool log : {false, true}) {
+      SmCase c;  // one long row, split over many blocks on the GPU
+      c.rows = 1, c.n = 1 << 20, c.t = t, c.log = log, c.temperature = 2.f;
+      v.push_back(c);
+      c.rows = 5, c.n = 128256, c.nonfinite = true, c.temperature = 1.f;
+      v.push_back(c);
+      c.rows = 600, c.n = 1000, c.nonfinite = false, c.misaligned = true;
+      v.push_back(c);
+    }
+  return v;
+}
+
+std::vector<int> kernel_indices() {
+  std::vector<int> v;
+  for (int i = 0; i < fmlp_softmax_kernel_count(); ++i) v.push_back(i);
+  return v;
+}
+
+class SoftmaxKernelTest : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    kernel_ = fmlp_softmax_kernel_name(GetParam());
+    const fmlp_backend_t b = fmlp_softmax_kernel_backend(GetParam());
+    device_ = b == FMLP_BACKEND_CUDA;
+    if (fmlp_backend_available(b) != FMLP_SUCCESS)
+      GTEST_SKIP() << kernel_ << ": backend unavailable: " << fmlp_last_error();
+    if (device_ && !device_unavailable_reason().empty())
+      GTEST_SKIP() << kernel_ << ": " << device_unavailable_reason();
+  }
+  const char* kernel_ = nullptr;
+  bool device_ = false;
+};
+
+TEST_P(SoftmaxKernelTest, MatchesReference) {
+  int i = 0;
+  for (const SmCase& c : cases()) {
+    const std::string err = run_case(c, kernel_, device_, mix_seed(test_seed(), uint64_t(++i)));
+    EXPECT_TRUE(err.empty()) << "[" << c.name() << "] (FMLP_TEST_SEED=" << test_seed()
+                             << "): " << err;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, SoftmaxKernelTest, ::testing::ValuesIn(kernel_indices()),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return std::string(fmlp_softmax_kernel_name(info.param));
+                         });
+
+struct BadSoftmax {
+  alignas(64) float x[16], y[16];
+  fmlp_softmax_args_t a{};
+  BadSoftmax() {
+    std::fill(std::begin(x), std::end(x), 0.5f);
+    std::memset(y, 0x5A, sizeof y);
+    a.x = fmlp_tensor_2d(x, FMLP_DTYPE_F32, 2, 4, 4);
+    a.y = fmlp_tensor_2d(y, FMLP_DTYPE_F32, 2, 4, 4);
+    a.temperature = 1.f;
+  }
+};
+
+void expect_rejected(BadSoftmax& f, fmlp_status_t status, const std::string& words) {
+  unsigned char before[sizeof f.y];
+  std::memcpy(before, f.y, sizeof f.y);
+  size_t bytes = 0;
+  EXPECT_EQ(fmlp_softmax_workspace_size(&f.a, FMLP_BACKEND_REF, &bytes), status);
+  EXPECT_EQ(fmlp_softmax(&f.a, FMLP_BACKEND_REF, nullptr, 0, nullptr), status);
+  EXPECT_NE(std::string(fmlp_last_error()).find(words), std::string::npos) << fmlp_last_error();
+  EXPECT_EQ(std::memcmp(before, f.y, sizeof f.y), 0) << "y was written";
+}
+
+TEST(SoftmaxBadInput, Rejected) {
+  {
+    BadSoftmax f;
+    ASSERT_EQ(fmlp_softmax(&f.a, FMLP_BACKEND_REF, nullptr, 0, nullptr), FMLP_SUCCESS);
+    EXPECT_FLOAT_EQ(f.y[0], 0.25f);
+  }
+  EXPECT_EQ(fmlp_softmax(nullptr, FMLP_BACKEND_REF, nullptr, 0, nullptr), FMLP_ERROR_NULL_POINTER);
+  BadSoftmax f;
+  f.a.x.data = nullptr;
+  expect_rejected(f, FMLP_ERROR_NULL_POINTER, "x.data is NULL");
+  for (float t : {0.f, -1.f, NAN, INFINITY}) {
+    BadSoftmax g;
+    g.a.temperature = t;
+    expect_rejected(g, FMLP_ERROR_INVALID_VALUE, "temperature");
+  }
+  BadSoftmax h;
+  h.a.log = 2;
+  expect_rejected(h, FMLP_ERROR_INVALID_VALUE, "log is 2");
+  BadSoftmax i;
+  i.a.y = fmlp_tensor_2d(i.y, FMLP_DTYPE_F32, 2, 3, 3);
+  expect_rejected(i, FMLP_ERROR_SHAPE_MISMATCH, "y must have shape");
+  BadSoftmax j;
+  j.a.y.dtype = FMLP_DTYPE_F16;
+  expect_rejected(j, FMLP_ERROR_DTYPE_MISMATCH, "y is f16 but x is f32");
+  BadSoftmax k;
+  k.a.y.device_type = FMLP_DEVICE_CUDA;
+  expect_rejected(k, FMLP_ERROR_DEVICE_MISMATCH, "y is on cuda:0 but x is on cpu");
+  BadSoftmax l;
+  l.a.y = fmlp_tensor_2d(l.x + 1, FMLP_DTYPE_F32, 2, 4, 4);
+  expect_rejected(l, FMLP_ERROR_ALIASING, "y overlaps x");
+}
+
+TEST(SoftmaxSemantics, PlusInfRowIsNaNLikeTorch) {
+  float x[2] = {INFINITY, 1.f}, y[2] = {0.f, 0.f};
+  fmlp_softmax_args_t a{fmlp_tensor_1d(y, FMLP_DTYPE_F32, 2), fmlp_tensor_1d(x, FMLP_DTYPE_F32, 2),
+                        1.f, 0};
+  for (fmlp_backend_t b : {FMLP_BACKEND_REF, FMLP_BACKEND_CPU}) {
+    if (fmlp_backend_available(b) != FMLP_SUCCESS) continue;
+    y[0] = y[1] = 0.f;
+    size_t bytes = 0;
+    ASSERT_EQ(fmlp_softmax_workspace_size(&a, b, &bytes), FMLP_SUCCESS);
+    std::vector<unsigned char> ws(bytes);
+    ASSERT_EQ(fmlp_softmax(&a, b, ws.data(), bytes, nullptr), FMLP_SUCCESS) << fmlp_last_error();
+    EXPECT_TRUE(std::isnan(y[0]) && std::isnan(y[1])) << fmlp_backend_name(b);
+  }
+}
+
+}  // namespace
+}  // namespace fmlp_test
