@@ -17,9 +17,9 @@
 //     memory, so each block holds the cluster's whole slice (C times wider) and in phase 2 owns
 //     1/C of the output rows: W2 (nn.Linear layout) is read in C-times longer contiguous runs
 //     per row and the fp32 partial outputs that cross blocks shrink C-fold.
-//   * Partial outputs go to an fp32 workspace with vector reductions; per cluster rank, the last
-//     block to finish (a counter) adds b2 and the residual, writes y and re-zeroes the workspace,
-//     so the next call or graph replay needs no memset.
+//   * Partial outputs go to an fp32 workspace with vector reductions; per 16-row output group, the
+//     warp that adds the last contribution (a counter) adds b2 and the residual, writes y and
+//     re-zeroes the workspace, so the next call or graph replay needs no memset.
 // Not deterministic (the reduction order varies); deterministic mode goes to the splitk kernel.
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
@@ -163,8 +163,8 @@ __device__ void stage_chunk(const ClusterParams& p, WT* xs, int c0, const float*
 // accumulators take the registers (128 per thread at 512 threads).
 template <int NT>
 struct Pipe {
-  static constexpr int kSteps = 2;
-  static constexpr int kDepth = NT >= 8 ? 2 : NT >= 4 ? 3 : 4;
+  static constexpr int kSteps = NT >= 8 ? 2 : 4;
+  static constexpr int kDepth = 2;
 };
 
 // Runs body(i, buf) for i in [0, n) with loads issued kDepth - 1 iterations ahead into a ring of
@@ -311,6 +311,34 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_cluster(const Clu
     }
   };
   // The first W2 batches do not depend on h: request them before the cluster barrier.
+  // The warp that adds the last contribution to a row group finishes it: + b2, + residual, write
+  // y, re-zero the accumulators and the counter. Counted after the warp's whole stream, so the
+  // fence does not stall the weight loads in flight.
+  auto finish = [&](int og) {
+    const int rows = min(16, p.n - og * 16), count = rows * p.m;
+    const size_t es = sizeof(WT);
+    constexpr int kBatch = 8;  // loads first, then stores: y may alias the residual
+    for (int base = 0; base < count; base += 32 * kBatch) {
+      float v[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int i = base + u * 32 + lane, m = i / rows, oo = og * 16 + i % rows;
+        v[u] = 0.f;
+        if (i >= count) continue;
+        v[u] = __ldcg(p.acc + int64_t(oo) * (NT * 8) + m) + opt(p.b2, p.b2_t, oo, 0.f);
+        if (p.res)
+          v[u] += load_scalar(static_cast<const char*>(p.res) + m * p.res_ld * es, p.act_t, oo);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int i = base + u * 32 + lane, m = i / rows, oo = og * 16 + i % rows;
+        if (i >= count) continue;
+        p.acc[int64_t(oo) * (NT * 8) + m] = 0.f;
+        store_scalar(static_cast<char*>(p.y) + m * p.y_ld * es, p.act_t, oo, v[u]);
+      }
+    }
+    if (lane == 0) p.counters[og] = 0;
+  };
   prime(total, ring2, load2);
 
   const WT* hsrc = hl;
@@ -365,39 +393,18 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_cluster(const Clu
         c2[nt][2 * half] = c2[nt][2 * half + 1] = 0.f;
       }
     }
-    // The warp that adds the last contribution to this row group finishes it: + b2, + residual,
-    // write y, re-zero the accumulators and the counter.
-    __threadfence();
-    __syncwarp();
-    unsigned last = 0;
-    if (lane == 0) last = atomicAdd(p.counters + og, 1u) == contributions - 1;
-    if (!__shfl_sync(0xffffffffu, last, 0)) return;
-    __threadfence();
-    const int rows = min(16, p.n - og * 16), count = rows * p.m;
-    const size_t es = sizeof(WT);
-    constexpr int kBatch = 8;  // loads first, then stores: y may alias the residual
-    for (int base = 0; base < count; base += 32 * kBatch) {
-      float v[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int i = base + u * 32 + lane, m = i / rows, oo = og * 16 + i % rows;
-        v[u] = 0.f;
-        if (i >= count) continue;
-        v[u] = __ldcg(p.acc + int64_t(oo) * (NT * 8) + m) + opt(p.b2, p.b2_t, oo, 0.f);
-        if (p.res)
-          v[u] += load_scalar(static_cast<const char*>(p.res) + m * p.res_ld * es, p.act_t, oo);
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int i = base + u * 32 + lane, m = i / rows, oo = og * 16 + i % rows;
-        if (i >= count) continue;
-        p.acc[int64_t(oo) * (NT * 8) + m] = 0.f;
-        store_scalar(static_cast<char*>(p.y) + m * p.y_ld * es, p.act_t, oo, v[u]);
-      }
-    }
-    if (lane == 0) p.counters[og] = 0;
   };
   pipelined<DEPTH>(total, ring2, load2, body2);
+  __threadfence();
+  __syncwarp();
+  for (int i = 0; i < my_ogs; ++i) {
+    const int og = og0 + warp + i * kWarps;
+    unsigned last = 0;
+    if (lane == 0) last = atomicAdd(p.counters + og, 1u) == contributions - 1;
+    if (!__shfl_sync(0xffffffffu, last, 0)) continue;
+    __threadfence();
+    finish(og);
+  }
   if (C > 1) cluster_wait();  // no rank leaves while another may still read its slice
 #endif
 }
@@ -429,7 +436,7 @@ int token_tiles(int m) {
 // x is staged whole when it fits (no block barriers in phase 1), else in double-buffered chunks.
 void size_plan(const MlpDesc& d, int cluster, int blocks, Plan* pl) {
   constexpr int kWholeX = 160 * 1024, kChunkX = 96 * 1024;
-  const int m = int(d.m), sp = 2;  // Pipe<NT>::kSteps
+  const int m = int(d.m), sp = token_tiles(m) >= 8 ? 2 : 4;  // Pipe<NT>::kSteps
   const int tiles = int(d.hidden / 16), k = int(d.d_in);
   const int tmax = (tiles + blocks - 1) / blocks;
   const int rmax = d.gated ? 2 * tmax : tmax;
