@@ -228,8 +228,9 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_cluster(const Clu
     const int item = pass * kWarps + warp;
     const bool active = item < R * p.parts;
     const int rg = active ? item / p.parts : 0, part = item % p.parts;
-    const WT* rows = rg < T ? static_cast<const WT*>(p.wg) + int64_t(t0 * 16 + rg * 16) * p.wg_ld
-                            : static_cast<const WT*>(p.wu) + int64_t(t0 * 16 + (rg - T) * 16) * p.wu_ld;
+    const WT* rows =
+        rg < T ? static_cast<const WT*>(p.wg) + int64_t(t0 * 16 + rg * 16) * p.wg_ld
+               : static_cast<const WT*>(p.wu) + int64_t(t0 * 16 + (rg - T) * 16) * p.wu_ld;
     const int64_t ld = rg < T ? p.wg_ld : p.wu_ld;
     const WT* row_g = rows + g * ld;
     const WT* row_g8 = rows + (g + 8) * ld;
@@ -257,8 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_cluster(const Clu
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             const int m = nt * 8 + g;
-            const uint4 xv =
-                m < p.m ? lds128(xb + m * p.xs_stride + col) : make_uint4(0, 0, 0, 0);
+            const uint4 xv = m < p.m ? lds128(xb + m * p.xs_stride + col) : make_uint4(0, 0, 0, 0);
             mma_step<WT>(c[nt], w.v[s][0], w.v[s][1], xv);
           }
         }
@@ -542,8 +542,8 @@ bool make_plan(const MlpDesc& d, Plan* pl, std::string* why) {
     *pl = cand;
     return true;
   }
-  *why = fmt::format("M={} x d_in={} (hidden {}) needs more shared memory than cuda:{} has",
-                     d.m, d.d_in, d.hidden, d.device_id);
+  *why = fmt::format("M={} x d_in={} (hidden {}) needs more shared memory than cuda:{} has", d.m,
+                     d.d_in, d.hidden, d.device_id);
   return false;
 }
 
@@ -564,8 +564,8 @@ bool cached_plan(const MlpDesc& d, Plan* pl, std::string* why) {
     if (!ok) *why = w;
   }
   if (!it->second.first && why->empty())
-    *why = fmt::format("M={} x d_in={} (hidden {}) needs more shared memory than cuda:{} has",
-                       d.m, d.d_in, d.hidden, d.device_id);
+    *why = fmt::format("M={} x d_in={} (hidden {}) needs more shared memory than cuda:{} has", d.m,
+                       d.d_in, d.hidden, d.device_id);
   *pl = it->second.second;
   return it->second.first;
 }
@@ -580,8 +580,8 @@ bool mlp_decode_sm90_cluster_supports(const MlpDesc& d, std::string* why) {
   if (d.deterministic)
     return (*why = "deterministic mode: the splitk kernel reduces in a fixed order", false);
   if (d.m > kMaxTokens)
-    return (*why = fmt::format("M={} > {}: decode kernels take at most {} tokens", d.m,
-                               kMaxTokens, kMaxTokens),
+    return (*why = fmt::format("M={} > {}: decode kernels take at most {} tokens", d.m, kMaxTokens,
+                               kMaxTokens),
             false);
   if (d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16)
     return (*why = fmt::format("{} weights: this kernel multiplies bf16/fp16 on tensor cores",
@@ -598,8 +598,9 @@ bool mlp_decode_sm90_cluster_supports(const MlpDesc& d, std::string* why) {
                                d.d_in, d.hidden),
             false);
   if (!d.weights_vec16)
-    return (*why = "a weight matrix is not 16-byte aligned (base or row stride); pack the "
-                   "weights with fmlp_mlp_pack",
+    return (*why =
+                "a weight matrix is not 16-byte aligned (base or row stride); pack the "
+                "weights with fmlp_mlp_pack",
             false);
   if (d.d_in > (int64_t(1) << 28) || d.hidden > (int64_t(1) << 28) || d.d_out > (int64_t(1) << 28))
     return (*why = "sizes above 2^28 need 64-bit indexing", false);
@@ -646,8 +647,9 @@ fmlp_status_t mlp_decode_sm90_cluster_run(const fmlp_mlp_args_t& a, const MlpDes
   }
   if (e != cudaSuccess) {
     cudaGetLastError();
-    return restore(fail(FMLP_ERROR_CUDA, "mlp_decode_sm90_cluster launch ({} blocks, cluster {}, "
-                                         "{} bytes of shared memory) failed: {}",
+    return restore(fail(FMLP_ERROR_CUDA,
+                        "mlp_decode_sm90_cluster launch ({} blocks, cluster {}, "
+                        "{} bytes of shared memory) failed: {}",
                         pl.blocks, pl.cluster, pl.smem, cudaGetErrorString(e)));
   }
   return restore(FMLP_SUCCESS);
