@@ -165,7 +165,7 @@ def cpu(a):
     first = [r for r in rows if r["series"] == series[0]]
     for r in first:
         sp = " | ".join(f"{merged[(r['shape'], r['M'])].get(s, float('nan')):.2f}x" for s in series)
-        print(f"| {r['shape']} | {r['M']} | {r['fused_us']:.0f} | {r['pct_read_bandwidth']:.0f}% | {sp} |")
+        print(f"| {r['shape']} | {r['M']} | {r['fused_us']:.0f} | {r.get('pct_bandwidth', r.get('pct_read_bandwidth')):.0f}% | {sp} |")
 
 
 def main():

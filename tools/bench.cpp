@@ -1,7 +1,5 @@
 // fusedmlp bench: measure the machine's read bandwidth, then for each workload check the fused
 // op against ref, time it and the unfused OpenBLAS pipeline, and report.
-#include <cblas.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -11,7 +9,9 @@
 #include "accuracy.hpp"
 #include "bench_report.hpp"
 #include "blas_baseline.hpp"
+#include "blas_shim.hpp"
 #include "commands.hpp"
+#include "cuda_runner.hpp"
 #include "dtype_convert.hpp"
 #include "host_timer.hpp"
 #include "runner.hpp"
@@ -25,6 +25,7 @@ struct BenchOptions {
   std::vector<std::string> shapes = preset_names();
   std::vector<int64_t> ms = {1, 16, 128};
   fmlp_dtype_t act_dtype = FMLP_DTYPE_F32;
+  bool act_dtype_given = false;  // else: f32 on the host, the weight dtype on the GPU
   fmlp_dtype_t w_dtype = FMLP_DTYPE_BF16;
   fmlp_backend_t backend = FMLP_BACKEND_AUTO;
   std::string gate_up = "separate";
@@ -41,8 +42,8 @@ struct BenchOptions {
   std::string json, csv;
 };
 
-// Enough identical weight sets that cycling through them reads > 3x the LLC per round, so every
-// timed call streams its weights from memory as it would in a real model.
+// Enough identical weight sets that cycling through them reads > 3x the LLC (GPU: the L2) per
+// round, so every timed call streams its weights from memory as it would in a real model.
 int copies_for(double set_bytes, size_t llc_bytes) {
   if (set_bytes >= double(llc_bytes)) return 1;
   return int(std::min(1024.0, std::ceil(3.0 * double(llc_bytes) / set_bytes)));
@@ -151,7 +152,8 @@ BenchResult bench_one(HostMlp& problem, BlasBaseline* baseline, const BenchOptio
   return r;
 }
 
-int run_bench(const BenchOptions& o) {
+int run_bench(const BenchOptions& opts) {
+  BenchOptions o = opts;
   if (o.ms.empty() || o.shapes.empty())
     throw CliError("--ms and --shapes need at least one value each");
   for (int64_t m : o.ms)
@@ -159,7 +161,7 @@ int run_bench(const BenchOptions& o) {
   if (o.reps < 1) throw CliError(fmt::format("--reps is {}; pass 1 or more", o.reps));
   if (!(o.max_seconds > 0)) throw CliError("--max-seconds must be > 0");
   if (o.bw_mib < 16) throw CliError("--bw-mib must be at least 16 (use ~4x the LLC or more)");
-  require_runner_for(o.backend);
+  const bool on_cuda = bench_on_cuda(o.backend);
   std::vector<MlpShape> shapes;
   for (const std::string& s : o.shapes) shapes.push_back(parse_shape(s, o.gate_up == "stacked"));
 
@@ -171,22 +173,38 @@ int run_bench(const BenchOptions& o) {
   env.cpu_model = cpu_model();
   env.openblas_config = openblas_get_config();
   env.llc = last_level_cache();
+  const size_t bw_bytes = size_t(o.bw_mib) << 20;
+  if (on_cuda) {
+    // The GPU's tensor-core paths take x in the weight dtype (bf16 serving); no host baseline.
+    if (!o.act_dtype_given && o.w_dtype != FMLP_DTYPE_F8_E4M3) o.act_dtype = o.w_dtype;
+    if (!o.no_baseline) progress("backend cuda: the OpenBLAS baseline is host-only; skipped");
+    o.no_baseline = true;
+    progress("measuring the GPU's copy bandwidth ({} device-to-device)",
+             format_bytes(double(bw_bytes)));
+    const CudaDeviceInfo dev = cuda_device_info(bw_bytes);
+    env.device = fmt::format("{} (driver {})", dev.name, dev.driver);
+    env.llc = CacheInfo{dev.l2_bytes, "GPU L2"};
+    env.bandwidth = Bandwidth{dev.copy_gbps, bw_bytes, 5, 0};
+    env.bandwidth_kind = "copy";
+    progress("  {}: {:.1f} GB/s (read + write), L2 {}", dev.name, dev.copy_gbps,
+             format_bytes(double(dev.l2_bytes)));
+  } else {
+    progress("measuring memory read bandwidth ({}, {} threads; LLC {} from {})",
+             format_bytes(double(bw_bytes)), env.threads, format_bytes(double(env.llc.bytes)),
+             env.llc.source);
+    if (bw_bytes < 4 * env.llc.bytes)
+      progress(
+          "warning: the {} bandwidth buffer is under 4x the LLC; the figure will include "
+          "cache hits (raise --bw-mib)",
+          format_bytes(double(bw_bytes)));
+    env.bandwidth = measure_read_bandwidth(bw_bytes, 5);
+    progress("  {:.1f} GB/s", env.bandwidth.gbps);
+  }
   env.requested_backend = fmlp_backend_name(o.backend);
   env.act_dtype = fmlp_dtype_name(o.act_dtype);
   env.w_dtype = fmlp_dtype_name(o.w_dtype);
   env.packed = o.packed;
   env.max_seconds = o.max_seconds;
-  const size_t bw_bytes = size_t(o.bw_mib) << 20;
-  progress("measuring memory read bandwidth ({}, {} threads; LLC {} from {})",
-           format_bytes(double(bw_bytes)), env.threads, format_bytes(double(env.llc.bytes)),
-           env.llc.source);
-  if (bw_bytes < 4 * env.llc.bytes)
-    progress(
-        "warning: the {} bandwidth buffer is under 4x the LLC; the figure will include "
-        "cache hits (raise --bw-mib)",
-        format_bytes(double(bw_bytes)));
-  env.bandwidth = measure_read_bandwidth(bw_bytes, 5);
-  progress("  {:.1f} GB/s", env.bandwidth.gbps);
 
   std::vector<BenchResult> results;
   const size_t total = shapes.size() * o.ms.size();
@@ -234,16 +252,20 @@ void add_bench_command(CLI::App& app, Command* selected) {
   cmd->add_option("--ms", o->ms, "Comma-separated batch sizes M (rows of x)")
       ->delimiter(',')
       ->capture_default_str();
-  cmd->add_option("--act-dtype", o->act_dtype, "Activation dtype of x and y")
-      ->transform(choice_of(act_dtype_names()))
-      ->default_str("f32");
+  CLI::Option* act = cmd->add_option("--act-dtype", o->act_dtype,
+                                     "Activation dtype of x and y (default: f32 on the host, the "
+                                     "weight dtype on the GPU)")
+                         ->transform(choice_of(act_dtype_names()))
+                         ->default_str("f32");
   cmd->add_option("--w-dtype,--wdtype", o->w_dtype,
                   "Weight dtype (f8 = f8_e4m3: fp32 weights quantised by fmlp_quantize_fp8 with "
                   "per-row scales)")
       ->transform(choice_of(weight_dtype_names()))
       ->default_str("bf16");
-  cmd->add_option("--backend", o->backend,
-                  "auto: cpu when a cpu kernel handles the shape, else ref (with a warning)")
+  cmd->add_option(
+         "--backend", o->backend,
+         "auto: cuda when a GPU is usable, else cpu when a cpu kernel handles the shape, else "
+         "ref (with a warning)")
       ->transform(choice_of(backend_names()))
       ->default_str("auto");
   cmd->add_option("--gate-up", o->gate_up, "Layout of gate/up weights in gated shapes")
@@ -269,7 +291,10 @@ void add_bench_command(CLI::App& app, Command* selected) {
   cmd->add_option("--seed", o->seed, "Random data seed")->capture_default_str();
   cmd->add_option("--json", o->json, "Write every field and the environment as JSON");
   cmd->add_option("--csv", o->csv, "Write every field and the environment as CSV");
-  cmd->callback([o, selected] { *selected = [o] { return run_bench(*o); }; });
+  cmd->callback([o, act, selected] {
+    o->act_dtype_given = act->count() > 0;
+    *selected = [o] { return run_bench(*o); };
+  });
 }
 
 }  // namespace fmlp_cli

@@ -21,7 +21,9 @@ Json env_json(const BenchEnv& e) {
               {"threads", e.threads},
               {"llc_bytes", e.llc.bytes},
               {"llc_source", e.llc.source},
-              {"read_bandwidth_gbps", e.bandwidth.gbps},
+              {"device", e.device},
+              {"bandwidth_kind", e.bandwidth_kind},
+              {"bandwidth_gbps", e.bandwidth.gbps},
               {"bandwidth_buffer_bytes", e.bandwidth.buffer_bytes},
               {"bandwidth_passes", e.bandwidth.passes},
               {"openblas_config", e.openblas_config},
@@ -51,7 +53,7 @@ Json result_json(const BenchResult& r) {
          {"weight_bytes", r.weight_bytes},
          {"io_bytes", r.io_bytes},
          {"gbps", r.gbps},
-         {"pct_read_bandwidth", r.pct_bandwidth},
+         {"pct_bandwidth", r.pct_bandwidth},
          {"flops", r.flops},
          {"gflops_per_s", r.fused_us > 0 ? r.flops / r.fused_us * 1e-3 : 0.0},
          {"memory_floor_us", r.floor_us},
@@ -104,8 +106,11 @@ void print_bench_table(std::FILE* out, const BenchEnv& e, const std::vector<Benc
              e.git_commit.empty() ? "" : " (" + e.git_commit + ")", e.date);
   fmt::print(out, "cpu: {}, {} threads, LLC {} ({})\n", e.cpu_model, e.threads,
              format_bytes(double(e.llc.bytes)), e.llc.source);
-  fmt::print(out, "memory read bandwidth: {:.1f} GB/s (best of {} passes over {})\n",
-             e.bandwidth.gbps, e.bandwidth.passes, format_bytes(double(e.bandwidth.buffer_bytes)));
+  if (!e.device.empty())
+    fmt::print(out, "gpu: {}, L2 {}\n", e.device, format_bytes(double(e.llc.bytes)));
+  fmt::print(out, "memory {} bandwidth: {:.1f} GB/s (best of {} passes over {})\n",
+             e.bandwidth_kind, e.bandwidth.gbps, e.bandwidth.passes,
+             format_bytes(double(e.bandwidth.buffer_bytes)));
   fmt::print(out, "backend {}, activations {}, weights {}{}; times are medians\n\n",
              e.requested_backend, e.act_dtype, e.w_dtype, e.packed ? ", packed" : "");
   size_t width = 14;

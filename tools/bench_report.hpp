@@ -12,6 +12,8 @@ namespace fmlp_cli {
 
 struct BenchEnv {
   std::string version, git_commit, date, cpu_model, openblas_config;
+  std::string device;                   // the GPU when bench ran on backend cuda, else empty
+  std::string bandwidth_kind = "read";  // read (host streaming read) or copy (GPU d2d copy)
   int threads = 0;
   CacheInfo llc;
   Bandwidth bandwidth;

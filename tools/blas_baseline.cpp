@@ -1,6 +1,16 @@
 #include "blas_baseline.hpp"
 
-#include <cblas.h>
+#include "blas_shim.hpp"
+#if FMLP_CLI_HAVE_OPENBLAS
+#define FMLP_CBLAS(f) cblas_##f
+#else  // unreachable: the constructor throws; these keep the file compiling
+#define FMLP_CBLAS(f) no_cblas
+#define CblasRowMajor 0
+#define CblasNoTrans 0
+#define CblasTrans 0
+template <typename... A>
+void no_cblas(A...) {}
+#endif
 
 #include <cmath>
 #include <cstring>
@@ -56,6 +66,11 @@ void activate_row(fmlp_activation_t act, const float* in, const float* bias, flo
 
 BlasBaseline::BlasBaseline(const HostMlp& problem, int copies, bool gemm_only)
     : shape_(problem.spec().shape), m_(problem.spec().m), gemm_only_(gemm_only) {
+#if !FMLP_CLI_HAVE_OPENBLAS
+  throw CliError(
+      "this fusedmlp was built without OpenBLAS (-DFMLP_CLI_OPENBLAS=OFF): no host "
+      "baseline; pass --no-baseline");
+#endif
   if (shape_.norm != FMLP_NORM_NONE || problem.spec().residual != Residual::kNone)
     throw CliError("the OpenBLAS baseline covers norm-free, residual-free problems only");
   const int64_t H = shape_.hidden, K = shape_.d_in, N = shape_.d_out;
@@ -105,11 +120,13 @@ void BlasBaseline::run(int copy) {
   const int m = int(m_);
   const bool gemv = m == 1 && !gemm_only_;
   if (gemv)
-    cblas_sgemv(CblasRowMajor, CblasNoTrans, int(rows1), int(K), 1.f, f32(s.w1), int(K), f32(x_), 1,
-                0.f, f32(h_), 1);
+    FMLP_CBLAS(sgemv)
+    (CblasRowMajor, CblasNoTrans, int(rows1), int(K), 1.f, f32(s.w1), int(K), f32(x_), 1, 0.f,
+     f32(h_), 1);
   else
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, int(rows1), int(K), 1.f, f32(x_),
-                int(K), f32(s.w1), int(K), 0.f, f32(h_), int(rows1));
+    FMLP_CBLAS(sgemm)
+    (CblasRowMajor, CblasNoTrans, CblasTrans, m, int(rows1), int(K), 1.f, f32(x_), int(K),
+     f32(s.w1), int(K), 0.f, f32(h_), int(rows1));
 
   // The activation pass: one read of h (+ b1), one write of the activated hidden state.
   const float* b1 = s.b1.empty() ? nullptr : f32(s.b1);
@@ -139,11 +156,13 @@ void BlasBaseline::run(int copy) {
     beta = 1.f;
   }
   if (gemv)
-    cblas_sgemv(CblasRowMajor, CblasNoTrans, int(N), int(H), 1.f, f32(s.w2), int(H), act_out, 1,
-                beta, f32(y_), 1);
+    FMLP_CBLAS(sgemv)
+    (CblasRowMajor, CblasNoTrans, int(N), int(H), 1.f, f32(s.w2), int(H), act_out, 1, beta, f32(y_),
+     1);
   else
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, int(N), int(H), 1.f, act_out, int(H),
-                f32(s.w2), int(H), beta, f32(y_), int(N));
+    FMLP_CBLAS(sgemm)
+    (CblasRowMajor, CblasNoTrans, CblasTrans, m, int(N), int(H), 1.f, act_out, int(H), f32(s.w2),
+     int(H), beta, f32(y_), int(N));
 }
 
 std::vector<float> BlasBaseline::output_rows(const std::vector<int64_t>& rows) const {

@@ -1,6 +1,6 @@
 #include "cli_common.hpp"
 
-#include <cblas.h>
+#include "blas_shim.hpp"
 #include <omp.h>
 
 namespace fmlp_cli {

@@ -1,5 +1,6 @@
 // The host implementation of FusedRunner (backends ref and cpu).
 #include "cli_common.hpp"
+#include "cuda_runner.hpp"
 #include "fusedmlp/fusedmlp.hpp"
 #include "host_timer.hpp"
 #include "runner.hpp"
@@ -99,16 +100,22 @@ class HostRunner final : public FusedRunner {
 
 }  // namespace
 
-void require_runner_for(fmlp_backend_t requested) {
-  if (requested != FMLP_BACKEND_CUDA) return;
-  const bool available = fmlp_backend_available(FMLP_BACKEND_CUDA) == FMLP_SUCCESS;
-  throw CliError(fmt::format("bench has no CUDA runner yet ({}); use --backend cpu, ref or auto",
-                             available ? "the cuda backend is available here" : fmlp_last_error()));
+bool bench_on_cuda(fmlp_backend_t requested) {
+  if (requested == FMLP_BACKEND_AUTO)
+    return cuda_runner_built() && fmlp_backend_available(FMLP_BACKEND_CUDA) == FMLP_SUCCESS;
+  if (requested != FMLP_BACKEND_CUDA) return false;
+  if (!cuda_runner_built())
+    throw CliError(
+        "this fusedmlp was built without CUDA; rebuild with -DFMLP_CUDA=ON or use "
+        "--backend cpu, ref or auto");
+  if (fmlp_backend_available(FMLP_BACKEND_CUDA) != FMLP_SUCCESS)
+    throw CliError(fmt::format("backend cuda cannot run here: {}", fmlp_last_error()));
+  return true;
 }
 
 std::unique_ptr<FusedRunner> make_fused_runner(HostMlp& problem, fmlp_backend_t requested,
                                                bool packed) {
-  require_runner_for(requested);
+  if (bench_on_cuda(requested)) return make_cuda_runner(problem, packed);
   const fmlp_backend_t b = resolve_host_backend(problem.args(0), requested);
   return std::make_unique<HostRunner>(problem, b, packed);
 }

@@ -1,5 +1,5 @@
 // fusedmlp info: the library, the machine and what can run on it.
-#include <cblas.h>
+#include "blas_shim.hpp"
 #include <omp.h>
 
 #include <memory>

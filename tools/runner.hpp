@@ -1,6 +1,6 @@
 // Runs and times the fused op of a bench problem. bench talks only to this interface: the host
-// runner calls the library on the problem's own buffers; a device runner (CUDA) would copy the
-// weight sets to the device when made and time with events, behind the same calls.
+// runner calls the library on the problem's own buffers; the device runner (CUDA) copies the
+// weight sets to the device when made and times CUDA-graph replays, behind the same calls.
 #pragma once
 #include <memory>
 #include <string>
@@ -24,12 +24,13 @@ class FusedRunner {
   virtual std::vector<double> time_calls(int reps, int first) = 0;
 };
 
-// Throws CliError when bench cannot drive `requested` (no device runner exists yet).
-void require_runner_for(fmlp_backend_t requested);
+// Whether bench runs on the GPU: backend cuda, or auto where this CLI has the CUDA runner and a
+// usable GPU. Throws CliError when cuda is asked for and cannot run.
+bool bench_on_cuda(fmlp_backend_t requested);
 
-// `requested` auto picks cpu when a cpu kernel handles the problem and otherwise falls back to
-// ref with a warning on stderr; an explicit backend that cannot run it is an error. `packed`
-// times fmlp_mlp_packed_run on weights packed once per set instead of fmlp_mlp.
+// `requested` auto picks cuda (bench_on_cuda), else cpu when a cpu kernel handles the problem,
+// else ref with a warning on stderr; an explicit backend that cannot run it is an error.
+// `packed` times fmlp_mlp_packed_run on weights packed once per set instead of fmlp_mlp.
 std::unique_ptr<FusedRunner> make_fused_runner(HostMlp& problem, fmlp_backend_t requested,
                                                bool packed);
 

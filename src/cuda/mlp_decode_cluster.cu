@@ -95,14 +95,14 @@ __device__ __forceinline__ WT to_w(float v) {
     return __float2bfloat16_rn(v);
 }
 
-__device__ __forceinline__ uint4 lds128(const void* p) {
+[[maybe_unused]] __device__ __forceinline__ uint4 lds128(const void* p) {
   return *static_cast<const uint4*>(p);
 }
 
-__device__ __forceinline__ void cluster_arrive() {
+[[maybe_unused]] __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release;" ::: "memory");
 }
-__device__ __forceinline__ void cluster_wait() {
+[[maybe_unused]] __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
 }
 
