@@ -349,7 +349,10 @@ CheckResult check_rows(Case& c, const std::vector<uint8_t>& y_before, int64_t ro
       }
     }
   }
-  const double limit = t == FMLP_DTYPE_F32 ? 100.0 : 2.0;  // fp32: 1e-4 relative
+  // fp32: 1e-4 relative. 16-bit: 4 units of (|ref| + rms) = 2^-6: the gated cuBLASLt path rounds
+  // gate, up and h to 16 bits as PyTorch does (three roundings, each up to 2^-9 relative, over
+  // tens of thousands of terms); tests/tolerance.hpp states the exact per-element contract.
+  const double limit = t == FMLP_DTYPE_F32 ? 100.0 : 4.0;
   r.ok = r.worst_units <= limit;
   return r;
 }
@@ -623,9 +626,18 @@ int main(int argc, char** argv) {
                 0};
       std::vector<Case> cs(static_cast<size_t>(copies));
       std::vector<Runner> rs(static_cast<size_t>(copies));
-      for (int i = 0; i < copies; ++i) {
+      bool skipped = false;
+      for (int i = 0; i < copies && !skipped; ++i) {
         if (i == 0) {
           cs[0].make(p, rng);
+          fmlp_mlp_args_t a0 = cs[0].args(true);
+          size_t ignored = 0;
+          if (g_kernel && fmlp_mlp_kernel_workspace_size(&a0, g_kernel, &ignored) ==
+                              FMLP_ERROR_NOT_SUPPORTED) {  // a forced kernel may skip some M
+            std::printf("%-11s %3lld skipped: %s\n", sh.name, (long long)m, fmlp_last_error());
+            skipped = true;
+            continue;
+          }
         } else {  // same contents, separate memory: only the rotation matters for timing
           cs[i] = cs[0];
           for (Buf* b : {&cs[i].w1, &cs[i].w2, &cs[i].b1, &cs[i].b2}) {
@@ -637,6 +649,10 @@ int main(int argc, char** argv) {
           cs[i].wu.dev = nullptr;
         }
         rs[i].setup(cs[i]);
+      }
+      if (skipped) {
+        cs[0].release();
+        continue;
       }
       // correctness on rows {0, M-1}
       std::vector<uint8_t> y_before = cs[0].y.host;
