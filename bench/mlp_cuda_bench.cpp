@@ -8,6 +8,7 @@
 //      median of many replays, against the floor (weight + x/y bytes) / measured copy bandwidth
 //
 // usage: fusedmlp_cuda_bench [--json FILE] [--shapes a,b] [--ms 1,4] [--reps N] [--skip-matrix]
+//                            [--kernel NAME] [--wdtype bf16|f8]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -44,7 +45,7 @@ namespace {
   } while (0)
 
 size_t esize(fmlp_dtype_t t) {
-  return t == FMLP_DTYPE_F32 ? 4 : 2;
+  return t == FMLP_DTYPE_F32 ? 4 : t == FMLP_DTYPE_F8_E4M3 ? 1 : 2;
 }
 
 float bf16_to_f(uint16_t h) {
@@ -168,6 +169,7 @@ struct Problem {
 struct Case {
   Problem p;
   Buf x, y, res, w1, wu, w2, b1, bu, b2, gam, bet;
+  Buf s1, s2;  // fp8 weights: per-row scales of w1 and w2
   int64_t ld_x, ld_y, ld_w1, ld_w2;
   void make(const Problem& pr, std::mt19937& rng) {
     p = pr;
@@ -184,13 +186,19 @@ struct Case {
       res.fill(rng, 1.f);
     }
     w1.alloc(p.wt, size_t(rows1 * ld_w1), size_t(p.pad));
-    w1.fill(rng, 1.f / std::sqrt(float(p.d)));
+    if (p.wt != FMLP_DTYPE_F8_E4M3) w1.fill(rng, 1.f / std::sqrt(float(p.d)));
+    if (p.wt == FMLP_DTYPE_F8_E4M3) {  // model-scale weights quantised per row, as served
+      quantize(w1, s1, rows1, p.d, ld_w1, 1.f / std::sqrt(float(p.d)), rng);
+      quantize(w2, s2, p.n, p.h, ld_w2, 1.f / std::sqrt(float(p.h)), rng, true);
+    }
     if (p.gated && p.separate_up) {
       wu.alloc(p.wt, size_t(p.h * ld_w1), size_t(p.pad));
       wu.fill(rng, 1.f / std::sqrt(float(p.d)));
     }
-    w2.alloc(p.wt, size_t(p.n * ld_w2), size_t(p.pad));
-    w2.fill(rng, 1.f / std::sqrt(float(p.h)));
+    if (p.wt != FMLP_DTYPE_F8_E4M3) {
+      w2.alloc(p.wt, size_t(p.n * ld_w2), size_t(p.pad));
+      w2.fill(rng, 1.f / std::sqrt(float(p.h)));
+    }
     if (p.bias) {
       b1.alloc(p.bt, size_t(rows1));
       b1.fill(rng, 0.5f);
@@ -210,8 +218,22 @@ struct Case {
       }
     }
     if (p.inplace) y.fill(rng, 1.f);  // y holds the residual
-    for (Buf* b : {&x, &y, &res, &w1, &wu, &w2, &b1, &bu, &b2, &gam, &bet})
+    for (Buf* b : {&x, &y, &res, &w1, &wu, &w2, &b1, &bu, &b2, &gam, &bet, &s1, &s2})
       if (b->dev) b->upload();
+  }
+  // q (fp8 [rows, cols], row stride ld) and per-row scales from fp32 weights ~ bound * U(-1, 1),
+  // through the library's quantiser.
+  static void quantize(Buf& q, Buf& scale, int64_t rows, int64_t cols, int64_t ld, float bound,
+                       std::mt19937& rng, bool alloc = false) {
+    if (alloc) q.alloc(FMLP_DTYPE_F8_E4M3, size_t(rows * ld));
+    std::vector<float> w(size_t(rows * ld));
+    std::uniform_real_distribution<float> u(-bound, bound);
+    for (float& v : w) v = u(rng);
+    scale.alloc(FMLP_DTYPE_F32, size_t(rows));
+    const fmlp_tensor_t wv = fmlp_tensor_2d(w.data(), FMLP_DTYPE_F32, rows, cols, ld);
+    const fmlp_tensor_t qv = fmlp_tensor_2d(q.hptr(), FMLP_DTYPE_F8_E4M3, rows, cols, ld);
+    const fmlp_tensor_t sv = fmlp_tensor_1d(scale.hptr(), FMLP_DTYPE_F32, rows);
+    FK(fmlp_quantize_fp8(&wv, &qv, &sv, nullptr));
   }
   fmlp_mlp_args_t args(bool device, int64_t rows = -1, int64_t row0 = 0) {
     const int64_t m = rows < 0 ? p.m : rows;
@@ -233,6 +255,10 @@ struct Case {
     w.w1 = view2(P(w1, 0), p.wt, rows1, p.d, ld_w1, device);
     if (p.gated && p.separate_up) w.w_up = view2(P(wu, 0), p.wt, p.h, p.d, ld_w1, device);
     w.w2 = view2(P(w2, 0), p.wt, p.n, p.h, ld_w2, device);
+    if (p.wt == FMLP_DTYPE_F8_E4M3) {
+      w.w1_scale = view1(P(s1, 0), FMLP_DTYPE_F32, rows1, device);
+      w.w2_scale = view1(P(s2, 0), FMLP_DTYPE_F32, p.n, device);
+    }
     if (p.bias) {
       w.b1 = view1(P(b1, 0), p.bt, rows1, device);
       if (p.gated && p.separate_up) w.b_up = view1(P(bu, 0), p.bt, p.h, device);
@@ -249,12 +275,14 @@ struct Case {
     return a;
   }
   void release() {
-    for (Buf* b : {&x, &y, &res, &w1, &wu, &w2, &b1, &bu, &b2, &gam, &bet}) b->release();
+    for (Buf* b : {&x, &y, &res, &w1, &wu, &w2, &b1, &bu, &b2, &gam, &bet, &s1, &s2}) b->release();
   }
 };
 
 // Kernel forced with --kernel (op-table name); nullptr = dispatch (backend cuda).
 const char* g_kernel = nullptr;
+// Weight dtype of the model-shape sweep (--wdtype bf16 | f8).
+fmlp_dtype_t g_wt = FMLP_DTYPE_BF16;
 
 // Runs the cuda op (packed or not) on the whole batch.
 struct Runner {
@@ -558,6 +586,8 @@ int main(int argc, char** argv) {
       cases = std::atoi(argv[++i]);
     else if (a == "--kernel" && i + 1 < argc)
       g_kernel = argv[++i];
+    else if (a == "--wdtype" && i + 1 < argc)
+      g_wt = std::string(argv[++i]) == "f8" ? FMLP_DTYPE_F8_E4M3 : FMLP_DTYPE_BF16;
     else if (a == "--skip-matrix")
       matrix = false;
     else {
@@ -604,26 +634,12 @@ int main(int argc, char** argv) {
   for (const Shape& sh : all) {
     if (shapes_arg.find(sh.name) == std::string::npos) continue;
     const int64_t rows1 = sh.gated ? 2 * sh.h : sh.h;
-    const double wbytes = double(rows1 * sh.d + sh.d * sh.h) * 2;
+    const double wbytes = double(rows1 * sh.d + sh.d * sh.h) * double(esize(g_wt));
     const int copies = std::max(1, int(std::ceil(3.0 * prop.l2CacheSize / wbytes)));
     for (int64_t m : ms) {
-      Problem p{m,
-                sh.d,
-                sh.h,
-                sh.d,
-                FMLP_DTYPE_BF16,
-                FMLP_DTYPE_BF16,
-                FMLP_DTYPE_BF16,
-                sh.act,
-                FMLP_NORM_NONE,
-                sh.gated,
-                false,
-                !sh.gated,
-                false,
-                false,
-                false,
-                false,
-                0};
+      Problem p{m,      sh.d,           sh.h,     sh.d,  FMLP_DTYPE_BF16, g_wt,  FMLP_DTYPE_BF16,
+                sh.act, FMLP_NORM_NONE, sh.gated, false, !sh.gated,       false, false,
+                false,  false,          0};
       std::vector<Case> cs(static_cast<size_t>(copies));
       std::vector<Runner> rs(static_cast<size_t>(copies));
       bool skipped = false;

@@ -71,8 +71,11 @@ std::vector<MlpCase> section_cases(Section s) {
           }
       break;
     case Section::kVectorFriendly:  // what 16-byte streaming kernels take: sizes % 8 == 0,
-                                    // aligned bf16/fp16 weights, few tokens; epilogues at random
-      for (int64_t m : {1, 2, 3, 4})
+                                    // aligned 16-bit or fp8 weights, up to 64 tokens (every
+                                    // token-tile count), x in the weights' dtype half the time
+                                    // (what the tensor-core decode kernel takes); epilogues at
+                                    // random
+      for (int64_t m : {1, 2, 3, 4, 16, 33, 64})
         for (Gate g : kGates)
           for (fmlp_activation_t a : kActs) {
             MlpCase c = random_case(rng, kMaxMacs);
@@ -83,8 +86,16 @@ std::vector<MlpCase> section_cases(Section s) {
             c.m = m;
             c.gate = g;
             c.act = a;
-            c.w_dtype = rng() % 2 ? FMLP_DTYPE_BF16 : FMLP_DTYPE_F16;
+            const int kind = int(rng() % 6);
+            c.w_dtype = kind == 5  ? FMLP_DTYPE_F8_E4M3
+                        : kind % 2 ? FMLP_DTYPE_BF16
+                                   : FMLP_DTYPE_F16;
+            if (kind >= 3)
+              c.x_dtype = kind == 5 ? (rng() % 2 ? FMLP_DTYPE_BF16 : FMLP_DTYPE_F16) : c.w_dtype;
+            c.per_row_scale = rng() % 2;
             c.misaligned = c.strided = false;
+            for (int64_t* d : {&c.d_in, &c.hidden, &c.d_out})
+              if (c.macs() > kMaxMacs && *d > 64) *d = 64;
             add(c);
           }
       break;

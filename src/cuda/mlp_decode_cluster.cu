@@ -61,6 +61,10 @@ struct ClusterParams : fmlp::cuda::DecodeOperands {
   int res_rows;        // rows of the phase-1 result buffer (max row groups * 16)
   int region_bytes;    // bytes of the region shared by (results + x chunks) and the cluster slice
   bool x_vec16;        // x rows can be read with 16-byte loads
+  // fp8 weights: fp32 dequantisation scales of the gate/dense, up and W2 rows; stride 0 is one
+  // scale per tensor, 1 one per row (indexed by hidden unit for sg/su, by output for s2).
+  const float *sg, *su, *s2;
+  int sg_stride, su_stride, s2_stride;
 };
 
 template <typename WT>
@@ -85,6 +89,54 @@ __device__ __forceinline__ void mma_step(float (&c)[4], const uint4& row_g, cons
                                          const uint4& b) {
   mma<WT>(c, row_g.x, row_g8.x, row_g.y, row_g8.y, b.x, b.y);
   mma<WT>(c, row_g.z, row_g8.z, row_g.w, row_g8.w, b.z, b.w);
+}
+
+// Eight e4m3 weights (two 32-bit words) as eight WT values, exactly: cvt.rn.f16x2.e4m3x2 is exact
+// (e4m3 is a subset of fp16, subnormals and NaN included) and so is fp16 -> fp32 -> bf16 for
+// these values (3 mantissa bits, exponents 2^-9..2^8).
+template <typename WT>
+__device__ __forceinline__ uint4 widen_e4m3x8(uint32_t lo, uint32_t hi) {
+  uint32_t out[4];
+  const uint32_t words[2] = {lo, hi};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint16_t pair = uint16_t(words[i / 2] >> (16 * (i % 2)));
+    uint32_t h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
+    if constexpr (std::is_same_v<WT, __half>) {
+      out[i] = h2;
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+      out[i] = fmlp::cuda::pack_bf16x2(f.x, f.y);
+    }
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// The weights' storage per 16-byte load: 8 WT values (a 32-column step per 4 lanes) or 16 e4m3
+// values (a 64-column step; each lane's 16 columns are two 8-column halves, multiplied with the
+// matching halves of the token rows, so the k permutation stays the same as for 16-bit).
+template <typename WT, bool FP8>
+struct Storage {
+  using T = std::conditional_t<FP8, uint8_t, WT>;
+  static constexpr int kStepCols = FP8 ? 64 : 32;
+  static constexpr int kLaneCols = FP8 ? 16 : 8;
+};
+
+// c += rows (one storage step of rows g and g + 8) x tokens (xrow: this lane's columns of one
+// token row in shared memory, or nullptr for a padding token).
+template <typename WT, bool FP8>
+__device__ __forceinline__ void mma_storage_step(float (&c)[4], const uint4& rg, const uint4& rg8,
+                                                 const WT* xrow) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  if constexpr (FP8) {
+    const uint4 x0 = xrow ? *reinterpret_cast<const uint4*>(xrow) : zero;
+    const uint4 x1 = xrow ? *reinterpret_cast<const uint4*>(xrow + 8) : zero;
+    mma_step<WT>(c, widen_e4m3x8<WT>(rg.x, rg.y), widen_e4m3x8<WT>(rg8.x, rg8.y), x0);
+    mma_step<WT>(c, widen_e4m3x8<WT>(rg.z, rg.w), widen_e4m3x8<WT>(rg8.z, rg8.w), x1);
+  } else {
+    mma_step<WT>(c, rg, rg8, xrow ? *reinterpret_cast<const uint4*>(xrow) : zero);
+  }
 }
 
 template <typename WT>
@@ -194,12 +246,14 @@ struct Frags {
   uint4 v[STEPS][2];  // rows g and g + 8 of a 16-row group, one 16-byte piece per step
 };
 
-template <int NT, typename WT>
+template <int NT, typename WT, bool FP8>
 __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_cluster(const ClusterParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float mean[kMaxTokens], inv[kMaxTokens];
   constexpr int SP = Pipe<NT>::kSteps, DEPTH = Pipe<NT>::kDepth;
+  using ST = typename Storage<WT, FP8>::T;
+  constexpr int kStep = Storage<WT, FP8>::kStepCols, kLane = Storage<WT, FP8>::kLaneCols;
   cg::cluster_group cluster = cg::this_cluster();
   const int C = int(cluster.num_blocks()), rank = int(cluster.block_rank());
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -222,24 +276,24 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_cluster(const Clu
   // Phase 1: hidden slice -> res (fp32), in passes of kWarps (row group, part) items. One
   // iteration covers bs columns (SP steps of every part); x is staged in chunks of kc columns (a
   // multiple of bs, the whole row when it fits), with block barriers only between chunks.
-  const int bs = 32 * SP * p.parts, iters = (p.k + bs - 1) / bs, per_chunk = p.kc / bs;
+  const int bs = kStep * SP * p.parts, iters = (p.k + bs - 1) / bs, per_chunk = p.kc / bs;
   const bool chunked = per_chunk < iters;
   for (int pass = 0; pass * kWarps < R * p.parts; ++pass) {
     const int item = pass * kWarps + warp;
     const bool active = item < R * p.parts;
     const int rg = active ? item / p.parts : 0, part = item % p.parts;
-    const WT* rows =
-        rg < T ? static_cast<const WT*>(p.wg) + int64_t(t0 * 16 + rg * 16) * p.wg_ld
-               : static_cast<const WT*>(p.wu) + int64_t(t0 * 16 + (rg - T) * 16) * p.wu_ld;
+    const ST* rows =
+        rg < T ? static_cast<const ST*>(p.wg) + int64_t(t0 * 16 + rg * 16) * p.wg_ld
+               : static_cast<const ST*>(p.wu) + int64_t(t0 * 16 + (rg - T) * 16) * p.wu_ld;
     const int64_t ld = rg < T ? p.wg_ld : p.wu_ld;
-    const WT* row_g = rows + g * ld;
-    const WT* row_g8 = rows + (g + 8) * ld;
+    const ST* row_g = rows + g * ld;
+    const ST* row_g8 = rows + (g + 8) * ld;
     float c[NT][4] = {};
     Frags<SP> ring[DEPTH];
     auto load = [&](Frags<SP>& w, int i) {
 #pragma unroll
       for (int s = 0; s < SP; ++s) {
-        const int col = i * bs + (part * SP + s) * 32 + 8 * t;
+        const int col = i * bs + (part * SP + s) * kStep + kLane * t;
         const bool in = active && col < p.k;
         w.v[s][0] = in ? ld_stream_v4(row_g + col) : make_uint4(0, 0, 0, 0);
         w.v[s][1] = in ? ld_stream_v4(row_g8 + col) : make_uint4(0, 0, 0, 0);
@@ -254,12 +308,12 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_cluster(const Clu
         const WT* xb = xs + (chunk & 1) * p.m * p.xs_stride + (i % per_chunk) * bs;
 #pragma unroll
         for (int s = 0; s < SP; ++s) {
-          const int col = (part * SP + s) * 32 + 8 * t;
+          const int col = (part * SP + s) * kStep + kLane * t;
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             const int m = nt * 8 + g;
-            const uint4 xv = m < p.m ? lds128(xb + m * p.xs_stride + col) : make_uint4(0, 0, 0, 0);
-            mma_step<WT>(c[nt], w.v[s][0], w.v[s][1], xv);
+            mma_storage_step<WT, FP8>(c[nt], w.v[s][0], w.v[s][1],
+                                      m < p.m ? xb + m * p.xs_stride + col : nullptr);
           }
         }
       }
@@ -270,12 +324,20 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_cluster(const Clu
     __syncthreads();
     pipelined<DEPTH>(iters, ring, load, body);
     if (active) {
+      float scale[2] = {1.f, 1.f};  // rows g and g + 8
+      if constexpr (FP8) {
+        const int unit = t0 * 16 + (rg < T ? rg : rg - T) * 16 + g;
+        const float* sp = rg < T ? p.sg : p.su;
+        const int stride = rg < T ? p.sg_stride : p.su_stride;
+        scale[0] = sp[unit * stride];
+        scale[1] = sp[(unit + 8) * stride];
+      }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int row = rg * 16 + g + (i >= 2 ? 8 : 0), m = nt * 8 + 2 * t + (i & 1);
-          if (m < p.m) atomicAdd(res + row * p.m + m, c[nt][i]);
+          if (m < p.m) atomicAdd(res + row * p.m + m, c[nt][i] * scale[i / 2]);
         }
     }
     __syncthreads();  // res complete; xs free for the next pass
@@ -294,15 +356,15 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_cluster(const Clu
   const int og_all = (p.n + 15) / 16;
   const int og0 = int(int64_t(og_all) * rank / C), og1 = int(int64_t(og_all) * (rank + 1) / C);
   const int my_ogs = og1 - og0 > warp ? (og1 - og0 - warp + kWarps - 1) / kWarps : 0;
-  const int steps = (SC + 31) / 32, batches = (steps + SP - 1) / SP;
+  const int steps = (SC + kStep - 1) / kStep, batches = (steps + SP - 1) / SP;
   const int total = my_ogs * batches;
-  const WT* w2_cluster = static_cast<const WT*>(p.w2) + tc0 * 16;
+  const ST* w2_cluster = static_cast<const ST*>(p.w2) + tc0 * 16;
   Frags<SP> ring2[DEPTH];
   auto load2 = [&](Frags<SP>& w, int q) {
     const int o = (og0 + warp + (q / batches) * kWarps) * 16 + g, batch = q % batches;
 #pragma unroll
     for (int s = 0; s < SP; ++s) {
-      const int col = (batch * SP + s) * 32 + 8 * t;
+      const int col = (batch * SP + s) * kStep + kLane * t;
       const bool in = col < SC;
       w.v[s][0] = in && o < p.n ? ld_stream_v4(w2_cluster + int64_t(o) * p.w2_ld + col)
                                 : make_uint4(0, 0, 0, 0);
@@ -368,13 +430,12 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_cluster(const Clu
     const int batch = q % batches;
 #pragma unroll
     for (int s = 0; s < SP; ++s) {
-      const int col = (batch * SP + s) * 32 + 8 * t;
+      const int col = (batch * SP + s) * kStep + kLane * t;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const int m = nt * 8 + g;
-        const uint4 hv =
-            m < p.m && col < SC ? lds128(hsrc + m * hstride + col) : make_uint4(0, 0, 0, 0);
-        mma_step<WT>(c2[nt], w.v[s][0], w.v[s][1], hv);
+        mma_storage_step<WT, FP8>(c2[nt], w.v[s][0], w.v[s][1],
+                                  m < p.m && col < SC ? hsrc + m * hstride + col : nullptr);
       }
     }
     if (batch != batches - 1) return;
@@ -386,10 +447,12 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_cluster(const Clu
       for (int half = 0; half < 2; ++half) {
         const int oo = o + half * 8;
         float* dst = p.acc + int64_t(oo) * (NT * 8) + m;
+        float scale = 1.f;
+        if constexpr (FP8) scale = oo < p.n ? p.s2[oo * p.s2_stride] : 0.f;
         if (oo < p.n && m + 1 < p.m)
-          fmlp::cuda::red_add_v2_f32(dst, c2[nt][2 * half], c2[nt][2 * half + 1]);
+          fmlp::cuda::red_add_v2_f32(dst, c2[nt][2 * half] * scale, c2[nt][2 * half + 1] * scale);
         else if (oo < p.n && m < p.m)
-          fmlp::cuda::red_add_f32(dst, c2[nt][2 * half]);
+          fmlp::cuda::red_add_f32(dst, c2[nt][2 * half] * scale);
         c2[nt][2 * half] = c2[nt][2 * half + 1] = 0.f;
       }
     }
@@ -436,13 +499,14 @@ int token_tiles(int m) {
 // x is staged whole when it fits (no block barriers in phase 1), else in double-buffered chunks.
 void size_plan(const MlpDesc& d, int cluster, int blocks, Plan* pl) {
   constexpr int kWholeX = 160 * 1024, kChunkX = 96 * 1024;
-  const int m = int(d.m), sp = token_tiles(m) >= 8 ? 2 : 4;  // Pipe<NT>::kSteps
+  const int m = int(d.m), sp = token_tiles(m) >= 8 ? 2 : 4;    // Pipe<NT>::kSteps
+  const int step = d.w_dtype == FMLP_DTYPE_F8_E4M3 ? 64 : 32;  // Storage<>::kStepCols
   const int tiles = int(d.hidden / 16), k = int(d.d_in);
   const int tmax = (tiles + blocks - 1) / blocks;
   const int rmax = d.gated ? 2 * tmax : tmax;
   int parts = std::max(1, std::min(kWarps / rmax, 16));
-  while (parts > 1 && 32 * sp * (parts - 1) >= k) --parts;  // no part left without columns
-  const int bs = 32 * sp * parts, k_round = round_up(k, bs);
+  while (parts > 1 && step * sp * (parts - 1) >= k) --parts;  // no part left without columns
+  const int bs = step * sp * parts, k_round = round_up(k, bs);
   ClusterParams& s = pl->shape;
   s.tiles = tiles;
   s.parts = parts;
@@ -471,19 +535,20 @@ int max_optin_smem(int device) {
 }
 
 template <int NT, typename WT>
-auto kernel_of() {
-  return &mlp_decode_sm90_cluster<NT, WT>;
+auto kernel_of(bool fp8) {
+  return fp8 ? &mlp_decode_sm90_cluster<NT, WT, true> : &mlp_decode_sm90_cluster<NT, WT, false>;
 }
 
 using KernelFn = void (*)(ClusterParams);
 
+// The tensor cores run in the activation dtype; fp8 weights are widened to it in registers.
 KernelFn pick_kernel(const MlpDesc& d) {
-  const bool h = d.w_dtype == FMLP_DTYPE_F16;
+  const bool h = d.act_dtype == FMLP_DTYPE_F16, f8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
   switch (token_tiles(int(d.m))) {
-    case 1: return h ? kernel_of<1, __half>() : kernel_of<1, __nv_bfloat16>();
-    case 2: return h ? kernel_of<2, __half>() : kernel_of<2, __nv_bfloat16>();
-    case 4: return h ? kernel_of<4, __half>() : kernel_of<4, __nv_bfloat16>();
-    default: return h ? kernel_of<8, __half>() : kernel_of<8, __nv_bfloat16>();
+    case 1: return h ? kernel_of<1, __half>(f8) : kernel_of<1, __nv_bfloat16>(f8);
+    case 2: return h ? kernel_of<2, __half>(f8) : kernel_of<2, __nv_bfloat16>(f8);
+    case 4: return h ? kernel_of<4, __half>(f8) : kernel_of<4, __nv_bfloat16>(f8);
+    default: return h ? kernel_of<8, __half>(f8) : kernel_of<8, __nv_bfloat16>(f8);
   }
 }
 
@@ -550,10 +615,12 @@ bool make_plan(const MlpDesc& d, Plan* pl, std::string* why) {
 // make_plan queries the device (occupancy of clusters); dispatch asks on every call, so plans
 // are kept per shape.
 bool cached_plan(const MlpDesc& d, Plan* pl, std::string* why) {
-  using Key = std::array<int64_t, 7>;
+  using Key = std::array<int64_t, 8>;
   static std::mutex mu;
   static std::map<Key, std::pair<bool, Plan>> cache;
-  const Key key{d.device_id, d.m, d.d_in, d.hidden, d.d_out, d.gated ? 1 : 0, int64_t(d.w_dtype)};
+  const Key key{
+      d.device_id,         d.m, d.d_in, d.hidden, d.d_out, d.gated ? 1 : 0, int64_t(d.w_dtype),
+      int64_t(d.act_dtype)};
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it == cache.end()) {
@@ -583,19 +650,20 @@ bool mlp_decode_sm90_cluster_supports(const MlpDesc& d, std::string* why) {
     return (*why = fmt::format("M={} > {}: decode kernels take at most {} tokens", d.m, kMaxTokens,
                                kMaxTokens),
             false);
-  if (d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16)
-    return (*why = fmt::format("{} weights: this kernel multiplies bf16/fp16 on tensor cores",
-                               fmlp_dtype_name(d.w_dtype)),
-            false);
-  if (d.act_dtype != d.w_dtype)
-    return (*why = fmt::format("{} activations with {} weights: the tensor cores need both in "
-                               "one dtype; the splitk kernel handles mixed dtypes",
+  const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
+  if (fp8 ? d.act_dtype == FMLP_DTYPE_F32 : d.act_dtype != d.w_dtype)
+    return (*why = fmt::format("{} activations with {} weights: the tensor cores run bf16 or "
+                               "fp16 activations with weights of that dtype or fp8 e4m3; the "
+                               "splitk kernel handles other mixes",
                                fmlp_dtype_name(d.act_dtype), fmlp_dtype_name(d.w_dtype)),
             false);
-  if (d.d_in % 8 != 0 || d.hidden % 16 != 0)
-    return (*why = fmt::format("d_in {} must be a multiple of 8 and hidden {} of 16; the splitk "
+  if (d.w_dtype == FMLP_DTYPE_F32)
+    return (*why = "f32 weights: this kernel multiplies 16-bit operands on tensor cores", false);
+  const int in_multiple = fp8 ? 16 : 8;  // one 16-byte load of a weight row
+  if (d.d_in % in_multiple != 0 || d.hidden % 16 != 0)
+    return (*why = fmt::format("d_in {} must be a multiple of {} and hidden {} of 16; the splitk "
                                "kernel handles other sizes",
-                               d.d_in, d.hidden),
+                               d.d_in, in_multiple, d.hidden),
             false);
   if (!d.weights_vec16)
     return (*why =
@@ -636,6 +704,21 @@ fmlp_status_t mlp_decode_sm90_cluster_run(const fmlp_mlp_args_t& a, const MlpDes
   p.counters = reinterpret_cast<unsigned*>(
       base + align256(size_t(d.d_out) * size_t(token_tiles(int(d.m)) * 8) * 4));
   p.x_vec16 = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && p.x_ld % 8 == 0;
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) {
+    const fmlp_mlp_weights_t& w = a.weights;
+    p.sg = static_cast<const float*>(w.w1_scale.data);
+    p.sg_stride = d.w1_scale == ScaleKind::kPerRow ? 1 : 0;
+    if (!d.gated) {
+    } else if (d.stacked_gate_up) {  // [1] or [2 * hidden]: gate scales, then up scales
+      p.su = p.sg + (p.sg_stride ? d.hidden : 0);
+      p.su_stride = p.sg_stride;
+    } else {
+      p.su = static_cast<const float*>(w.w_up_scale.data);
+      p.su_stride = d.w_up_scale == ScaleKind::kPerRow ? 1 : 0;
+    }
+    p.s2 = static_cast<const float*>(w.w2_scale.data);
+    p.s2_stride = d.w2_scale == ScaleKind::kPerRow ? 1 : 0;
+  }
 
   KernelFn k = pick_kernel(d);
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
