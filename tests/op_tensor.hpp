@@ -2,8 +2,12 @@
 // placed in host or device memory at an optional one-element offset and padded row stride, every
 // byte outside the view 0xFF so stray writes and unwritten outputs show.
 #pragma once
+#include <functional>
 #include <string>
 #include <vector>
+#ifdef FMLP_TEST_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 #include "buffers.hpp"
 #include "core/dtype.hpp"
@@ -47,6 +51,7 @@ class PlacedTensor {
             fmlp::detail::load_as_double(host.data() + (off_ + r * ld_) * es_, t_, c);
     return out;
   }
+  std::vector<unsigned char> raw() const { return buf_.download(); }
   const fmlp_tensor_t& view() const { return view_; }
   fmlp_tensor_t vector_view() const {  // [cols] view of a one-row tensor
     fmlp_tensor_t v = fmlp_tensor_1d(view_.data, t_, cols_);
@@ -60,5 +65,44 @@ class PlacedTensor {
   Buffer buf_;
   fmlp_tensor_t view_{};
 };
+
+// Captures call(stream) into a CUDA graph on a new stream and replays it: once, then
+// refresh() (which must put the real inputs in place, in the same buffers), then twice more, so
+// the result also shows that a replay leaves the workspace ready for the next one. "" or the
+// failure.
+inline std::string capture_and_replay(const std::function<fmlp_status_t(void*)>& call,
+                                      const std::function<void()>& refresh) {
+#ifdef FMLP_TEST_WITH_CUDA
+  cudaStream_t s = nullptr;
+  std::string err;
+  auto ok = [&](cudaError_t e, const char* what) {
+    if (e != cudaSuccess && err.empty()) err = std::string(what) + ": " + cudaGetErrorString(e);
+    return e == cudaSuccess;
+  };
+  if (!ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate")) return err;
+  cudaGraph_t g = nullptr;
+  cudaGraphExec_t ex = nullptr;
+  if (ok(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "begin capture")) {
+    const fmlp_status_t st = call(s);
+    if (st != FMLP_SUCCESS)
+      err = std::string("during capture: ") + fmlp_status_name(st) + ": " + fmlp_last_error();
+    ok(cudaStreamEndCapture(s, &g), "end capture (did the call synchronise?)");
+  }
+  if (err.empty() && ok(cudaGraphInstantiateWithFlags(&ex, g, 0), "instantiate")) {
+    if (ok(cudaGraphLaunch(ex, s), "launch") && ok(cudaStreamSynchronize(s), "replay 1")) {
+      refresh();
+      for (int i = 0; i < 2 && err.empty(); ++i)
+        ok(cudaGraphLaunch(ex, s), "launch") && ok(cudaStreamSynchronize(s), "replay");
+    }
+  }
+  if (ex) cudaGraphExecDestroy(ex);
+  if (g) cudaGraphDestroy(g);
+  cudaStreamDestroy(s);
+  return err;
+#else
+  (void)call, (void)refresh;
+  return "built without CUDA";
+#endif
+}
 
 }  // namespace fmlp_test

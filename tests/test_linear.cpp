@@ -2,6 +2,7 @@
 // tolerance.hpp: rtol * (|ref| + l2 norm of the summed terms) + atol, rtol the larger of the
 // activation and weight dtypes': f32 1e-4, f16 2^-9, bf16 and f8 2^-7), plus bad input.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <cstring>
@@ -17,13 +18,14 @@ struct LinCase {
   int64_t m = 1, n = 7, k = 127;
   fmlp_dtype_t xt = FMLP_DTYPE_F32, wt = FMLP_DTYPE_F32, bt = kAbsent;
   bool per_row = false, misaligned = false, strided = false, nonfinite = false;
+  bool x_misaligned = false;  // x and y only: W stays 16-byte aligned
   std::string name() const {
     return "M=" + std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k) +
            " x=" + fmlp_dtype_name(xt) + " w=" + fmlp_dtype_name(wt) +
            (bt != kAbsent ? std::string(" bias=") + fmlp_dtype_name(bt) : "") +
            (wt == FMLP_DTYPE_F8_E4M3 ? (per_row ? " scale/row" : " scale/tensor") : "") +
-           (misaligned ? " misaligned" : "") + (strided ? " strided" : "") +
-           (nonfinite ? " nonfinite" : "");
+           (misaligned ? " misaligned" : "") + (x_misaligned ? " x-misaligned" : "") +
+           (strided ? " strided" : "") + (nonfinite ? " nonfinite" : "");
   }
 };
 
@@ -36,8 +38,18 @@ HostMatrix matrix(fmlp_dtype_t t, int64_t rows, int64_t cols) {
   return h;
 }
 
-// Runs one case through `kernel`; returns "" or the failure.
-std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t seed) {
+// How run_case calls the kernel: directly or captured in a CUDA graph (replayed after the inputs
+// are refreshed); `y_bytes` receives y's buffer.
+struct RunMode {
+  bool graph = false;
+  std::vector<unsigned char>* y_bytes = nullptr;
+};
+constexpr const char* kSkipped = "skipped: ";
+
+// Runs one case through `kernel`; returns "", the failure, or kSkipped + why when the kernel
+// does not take the case.
+std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t seed,
+                     RunMode mode = {}) {
   Rng rng(seed);
   std::normal_distribution<double> nd;
   std::uniform_real_distribution<double> ud(-1.0, 1.0);
@@ -58,12 +70,15 @@ std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t
     b = matrix(c.bt, 1, c.n);
     for (int64_t i = 0; i < c.n; ++i) b.set(0, i, 0.1 * nd(rng));
   }
-  PlacedTensor px(c.xt, c.m, c.k, device, c.misaligned, c.strided);
+  PlacedTensor px(c.xt, c.m, c.k, device, c.misaligned || c.x_misaligned, c.strided);
   PlacedTensor pw(c.wt, c.n, c.k, device, c.misaligned, c.strided);
-  PlacedTensor py(c.xt, c.m, c.n, device, c.misaligned, c.strided);
+  PlacedTensor py(c.xt, c.m, c.n, device, c.misaligned || c.x_misaligned, c.strided);
   PlacedTensor ps(FMLP_DTYPE_F32, 1, s.cols, device, false, false);
   PlacedTensor pb;
-  px.upload(x);
+  HostMatrix stale = x;  // what a captured graph finds before its inputs are refreshed
+  for (int64_t i = 0; i < c.m; ++i)
+    for (int64_t j = 0; j < c.k; ++j) stale.set(i, j, nd(rng));
+  px.upload(mode.graph ? stale : x);
   pw.upload(w);
   ps.upload(s);
   fmlp_linear_args_t a{py.view(), px.view(), pw.view(), fmlp_tensor_none(), fmlp_tensor_none()};
@@ -74,15 +89,22 @@ std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t
     a.bias = pb.vector_view();
   }
   if (fmlp_linear_kernel_supports(&a, kernel) != FMLP_SUCCESS)
-    return std::string("unsupported: ") + fmlp_last_error();
+    return std::string(kSkipped) + fmlp_last_error();
   size_t bytes = 0;
   if (fmlp_linear_kernel_workspace_size(&a, kernel, &bytes) != FMLP_SUCCESS)
     return fmlp_last_error();
   Buffer ws(bytes, device);
   ws.fill(0);
-  const fmlp_status_t st =
-      fmlp_linear_with_kernel(&a, kernel, bytes ? ws.data() : nullptr, bytes, nullptr);
-  if (st != FMLP_SUCCESS) return std::string(fmlp_status_name(st)) + ": " + fmlp_last_error();
+  auto call = [&](void* stream) {
+    return fmlp_linear_with_kernel(&a, kernel, bytes ? ws.data() : nullptr, bytes, stream);
+  };
+  if (mode.graph) {
+    const std::string err = capture_and_replay(call, [&] { px.upload(x); });
+    if (!err.empty()) return err;
+  } else if (const fmlp_status_t st = call(nullptr); st != FMLP_SUCCESS) {
+    return std::string(fmlp_status_name(st)) + ": " + fmlp_last_error();
+  }
+  if (mode.y_bytes) *mode.y_bytes = py.raw();
   std::string stray;
   const std::vector<double> out = py.download(&stray);
   if (!stray.empty()) return stray;
@@ -147,6 +169,20 @@ std::vector<LinCase> cases() {
         c.nonfinite = variant >= 2;
         v.push_back(c);
       }
+  // Tensor-core friendly (one dtype, aligned W): every token-tile count, ragged N and K, split K.
+  for (fmlp_dtype_t t : {FMLP_DTYPE_F16, FMLP_DTYPE_BF16})
+    for (int64_t m : {2, 9, 17, 33, 64})
+      for (auto [n, k] :
+           {std::pair<int64_t, int64_t>{7, 4096}, {264, 72}, {1000, 264}, {130, 2056}, {33, 8}}) {
+        if (m * n * k > 20'000'000) continue;
+        LinCase c;
+        c.m = m, c.n = n, c.k = k;
+        c.xt = c.wt = t;
+        c.bt = m % 2 ? t : kAbsent;
+        c.x_misaligned = m % 3 == 0;
+        c.nonfinite = m % 2 == 1;
+        v.push_back(c);
+      }
   for (int64_t n : {1, 8, 3}) {  // router-like: tiny N, long K (split K on the GPU)
     LinCase c;
     c.m = n == 3 ? 5 : 1, c.n = n, c.k = 8192;
@@ -178,20 +214,84 @@ class LinearKernelTest : public ::testing::TestWithParam<int> {
   bool device_ = false;
 };
 
+bool skipped(const std::string& err) {
+  return err.rfind(kSkipped, 0) == 0;
+}
+
+// Every entry but the general ones takes a subset of the cases; each must take some.
 TEST_P(LinearKernelTest, MatchesReference) {
-  int i = 0;
+  int i = 0, ran = 0;
   for (const LinCase& c : cases()) {
     const std::string err = run_case(c, kernel_, device_, mix_seed(test_seed(), uint64_t(++i)));
+    if (skipped(err)) continue;
+    ++ran;
     EXPECT_TRUE(err.empty()) << "[" << c.name() << "] (FMLP_TEST_SEED=" << test_seed()
                              << "): " << err;
   }
+  EXPECT_GT(ran, 0) << kernel_ << " took none of the cases";
+}
+
+// Captured in a CUDA graph and replayed on refreshed inputs, split-K and tensor-core shapes
+// included: the replays must read the new inputs and leave the workspace zero-filled.
+TEST_P(LinearKernelTest, GraphReplayMatchesReference) {
+  if (!device_) GTEST_SKIP() << "device kernels only";
+  std::vector<LinCase> v(5);
+  v[0].m = 1, v[0].n = 7, v[0].k = 4095, v[0].xt = FMLP_DTYPE_F16, v[0].wt = FMLP_DTYPE_BF16;
+  v[1].m = 3, v[1].n = 1, v[1].k = 4095, v[1].wt = FMLP_DTYPE_F16, v[1].bt = FMLP_DTYPE_F32;
+  v[2].m = 1, v[2].n = 264, v[2].k = 4096, v[2].xt = v[2].wt = FMLP_DTYPE_BF16;
+  v[3].m = 16, v[3].n = 264, v[3].k = 4096, v[3].xt = v[3].wt = FMLP_DTYPE_BF16;
+  v[3].bt = FMLP_DTYPE_BF16;
+  v[4].m = 64, v[4].n = 769, v[4].k = 8192, v[4].xt = v[4].wt = FMLP_DTYPE_F16;
+  v[4].strided = true;
+  int ran = 0, i = 0;
+  for (const LinCase& c : v) {
+    RunMode mode;
+    mode.graph = true;
+    const std::string err = run_case(c, kernel_, true, mix_seed(test_seed(), uint64_t(++i)), mode);
+    if (skipped(err)) continue;
+    ++ran;
+    EXPECT_TRUE(err.empty()) << "[" << c.name() << "] (FMLP_TEST_SEED=" << test_seed()
+                             << "): " << err;
+  }
+  EXPECT_GT(ran, 0) << kernel_ << " took none of the cases";
+}
+
+// Host kernels give the same bits whatever the thread count.
+TEST_P(LinearKernelTest, ThreadCountIndependent) {
+  if (device_) GTEST_SKIP() << "host kernels only";
+  std::vector<LinCase> v(3);
+  v[0].m = 3, v[0].n = 769, v[0].k = 769, v[0].wt = FMLP_DTYPE_BF16, v[0].bt = FMLP_DTYPE_F32;
+  v[1].m = 17, v[1].n = 127, v[1].k = 4095, v[1].xt = FMLP_DTYPE_BF16;
+  v[1].wt = FMLP_DTYPE_F8_E4M3, v[1].per_row = true;
+  v[2].m = 64, v[2].n = 264, v[2].k = 127, v[2].xt = v[2].wt = FMLP_DTYPE_F16;
+  const int before = omp_get_max_threads();
+  for (const LinCase& c : v) {
+    std::vector<unsigned char> one, other;
+    for (int threads : {1, 2, 3}) {
+      omp_set_num_threads(threads);
+      RunMode mode;
+      mode.y_bytes = threads == 1 ? &one : &other;
+      const std::string err = run_case(c, kernel_, false, mix_seed(test_seed(), 77), mode);
+      if (skipped(err)) break;
+      EXPECT_TRUE(err.empty()) << "[" << c.name() << "]: " << err;
+      if (threads > 1) {
+        EXPECT_TRUE(one == other) << "[" << c.name() << "]: " << threads
+                                  << " threads differ from 1 (FMLP_TEST_SEED=" << test_seed()
+                                  << ")";
+      }
+    }
+  }
+  omp_set_num_threads(before);
 }
 
 TEST_P(LinearKernelTest, ZeroRowsAndZeroKWork) {
   for (auto [m, k] : {std::pair<int64_t, int64_t>{0, 64}, {2, 0}}) {
     LinCase c;
     c.m = m, c.k = k, c.n = 5, c.bt = FMLP_DTYPE_F32;
-    EXPECT_EQ(run_case(c, kernel_, device_, 3), "") << c.name();
+    const std::string err = run_case(c, kernel_, device_, 3);
+    if (!skipped(err)) {
+      EXPECT_EQ(err, "") << c.name();
+    }
   }
 }
 

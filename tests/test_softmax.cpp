@@ -4,6 +4,7 @@
 // |out - ref| <= rtol * (1 + |z - max| + |log sum|); the |z - max| terms budget the fp32 rounding
 // of the exponent argument, which grows with it. Non-finite refs must be matched in class.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <cstring>
@@ -30,7 +31,22 @@ struct SmCase {
   }
 };
 
-std::string run_case(const SmCase& c, const char* kernel, bool device, uint64_t seed) {
+// How run_case calls the kernel: directly or captured in a CUDA graph (replayed after the input
+// is refreshed); `y_bytes` receives y's buffer.
+struct RunMode {
+  bool graph = false;
+  std::vector<unsigned char>* y_bytes = nullptr;
+};
+constexpr const char* kSkipped = "skipped: ";
+
+bool skipped(const std::string& err) {
+  return err.rfind(kSkipped, 0) == 0;
+}
+
+// Runs one case through `kernel`; returns "", the failure, or kSkipped + why when the kernel
+// does not take the case.
+std::string run_case(const SmCase& c, const char* kernel, bool device, uint64_t seed,
+                     RunMode mode = {}) {
   Rng rng(seed);
   std::normal_distribution<double> nd(0.0, 3.0);
   HostMatrix x;
@@ -51,19 +67,30 @@ std::string run_case(const SmCase& c, const char* kernel, bool device, uint64_t 
   }
   PlacedTensor px(c.t, c.rows, c.n, device, c.misaligned, c.strided);
   PlacedTensor py(c.t, c.rows, c.n, device, c.misaligned, c.strided);
-  px.upload(x);
+  HostMatrix stale = x;  // what a captured graph finds before its input is refreshed
+  for (int64_t r = 0; r < c.rows; ++r)
+    for (int64_t i = 0; i < c.n; ++i) stale.set(r, i, nd(rng));
+  px.upload(mode.graph ? stale : x);
   fmlp_softmax_args_t a{c.in_place ? px.view() : py.view(), px.view(), c.temperature,
                         c.log ? 1 : 0};
   if (fmlp_softmax_kernel_supports(&a, kernel) != FMLP_SUCCESS)
-    return std::string("unsupported: ") + fmlp_last_error();
+    return std::string(kSkipped) + fmlp_last_error();
   size_t bytes = 0;
   if (fmlp_softmax_kernel_workspace_size(&a, kernel, &bytes) != FMLP_SUCCESS)
     return fmlp_last_error();
   Buffer ws(bytes, device);
   ws.fill(0);
-  const fmlp_status_t st =
-      fmlp_softmax_with_kernel(&a, kernel, bytes ? ws.data() : nullptr, bytes, nullptr);
-  if (st != FMLP_SUCCESS) return std::string(fmlp_status_name(st)) + ": " + fmlp_last_error();
+  auto call = [&](void* stream) {
+    return fmlp_softmax_with_kernel(&a, kernel, bytes ? ws.data() : nullptr, bytes, stream);
+  };
+  if (mode.graph) {
+    // Graph cases are never in place: every replay would consume its own input.
+    const std::string err = capture_and_replay(call, [&] { px.upload(x); });
+    if (!err.empty()) return err;
+  } else if (const fmlp_status_t st = call(nullptr); st != FMLP_SUCCESS) {
+    return std::string(fmlp_status_name(st)) + ": " + fmlp_last_error();
+  }
+  if (mode.y_bytes) *mode.y_bytes = (c.in_place ? px : py).raw();
   std::string stray;
   const std::vector<double> out = (c.in_place ? px : py).download(&stray);
   if (!stray.empty()) return stray;
@@ -161,13 +188,68 @@ class SoftmaxKernelTest : public ::testing::TestWithParam<int> {
   bool device_ = false;
 };
 
+// Every entry but the general ones takes a subset of the cases; each must take some.
 TEST_P(SoftmaxKernelTest, MatchesReference) {
-  int i = 0;
+  int i = 0, ran = 0;
   for (const SmCase& c : cases()) {
     const std::string err = run_case(c, kernel_, device_, mix_seed(test_seed(), uint64_t(++i)));
+    if (skipped(err)) continue;
+    ++ran;
     EXPECT_TRUE(err.empty()) << "[" << c.name() << "] (FMLP_TEST_SEED=" << test_seed()
                              << "): " << err;
   }
+  EXPECT_GT(ran, 0) << kernel_ << " took none of the cases";
+}
+
+// Captured in a CUDA graph and replayed on a refreshed input (one long row split over blocks,
+// a few long rows, many rows): the replays must read the new input and leave the workspace
+// zero-filled.
+TEST_P(SoftmaxKernelTest, GraphReplayMatchesReference) {
+  if (!device_) GTEST_SKIP() << "device kernels only";
+  std::vector<SmCase> v(4);
+  v[0].rows = 1, v[0].n = 128256, v[0].log = true;
+  v[1].rows = 3, v[1].n = 8200, v[1].t = FMLP_DTYPE_BF16, v[1].temperature = 0.7f;
+  v[1].misaligned = true;
+  v[2].rows = 300, v[2].n = 769, v[2].t = FMLP_DTYPE_F16;
+  v[3].rows = 5, v[3].n = 32000, v[3].strided = true;
+  int ran = 0, i = 0;
+  for (const SmCase& c : v) {
+    RunMode mode;
+    mode.graph = true;
+    const std::string err = run_case(c, kernel_, true, mix_seed(test_seed(), uint64_t(++i)), mode);
+    if (skipped(err)) continue;
+    ++ran;
+    EXPECT_TRUE(err.empty()) << "[" << c.name() << "] (FMLP_TEST_SEED=" << test_seed()
+                             << "): " << err;
+  }
+  EXPECT_GT(ran, 0) << kernel_ << " took none of the cases";
+}
+
+// Host kernels give the same bits whatever the thread count.
+TEST_P(SoftmaxKernelTest, ThreadCountIndependent) {
+  if (device_) GTEST_SKIP() << "host kernels only";
+  std::vector<SmCase> v(3);
+  v[0].rows = 1, v[0].n = 128256;
+  v[1].rows = 300, v[1].n = 769, v[1].t = FMLP_DTYPE_BF16, v[1].log = true;
+  v[2].rows = 3, v[2].n = 8200, v[2].t = FMLP_DTYPE_F16, v[2].temperature = 0.7f;
+  const int before = omp_get_max_threads();
+  for (const SmCase& c : v) {
+    std::vector<unsigned char> one, other;
+    for (int threads : {1, 2, 3}) {
+      omp_set_num_threads(threads);
+      RunMode mode;
+      mode.y_bytes = threads == 1 ? &one : &other;
+      const std::string err = run_case(c, kernel_, false, mix_seed(test_seed(), 77), mode);
+      if (skipped(err)) break;
+      EXPECT_TRUE(err.empty()) << "[" << c.name() << "]: " << err;
+      if (threads > 1) {
+        EXPECT_TRUE(one == other) << "[" << c.name() << "]: " << threads
+                                  << " threads differ from 1 (FMLP_TEST_SEED=" << test_seed()
+                                  << ")";
+      }
+    }
+  }
+  omp_set_num_threads(before);
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, SoftmaxKernelTest, ::testing::ValuesIn(kernel_indices()),

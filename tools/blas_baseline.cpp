@@ -119,14 +119,11 @@ void BlasBaseline::run(int copy) {
   const int64_t rows1 = shape_.gated ? 2 * H : H;
   const int m = int(m_);
   const bool gemv = m == 1 && !gemm_only_;
-  if (gemv)
-    FMLP_CBLAS(sgemv)
-    (CblasRowMajor, CblasNoTrans, int(rows1), int(K), 1.f, f32(s.w1), int(K), f32(x_), 1, 0.f,
-     f32(h_), 1);
-  else
-    FMLP_CBLAS(sgemm)
-    (CblasRowMajor, CblasNoTrans, CblasTrans, m, int(rows1), int(K), 1.f, f32(x_), int(K),
-     f32(s.w1), int(K), 0.f, f32(h_), int(rows1));
+  if (gemv) FMLP_CBLAS(sgemv)
+  (CblasRowMajor, CblasNoTrans, int(rows1), int(K), 1.f, f32(s.w1), int(K), f32(x_), 1, 0.f,
+   f32(h_), 1);
+  else FMLP_CBLAS(sgemm)(CblasRowMajor, CblasNoTrans, CblasTrans, m, int(rows1), int(K), 1.f,
+                         f32(x_), int(K), f32(s.w1), int(K), 0.f, f32(h_), int(rows1));
 
   // The activation pass: one read of h (+ b1), one write of the activated hidden state.
   const float* b1 = s.b1.empty() ? nullptr : f32(s.b1);
@@ -155,14 +152,11 @@ void BlasBaseline::run(int copy) {
     for (int64_t i = 0; i < m_; ++i) std::memcpy(f32(y_) + i * N, f32(s.b2), size_t(N) * 4);
     beta = 1.f;
   }
-  if (gemv)
-    FMLP_CBLAS(sgemv)
-    (CblasRowMajor, CblasNoTrans, int(N), int(H), 1.f, f32(s.w2), int(H), act_out, 1, beta, f32(y_),
-     1);
-  else
-    FMLP_CBLAS(sgemm)
-    (CblasRowMajor, CblasNoTrans, CblasTrans, m, int(N), int(H), 1.f, act_out, int(H), f32(s.w2),
-     int(H), beta, f32(y_), int(N));
+  if (gemv) FMLP_CBLAS(sgemv)
+  (CblasRowMajor, CblasNoTrans, int(N), int(H), 1.f, f32(s.w2), int(H), act_out, 1, beta, f32(y_),
+   1);
+  else FMLP_CBLAS(sgemm)(CblasRowMajor, CblasNoTrans, CblasTrans, m, int(N), int(H), 1.f, act_out,
+                         int(H), f32(s.w2), int(H), beta, f32(y_), int(N));
 }
 
 std::vector<float> BlasBaseline::output_rows(const std::vector<int64_t>& rows) const {

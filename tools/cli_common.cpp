@@ -1,7 +1,8 @@
 #include "cli_common.hpp"
 
-#include "blas_shim.hpp"
 #include <omp.h>
+
+#include "blas_shim.hpp"
 
 namespace fmlp_cli {
 

@@ -1,9 +1,9 @@
 // fusedmlp info: the library, the machine and what can run on it.
-#include "blas_shim.hpp"
 #include <omp.h>
 
 #include <memory>
 
+#include "blas_shim.hpp"
 #include "commands.hpp"
 #include "sysinfo.hpp"
 

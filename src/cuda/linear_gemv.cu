@@ -1,22 +1,34 @@
-// linear_sm80_gemv: y[M, N] = x[M, K] W^T + b for small M, in one launch on the CUDA cores.
+// linear_sm80_gemv: y[M, N] = x[M, K] W^T + b for small M, in one launch on the CUDA cores (the
+// general kernel: any weight dtype, mixed dtypes, unaligned W; bf16/fp16 with 2 <= M <= 64 go to
+// linear_sm80_mma, linear_mma.cu).
 //
 // At small M the op is a stream over W, so the kernel is built for bytes in flight:
 //   - a task is (8 W rows, one K split, one tile of up to MT x rows); each of the block's 8 warps
-//     owns one W row, its lanes read consecutive 16-byte chunks (non-allocating loads, kUnroll in
-//     flight per lane) and FMA them with the x tile staged in shared memory as fp32, so every W
-//     load serves all MT rows of the tile; fp32 accumulation, warp-shuffle reduction,
+//     owns one W row, its lanes read consecutive 16-byte chunks (non-allocating loads, two
+//     batches of kUnroll in flight per lane; the first batch is requested before the x tile is
+//     staged, so the staging hides under the W latency) and FMA them with the x tile staged in
+//     shared memory as fp32, so every W load serves all MT rows of the tile; fp32 accumulation,
+//     warp-shuffle reduction,
 //   - the x tiles of one W slice are adjacent task ids, so blocks that re-read a slice for the
 //     next x tile find it in L2 (larger M re-reads W from L2, a simple correct fallback),
-//   - the launcher splits K only when there would be fewer than 2 blocks per multiprocessor
-//     (small N, e.g. a router 4096 -> 8): each split writes fp32 partial sums to the workspace and
-//     the last split to arrive for a task (a counter per task, no spinning) adds them in split
-//     order, so results are deterministic; it re-zeroes its counter for the next call,
+//   - one task per block up to 16 tasks per resident block (the block scheduler balances them),
+//     a resident grid dealing tasks statically beyond,
+//   - small weights are latency bound, so the launcher splits K until there are >= 4 tasks per
+//     multiprocessor (never below one load batch per lane): each split writes fp32 partial sums
+//     to the workspace and the last split to arrive for a task (a counter per task, no spinning)
+//     adds them in split order, so results are deterministic; it re-zeroes the partial sums it
+//     read and its counter, leaving the workspace zero-filled for the next call,
+//   - fp8 e4m3 is widened pairwise with cvt.rn.f16x2.e4m3x2 on sm_89+ (exact: every e4m3 value,
+//     subnormals included, is an fp16 value; NaN stays NaN),
 //   - the epilogue applies the fp8 scale, adds the bias and converts to the output dtype.
 // Unaligned or ragged W (base, row stride or K not in whole 16-byte chunks) takes the same kernel
 // with element loads.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
@@ -35,9 +47,8 @@ using fmlp::cuda::widen8;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kUnroll = 4;           // 16-byte W loads in flight per lane
+constexpr int kUnroll = 4;           // 16-byte W loads per lane per batch (two in flight)
 constexpr int kXsBytes = 32 * 1024;  // staged x per block
-constexpr int kBlocksPerSm = 6;      // 6 x 32 KB of x fits the 227 KB of an sm_90 SM
 using Fp8 = unsigned char;
 
 struct LinearParams {
@@ -86,51 +97,81 @@ __device__ __forceinline__ void widen(const uint4& v, float (&f)[kPerChunk<WT>])
     f[2] = __uint_as_float(v.z), f[3] = __uint_as_float(v.w);
   } else if constexpr (std::is_same_v<WT, Fp8>) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {  // byte 2i is the low half of pair i
+      const unsigned short pair = (w[i / 2] >> (16 * (i % 2))) & 0xffffu;
+      uint32_t h;
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(pair));
+      const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&h));
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+#else
 #pragma unroll
     for (int i = 0; i < 16; ++i) f[i] = fp8_to_f32((w[i / 4] >> (8 * (i % 4))) & 0xffu);
+#endif
   } else {
     widen8<WT>(v, f);
   }
 }
 
-// acc[r] += W row[c0, c0 + len) . xs row r, for one warp; xs holds MT rows of `ld` floats.
-template <typename WT, int MT, bool VEC>
-__device__ __forceinline__ void row_dot(const WT* row, int len, const float* xs, int ld,
-                                        float (&acc)[MT]) {
+// The first batch of a lane's 16-byte chunks of W row[0, chunks * E): requested before the x
+// tile is staged.
+template <typename WT>
+__device__ __forceinline__ void first_batch(const WT* row, int chunks, uint4 (&v)[kUnroll]) {
   const int lane = threadIdx.x % 32;
-  if constexpr (VEC) {
-    constexpr int E = kPerChunk<WT>;
-    const int chunks = len / E;
-    for (int c0 = lane; c0 < chunks; c0 += 32 * kUnroll) {
-      uint4 v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (c0 + 32 * u < chunks) v[u] = ld_stream_v4(row + int64_t(c0 + 32 * u) * E);
+  for (int u = 0; u < kUnroll; ++u)
+    v[u] = lane + 32 * u < chunks ? ld_stream_v4(row + int64_t(lane + 32 * u) * kPerChunk<WT>)
+                                  : make_uint4(0, 0, 0, 0);
+}
+
+// acc[r] += W row[0, chunks * E) . xs row r, for one warp; `cur` holds first_batch(row); the
+// next batch is requested before the current one is used, so two are in flight.
+template <typename WT, int MT>
+__device__ __forceinline__ void row_dot_vec(const WT* row, int chunks, const float* xs, int ld,
+                                            uint4 (&cur)[kUnroll], float (&acc)[MT]) {
+  constexpr int E = kPerChunk<WT>;
+  const int lane = threadIdx.x % 32;
+  for (int c0 = lane; c0 < chunks; c0 += 32 * kUnroll) {
+    uint4 nxt[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int c = c0 + 32 * u;
-        if (c >= chunks) break;
-        float f[E];
-        widen<WT>(v[u], f);
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + 32 * (kUnroll + u);
+      nxt[u] = c < chunks ? ld_stream_v4(row + int64_t(c) * E) : make_uint4(0, 0, 0, 0);
+    }
 #pragma unroll
-        for (int r = 0; r < MT; ++r) {
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + 32 * u;
+      if (c >= chunks) break;
+      float f[E];
+      widen<WT>(cur[u], f);
 #pragma unroll
-          for (int e = 0; e < E; e += 4) {
-            const float4 xv = *reinterpret_cast<const float4*>(xs + r * ld + c * E + e);
-            acc[r] = fmaf(f[e], xv.x, acc[r]);
-            acc[r] = fmaf(f[e + 1], xv.y, acc[r]);
-            acc[r] = fmaf(f[e + 2], xv.z, acc[r]);
-            acc[r] = fmaf(f[e + 3], xv.w, acc[r]);
-          }
+      for (int r = 0; r < MT; ++r) {
+#pragma unroll
+        for (int e = 0; e < E; e += 4) {
+          const float4 xv = *reinterpret_cast<const float4*>(xs + r * ld + c * E + e);
+          acc[r] = fmaf(f[e], xv.x, acc[r]);
+          acc[r] = fmaf(f[e + 1], xv.y, acc[r]);
+          acc[r] = fmaf(f[e + 2], xv.z, acc[r]);
+          acc[r] = fmaf(f[e + 3], xv.w, acc[r]);
         }
       }
     }
-  } else {
-    for (int c = lane; c < len; c += 32) {
-      const float wv = load_w(row, c);
 #pragma unroll
-      for (int r = 0; r < MT; ++r) acc[r] = fmaf(wv, xs[r * ld + c], acc[r]);
-    }
+    for (int u = 0; u < kUnroll; ++u) cur[u] = nxt[u];
+  }
+}
+
+// acc[r] += W row[0, len) . xs row r with element loads (unaligned or ragged W).
+template <typename WT, int MT>
+__device__ __forceinline__ void row_dot_scalar(const WT* row, int len, const float* xs, int ld,
+                                               float (&acc)[MT]) {
+  for (int c = threadIdx.x % 32; c < len; c += 32) {
+    const float wv = load_w(row, c);
+#pragma unroll
+    for (int r = 0; r < MT; ++r) acc[r] = fmaf(wv, xs[r * ld + c], acc[r]);
   }
 }
 
@@ -166,20 +207,24 @@ __global__ void __launch_bounds__(kThreads) linear_sm80_gemv(const LinearParams 
     staged = key;
     for (int kb = k0; kb < k1; kb += p.kx) {
       const int len = min(p.kx, k1 - kb);
-      if (reuse) {
-        if (row < p.n) row_dot<WT, MT, VEC>(wrow + kb, len, xs, p.kx, acc);
-        continue;
+      uint4 batch[kUnroll];
+      if (VEC && row < p.n) first_batch<WT>(wrow + kb, len / kPerChunk<WT>, batch);
+      if (!reuse) {
+        __syncthreads();  // the previous pass is done reading xs
+#pragma unroll
+        for (int r = 0; r < MT; ++r) {
+          const char* xr = static_cast<const char*>(p.x) + (m0 + r) * p.x_ld * es;
+          for (int c = threadIdx.x; c < len; c += kThreads)
+            xs[r * p.kx + c] = r < mcount ? load_scalar(xr, p.act_t, kb + c) : 0.f;
+        }
+        __syncthreads();
       }
-      __syncthreads();  // the previous pass is done reading xs
-      for (int i = threadIdx.x; i < MT * len; i += kThreads) {
-        const int r = i / len, c = i % len;
-        xs[r * p.kx + c] = r < mcount
-                               ? load_scalar(static_cast<const char*>(p.x) + (m0 + r) * p.x_ld * es,
-                                             p.act_t, kb + c)
-                               : 0.f;
+      if (row < p.n) {
+        if constexpr (VEC)
+          row_dot_vec<WT, MT>(wrow + kb, len / kPerChunk<WT>, xs, p.kx, batch, acc);
+        else
+          row_dot_scalar<WT, MT>(wrow + kb, len, xs, p.kx, acc);
       }
-      __syncthreads();
-      if (row < p.n) row_dot<WT, MT, VEC>(wrow + kb, len, xs, p.kx, acc);
     }
 #pragma unroll
     for (int r = 0; r < MT; ++r) acc[r] = warp_sum(acc[r]);
@@ -202,8 +247,11 @@ __global__ void __launch_bounds__(kThreads) linear_sm80_gemv(const LinearParams 
       const int r = threadIdx.x / kWarps, o = rg * kWarps + threadIdx.x % kWarps;
       if (r < mcount && o < p.n) {
         float s = 0.f;
-        for (int q = 0; q < p.splits; ++q)
-          s += __ldcg(p.partial + (int64_t(q) * p.m + m0 + r) * p.n + o);
+        for (int q = 0; q < p.splits; ++q) {
+          float* part = p.partial + (int64_t(q) * p.m + m0 + r) * p.n + o;
+          s += __ldcg(part);
+          *part = 0.f;  // the workspace contract: left zero-filled
+        }
         epilogue(p, o, m0 + r, s);
       }
     }
@@ -227,15 +275,16 @@ Config config_for(const LinearDesc& d) {
   const int sweep = 32 * (16 / elem_bytes(d.w_dtype));  // K of one 16-byte load per lane
   const int sms = std::max(1, cuda_sm_count(d.device_id));
   const int64_t base = int64_t(c.rowgroups) * c.mtiles;
-  // Split K only to reach 2 blocks per multiprocessor, never below kUnroll sweeps per split.
-  const int64_t want = (2 * sms + base - 1) / base;
+  // Split K until there are 4 tasks per multiprocessor (small weights are latency bound: more,
+  // shorter streams), never below one load batch (kUnroll sweeps) per split.
+  const int64_t want = (4 * sms + base - 1) / base;
   const int64_t useful = std::max<int64_t>(1, d.k / (int64_t(sweep) * kUnroll));
   c.splits = int(std::max<int64_t>(1, std::min(want, useful)));
   const int64_t per = (d.k + c.splits - 1) / c.splits;
   c.kc = int(std::max<int64_t>(sweep, (per + sweep - 1) / sweep * sweep));
   c.splits = int(std::max<int64_t>(1, (d.k + c.kc - 1) / c.kc));
   c.kx = std::min(c.kc, kXsBytes / (4 * c.mt) / sweep * sweep);
-  c.blocks = int(std::min<int64_t>(base * c.splits, int64_t(sms) * kBlocksPerSm));
+  c.blocks = int(std::min<int64_t>(base * c.splits, int64_t(1) << 30));
   return c;
 }
 
@@ -257,13 +306,45 @@ size_t gemv_workspace(const LinearDesc& d) {
          align_up(size_t(c.rowgroups) * size_t(c.mtiles) * 4);
 }
 
+// Tasks are dealt to the blocks statically (task = block + i * grid). Up to 16 tasks per resident
+// block, each block takes one and the block scheduler balances them (a static deal of 3.4 tasks
+// per block would leave a quarter of the blocks running a fourth task alone); past that the grid
+// is what the multiprocessors hold at once, so the imbalance stays under 1/16 and blocks reuse
+// their staged x.
+template <typename KERNEL>
+int grid_for(KERNEL kernel, const Config& c, size_t smem, int device) {
+  using Key = std::tuple<const void*, size_t, int>;  // occupancy, asked once per shape class
+  static std::mutex mu;
+  static std::map<Key, int> cache;
+  const Key key{reinterpret_cast<const void*>(kernel), smem, device};
+  int per_sm = 1;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it == cache.end()) {
+      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) !=
+          cudaSuccess) {
+        cudaGetLastError();
+        per_sm = 1;
+      }
+      it = cache.emplace(key, std::max(1, per_sm)).first;
+    }
+    per_sm = it->second;
+  }
+  const int64_t resident = int64_t(std::max(1, cuda_sm_count(device))) * per_sm;
+  return int(c.blocks <= 16 * resident ? c.blocks : resident);
+}
+
 template <typename WT, int MT>
-fmlp_status_t launch(const LinearParams& p, const Config& c, bool vec, cudaStream_t s) {
+fmlp_status_t launch(const LinearParams& p, const Config& c, bool vec, int device, cudaStream_t s) {
   const size_t smem = size_t(MT) * size_t(c.kx) * 4;
-  if (vec)
-    linear_sm80_gemv<WT, MT, true><<<c.blocks, kThreads, smem, s>>>(p);
-  else
-    linear_sm80_gemv<WT, MT, false><<<c.blocks, kThreads, smem, s>>>(p);
+  if (vec) {
+    auto* k = &linear_sm80_gemv<WT, MT, true>;
+    k<<<grid_for(k, c, smem, device), kThreads, smem, s>>>(p);
+  } else {
+    auto* k = &linear_sm80_gemv<WT, MT, false>;
+    k<<<grid_for(k, c, smem, device), kThreads, smem, s>>>(p);
+  }
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     return fail(FMLP_ERROR_CUDA, "linear_sm80_gemv launch failed: {}", cudaGetErrorString(e));
@@ -271,12 +352,13 @@ fmlp_status_t launch(const LinearParams& p, const Config& c, bool vec, cudaStrea
 }
 
 template <typename WT>
-fmlp_status_t dispatch_mt(const LinearParams& p, const Config& c, bool vec, cudaStream_t s) {
+fmlp_status_t dispatch_mt(const LinearParams& p, const Config& c, bool vec, int device,
+                          cudaStream_t s) {
   switch (c.mt) {
-    case 1: return launch<WT, 1>(p, c, vec, s);
-    case 2: return launch<WT, 2>(p, c, vec, s);
-    case 4: return launch<WT, 4>(p, c, vec, s);
-    default: return launch<WT, 8>(p, c, vec, s);
+    case 1: return launch<WT, 1>(p, c, vec, device, s);
+    case 2: return launch<WT, 2>(p, c, vec, device, s);
+    case 4: return launch<WT, 4>(p, c, vec, device, s);
+    default: return launch<WT, 8>(p, c, vec, device, s);
   }
 }
 
@@ -312,23 +394,26 @@ fmlp_status_t gemv_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* w
   auto s = static_cast<cudaStream_t>(stream);
   fmlp_status_t st;
   switch (d.w_dtype) {
-    case FMLP_DTYPE_F32: st = dispatch_mt<float>(p, c, d.w_vec16, s); break;
-    case FMLP_DTYPE_F16: st = dispatch_mt<__half>(p, c, d.w_vec16, s); break;
-    case FMLP_DTYPE_BF16: st = dispatch_mt<__nv_bfloat16>(p, c, d.w_vec16, s); break;
-    default: st = dispatch_mt<Fp8>(p, c, d.w_vec16, s); break;
+    case FMLP_DTYPE_F32: st = dispatch_mt<float>(p, c, d.w_vec16, d.device_id, s); break;
+    case FMLP_DTYPE_F16: st = dispatch_mt<__half>(p, c, d.w_vec16, d.device_id, s); break;
+    case FMLP_DTYPE_BF16: st = dispatch_mt<__nv_bfloat16>(p, c, d.w_vec16, d.device_id, s); break;
+    default: st = dispatch_mt<Fp8>(p, c, d.w_vec16, d.device_id, s); break;
   }
   if (current >= 0 && current != d.device_id) cudaSetDevice(current);
   return st;
 }
 
+// The tensor-core entry first: it is preferred wherever it applies.
 const LinearKernel kCudaKernels[] = {
+    {"linear_sm80_mma", FMLP_BACKEND_CUDA, linear_mma_supports, linear_mma_workspace,
+     linear_mma_run},
     {"linear_sm80_gemv", FMLP_BACKEND_CUDA, gemv_supports, gemv_workspace, gemv_run},
 };
 
 }  // namespace
 
 LinearKernelList cuda_linear_kernels() {
-  return {kCudaKernels, 1};
+  return {kCudaKernels, 2};
 }
 
 }  // namespace fmlp::detail

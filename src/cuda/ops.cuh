@@ -14,4 +14,10 @@ int cuda_compute_capability(int device);  // backend.cpp; major * 10 + minor, 0 
 // Common checks of the cuda op kernels: device memory, compute capability 8.0+, 32-bit sizes.
 bool cuda_op_device_ok(fmlp_device_type_t device, int device_id, std::string* why);
 
+// linear_sm80_mma (linear_mma.cu): the tensor-core entry, listed in linear_gemv.cu.
+bool linear_mma_supports(const LinearDesc& d, std::string* why);
+size_t linear_mma_workspace(const LinearDesc& d);
+fmlp_status_t linear_mma_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
+                             void* stream);
+
 }  // namespace fmlp::detail

@@ -25,11 +25,13 @@ constexpr CrossoverEntry kTable[] = {
 // Shapes never measured: by weight bytes, the one thing the measured crossovers track.
 constexpr int64_t kSmallWeightBytes = int64_t(16) << 20;
 constexpr CrossoverEntry kDefaultSmall{
-    0, 0, false, FMLP_DTYPE_INVALID, 2,
-    "default for weights under 16 MiB: decode kernels at M = 1, as measured for gpt2-small"};
+    0,     0,
+    false, FMLP_DTYPE_INVALID,
+    2,     "default for weights under 16 MiB: decode kernels at M = 1, as measured for gpt2-small"};
 constexpr CrossoverEntry kDefaultLarge{
-    0, 0, false, FMLP_DTYPE_INVALID, 1,
-    "default for weights of 16 MiB or more: the cuBLASLt path, as measured for 4096 and up"};
+    0,     0,
+    false, FMLP_DTYPE_INVALID,
+    1,     "default for weights of 16 MiB or more: the cuBLASLt path, as measured for 4096 and up"};
 
 fmlp_dtype_t table_dtype(fmlp_dtype_t t) {
   return t == FMLP_DTYPE_F16 ? FMLP_DTYPE_BF16 : t;
@@ -55,7 +57,8 @@ const CrossoverEntry& cuda_crossover(const MlpDesc& d) {
         e.dtype == table_dtype(d.act_dtype) && d.w_dtype == d.act_dtype)
       return e;
   const int64_t rows1 = d.gated ? 2 * d.hidden : d.hidden;
-  const int64_t bytes = (rows1 * d.d_in + d.d_out * d.hidden) * int64_t(fmlp::dtype_size(d.w_dtype));
+  const int64_t bytes =
+      (rows1 * d.d_in + d.d_out * d.hidden) * int64_t(fmlp::dtype_size(d.w_dtype));
   return bytes < kSmallWeightBytes ? kDefaultSmall : kDefaultLarge;
 }
 

@@ -9,14 +9,20 @@
 // Few long rows (e.g. one row of 128256 logits): each row is split over many blocks so the whole
 // GPU streams it. Launch 1: every block reduces its chunk to (max, sum) in the workspace; the last
 // block of a row to arrive (a counter per row, no spinning) combines the row's chunks in chunk
-// order and re-zeroes the counter. Launch 2 writes the outputs. Two launches: a single one would
-// need every block of a row to wait for that combine, i.e. a grid-wide spin.
+// order, re-zeroes the partials and the counter. Launch 2 writes the outputs; its blocks count
+// themselves again and the last re-zeroes the row's statistics and counter, so the workspace is
+// left zero-filled. Two launches: a single one would need every block of a row to wait for that
+// combine, i.e. a grid-wide spin.
 //
 // Non-finite inputs follow the formula, like PyTorch: the max ignores NaN but the sum does not;
 // +Inf makes the max +Inf and (Inf - Inf) a NaN; an all -Inf row gives (-Inf - -Inf) = NaN.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
+#include <map>
+#include <mutex>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
@@ -27,6 +33,7 @@
 namespace fmlp::detail {
 namespace {
 
+namespace cg = cooperative_groups;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::store_scalar;
 using fmlp::cuda::widen8;
@@ -208,7 +215,9 @@ __global__ void __launch_bounds__(kSplitThreads) softmax_sm80_split_stats(const 
   __threadfence();
   Ms v{-INFINITY, 0.f};
   for (int q = threadIdx.x; q < p.chunks; q += kSplitThreads) {
-    const float2 pq = __ldcg(p.partials + int64_t(r) * p.chunks + q);
+    float2* part = p.partials + int64_t(r) * p.chunks + q;
+    const float2 pq = __ldcg(part);
+    *part = make_float2(0.f, 0.f);  // its only reader: leave the workspace zero-filled
     v = combine(v, {pq.x, pq.y}, p.sc2);
   }
   v = block_reduce(v, p.sc2, scratch);
@@ -225,7 +234,17 @@ __global__ void __launch_bounds__(kSplitThreads) softmax_sm80_split_write(const 
   const int r = blockIdx.x / p.chunks, c = blockIdx.x % p.chunks;
   const char* x = static_cast<const char*>(p.x) + r * p.x_ld * es;
   char* y = static_cast<char*>(p.y) + r * p.y_ld * es;
-  const float2 st = p.stats[r];
+  const float2 st = __ldcg(p.stats + r);
+  // Every block of the row has read its statistics once all have counted themselves: the last
+  // re-zeroes them and the counter (launch 1 re-zeroed the partials and left the counter at 0).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(p.counters + r, 1u) == unsigned(p.chunks - 1)) {
+      p.stats[r] = make_float2(0.f, 0.f);
+      p.counters[r] = 0;
+    }
+  }
   const int64_t b = c * p.chunk_len / E, e = min(p.n, (c + 1) * p.chunk_len) / E;
   for (int64_t i = b + threadIdx.x; i < e; i += kSplitThreads) {
     float f[E];
@@ -365,14 +384,259 @@ fmlp_status_t rows_run(const fmlp_softmax_args_t& a, const SoftmaxDesc& d, void*
   return st;
 }
 
+// softmax_sm90_cluster: rows of 16 KB to 3.2 MB, one launch, HBM read once and written once.
+// A row is split over a cluster of C blocks (C up to 16: C grows until a block's part is <= 32 KB
+// and, for few rows, until the grid covers the GPU twice); every block copies its part into shared
+// memory with cp.async (all of it in flight at once), reduces it to (max, sum), the blocks of the
+// cluster exchange these through distributed shared memory and combine them in rank order (every
+// block gets the same bits), and each block writes its part from shared memory. y may be x: a
+// block reads all of its part before it writes any of it, and only its own part.
+constexpr int kClusterThreads = 256;
+constexpr int64_t kClusterPartBytes = 32 * 1024;
+constexpr int64_t kClusterMaxPartBytes = 200 * 1024;
+constexpr int64_t kClusterMinPartBytes = 4 * 1024;
+constexpr int64_t kClusterMinRowBytes = 16 * 1024;
+constexpr int kClusterMax = 16;  // non-portable: 8 where the device cannot co-schedule 16
+
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kClusterThreads) softmax_sm90_cluster(const SoftmaxParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ uint4 part[];
+  __shared__ Ms scratch[32];
+  __shared__ Ms mine, total;
+  constexpr int E = kWidth<T, VEC>;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int C = int(cluster.num_blocks()), rank = int(cluster.block_rank());
+  const int64_t es = sizeof(T), r = blockIdx.x / C;
+  const int64_t b = rank * p.chunk_len, e = min(p.n, b + p.chunk_len);
+  const int64_t len = e > b ? e - b : 0, nv = len / E;  // whole vectors when VEC
+  const char* x = static_cast<const char*>(p.x) + (r * p.x_ld + b) * es;
+  char* y = static_cast<char*>(p.y) + (r * p.y_ld + b) * es;
+  if constexpr (VEC) {
+    for (int64_t i = threadIdx.x; i < nv; i += kClusterThreads) {
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(part + i));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(x + i * 16)
+                   : "memory");
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+  } else {
+    T* pt = reinterpret_cast<T*>(part);
+    for (int64_t i = threadIdx.x; i < len; i += kClusterThreads)
+      pt[i] = reinterpret_cast<const T*>(x)[i];
+  }
+  __syncthreads();
+  Ms acc{-INFINITY, 0.f};
+  for (int64_t i = threadIdx.x; i < nv; i += kClusterThreads) {
+    float f[E];
+    load<T, VEC>(reinterpret_cast<const char*>(part), i, p.t, f);
+    accumulate<E>(acc, f, p.sc2);
+  }
+  acc = block_reduce(acc, p.sc2, scratch);
+  if (threadIdx.x == 0) mine = acc;
+  cluster.sync();          // every block's (max, sum) is visible to the cluster
+  if (threadIdx.x < 32) {  // lane q fetches rank q's pair (in parallel), lane 0 combines in order
+    const Ms got = int(threadIdx.x) < C ? *cluster.map_shared_rank(&mine, int(threadIdx.x))
+                                        : Ms{-INFINITY, 0.f};
+    Ms v{-INFINITY, 0.f};
+    for (int q = 0; q < C; ++q)
+      v = combine(v, {__shfl_sync(~0u, got.m, q), __shfl_sync(~0u, got.s, q)}, p.sc2);
+    if (threadIdx.x == 0) total = v;
+  }
+  // The others may still read `mine`: this block leaves only after they all arrive.
+  __syncthreads();
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+  const Ms tot = total;
+  for (int64_t i = threadIdx.x; i < nv; i += kClusterThreads) {
+    float f[E];
+    load<T, VEC>(reinterpret_cast<const char*>(part), i, p.t, f);
+    finish<E>(f, p, tot);
+    store<T, VEC>(y, i, p.t, f);
+  }
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+
+// Blocks per row; 0 when the row is outside the kernel's range.
+int cluster_size(const SoftmaxDesc& d, int max_c) {
+  const int64_t bytes = d.n * int64_t(dtype_size(d.dtype));
+  if (bytes < kClusterMinRowBytes) return 0;
+  const int64_t sms = std::max(1, cuda_sm_count(d.device_id));
+  int fit = 1;
+  while (fit < max_c && (bytes + fit - 1) / fit > kClusterPartBytes) fit *= 2;
+  if ((bytes + fit - 1) / fit > kClusterMaxPartBytes) return 0;
+  int par = 1;
+  while (par < max_c && d.rows * par < 2 * sms && bytes / (2 * par) >= kClusterMinPartBytes)
+    par *= 2;
+  return std::max(fit, par);
+}
+
+int64_t part_len(const SoftmaxDesc& d, int c) {
+  const int64_t width = 16 / int64_t(dtype_size(d.dtype));
+  return ((d.n + c - 1) / c + width - 1) / width * width;
+}
+
+template <typename T, bool VEC>
+cudaError_t cluster_config(int c, size_t smem, cudaLaunchConfig_t* cfg, cudaLaunchAttribute* attr) {
+  auto* kernel = &softmax_sm90_cluster<T, VEC>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(std::max<size_t>(smem, 1)));
+  if (e == cudaSuccess && c > 8)
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  cfg->blockDim = dim3(kClusterThreads);
+  cfg->dynamicSmemBytes = smem;
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = unsigned(c);
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cfg->attrs = attr;
+  cfg->numAttrs = 1;
+  return e;
+}
+
+template <typename T>
+bool cluster_resident(int c, size_t smem) {
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr;
+  cfg.gridDim = dim3(unsigned(c));
+  int clusters = 0;
+  const bool ok = cluster_config<T, true>(c, smem, &cfg, &attr) == cudaSuccess &&
+                  cluster_config<T, false>(c, smem, &cfg, &attr) == cudaSuccess &&
+                  cudaOccupancyMaxActiveClusters(&clusters, &softmax_sm90_cluster<T, true>, &cfg) ==
+                      cudaSuccess &&
+                  clusters > 0;
+  cudaGetLastError();
+  return ok;
+}
+
+// Blocks per row that the device can co-schedule (a cluster of 16 is non-portable, and 16 blocks
+// with large parts may not fit one GPC): 0 when none. Cached per shape class.
+int plan_cluster(const SoftmaxDesc& d) {
+  using Key = std::array<int64_t, 4>;
+  static std::mutex mu;
+  static std::map<Key, bool> cache;
+  for (int max_c : {kClusterMax, 8}) {
+    const int c = cluster_size(d, max_c);
+    if (c == 0) return 0;
+    const size_t smem = size_t(part_len(d, c)) * dtype_size(d.dtype);
+    const Key key{d.device_id, int64_t(d.dtype), c, int64_t(smem)};
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it == cache.end()) {
+      int current = -1;
+      cudaGetDevice(&current);
+      if (current != d.device_id) cudaSetDevice(d.device_id);
+      bool ok;
+      switch (d.dtype) {
+        case FMLP_DTYPE_F16: ok = cluster_resident<__half>(c, smem); break;
+        case FMLP_DTYPE_BF16: ok = cluster_resident<__nv_bfloat16>(c, smem); break;
+        default: ok = cluster_resident<float>(c, smem); break;
+      }
+      if (current >= 0 && current != d.device_id) cudaSetDevice(current);
+      it = cache.emplace(key, ok).first;
+    }
+    if (it->second) return c;
+  }
+  return 0;
+}
+
+bool softmax_cluster_supports(const SoftmaxDesc& d, std::string* why) {
+  if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
+  if (cuda_compute_capability(d.device_id) < 90)
+    return (*why = "thread-block clusters need compute capability 9.0", false);
+  const int64_t bytes = d.n * int64_t(dtype_size(d.dtype));
+  if (d.rows * kClusterMax >= (int64_t(1) << 31)) return (*why = "rows must be below 2^27", false);
+  if (cluster_size(d, kClusterMax) == 0)
+    return (
+        *why = fmt::format("rows of {} bytes: this kernel takes rows of {} bytes to {} MB; "
+                           "softmax_sm80_rows takes the others",
+                           bytes, kClusterMinRowBytes, kClusterMax * kClusterMaxPartBytes >> 20),
+        false);
+  if (plan_cluster(d) == 0)
+    return (*why = fmt::format("rows of {} bytes: cuda:{} cannot co-schedule a cluster holding "
+                               "one; softmax_sm80_rows takes them",
+                               bytes, d.device_id),
+            false);
+  return true;
+}
+
+size_t softmax_cluster_workspace(const SoftmaxDesc&) {
+  return 0;
+}
+
+template <typename T, bool VEC>
+cudaError_t launch_cluster(const SoftmaxParams& p, int c, int64_t rows, cudaStream_t s) {
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr;
+  const cudaError_t e = cluster_config<T, VEC>(c, size_t(p.chunk_len) * sizeof(T), &cfg, &attr);
+  if (e != cudaSuccess) return e;
+  cfg.gridDim = dim3(unsigned(rows * c));
+  cfg.stream = s;
+  return cudaLaunchKernelEx(&cfg, &softmax_sm90_cluster<T, VEC>, p);
+}
+
+fmlp_status_t softmax_cluster_run(const fmlp_softmax_args_t& a, const SoftmaxDesc& d, void*,
+                                  void* stream) {
+  const Config base = config_for(d, &a);  // the vector decision (alignment of x and y)
+  const int c = plan_cluster(d);
+  if (c == 0)
+    return fail(FMLP_ERROR_NOT_SUPPORTED, "softmax_sm90_cluster cannot take rows of {} elements",
+                d.n);
+  SoftmaxParams p{};
+  p.x = a.x.data;
+  p.y = a.y.data;
+  p.x_ld = a.x.ndim == 2 ? a.x.stride[0] : 0;
+  p.y_ld = a.y.ndim == 2 ? a.y.stride[0] : 0;
+  p.n = d.n;
+  p.rows = int(d.rows);
+  p.t = d.dtype;
+  p.inv_t = 1.f / d.temperature;
+  p.sc2 = kLog2e / d.temperature;
+  p.log = d.log;
+  p.chunks = c;
+  p.chunk_len = part_len(d, c);
+  int current = -1;
+  cudaGetDevice(&current);
+  if (current != d.device_id && cudaSetDevice(d.device_id) != cudaSuccess) {
+    const cudaError_t e = cudaGetLastError();
+    return fail(FMLP_ERROR_CUDA, "cudaSetDevice({}) failed: {}", d.device_id,
+                cudaGetErrorString(e));
+  }
+  auto s = static_cast<cudaStream_t>(stream);
+  cudaError_t e;
+  switch (d.dtype) {
+    case FMLP_DTYPE_F16:
+      e = base.vec ? launch_cluster<__half, true>(p, c, d.rows, s)
+                   : launch_cluster<__half, false>(p, c, d.rows, s);
+      break;
+    case FMLP_DTYPE_BF16:
+      e = base.vec ? launch_cluster<__nv_bfloat16, true>(p, c, d.rows, s)
+                   : launch_cluster<__nv_bfloat16, false>(p, c, d.rows, s);
+      break;
+    default:
+      e = base.vec ? launch_cluster<float, true>(p, c, d.rows, s)
+                   : launch_cluster<float, false>(p, c, d.rows, s);
+      break;
+  }
+  if (current >= 0 && current != d.device_id) cudaSetDevice(current);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return fail(FMLP_ERROR_CUDA, "softmax_sm90_cluster launch ({} rows, cluster {}) failed: {}",
+                d.rows, c, cudaGetErrorString(e));
+  }
+  return FMLP_SUCCESS;
+}
+
+// The cluster entry first: it is preferred wherever it applies.
 const SoftmaxKernel kCudaKernels[] = {
+    {"softmax_sm90_cluster", FMLP_BACKEND_CUDA, softmax_cluster_supports, softmax_cluster_workspace,
+     softmax_cluster_run},
     {"softmax_sm80_rows", FMLP_BACKEND_CUDA, rows_supports, rows_workspace, rows_run},
 };
 
 }  // namespace
 
 SoftmaxKernelList cuda_softmax_kernels() {
-  return {kCudaKernels, 1};
+  return {kCudaKernels, 2};
 }
 
 }  // namespace fmlp::detail
