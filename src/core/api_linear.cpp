@@ -123,6 +123,12 @@ fmlp_status_t validate_linear(const fmlp_linear_args_t* a, LinearDesc* d) {
   const int64_t es = int64_t(dtype_size(d->w_dtype));
   d->w_vec16 = uintptr_t(a->w.data) % 16 == 0 && (d->k * es) % 16 == 0 &&
                (d->n <= 1 || (a->w.stride[0] * es) % 16 == 0);
+  const int64_t xs = int64_t(dtype_size(d->act_dtype));
+  auto vec16 = [&](const fmlp_tensor_t& t, int64_t cols) {
+    return uintptr_t(t.data) % 16 == 0 && (cols * xs) % 16 == 0 &&
+           (d->m <= 1 || (t.stride[0] * xs) % 16 == 0);
+  };
+  d->io_vec16 = vec16(a->x, d->k) && vec16(a->y, d->n);
   return FMLP_SUCCESS;
 }
 

@@ -21,6 +21,8 @@ struct LinearDesc {
   // W starts on a 16-byte boundary, its row stride is a multiple of 16 bytes and K fills whole
   // 16-byte chunks, so kernels may stream it with 16-byte vector loads.
   bool w_vec16 = false;
+  // x and y start on 16-byte boundaries with row strides of whole 16-byte chunks.
+  bool io_vec16 = false;
 };
 
 using LinearKernel = OpKernel<fmlp_linear_args_t, LinearDesc>;
