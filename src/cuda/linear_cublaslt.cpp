@@ -15,6 +15,8 @@ bool linear_cublaslt_supports(const LinearDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (d.m < 2)
     return (*why = "M = 1 is a GEMV: the streaming entries read the weights faster", false);
+  if (d.k == 0 || d.n == 0)
+    return (*why = "K = 0 or N = 0: nothing to multiply; the GEMV entry writes y = bias", false);
   if ((d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16) || d.act_dtype != d.w_dtype)
     return (*why = fmt::format("x {} with {} weights: this entry runs bf16 or fp16 GEMMs with x "
                                "and W of one dtype",
