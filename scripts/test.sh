@@ -28,4 +28,4 @@ export CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-$(nproc)}
 python3 -m pip install -q pytest numpy scikit-build-core nanobind
 # Without build isolation the build directory (build-python/) stays valid, so reruns are incremental.
 CMAKE_ARGS="-DFMLP_CUDA=${FMLP_CUDA:-AUTO}" python3 -m pip install -q --no-build-isolation .
-python3 -m pytest -q python/tests
+python3 -m pytest -q -rs python/tests

@@ -1,4 +1,5 @@
-"""fusedmlp: a transformer FFN block as one fused op, on any DLPack tensor.
+"""fusedmlp: a transformer FFN block as one fused op, on any DLPack tensor (numpy, torch, cupy),
+on the host or on a CUDA device.
 
 Math of the mlp op (row i of x, one token):
 
@@ -8,13 +9,26 @@ Math of the mlp op (row i of x, one token):
     y_i = [residual_i +] W2 h + b2        W2: [d_out, hidden]
 
 act: relu | gelu (erf) | gelu_tanh | silu. Gated with silu is SwiGLU, with gelu GeGLU.
+
+Every op runs on its tensors' device; CUDA calls are asynchronous on `stream` (an int
+cudaStream_t handle; by default the current stream of the tensors' framework: torch's
+current_stream().cuda_stream, cupy's current stream) and capturable in CUDA graphs. CUDA calls
+need a workspace (zero-filled once, reused: the contract of fusedmlp.h); by default one is
+allocated through the tensors' framework and cached per (device, size), so concurrent calls on
+different streams must each pass their own workspace= (size from the *_workspace_size
+functions). fusedmlp.torch adds torch.library custom ops, the FusedMLP module and patch().
 """
+
+import contextlib
 
 import numpy as np
 
 from . import _ext
 
-__all__ = ["mlp", "explain", "available", "build_info", "kernels", "__version__"]
+__all__ = ["mlp", "explain", "mlp_workspace_size", "pack", "PackedMlp", "linear",
+           "linear_explain", "linear_workspace_size", "softmax", "log_softmax",
+           "softmax_explain", "softmax_workspace_size", "quantize_fp8", "available",
+           "build_info", "devices", "kernels", "patch", "__version__"]
 __version__ = _ext.version()
 
 _ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
@@ -30,43 +44,164 @@ def _lookup(table, name, value):
         raise ValueError(f"{name} is {value!r}; expected one of {choices}") from None
 
 
-def _output(x, w2, out):
+def _library(a):
+    """'numpy', 'torch', 'cupy' or the array's top-level module name."""
+    return type(a).__module__.split(".")[0]
+
+
+def _is_cuda(a):
+    lib = _library(a)
+    if lib == "torch":
+        return a.device.type == "cuda"
+    return lib == "cupy"
+
+
+def _prepare(tensors):
+    """Arrays whose dtype DLPack cannot carry travel as bit views named in `bits`: numpy's
+    ml_dtypes bfloat16 and float8_e4m3fn, torch's float8_e4m3fn. torch tensors that require
+    grad are detached (the ops are inference-only). torch and cupy arrays are exported with
+    __dlpack__(stream=-1): the op runs on the caller's stream, and the default-stream wait that
+    a plain __dlpack__() adds would break CUDA-graph capture."""
+    out, bits = {}, {}
+    for k, v in tensors.items():
+        if v is None:
+            continue
+        if isinstance(v, np.ndarray):
+            if v.dtype.name == "bfloat16":
+                v, bits[k] = v.view(np.uint16), "bf16"
+            elif v.dtype.name == "float8_e4m3fn":
+                v, bits[k] = v.view(np.uint8), "f8"
+        elif _library(v) == "torch":
+            if v.requires_grad:
+                v = v.detach()
+            if str(v.dtype) == "torch.float8_e4m3fn":
+                import torch
+                v, bits[k] = v.view(torch.uint8), "f8"
+            v = _export(v, k)
+        elif _library(v) == "cupy":
+            v = _export(v, k)
+        out[k] = v
+    return out, bits
+
+
+def _export(v, name):
+    try:
+        return v.__dlpack__(stream=-1)
+    except BufferError as e:  # e.g. a torch tensor of another CUDA device than the current
+        raise ValueError(f"{name} cannot be exported through DLPack: {e}") from None
+    except (TypeError, ValueError, AssertionError):  # a producer without stream=-1
+        return v
+
+
+def _current(like):
+    """Context making like's CUDA device current (torch and cupy export only arrays of the
+    current device)."""
+    lib = _library(like)
+    if lib == "torch" and like.device.type == "cuda":
+        import torch
+        if like.device.index != torch.cuda.current_device():
+            return torch.cuda.device(like.device)
+    elif lib == "cupy":
+        return like.device
+    return contextlib.nullcontext()
+
+
+def _empty(like, shape):
+    """An uninitialised array of like's dtype on like's device, from like's framework."""
+    lib = _library(like)
+    if isinstance(like, np.ndarray):
+        return np.empty(shape, dtype=like.dtype)
+    if lib == "torch":
+        import torch
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if lib == "cupy":
+        import cupy
+        with like.device:
+            return cupy.empty(shape, dtype=like.dtype)
+    raise ValueError(
+        f"out is None but x is a {type(like).__name__}; fusedmlp allocates outputs for numpy, "
+        "torch and cupy arrays only: pass out= (an array of x's dtype on x's device)")
+
+
+def _stream(like, stream):
+    if stream is not None:
+        return int(stream)
+    if not _is_cuda(like):
+        return 0
+    if _library(like) == "torch":
+        import torch
+        return torch.cuda.current_stream(like.device).cuda_stream
+    import cupy
+    return cupy.cuda.get_current_stream().ptr
+
+
+_CUPY_WORKSPACES = {}
+
+
+def _cupy_workspace(nbytes, device_type, device_id):
+    import cupy
+    size = _workspace_bytes(nbytes)
+    key = (device_id, size)
+    if key not in _CUPY_WORKSPACES:
+        with cupy.cuda.Device(device_id):
+            _CUPY_WORKSPACES[key] = cupy.zeros(size, dtype=cupy.uint8)
+    return _CUPY_WORKSPACES[key]
+
+
+def _workspace_bytes(nbytes):
+    """Sizes rounded up to a power of two (at least 4 KiB): few distinct cached buffers."""
+    return max(4096, 1 << (int(nbytes) - 1).bit_length())
+
+
+def _workspace(like, workspace):
+    """The workspace argument for _ext: the caller's array, or an allocator that gives a cached,
+    zero-filled buffer of like's framework (host calls use the extension's own buffer)."""
+    if workspace is not None:
+        return _export(workspace, "workspace") if _library(workspace) in ("torch",
+                                                                           "cupy") else workspace
+    if not _is_cuda(like):
+        return None
+    if _library(like) == "torch":
+        from .torch import _cached_workspace
+        return lambda nbytes, device_type, device_id: _export(
+            _cached_workspace(like.device, nbytes), "workspace")
+    return lambda nbytes, device_type, device_id: _export(
+        _cupy_workspace(nbytes, device_type, device_id), "workspace")
+
+
+def _rows_out(x, w2, out, name):
     if out is not None:
         return out
-    if not isinstance(x, np.ndarray):
-        raise ValueError(
-            f"out is None but x is a {type(x).__name__}; fusedmlp allocates the output only for "
-            "numpy arrays, pass out= (an [M, d_out] array of x's dtype on x's device)")
-    if getattr(w2, "ndim", None) != 2:
-        raise ValueError(f"w2 has shape {getattr(w2, 'shape', None)}; expected [d_out, hidden]")
-    if x.ndim != 2:
-        raise ValueError(f"x has shape {x.shape}; expected [M, d_in]")
-    return np.empty((x.shape[0], w2.shape[0]), dtype=x.dtype)
+    shape = getattr(w2, "shape", None)
+    if shape is None or len(shape) not in (1, 2):
+        raise ValueError(f"{name} has shape {shape}; expected a 2-D array")
+    if getattr(x, "ndim", None) != 2:
+        raise ValueError(f"x has shape {getattr(x, 'shape', None)}; expected [M, d_in]")
+    return _empty(x, (x.shape[0], shape[0]))
 
 
-def _call(explain, x, w1, w2, b1, w_up, b_up, b2, residual, norm_weight, norm_bias, activation,
-          gated, norm, eps, out, backend, deterministic):
-    y = _output(x, w2, out)
-    t = dict(out=y, x=x, residual=residual, w1=w1, b1=b1, w_up=w_up, b_up=b_up, w2=w2, b2=b2,
-             norm_weight=norm_weight, norm_bias=norm_bias)
-    # numpy exports ml_dtypes.bfloat16 through neither DLPack nor the buffer protocol: such
-    # arrays travel as uint16 views of their bits, named in bf16_bits.
-    bf16_bits = [k for k, v in t.items()
-                 if isinstance(v, np.ndarray) and v.dtype.name == "bfloat16"]
-    for k in bf16_bits:
-        t[k] = t[k].view(np.uint16)
-    report = _ext.mlp(t["out"], t["x"], t["residual"], t["w1"], t["b1"], t["w_up"], t["b_up"],
-                      t["w2"], t["b2"], t["norm_weight"], t["norm_bias"],
-                      _lookup(_ACTIVATIONS, "activation", activation), bool(gated),
-                      _lookup(_NORMS, "norm", norm), float(eps), bool(deterministic),
-                      _lookup(_BACKENDS, "backend", backend), explain, bf16_bits)
-    return report if explain else y
+def _mlp(mode, x, w1, w2, b1, w_up, b_up, b2, residual, norm_weight, norm_bias, w1_scale,
+         w_up_scale, w2_scale, activation, gated, norm, eps, out, backend, deterministic,
+         workspace, stream):
+    config = (_lookup(_ACTIVATIONS, "activation", activation), bool(gated),
+              _lookup(_NORMS, "norm", norm), float(eps), bool(deterministic),
+              _lookup(_BACKENDS, "backend", backend))
+    y = _rows_out(x, w2, out, "w2")
+    with _current(x):
+        tensors, bits = _prepare(dict(
+            out=y, x=x, residual=residual, w1=w1, w1_scale=w1_scale, b1=b1, w_up=w_up,
+            w_up_scale=w_up_scale, b_up=b_up, w2=w2, w2_scale=w2_scale, b2=b2,
+            norm_weight=norm_weight, norm_bias=norm_bias))
+        result = _ext.mlp(mode, tensors, bits, *config, _workspace(x, workspace),
+                          _stream(x, stream))
+    return y if mode == "run" else result
 
 
 def mlp(x, w1, w2, *, b1=None, w_up=None, b_up=None, b2=None, residual=None, norm_weight=None,
-        norm_bias=None, activation="gelu", gated=False, norm=None, eps=1e-5, out=None,
-        backend="auto", deterministic=False):
-    """Runs the fused FFN block on x's device and returns y.
+        norm_bias=None, w1_scale=None, w_up_scale=None, w2_scale=None, activation="gelu",
+        gated=False, norm=None, eps=1e-5, out=None, backend="auto", deterministic=False,
+        workspace=None, stream=None):
+    """Runs the fused FFN block on x's device and returns y (out when given).
 
     For each row x_i of x:
 
@@ -82,28 +217,189 @@ def mlp(x, w1, w2, *, b1=None, w_up=None, b_up=None, b2=None, residual=None, nor
     residual add).
 
     x, residual and out share one dtype: float32, float16 or bfloat16; weights are float32,
-    float16 or bfloat16, biases and norm parameters any of those. Rows may be strided (e.g.
-    x[::2]) but the last dimension must be contiguous. Any object that supports DLPack or the
-    buffer protocol is accepted; out is allocated (with numpy) only when x is a numpy array.
+    float16, bfloat16 or float8_e4m3fn (then *_scale: float32 [1] or [rows] dequantisation
+    scales, see quantize_fp8), biases and norm parameters float32, float16 or bfloat16. Rows may
+    be strided (e.g. x[::2]) but the last dimension must be contiguous. Any object that supports
+    DLPack or the buffer protocol is accepted, on the host or on one CUDA device; out is
+    allocated for numpy, torch and cupy arrays.
 
     activation: "relu", "gelu" (erf), "gelu_tanh" or "silu" (gated silu is SwiGLU, gated gelu is
     GeGLU). norm: None, "layernorm" or "rmsnorm", with eps > 0. backend: "auto", "ref", "cpu" or
-    "cuda". deterministic: bitwise-identical results on reruns.
+    "cuda". deterministic: bitwise-identical results on reruns. workspace, stream: see the module
+    docstring.
 
     Raises ValueError for bad arguments (the message names the argument), NotImplementedError
     when the backend is unavailable or none of its kernels handles the request.
     """
-    return _call(False, x, w1, w2, b1, w_up, b_up, b2, residual, norm_weight, norm_bias,
-                 activation, gated, norm, eps, out, backend, deterministic)
+    return _mlp("run", x, w1, w2, b1, w_up, b_up, b2, residual, norm_weight, norm_bias,
+                w1_scale, w_up_scale, w2_scale, activation, gated, norm, eps, out, backend,
+                deterministic, workspace, stream)
 
 
 def explain(x, w1, w2, *, b1=None, w_up=None, b_up=None, b2=None, residual=None,
-            norm_weight=None, norm_bias=None, activation="gelu", gated=False, norm=None, eps=1e-5,
-            out=None, backend="auto", deterministic=False):
+            norm_weight=None, norm_bias=None, w1_scale=None, w_up_scale=None, w2_scale=None,
+            activation="gelu", gated=False, norm=None, eps=1e-5, out=None, backend="auto",
+            deterministic=False):
     """Same arguments as mlp(); runs nothing and returns the dispatch report: the kernel that
     would run and, for every other candidate, why it was rejected."""
-    return _call(True, x, w1, w2, b1, w_up, b_up, b2, residual, norm_weight, norm_bias,
-                 activation, gated, norm, eps, out, backend, deterministic)
+    return _mlp("explain", x, w1, w2, b1, w_up, b_up, b2, residual, norm_weight, norm_bias,
+                w1_scale, w_up_scale, w2_scale, activation, gated, norm, eps, out, backend,
+                deterministic, None, 0)
+
+
+def mlp_workspace_size(x, w1, w2, *, b1=None, w_up=None, b_up=None, b2=None, residual=None,
+                       norm_weight=None, norm_bias=None, w1_scale=None, w_up_scale=None,
+                       w2_scale=None, activation="gelu", gated=False, norm=None, eps=1e-5,
+                       out=None, backend="auto", deterministic=False):
+    """Bytes of workspace mlp() needs for these arguments (0 on the host)."""
+    return _mlp("workspace_size", x, w1, w2, b1, w_up, b_up, b2, residual, norm_weight,
+                norm_bias, w1_scale, w_up_scale, w2_scale, activation, gated, norm, eps, out,
+                backend, deterministic, None, 0)
+
+
+class PackedMlp:
+    """mlp weights validated and copied once into the layout the backend reads fastest (on the
+    weights' device); calling it runs the op with only x (and residual) per call. Made by
+    pack(). The packed copy is independent of the arrays it was made from."""
+
+    def __init__(self, handle, activation, gated, norm):
+        self._handle = handle
+        self.activation, self.gated, self.norm = activation, gated, norm
+
+    d_in = property(lambda self: self._handle.d_in)
+    hidden = property(lambda self: self._handle.hidden)
+    d_out = property(lambda self: self._handle.d_out)
+    device = property(lambda self: self._handle.device, doc="'cpu' or 'cuda:N'")
+
+    def _run(self, mode, x, residual, out, workspace, stream):
+        y = out
+        if y is None:
+            if getattr(x, "ndim", None) != 2:
+                raise ValueError(f"x has shape {getattr(x, 'shape', None)}; expected [M, d_in]")
+            y = _empty(x, (x.shape[0], self.d_out))
+        with _current(x):
+            tensors, bits = _prepare(dict(out=y, x=x, residual=residual))
+            result = self._handle.run(mode, tensors, bits,
+                                      None if mode != "run" else _workspace(x, workspace),
+                                      _stream(x, stream) if mode == "run" else 0)
+        return y if mode == "run" else result
+
+    def __call__(self, x, residual=None, *, out=None, workspace=None, stream=None):
+        """y = mlp(x) [+ residual] with the packed weights; x [M, d_in] on the pack's device."""
+        return self._run("run", x, residual, out, workspace, stream)
+
+    def workspace_size(self, x, out=None):
+        """Bytes of workspace a call with this x needs."""
+        return self._run("workspace_size", x, None, out, None, None)
+
+    def __repr__(self):
+        kind = "gated " if self.gated else ""
+        return (f"PackedMlp({self.d_in} -> {self.hidden} -> {self.d_out}, {kind}"
+                f"{self.activation}, norm={self.norm}, on {self.device})")
+
+
+def pack(w1, w2, *, b1=None, w_up=None, b_up=None, b2=None, norm_weight=None, norm_bias=None,
+         w1_scale=None, w_up_scale=None, w2_scale=None, activation="gelu", gated=False,
+         norm=None, eps=1e-5, backend="auto", deterministic=False, stream=None):
+    """Packs mlp weights once (arguments as in mlp()); returns a PackedMlp to call many times.
+    On CUDA the copy is made asynchronously on `stream` (default: the framework's current
+    stream), so the source arrays must stay alive until that stream reaches it."""
+    with _current(w1):
+        tensors, bits = _prepare(dict(w1=w1, w1_scale=w1_scale, b1=b1, w_up=w_up,
+                                      w_up_scale=w_up_scale, b_up=b_up, w2=w2,
+                                      w2_scale=w2_scale, b2=b2, norm_weight=norm_weight,
+                                      norm_bias=norm_bias))
+        handle = _ext.PackedMlp(tensors, bits, _lookup(_ACTIVATIONS, "activation", activation),
+                                bool(gated), _lookup(_NORMS, "norm", norm), float(eps),
+                                bool(deterministic), _lookup(_BACKENDS, "backend", backend),
+                                _stream(w1, stream))
+    return PackedMlp(handle, activation, bool(gated), norm)
+
+
+def _linear(mode, x, w, bias, w_scale, out, backend, workspace, stream):
+    y = _rows_out(x, w, out, "w")
+    with _current(x):
+        tensors, bits = _prepare(dict(out=y, x=x, w=w, w_scale=w_scale, bias=bias))
+        result = _ext.linear(mode, tensors, bits, _lookup(_BACKENDS, "backend", backend),
+                             _workspace(x, workspace) if mode == "run" else None,
+                             _stream(x, stream) if mode == "run" else 0)
+    return y if mode == "run" else result
+
+
+def linear(x, w, bias=None, *, w_scale=None, out=None, backend="auto", workspace=None,
+           stream=None):
+    """y[M, N] = x[M, K] w^T + bias, w in nn.Linear layout [N, K] (float32, float16, bfloat16,
+    or float8_e4m3fn with w_scale [1] or [N]); x, y one dtype (float32, float16, bfloat16)."""
+    return _linear("run", x, w, bias, w_scale, out, backend, workspace, stream)
+
+
+def linear_explain(x, w, bias=None, *, w_scale=None, out=None, backend="auto"):
+    """The dispatch report of linear() for these arguments."""
+    return _linear("explain", x, w, bias, w_scale, out, backend, None, None)
+
+
+def linear_workspace_size(x, w, bias=None, *, w_scale=None, out=None, backend="auto"):
+    """Bytes of workspace linear() needs for these arguments."""
+    return _linear("workspace_size", x, w, bias, w_scale, out, backend, None, None)
+
+
+def _softmax(mode, x, temperature, log, out, backend, workspace, stream):
+    y = out if out is not None else _empty(x, tuple(x.shape))
+    with _current(x):
+        tensors, bits = _prepare(dict(out=y, x=x))
+        result = _ext.softmax(mode, tensors, bits, float(temperature), bool(log),
+                              _lookup(_BACKENDS, "backend", backend),
+                              _workspace(x, workspace) if mode == "run" else None,
+                              _stream(x, stream) if mode == "run" else 0)
+    return y if mode == "run" else result
+
+
+def softmax(x, *, temperature=1.0, out=None, backend="auto", workspace=None, stream=None):
+    """softmax(x / temperature) over the last dim of x ([rows, n] or [n]); out may be x."""
+    return _softmax("run", x, temperature, False, out, backend, workspace, stream)
+
+
+def log_softmax(x, *, temperature=1.0, out=None, backend="auto", workspace=None, stream=None):
+    """log_softmax(x / temperature) over the last dim of x ([rows, n] or [n]); out may be x."""
+    return _softmax("run", x, temperature, True, out, backend, workspace, stream)
+
+
+def softmax_explain(x, *, temperature=1.0, log=False, out=None, backend="auto"):
+    """The dispatch report of softmax()/log_softmax() for these arguments."""
+    return _softmax("explain", x, temperature, log, out, backend, None, None)
+
+
+def softmax_workspace_size(x, *, temperature=1.0, log=False, out=None, backend="auto"):
+    """Bytes of workspace softmax()/log_softmax() needs for these arguments."""
+    return _softmax("workspace_size", x, temperature, log, out, backend, None, None)
+
+
+def quantize_fp8(w, *, per_row=True):
+    """Quantises host weights w [rows, cols] (float32, float16 or bfloat16) to float8_e4m3fn
+    with float32 dequantisation scales, w ~= q * scale (policy in fusedmlp.h). Returns
+    (q, scale, amax): scale is [rows] (per_row) or [1]. For numpy, q is an ml_dtypes
+    float8_e4m3fn array when ml_dtypes is installed, else its uint8 bits; for torch (CPU
+    tensors), a torch.float8_e4m3fn tensor. Copy q and scale to the device afterwards."""
+    shape = getattr(w, "shape", None)
+    if shape is None or len(shape) != 2:
+        raise ValueError(f"w has shape {shape}; expected [rows, cols]")
+    rows = shape[0] if per_row else 1
+    if _library(w) == "torch":
+        import torch
+        q = torch.empty(tuple(shape), dtype=torch.float8_e4m3fn)
+        scale = torch.empty(rows, dtype=torch.float32)
+    else:
+        try:
+            import ml_dtypes
+            q = np.empty(shape, dtype=ml_dtypes.float8_e4m3fn)
+        except ImportError:
+            q = np.empty(shape, dtype=np.uint8)
+        scale = np.empty(rows, dtype=np.float32)
+    tensors, bits = _prepare(dict(w=w, q=q, scale=scale))
+    if isinstance(q, np.ndarray) and q.dtype == np.uint8:
+        bits["q"] = "f8"
+    amax = _ext.quantize_fp8(tensors, bits)
+    return q, scale, amax
 
 
 def available(backend):
@@ -117,6 +413,20 @@ def build_info():
     return _ext.build_info()
 
 
-def kernels():
-    """Every kernel of the op table as (name, backend) pairs, in dispatch order."""
-    return _ext.kernels()
+def devices():
+    """One line per visible CUDA device ("cuda:0 NVIDIA H200, sm_90, 132 SMs, 139.8 GiB");
+    empty without CUDA."""
+    return [line for line in _ext.devices().splitlines() if line]
+
+
+def kernels(op="mlp"):
+    """Every kernel of an op's table ("mlp", "linear" or "softmax") as (name, backend) pairs, in
+    dispatch order."""
+    return _ext.kernels(op)
+
+
+def patch(model, strict=False, probe=None):
+    """Swaps the MLP blocks of a Hugging Face model for fused ones in place; see
+    fusedmlp.torch.patch (needs torch)."""
+    from .torch import patch as _patch
+    return _patch(model, strict=strict, probe=probe)

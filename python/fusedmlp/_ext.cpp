@@ -1,16 +1,24 @@
 // fusedmlp._ext: the C ABI (fusedmlp.h) for Python. Every tensor arrives through nanobind's
-// ndarray caster (DLPack or the buffer protocol) and becomes an fmlp_tensor_t view of the same
-// memory; argument parsing and output allocation live in fusedmlp/__init__.py.
+// ndarray caster (DLPack or the buffer protocol), on the host or on a CUDA device, and becomes an
+// fmlp_tensor_t view of the same memory; the library validates shapes, dtypes, strides,
+// alignment and devices. Argument parsing, output allocation and framework glue (streams,
+// workspaces) live in fusedmlp/__init__.py and fusedmlp/torch.py.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include <algorithm>
+#include <cstdint>
+#include <map>
 #include <string>
 #include <tuple>
 #include <vector>
+
+#if FMLP_EXT_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 #include "fusedmlp/fusedmlp.h"
 
@@ -18,179 +26,498 @@ namespace nb = nanobind;
 
 namespace {
 
+// Names of arrays that carry another dtype's bits: numpy exports neither ml_dtypes.bfloat16 nor
+// float8 through DLPack, so such arrays travel as uint16 / uint8 views named here ("bf16", "f8").
+using Bits = std::map<std::string, std::string>;
+
+// DLPack's kDLFloat8_e4m3fn; spelled out because older nanobind releases lack the enumerator.
+constexpr uint8_t kDlpackFloat8E4m3fn = 10;
+
 std::string dtype_label(nb::dlpack::dtype t) {
   const std::string bits = std::to_string(t.bits);
-  switch (nb::dlpack::dtype_code(t.code)) {
-    case nb::dlpack::dtype_code::Int: return "int" + bits;
-    case nb::dlpack::dtype_code::UInt: return "uint" + bits;
-    case nb::dlpack::dtype_code::Float: return "float" + bits;
-    case nb::dlpack::dtype_code::Bfloat: return "bfloat" + bits;
-    case nb::dlpack::dtype_code::Complex: return "complex" + bits;
-    case nb::dlpack::dtype_code::Bool: return "bool";
+  switch (t.code) {
+    case uint8_t(nb::dlpack::dtype_code::Int): return "int" + bits;
+    case uint8_t(nb::dlpack::dtype_code::UInt): return "uint" + bits;
+    case uint8_t(nb::dlpack::dtype_code::Float): return "float" + bits;
+    case uint8_t(nb::dlpack::dtype_code::Bfloat): return "bfloat" + bits;
+    case uint8_t(nb::dlpack::dtype_code::Complex): return "complex" + bits;
+    case uint8_t(nb::dlpack::dtype_code::Bool): return "bool";
+    case kDlpackFloat8E4m3fn: return "float8_e4m3fn";
   }
-  return "dtype code " + std::to_string(t.code);
+  return "dtype code " + std::to_string(t.code) + " of " + bits + " bits";
 }
 
-fmlp_dtype_t to_fmlp_dtype(nb::dlpack::dtype t) {
+fmlp_dtype_t to_fmlp_dtype(nb::dlpack::dtype t, const std::string& bits_as) {
   if (t.lanes != 1) return FMLP_DTYPE_INVALID;
+  if (bits_as == "bf16")
+    return t == nb::dtype<uint16_t>() || t == nb::dtype<int16_t>() ? FMLP_DTYPE_BF16
+                                                                   : FMLP_DTYPE_INVALID;
+  if (bits_as == "f8")
+    return t == nb::dtype<uint8_t>() || t == nb::dtype<int8_t>() ? FMLP_DTYPE_F8_E4M3
+                                                                 : FMLP_DTYPE_INVALID;
   if (t.code == uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 32) return FMLP_DTYPE_F32;
   if (t.code == uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 16) return FMLP_DTYPE_F16;
   if (t.code == uint8_t(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) return FMLP_DTYPE_BF16;
+  if (t.code == kDlpackFloat8E4m3fn && t.bits == 8) return FMLP_DTYPE_F8_E4M3;
   return FMLP_DTYPE_INVALID;
 }
 
-[[noreturn]] void raise_not_implemented(const std::string& message) {
-  PyErr_SetString(PyExc_NotImplementedError, message.c_str());
+[[noreturn]] void raise(PyObject* type, const std::string& message) {
+  PyErr_SetString(type, message.c_str());
   throw nb::python_error();
 }
 
+// Bad arguments are ValueError; valid requests nothing here can run are NotImplementedError;
+// failures of the machine (CUDA, memory) are RuntimeError / MemoryError.
 [[noreturn]] void raise_status(fmlp_status_t status) {
   const std::string message = fmlp_last_error();
-  if (status == FMLP_ERROR_NOT_SUPPORTED || status == FMLP_ERROR_BACKEND_UNAVAILABLE)
-    raise_not_implemented(message);
-  throw nb::value_error(message.c_str());
+  switch (status) {
+    case FMLP_ERROR_NOT_SUPPORTED:
+    case FMLP_ERROR_BACKEND_UNAVAILABLE: raise(PyExc_NotImplementedError, message);
+    case FMLP_ERROR_OUT_OF_MEMORY: raise(PyExc_MemoryError, message);
+    case FMLP_ERROR_CUDA:
+    case FMLP_ERROR_INTERNAL:
+    case FMLP_ERROR_CORRUPT_FILE: raise(PyExc_RuntimeError, message);
+    default: raise(PyExc_ValueError, message);
+  }
 }
 
-// bf16_bits: a uint16 array that holds bfloat16 bits (numpy cannot export ml_dtypes.bfloat16).
-template <typename ARRAY>
-fmlp_tensor_t view_of(const char* name, const ARRAY& a, const void* data, bool bf16_bits) {
-  const nb::dlpack::dtype dt = a.dtype();
-  fmlp_tensor_t t = fmlp_tensor_none();
-  t.dtype = bf16_bits && dt == nb::dtype<uint16_t>() ? FMLP_DTYPE_BF16 : to_fmlp_dtype(dt);
-  if (t.dtype == FMLP_DTYPE_INVALID)
-    throw nb::value_error((std::string(name) + " has dtype " + dtype_label(dt) +
-                           "; expected float32, float16 or bfloat16 (cast it first)")
-                              .c_str());
-  if (a.ndim() > FMLP_MAX_DIMS)
-    throw nb::value_error((std::string(name) + " has " + std::to_string(a.ndim()) +
-                           " dimensions; fusedmlp takes at most " + std::to_string(FMLP_MAX_DIMS))
-                              .c_str());
-  if (a.device_type() == nb::device::cuda::value)
-    raise_not_implemented(std::string(name) +
-                          " is a CUDA tensor; CUDA tensors from Python arrive with the next slice "
-                          "(copy it to the host for now)");
-  if (a.device_type() != nb::device::cpu::value)
-    throw nb::value_error((std::string(name) + " lives on DLPack device type " +
-                           std::to_string(a.device_type()) + "; expected host (CPU) memory")
-                              .c_str());
-  t.data = const_cast<void*>(data);
-  t.ndim = int32_t(a.ndim());
-  for (size_t i = 0; i < a.ndim(); ++i) {
-    t.shape[i] = int64_t(a.shape(i));
-    t.stride[i] = a.stride(i);
-  }
-  t.device_type = FMLP_DEVICE_CPU;
-  t.device_id = int32_t(a.device_id());
-  return t;
+void check(fmlp_status_t status) {
+  if (status != FMLP_SUCCESS) raise_status(status);
 }
 
 std::string class_name(nb::handle h) {
   return nb::cast<std::string>(nb::getattr(nb::handle(Py_TYPE(h.ptr())), "__name__"));
 }
 
-// An input: absent when None, else a read-only view.
-fmlp_tensor_t input(const char* name, nb::handle h, bool bf16_bits) {
-  if (h.is_none()) return fmlp_tensor_none();
-  nb::ndarray<nb::ro> a;
-  if (!nb::try_cast(h, a, false))
-    throw nb::value_error((std::string(name) + " is a " + class_name(h) +
-                           "; expected an array that supports DLPack or the buffer protocol")
-                              .c_str());
-  return view_of(name, a, a.data(), bf16_bits);
+std::string device_label(int32_t type, int32_t id) {
+  if (type == nb::device::cpu::value) return "cpu";
+  if (type == nb::device::cuda::value) return "cuda:" + std::to_string(id);
+  if (type == nb::device::cuda_host::value) return "pinned host memory (DLPack kDLCUDAHost)";
+  if (type == nb::device::cuda_managed::value) return "CUDA managed memory (DLPack kDLCUDAManaged)";
+  return "DLPack device type " + std::to_string(type);
 }
 
-fmlp_tensor_t output(const char* name, nb::handle h, bool bf16_bits) {
-  nb::ndarray<> a;
-  if (!nb::try_cast(h, a, false))
-    throw nb::value_error((std::string(name) + " is a " + class_name(h) +
-                           "; expected a writable array that supports DLPack or the buffer "
-                           "protocol")
-                              .c_str());
-  return view_of(name, a, a.data(), bf16_bits);
-}
+// Turns the Python arguments of one call into fmlp_tensor_t views. The imported arrays are kept
+// until the call ends so that every view's memory stays referenced.
+class Views {
+ public:
+  Views(nb::dict tensors, const Bits& bits) : tensors_(tensors), bits_(bits) {}
 
-// Runs (explain = false, returns "") or explains (returns the report) one mlp call.
-std::string mlp(nb::handle y, nb::handle x, nb::handle residual, nb::handle w1, nb::handle b1,
-                nb::handle w_up, nb::handle b_up, nb::handle w2, nb::handle b2,
-                nb::handle norm_weight, nb::handle norm_bias, int activation, bool gated, int norm,
-                float eps, bool deterministic, int backend, bool explain,
-                const std::vector<std::string>& bf16_bits) {
-  const auto bits = [&](const char* name) {
-    return std::find(bf16_bits.begin(), bf16_bits.end(), name) != bf16_bits.end();
-  };
-  fmlp_mlp_args_t args{};
-  // x before out: an out allocated from a bad x would only repeat x's problem.
-  args.x = input("x", x, bits("x"));
-  args.y = output("out", y, bits("out"));
-  args.residual = input("residual", residual, bits("residual"));
-  fmlp_mlp_weights_t& w = args.weights;
-  w.w1 = input("w1", w1, bits("w1"));
-  w.w1_scale = fmlp_tensor_none();
-  w.b1 = input("b1", b1, bits("b1"));
-  w.w_up = input("w_up", w_up, bits("w_up"));
-  w.w_up_scale = fmlp_tensor_none();
-  w.b_up = input("b_up", b_up, bits("b_up"));
-  w.w2 = input("w2", w2, bits("w2"));
-  w.w2_scale = fmlp_tensor_none();
-  w.b2 = input("b2", b2, bits("b2"));
-  w.norm_weight = input("norm_weight", norm_weight, bits("norm_weight"));
-  w.norm_bias = input("norm_bias", norm_bias, bits("norm_bias"));
-  args.config = fmlp_mlp_config_default();
-  args.config.activation = fmlp_activation_t(activation);
-  args.config.gated = gated ? 1 : 0;
-  args.config.norm = fmlp_norm_t(norm);
-  args.config.norm_eps = eps;
-  args.config.deterministic = deterministic ? 1 : 0;
-  const auto be = fmlp_backend_t(backend);
+  fmlp_tensor_t input(const char* name) { return view(name, false); }
+  fmlp_tensor_t output(const char* name) { return view(name, true); }
 
-  if (explain) {
-    size_t needed = 0;
-    fmlp_status_t st = fmlp_mlp_explain(&args, be, nullptr, 0, &needed);
-    if (st != FMLP_SUCCESS) raise_status(st);
-    std::string report(needed, '\0');
-    st = fmlp_mlp_explain(&args, be, report.data(), report.size(), &needed);
-    if (st != FMLP_SUCCESS) raise_status(st);
-    report.resize(needed - 1);
-    return report;
+ private:
+  fmlp_tensor_t view(const char* name, bool writable) {
+    if (!tensors_.contains(name)) return fmlp_tensor_none();
+    nb::handle h = tensors_[name];
+    if (h.is_none()) return fmlp_tensor_none();
+    nb::ndarray<> a;
+    bool ok;
+    if (writable) {
+      ok = nb::try_cast(h, a, false);
+    } else {
+      nb::ndarray<nb::ro> r;
+      ok = nb::try_cast(h, r, false);
+      if (ok) a = nb::ndarray<>(r);
+    }
+    if (!ok)
+      raise(PyExc_ValueError, std::string(name) + " is a " + class_name(h) + "; expected a " +
+                                  (writable ? "writable " : "") +
+                                  "array that supports DLPack or the buffer protocol");
+    const auto it = bits_.find(name);
+    const std::string bits_as = it == bits_.end() ? "" : it->second;
+    fmlp_tensor_t t = fmlp_tensor_none();
+    t.dtype = to_fmlp_dtype(a.dtype(), bits_as);
+    if (t.dtype == FMLP_DTYPE_INVALID)
+      raise(PyExc_ValueError,
+            std::string(name) + " has dtype " + dtype_label(a.dtype()) +
+                (bits_as.empty() ? "; expected float32, float16 or bfloat16 (float8_e4m3fn for "
+                                   "weights; cast it first)"
+                                 : " but is named as carrying " + bits_as + " bits"));
+    if (a.ndim() > FMLP_MAX_DIMS)
+      raise(PyExc_ValueError, std::string(name) + " has " + std::to_string(a.ndim()) +
+                                  " dimensions; fusedmlp takes at most " +
+                                  std::to_string(FMLP_MAX_DIMS) + " (flatten leading dims)");
+    const int32_t type = a.device_type();
+    if (type == nb::device::cuda::value) {
+      t.device_type = FMLP_DEVICE_CUDA;
+    } else if (type == nb::device::cpu::value) {
+      t.device_type = FMLP_DEVICE_CPU;
+    } else {
+      raise(PyExc_ValueError, std::string(name) + " lives in " + device_label(type, a.device_id()) +
+                                  "; expected host (CPU) memory or CUDA device memory");
+    }
+    t.device_id = type == nb::device::cpu::value ? 0 : int32_t(a.device_id());
+    t.data = a.data();
+    t.ndim = int32_t(a.ndim());
+    for (size_t i = 0; i < a.ndim(); ++i) {
+      t.shape[i] = int64_t(a.shape(i));
+      t.stride[i] = a.stride(i);
+    }
+    keep_.push_back(std::move(a));
+    return t;
   }
 
+  nb::dict tensors_;
+  const Bits& bits_;
+  std::vector<nb::ndarray<>> keep_;
+};
+
+// Makes the tensor's device current for the call (the library launches on the current device)
+// and restores the caller's device afterwards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(const fmlp_tensor_t& t) {
+#if FMLP_EXT_CUDA
+    if (t.device_type != FMLP_DEVICE_CUDA) return;
+    if (cudaGetDevice(&prev_) == cudaSuccess && prev_ != t.device_id)
+      changed_ = cudaSetDevice(t.device_id) == cudaSuccess;
+#else
+    (void)t;
+#endif
+  }
+  ~DeviceGuard() {
+#if FMLP_EXT_CUDA
+    if (changed_) cudaSetDevice(prev_);
+#endif
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = -1;
+  bool changed_ = false;
+};
+
+// Scratch memory for one call. `ws` is None, an array (any dtype, contiguous, on the op's
+// device) or a callable (bytes, device_type, device_id) -> array that the framework layer uses
+// to allocate and cache zero-filled device workspaces. Host calls without a workspace use a
+// per-thread buffer; CUDA calls need one from the caller (the zero-once contract is the
+// caller's: fusedmlp.h).
+class Workspace {
+ public:
+  Workspace(nb::handle ws, size_t bytes, const fmlp_tensor_t& on) : bytes_(bytes) {
+    if (bytes == 0) return;
+    nb::object source = nb::borrow(ws);
+    if (!ws.is_none() && PyCallable_Check(ws.ptr()) && !nb::hasattr(ws, "__dlpack__"))
+      source =
+          nb::borrow(ws)(bytes, on.device_type == FMLP_DEVICE_CUDA ? "cuda" : "cpu", on.device_id);
+    if (source.is_none()) {
+      if (on.device_type == FMLP_DEVICE_CUDA)
+        raise(PyExc_ValueError,
+              "the call needs a CUDA workspace of " + std::to_string(bytes) +
+                  " bytes and workspace is None; pass workspace= (a uint8 device array of at "
+                  "least that size, zero-filled once and reused: fusedmlp's *_workspace_size "
+                  "tells the size)");
+      thread_local std::vector<unsigned char> host;
+      if (host.size() < bytes) host.resize(bytes);
+      data_ = host.data();
+      return;
+    }
+    if (!nb::try_cast(source, array_, false))
+      raise(PyExc_ValueError, "workspace is a " + class_name(source) +
+                                  "; expected a writable array that supports DLPack");
+    const int32_t type = array_.device_type();
+    const bool same_device =
+        on.device_type == FMLP_DEVICE_CUDA
+            ? type == nb::device::cuda::value && array_.device_id() == on.device_id
+            : type == nb::device::cpu::value;
+    if (!same_device)
+      raise(PyExc_ValueError,
+            "workspace lives on " + device_label(type, array_.device_id()) +
+                "; expected it on the tensors' device (" +
+                (on.device_type == FMLP_DEVICE_CUDA ? "cuda:" + std::to_string(on.device_id)
+                                                    : std::string("cpu")) +
+                ")");
+    size_t elements = 1;
+    int64_t expected_stride = 1;
+    bool contiguous = true;
+    for (size_t i = array_.ndim(); i-- > 0;) {
+      if (array_.shape(i) > 1 && array_.stride(i) != expected_stride) contiguous = false;
+      expected_stride *= int64_t(array_.shape(i));
+      elements *= array_.shape(i);
+    }
+    if (!contiguous)
+      raise(PyExc_ValueError, "workspace is not contiguous; pass a contiguous array");
+    const size_t have = elements * ((array_.dtype().bits + 7) / 8);
+    if (have < bytes)
+      raise(PyExc_ValueError, "workspace has " + std::to_string(have) + " bytes; the call needs " +
+                                  std::to_string(bytes) + " (allocate it from *_workspace_size)");
+    bytes_ = have;
+    data_ = array_.data();
+  }
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  nb::ndarray<> array_;
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+void* stream_ptr(uintptr_t stream) {
+  return reinterpret_cast<void*>(stream);
+}
+
+// ---- mlp ----
+
+fmlp_mlp_config_t mlp_config(int activation, bool gated, int norm, float eps, bool deterministic) {
+  fmlp_mlp_config_t c = fmlp_mlp_config_default();
+  c.activation = fmlp_activation_t(activation);
+  c.gated = gated ? 1 : 0;
+  c.norm = fmlp_norm_t(norm);
+  c.norm_eps = eps;
+  c.deterministic = deterministic ? 1 : 0;
+  return c;
+}
+
+fmlp_mlp_weights_t mlp_weights(Views& v) {
+  fmlp_mlp_weights_t w;
+  w.w1 = v.input("w1");
+  w.w1_scale = v.input("w1_scale");
+  w.b1 = v.input("b1");
+  w.w_up = v.input("w_up");
+  w.w_up_scale = v.input("w_up_scale");
+  w.b_up = v.input("b_up");
+  w.w2 = v.input("w2");
+  w.w2_scale = v.input("w2_scale");
+  w.b2 = v.input("b2");
+  w.norm_weight = v.input("norm_weight");
+  w.norm_bias = v.input("norm_bias");
+  return w;
+}
+
+fmlp_mlp_args_t mlp_args(Views& v, const fmlp_mlp_config_t& config) {
+  fmlp_mlp_args_t a{};
+  // x before out: an out allocated from a bad x would only repeat x's problem.
+  a.x = v.input("x");
+  a.y = v.output("out");
+  a.residual = v.input("residual");
+  a.weights = mlp_weights(v);
+  a.config = config;
+  return a;
+}
+
+template <typename ARGS, typename EXPLAIN>
+std::string explain_text(const ARGS& args, int backend, EXPLAIN fn) {
+  size_t needed = 0;
+  check(fn(&args, fmlp_backend_t(backend), nullptr, 0, &needed));
+  std::string report(needed, '\0');
+  check(fn(&args, fmlp_backend_t(backend), report.data(), report.size(), &needed));
+  report.resize(needed - 1);
+  return report;
+}
+
+// mode "run" returns None, "explain" the report, "workspace_size" the byte count.
+nb::object mlp(const std::string& mode, nb::dict tensors, const Bits& bits, int activation,
+               bool gated, int norm, float eps, bool deterministic, int backend,
+               nb::handle workspace, uintptr_t stream) {
+  Views v(tensors, bits);
+  const fmlp_mlp_args_t args = mlp_args(v, mlp_config(activation, gated, norm, eps, deterministic));
+  if (mode == "explain") return nb::cast(explain_text(args, backend, fmlp_mlp_explain));
+  DeviceGuard guard(args.x);
   size_t bytes = 0;
-  fmlp_status_t st = fmlp_mlp_workspace_size(&args, be, &bytes);
-  if (st != FMLP_SUCCESS) raise_status(st);
-  // Kept per thread so repeated calls of one model shape do not reallocate.
-  thread_local std::vector<unsigned char> workspace;
-  if (workspace.size() < bytes) workspace.resize(bytes);
+  check(fmlp_mlp_workspace_size(&args, fmlp_backend_t(backend), &bytes));
+  if (mode == "workspace_size") return nb::int_(bytes);
+  Workspace ws(workspace, bytes, args.x);
+  fmlp_status_t st;
   {
     nb::gil_scoped_release release;
-    st = fmlp_mlp(&args, be, bytes ? workspace.data() : nullptr, bytes, nullptr);
+    st = fmlp_mlp(&args, fmlp_backend_t(backend), ws.data(), ws.bytes(), stream_ptr(stream));
   }
-  if (st != FMLP_SUCCESS) raise_status(st);
-  return {};
+  check(st);
+  return nb::none();
 }
+
+// Weights validated and copied once into the backend's layout; run() then takes only x, out and
+// residual. Owns the library's packed handle (host memory or device memory on the weights'
+// device).
+class PackedMlp {
+ public:
+  PackedMlp(nb::dict tensors, const Bits& bits, int activation, bool gated, int norm, float eps,
+            bool deterministic, int backend, uintptr_t stream) {
+    Views v(tensors, bits);
+    const fmlp_mlp_weights_t w = mlp_weights(v);
+    const fmlp_mlp_config_t c = mlp_config(activation, gated, norm, eps, deterministic);
+    DeviceGuard guard(w.w1);
+    fmlp_status_t st;
+    {
+      nb::gil_scoped_release release;
+      st = fmlp_mlp_pack(&packed_, &w, &c, fmlp_backend_t(backend), stream_ptr(stream));
+    }
+    check(st);
+    d_in_ = w.w1.shape[1];
+    d_out_ = w.w2.shape[0];
+    hidden_ = w.w2.shape[1];
+    device_type_ = w.w1.device_type;
+    device_id_ = w.w1.device_id;
+  }
+  ~PackedMlp() { fmlp_mlp_packed_destroy(packed_); }
+  PackedMlp(const PackedMlp&) = delete;
+  PackedMlp& operator=(const PackedMlp&) = delete;
+
+  nb::object run(const std::string& mode, nb::dict tensors, const Bits& bits, nb::handle workspace,
+                 uintptr_t stream) const {
+    Views v(tensors, bits);
+    const fmlp_tensor_t x = v.input("x");
+    const fmlp_tensor_t y = v.output("out");
+    const fmlp_tensor_t residual = v.input("residual");
+    DeviceGuard guard(x);
+    size_t bytes = 0;
+    check(fmlp_mlp_packed_workspace_size(packed_, &y, &x, &bytes));
+    if (mode == "workspace_size") return nb::int_(bytes);
+    Workspace ws(workspace, bytes, x);
+    fmlp_status_t st;
+    {
+      nb::gil_scoped_release release;
+      st = fmlp_mlp_packed_run(packed_, &y, &x, residual.ndim ? &residual : nullptr, ws.data(),
+                               ws.bytes(), stream_ptr(stream));
+    }
+    check(st);
+    return nb::none();
+  }
+
+  int64_t d_in() const { return d_in_; }
+  int64_t hidden() const { return hidden_; }
+  int64_t d_out() const { return d_out_; }
+  std::string device() const {
+    return device_type_ == FMLP_DEVICE_CUDA ? "cuda:" + std::to_string(device_id_) : "cpu";
+  }
+
+ private:
+  fmlp_mlp_packed_t* packed_ = nullptr;
+  int64_t d_in_ = 0, hidden_ = 0, d_out_ = 0;
+  fmlp_device_type_t device_type_ = FMLP_DEVICE_CPU;
+  int32_t device_id_ = 0;
+};
+
+// ---- linear and softmax ----
+
+nb::object linear(const std::string& mode, nb::dict tensors, const Bits& bits, int backend,
+                  nb::handle workspace, uintptr_t stream) {
+  Views v(tensors, bits);
+  fmlp_linear_args_t args{};
+  args.x = v.input("x");
+  args.y = v.output("out");
+  args.w = v.input("w");
+  args.w_scale = v.input("w_scale");
+  args.bias = v.input("bias");
+  if (mode == "explain") return nb::cast(explain_text(args, backend, fmlp_linear_explain));
+  DeviceGuard guard(args.x);
+  size_t bytes = 0;
+  check(fmlp_linear_workspace_size(&args, fmlp_backend_t(backend), &bytes));
+  if (mode == "workspace_size") return nb::int_(bytes);
+  Workspace ws(workspace, bytes, args.x);
+  fmlp_status_t st;
+  {
+    nb::gil_scoped_release release;
+    st = fmlp_linear(&args, fmlp_backend_t(backend), ws.data(), ws.bytes(), stream_ptr(stream));
+  }
+  check(st);
+  return nb::none();
+}
+
+nb::object softmax(const std::string& mode, nb::dict tensors, const Bits& bits, float temperature,
+                   bool log, int backend, nb::handle workspace, uintptr_t stream) {
+  Views v(tensors, bits);
+  fmlp_softmax_args_t args{};
+  args.x = v.input("x");
+  args.y = v.output("out");
+  args.temperature = temperature;
+  args.log = log ? 1 : 0;
+  if (mode == "explain") return nb::cast(explain_text(args, backend, fmlp_softmax_explain));
+  DeviceGuard guard(args.x);
+  size_t bytes = 0;
+  check(fmlp_softmax_workspace_size(&args, fmlp_backend_t(backend), &bytes));
+  if (mode == "workspace_size") return nb::int_(bytes);
+  Workspace ws(workspace, bytes, args.x);
+  fmlp_status_t st;
+  {
+    nb::gil_scoped_release release;
+    st = fmlp_softmax(&args, fmlp_backend_t(backend), ws.data(), ws.bytes(), stream_ptr(stream));
+  }
+  check(st);
+  return nb::none();
+}
+
+float quantize_fp8(nb::dict tensors, const Bits& bits) {
+  Views v(tensors, bits);
+  const fmlp_tensor_t w = v.input("w");
+  const fmlp_tensor_t q = v.output("q");
+  const fmlp_tensor_t scale = v.output("scale");
+  float amax = 0.f;
+  fmlp_status_t st;
+  {
+    nb::gil_scoped_release release;
+    st = fmlp_quantize_fp8(&w, &q, &scale, &amax);
+  }
+  check(st);
+  return amax;
+}
+
+// ---- info ----
 
 std::tuple<bool, std::string> available(int backend) {
   const fmlp_status_t st = fmlp_backend_available(fmlp_backend_t(backend));
   return {st == FMLP_SUCCESS, st == FMLP_SUCCESS ? std::string() : fmlp_last_error()};
 }
 
-std::vector<std::tuple<std::string, std::string>> kernels() {
+std::vector<std::tuple<std::string, std::string>> kernels(const std::string& op) {
+  int (*count)() = fmlp_mlp_kernel_count;
+  const char* (*name)(int) = fmlp_mlp_kernel_name;
+  fmlp_backend_t (*backend)(int) = fmlp_mlp_kernel_backend;
+  if (op == "linear") {
+    count = fmlp_linear_kernel_count;
+    name = fmlp_linear_kernel_name;
+    backend = fmlp_linear_kernel_backend;
+  } else if (op == "softmax") {
+    count = fmlp_softmax_kernel_count;
+    name = fmlp_softmax_kernel_name;
+    backend = fmlp_softmax_kernel_backend;
+  } else if (op != "mlp") {
+    raise(PyExc_ValueError, "op is '" + op + "'; expected 'mlp', 'linear' or 'softmax'");
+  }
   std::vector<std::tuple<std::string, std::string>> out;
-  for (int i = 0; i < fmlp_mlp_kernel_count(); ++i)
-    out.emplace_back(fmlp_mlp_kernel_name(i), fmlp_backend_name(fmlp_mlp_kernel_backend(i)));
+  for (int i = 0; i < count(); ++i) out.emplace_back(name(i), fmlp_backend_name(backend(i)));
   return out;
+}
+
+std::string devices() {
+  size_t needed = 0;
+  check(fmlp_cuda_devices(nullptr, 0, &needed));
+  std::string text(needed, '\0');
+  check(fmlp_cuda_devices(text.data(), text.size(), &needed));
+  text.resize(needed - 1);
+  return text;
 }
 
 }  // namespace
 
 NB_MODULE(_ext, m) {
-  // Optional tensors arrive as None, which nanobind refuses unless the argument says .none().
-  m.def("mlp", &mlp, nb::arg("y"), nb::arg("x"), nb::arg("residual").none(), nb::arg("w1"),
-        nb::arg("b1").none(), nb::arg("w_up").none(), nb::arg("b_up").none(), nb::arg("w2"),
-        nb::arg("b2").none(), nb::arg("norm_weight").none(), nb::arg("norm_bias").none(),
-        nb::arg("activation"), nb::arg("gated"), nb::arg("norm"), nb::arg("eps"),
-        nb::arg("deterministic"), nb::arg("backend"), nb::arg("explain"), nb::arg("bf16_bits"));
+  using namespace nb::literals;
+  // Optional arrays are None, which nanobind refuses unless the argument says .none().
+  m.def("mlp", &mlp, "mode"_a, "tensors"_a, "bits"_a, "activation"_a, "gated"_a, "norm"_a, "eps"_a,
+        "deterministic"_a, "backend"_a, "workspace"_a.none(), "stream"_a);
+  nb::class_<PackedMlp>(m, "PackedMlp")
+      .def(nb::init<nb::dict, const Bits&, int, bool, int, float, bool, int, uintptr_t>(),
+           "tensors"_a, "bits"_a, "activation"_a, "gated"_a, "norm"_a, "eps"_a, "deterministic"_a,
+           "backend"_a, "stream"_a)
+      .def("run", &PackedMlp::run, "mode"_a, "tensors"_a, "bits"_a, "workspace"_a.none(),
+           "stream"_a)
+      .def_prop_ro("d_in", &PackedMlp::d_in)
+      .def_prop_ro("hidden", &PackedMlp::hidden)
+      .def_prop_ro("d_out", &PackedMlp::d_out)
+      .def_prop_ro("device", &PackedMlp::device);
+  m.def("linear", &linear, "mode"_a, "tensors"_a, "bits"_a, "backend"_a, "workspace"_a.none(),
+        "stream"_a);
+  m.def("softmax", &softmax, "mode"_a, "tensors"_a, "bits"_a, "temperature"_a, "log"_a, "backend"_a,
+        "workspace"_a.none(), "stream"_a);
+  m.def("quantize_fp8", &quantize_fp8, "tensors"_a, "bits"_a);
   m.def("available", &available);
-  m.def("kernels", &kernels);
+  m.def("kernels", &kernels, "op"_a = "mlp");
+  m.def("devices", &devices);
   m.def("build_info", [] { return std::string(fmlp_build_info()); });
   m.def("version", [] { return std::string(fmlp_version()); });
+  m.def("with_cuda", [] { return bool(FMLP_EXT_CUDA); });
 }

@@ -1,0 +1,207 @@
+"""fusedmlp.patch: swaps the MLP blocks of a Hugging Face model for FusedMLP modules in place.
+
+Handled: GPT-2 style blocks (c_fc/act/c_proj, Conv1D weights transposed at pack time), gated
+blocks (gate_proj/up_proj/down_proj/act_fn: Llama, Mistral, Qwen2, ... as SwiGLU with gate and
+up stacked by the pack), fc1/activation_fn/fc2 blocks, and BERT-style encoder layers
+(intermediate.dense + act, then output.dense + dropout + LayerNorm(h + input)): the two linears,
+the activation and the residual add are fused, the LayerNorm stays a torch op. Mixture-of-experts
+blocks are reported as skipped.
+"""
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from .torch import FusedMLP, _activation, _describe, _linear_weight
+
+# Probe tolerance per dtype of the model's weights: an output element passes when
+# |fused - original| <= rtol * (|original| + rms(original row)). Both sides carry their own
+# rounding: fp32 accumulation order (~1e-6); in 16-bit models torch also rounds every
+# intermediate (the activation is several elementwise ops) to the model dtype, while the fused
+# kernel keeps them in fp32, so the two differ by a few units of the dtype's rounding.
+PROBE_RTOL = {torch.float32: 2.0**-12, torch.float16: 2.0**-7, torch.bfloat16: 2.0**-4}
+
+
+class PatchError(RuntimeError):
+    """patch(strict=True) found a replacement whose output differs from the original; the model
+    was left unchanged. .report holds the details."""
+
+    def __init__(self, message, report):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclasses.dataclass
+class PatchReport:
+    """What patch() did: replaced module names (with what they became and, when probed, the
+    largest error relative to the tolerance: 1.0 = at the limit), skipped ones with reasons."""
+    replaced: list = dataclasses.field(default_factory=list)
+    skipped: list = dataclasses.field(default_factory=list)  # (name, reason)
+    details: dict = dataclasses.field(default_factory=dict)  # name -> description
+    errors: dict = dataclasses.field(default_factory=dict)  # name -> error / tolerance
+
+    def __str__(self):
+        lines = [f"fusedmlp.patch: replaced {len(self.replaced)} MLP block(s), skipped "
+                 f"{len(self.skipped)}"]
+        for name in self.replaced:
+            err = self.errors.get(name)
+            probe = "" if err is None else f", probe error {err:.3g} of tolerance"
+            lines.append(f"  replaced {name}: {self.details.get(name, '')}{probe}")
+        for name, reason in self.skipped:
+            lines.append(f"  skipped  {name}: {reason}")
+        return "\n".join(lines)
+
+
+class _Passthrough(nn.Module):
+    """Stands in for a BERT intermediate whose work moved into the fused output."""
+
+    def forward(self, hidden_states):
+        return hidden_states
+
+
+class FusedBertOutput(nn.Module):
+    """LayerNorm(dense2(act(dense1(x))) + x) with everything before the LayerNorm fused; the
+    layer's intermediate becomes a passthrough, so this module receives x twice."""
+
+    def __init__(self, fused, layer_norm):
+        super().__init__()
+        self.fused = fused
+        self.LayerNorm = layer_norm
+
+    def forward(self, hidden_states, input_tensor):
+        return self.LayerNorm(self.fused(hidden_states, residual=input_tensor))
+
+
+def _is_moe(m):
+    name = type(m).__name__.lower()
+    return "moe" in name or "mixtureofexperts" in name or (
+        hasattr(m, "experts") and (hasattr(m, "gate") or hasattr(m, "router")))
+
+
+def _is_bert_layer(m):
+    inter, out = getattr(m, "intermediate", None), getattr(m, "output", None)
+    return (isinstance(getattr(inter, "dense", None), nn.Linear)
+            and hasattr(inter, "intermediate_act_fn")
+            and isinstance(getattr(out, "dense", None), nn.Linear)
+            and isinstance(getattr(out, "LayerNorm", None), nn.LayerNorm))
+
+
+def _is_mlp_candidate(m):
+    return (all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj"))
+            or all(hasattr(m, a) for a in ("c_fc", "c_proj"))
+            or all(hasattr(m, a) for a in ("fc1", "fc2", "activation_fn")))
+
+
+@dataclasses.dataclass
+class _Plan:
+    name: str
+    parent: nn.Module
+    attrs: dict  # attribute of parent -> replacement module
+    original: object  # callable(x) -> reference output
+    fused: object  # callable(x) -> fused output
+    d_in: int
+    weight: torch.Tensor
+    detail: str
+
+
+def _bert_plan(name, layer, backend):
+    inter, out = layer.intermediate, layer.output
+    w1, b1 = _linear_weight(inter.dense, "intermediate.dense")
+    w2, b2 = _linear_weight(out.dense, "output.dense")
+    fused = FusedMLP(w1, w2, b1=b1, b2=b2, activation=_activation(inter.intermediate_act_fn),
+                     dropout=out.dropout if isinstance(getattr(out, "dropout", None),
+                                                       nn.Dropout) else None,
+                     backend=backend)
+    new_out = FusedBertOutput(fused, out.LayerNorm).train(out.training)
+    return _Plan(f"{name}.intermediate+output" if name else "intermediate+output", layer,
+                 {"intermediate": _Passthrough().train(inter.training), "output": new_out},
+                 lambda x: out(inter(x), x), lambda x: new_out(x, x), w1.shape[1], w1,
+                 f"{type(inter).__name__}+{type(out).__name__} -> FusedMLP "
+                 f"({fused.extra_repr()}) + LayerNorm")
+
+
+def _collect(module, prefix, backend, plans, report, skip=()):
+    for child_name, child in module.named_children():
+        if child_name in skip:
+            continue
+        name = f"{prefix}.{child_name}" if prefix else child_name
+        if _is_moe(child):
+            report.skipped.append((name, "moe op not available yet"))
+            continue
+        try:
+            if _is_bert_layer(child):
+                plans.append(_bert_plan(name, child, backend))
+                _collect(child, name, backend, plans, report, skip=("intermediate", "output"))
+                continue
+            if _is_mlp_candidate(child):
+                fused = FusedMLP(**_describe(child), backend=backend).train(child.training)
+                plans.append(_Plan(name, module, {child_name: fused}, child, fused,
+                                   fused.d_in, fused.w1,
+                                   f"{type(child).__name__} -> FusedMLP ({fused.extra_repr()})"))
+                continue
+        except (NotImplementedError, ValueError) as e:
+            report.skipped.append((name, str(e)))
+            continue
+        _collect(child, name, backend, plans, report)
+
+
+def _probe_input(probe, plan):
+    w = plan.weight
+    if isinstance(probe, torch.Tensor) and probe.shape[-1] == plan.d_in:
+        return probe.detach().to(device=w.device, dtype=w.dtype)
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(8, plan.d_in, generator=gen).to(device=w.device, dtype=w.dtype)
+
+
+def _probe_error(plan, probe):
+    """Largest |fused - original| / (rtol * (|original| + rms(original row)))."""
+    x = _probe_input(probe, plan)
+    with torch.no_grad():
+        ref = plan.original(x).float()
+        got = plan.fused(x).float()
+    rms = ref.pow(2).mean(dim=-1, keepdim=True).sqrt()
+    bound = PROBE_RTOL.get(plan.weight.dtype, 2.0**-4) * (ref.abs() + rms) + 1e-30
+    err = (got - ref).abs() / bound
+    return float(err.nan_to_num(nan=float("inf")).max()) if err.numel() else 0.0
+
+
+def patch(model, strict=False, probe=None, backend="auto"):
+    """Replaces the MLP blocks of `model` in place by FusedMLP modules (packed once for the
+    weights' device) and returns a PatchReport (print it).
+
+    strict=True runs a probe batch through each original block and its replacement first and
+    raises PatchError, leaving the model unchanged, when any output element differs by more
+    than PROBE_RTOL[dtype] * (|original| + rms(original row)) (fp32 2^-12, fp16 2^-7, bf16 2^-4).
+    probe: a tensor of hidden states [..., d_model] for that check (default: 8 random rows,
+    seeded); given with strict=False, blocks that fail it are skipped instead of replaced.
+    Blocks that cannot be fused (unknown activation, mixture of experts, ...) are skipped with
+    the reason. Inference only: call model.eval() (dropout before a fused residual add raises).
+    """
+    report = PatchReport()
+    plans = []
+    _collect(model, "", backend, plans, report)
+    check = strict or probe is not None
+    accepted, failures = [], []
+    for plan in plans:
+        if check:
+            err = _probe_error(plan, probe)
+            report.errors[plan.name] = err
+            if not err <= 1.0:
+                failures.append(plan)
+                continue
+        accepted.append(plan)
+    if strict and failures:
+        names = ", ".join(f"{p.name} ({report.errors[p.name]:.3g}x tolerance)" for p in failures)
+        for p in failures:
+            report.skipped.append((p.name, "probe output differs from the original"))
+        raise PatchError(f"fusedmlp.patch(strict=True): outputs differ beyond tolerance in "
+                         f"{names}; the model is unchanged", report)
+    for p in failures:
+        report.skipped.append((p.name, f"probe error {report.errors[p.name]:.3g}x tolerance"))
+    for plan in accepted:
+        for attr, new in plan.attrs.items():
+            setattr(plan.parent, attr, new)
+        report.replaced.append(plan.name)
+        report.details[plan.name] = plan.detail
+    return report

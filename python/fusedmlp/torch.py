@@ -1,0 +1,356 @@
+"""fusedmlp for PyTorch, without linking libtorch: every kernel reaches the library through
+DLPack and the nanobind extension, on the tensor's device and torch's current CUDA stream.
+
+Custom ops (torch.library, each with a fake kernel for torch.compile / export and one kernel for
+CPU and CUDA): fusedmlp::mlp (all of mlp's arguments), fusedmlp::mlp_packed (packed weights, the
+FusedMLP module's op), fusedmlp::linear, fusedmlp::softmax. They are inference ops: no autograd
+formula is registered, so backward through them raises.
+
+CUDA workspaces are allocated with torch.zeros once per (device, size) and reused, as the
+contract in fusedmlp.h allows for calls on one stream; calls that run concurrently on several
+streams need their own workspaces (use fusedmlp.mlp(..., workspace=...) for that).
+
+FusedMLP is an nn.Module that packs its weights once (again after .to()/.half()); patch()
+swaps the MLP blocks of Hugging Face models for FusedMLPs.
+"""
+
+import contextlib
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from . import _ACTIVATIONS, _BACKENDS, _NORMS, _ext, _lookup, _workspace_bytes
+
+__all__ = ["mlp", "linear", "softmax", "log_softmax", "FusedMLP", "patch", "PatchReport",
+           "PatchError", "PROBE_RTOL"]
+
+_WORKSPACES = {}
+
+
+def _cached_workspace(device, nbytes):
+    """A zero-filled uint8 workspace on device of at least nbytes, cached per (device, size).
+    One allocated during CUDA-graph capture is not cached: its zero fill is part of the graph
+    and outside the graph its memory is not zeroed."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    size = _workspace_bytes(nbytes)
+    ws = _WORKSPACES.get((index, size))
+    if ws is None:
+        ws = torch.zeros(size, dtype=torch.uint8, device=device)
+        if not torch.cuda.is_current_stream_capturing():
+            _WORKSPACES[(index, size)] = ws
+    return ws
+
+
+def _workspace_for(x):
+    if x.device.type != "cuda":
+        return None
+    device = x.device
+    return lambda nbytes, device_type, device_id: _cached_workspace(device, nbytes).__dlpack__(
+        stream=-1)
+
+
+def _stream_for(x):
+    return torch.cuda.current_stream(x.device).cuda_stream if x.device.type == "cuda" else 0
+
+
+def _args(device, **tensors):
+    """DLPack capsules of the tensors (all on `device`, current when CUDA) and the bits map
+    (float8 travels as its uint8 bits). stream=-1 tells torch not to synchronise: the op runs
+    on torch's current stream already, and the default-stream wait that __dlpack__() adds
+    otherwise breaks CUDA-graph capture."""
+    out, bits = {}, {}
+    for k, t in tensors.items():
+        if t is None:
+            continue
+        if t.device != device:
+            raise ValueError(f"{k} is on {t.device}; expected {device}, where x is (move it "
+                             "with .to())")
+        if t.requires_grad:
+            t = t.detach()
+        if t.dtype == torch.float8_e4m3fn:
+            t, bits[k] = t.view(torch.uint8), "f8"
+        out[k] = t.__dlpack__(stream=-1)
+    return out, bits
+
+
+def _device_of(x):
+    """Context making x's CUDA device current (torch exports only tensors of the current
+    device through DLPack)."""
+    if x.device.type == "cuda" and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
+
+
+def _rows(t, name):
+    """t as [rows, t.shape[-1]] with a contiguous last dim (a view when possible)."""
+    if t.dim() == 0:
+        raise ValueError(f"{name} is a 0-d tensor; expected [..., features]")
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.shape[-1] <= 1 or t2.stride(-1) == 1 else t2.contiguous()
+
+
+# ---- custom ops ----
+
+@torch.library.custom_op("fusedmlp::mlp", mutates_args=())
+def _mlp_op(x: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor] = None,
+            w_up: Optional[Tensor] = None, b_up: Optional[Tensor] = None,
+            b2: Optional[Tensor] = None, residual: Optional[Tensor] = None,
+            norm_weight: Optional[Tensor] = None, norm_bias: Optional[Tensor] = None,
+            w1_scale: Optional[Tensor] = None, w_up_scale: Optional[Tensor] = None,
+            w2_scale: Optional[Tensor] = None, activation: str = "gelu", gated: bool = False,
+            norm: str = "none", eps: float = 1e-5) -> Tensor:
+    x2 = _rows(x, "x")
+    d_out = w2.shape[0]
+    y = torch.empty((x2.shape[0], d_out), dtype=x.dtype, device=x.device)
+    r2 = None if residual is None else _rows(residual, "residual")
+    with _device_of(x):
+        tensors, bits = _args(x.device, out=y, x=x2, residual=r2, w1=w1, w1_scale=w1_scale,
+                              b1=b1, w_up=w_up, w_up_scale=w_up_scale, b_up=b_up, w2=w2,
+                              w2_scale=w2_scale, b2=b2, norm_weight=norm_weight,
+                              norm_bias=norm_bias)
+        _ext.mlp("run", tensors, bits, _lookup(_ACTIVATIONS, "activation", activation), gated,
+                 _lookup(_NORMS, "norm", norm), eps, False, _BACKENDS["auto"],
+                 _workspace_for(x), _stream_for(x))
+    return y.view(*x.shape[:-1], d_out)
+
+
+@_mlp_op.register_fake
+def _mlp_fake(x, w1, w2, b1=None, w_up=None, b_up=None, b2=None, residual=None,
+              norm_weight=None, norm_bias=None, w1_scale=None, w_up_scale=None, w2_scale=None,
+              activation="gelu", gated=False, norm="none", eps=1e-5):
+    return x.new_empty((*x.shape[:-1], w2.shape[0]))
+
+
+class _Pack:
+    """A packed mlp of the extension, held by the FusedMLP modules that use it. The op names it
+    by an integer handle (custom ops take tensors and scalars only) through the weak registry
+    below, so a pack lives exactly as long as a module holds it. Packs are immutable: copies of
+    a module (deepcopy) share theirs."""
+    __slots__ = ("ext", "__weakref__")
+
+    def __init__(self, ext):
+        self.ext = ext
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+_PACKS = weakref.WeakValueDictionary()
+_PACK_IDS = itertools.count(1)
+
+
+@torch.library.custom_op("fusedmlp::mlp_packed", mutates_args=())
+def _mlp_packed_op(x: Tensor, residual: Optional[Tensor], handle: int, d_out: int) -> Tensor:
+    packed = _PACKS.get(handle)
+    if packed is None:
+        raise ValueError(f"handle {handle} names no live packed mlp (its FusedMLP was deleted or "
+                         "repacked); rebuild the compiled graph from the live module")
+    x2 = _rows(x, "x")
+    y = torch.empty((x2.shape[0], d_out), dtype=x.dtype, device=x.device)
+    r2 = None if residual is None else _rows(residual, "residual")
+    with _device_of(x):
+        tensors, bits = _args(x.device, out=y, x=x2, residual=r2)
+        packed.ext.run("run", tensors, bits, _workspace_for(x), _stream_for(x))
+    return y.view(*x.shape[:-1], d_out)
+
+
+@_mlp_packed_op.register_fake
+def _mlp_packed_fake(x, residual, handle, d_out):
+    return x.new_empty((*x.shape[:-1], d_out))
+
+
+@torch.library.custom_op("fusedmlp::linear", mutates_args=())
+def _linear_op(x: Tensor, w: Tensor, bias: Optional[Tensor] = None,
+               w_scale: Optional[Tensor] = None) -> Tensor:
+    x2 = _rows(x, "x")
+    y = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    with _device_of(x):
+        tensors, bits = _args(x.device, out=y, x=x2, w=w, w_scale=w_scale, bias=bias)
+        _ext.linear("run", tensors, bits, _BACKENDS["auto"], _workspace_for(x), _stream_for(x))
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+@_linear_op.register_fake
+def _linear_fake(x, w, bias=None, w_scale=None):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@torch.library.custom_op("fusedmlp::softmax", mutates_args=())
+def _softmax_op(x: Tensor, temperature: float = 1.0, log: bool = False) -> Tensor:
+    x2 = _rows(x, "x")
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    with _device_of(x):
+        tensors, bits = _args(x.device, out=y, x=x2)
+        _ext.softmax("run", tensors, bits, temperature, log, _BACKENDS["auto"],
+                     _workspace_for(x), _stream_for(x))
+    return y.view(x.shape)
+
+
+@_softmax_op.register_fake
+def _softmax_fake(x, temperature=1.0, log=False):
+    return torch.empty_like(x)
+
+
+def mlp(x, w1, w2, *, b1=None, w_up=None, b_up=None, b2=None, residual=None, norm_weight=None,
+        norm_bias=None, w1_scale=None, w_up_scale=None, w2_scale=None, activation="gelu",
+        gated=False, norm=None, eps=1e-5):
+    """torch.ops.fusedmlp.mlp: fusedmlp.mlp for torch tensors of any leading dims
+    (x [..., d_in] -> [..., d_out]); see fusedmlp.mlp for the math and arguments."""
+    return torch.ops.fusedmlp.mlp(x, w1, w2, b1, w_up, b_up, b2, residual, norm_weight,
+                                  norm_bias, w1_scale, w_up_scale, w2_scale, activation,
+                                  gated, "none" if norm is None else norm, eps)
+
+
+def linear(x, w, bias=None, *, w_scale=None):
+    """torch.ops.fusedmlp.linear: x [..., K] w^T + bias -> [..., N]."""
+    return torch.ops.fusedmlp.linear(x, w, bias, w_scale)
+
+
+def softmax(x, temperature=1.0):
+    """torch.ops.fusedmlp.softmax over the last dim."""
+    return torch.ops.fusedmlp.softmax(x, temperature, False)
+
+
+def log_softmax(x, temperature=1.0):
+    """torch.ops.fusedmlp.softmax(log=True) over the last dim."""
+    return torch.ops.fusedmlp.softmax(x, temperature, True)
+
+
+# ---- FusedMLP ----
+
+def _param(t):
+    return None if t is None else nn.Parameter(t.detach(), requires_grad=False)
+
+
+class FusedMLP(nn.Module):
+    """y = mlp(x) [+ residual] with weights packed once for the weights' device (repacked after
+    .to(), .half() and the like; call repack() after editing the weights in place).
+
+    forward(x[, residual]): x [..., d_in] -> [..., d_out] on the weights' device, any float
+    dtype. `dropout` (an nn.Dropout, e.g. GPT-2's resid dropout) is applied to the output in
+    training mode; with a residual it cannot be (it would have to act before the add), so that
+    combination raises. Inference only: no backward.
+    """
+
+    def __init__(self, w1, w2, *, b1=None, w_up=None, b_up=None, b2=None, activation="gelu",
+                 gated=False, norm=None, norm_weight=None, norm_bias=None, eps=1e-5,
+                 dropout=None, backend="auto"):
+        super().__init__()
+        _lookup(_ACTIVATIONS, "activation", activation)
+        _lookup(_NORMS, "norm", norm)
+        _lookup(_BACKENDS, "backend", backend)
+        self.activation, self.gated, self.norm, self.eps = activation, bool(gated), norm, eps
+        self.backend = backend
+        for name, t in dict(w1=w1, b1=b1, w_up=w_up, b_up=b_up, w2=w2, b2=b2,
+                            norm_weight=norm_weight, norm_bias=norm_bias).items():
+            self.register_parameter(name, _param(t))
+        self.dropout = dropout
+        self.d_in, self.d_out = int(w1.shape[1]), int(w2.shape[0])
+        self.hidden = int(w2.shape[1])
+        self._handle = 0
+        self.repack()
+
+    @classmethod
+    def from_module(cls, module, backend="auto"):
+        """A FusedMLP computing what `module` computes: GPT-2 style (c_fc, act, c_proj; Conv1D
+        or Linear), gated (gate_proj, up_proj, down_proj, act_fn: Llama, Mistral, Qwen2...),
+        fc1/activation_fn/fc2 (CLIP, OPT style) or nn.Sequential(Linear, act, Linear[,
+        Dropout]). Raises NotImplementedError naming what does not fit."""
+        return cls(**_describe(module), backend=backend)
+
+    def repack(self):
+        """Packs the current weights for their device (on the current CUDA stream). The previous
+        pack is freed: CUDA graphs captured with it must be captured again."""
+        with _device_of(self.w1):
+            tensors, bits = _args(self.w1.device, w1=self.w1, b1=self.b1, w_up=self.w_up,
+                                  b_up=self.b_up, w2=self.w2, b2=self.b2,
+                                  norm_weight=self.norm_weight, norm_bias=self.norm_bias)
+            packed = _ext.PackedMlp(tensors, bits, _ACTIVATIONS[self.activation], self.gated,
+                                    _NORMS[self.norm], float(self.eps), False,
+                                    _BACKENDS[self.backend], _stream_for(self.w1))
+        self._pack = _Pack(packed)
+        self._handle = next(_PACK_IDS)
+        _PACKS[self._handle] = self._pack
+
+    def _apply(self, fn, *args, **kwargs):
+        result = super()._apply(fn, *args, **kwargs)
+        self.repack()
+        return result
+
+    def forward(self, x, residual=None):
+        y = torch.ops.fusedmlp.mlp_packed(x, residual, self._handle, self.d_out)
+        if self.dropout is not None and self.training and self.dropout.p > 0:
+            if residual is not None:
+                raise RuntimeError("FusedMLP with a residual cannot apply dropout before the "
+                                   "add; call model.eval() (fusedmlp is inference-only)")
+            y = self.dropout(y)
+        return y
+
+    def extra_repr(self):
+        kind = "gated " if self.gated else ""
+        return (f"{self.d_in} -> {self.hidden} -> {self.d_out}, {kind}{self.activation}, "
+                f"norm={self.norm}, packed for {self.w1.device}")
+
+
+def _activation(act):
+    """fusedmlp's name for an activation module or function, or NotImplementedError."""
+    name = type(act).__name__
+    if name in ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation"):
+        return "gelu_tanh"
+    if name == "GELUActivation":
+        return "gelu"
+    if name in ("SiLUActivation", "SiLU"):
+        return "silu"
+    if name == "ReLU":
+        return "relu"
+    if name == "GELU":
+        return "gelu_tanh" if getattr(act, "approximate", "none") == "tanh" else "gelu"
+    functions = {torch.nn.functional.gelu: "gelu", torch.nn.functional.silu: "silu",
+                 torch.nn.functional.relu: "relu", torch.relu: "relu"}
+    if act in functions:
+        return functions[act]
+    raise NotImplementedError(f"activation {name} has no fusedmlp equivalent "
+                              "(relu, gelu, gelu_tanh and silu are)")
+
+
+def _linear_weight(layer, name):
+    """nn.Linear layout [out, in] of an nn.Linear or a transformers Conv1D ([in, out])."""
+    if isinstance(layer, nn.Linear):
+        return layer.weight, layer.bias
+    if type(layer).__name__ == "Conv1D":
+        return layer.weight.t().contiguous(), layer.bias
+    raise NotImplementedError(f"{name} is a {type(layer).__name__}; expected nn.Linear or "
+                              "Conv1D")
+
+
+def _describe(m):
+    """FusedMLP keyword arguments for a supported MLP module."""
+    if all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        wg, bg = _linear_weight(m.gate_proj, "gate_proj")
+        wu, bu = _linear_weight(m.up_proj, "up_proj")
+        w2, b2 = _linear_weight(m.down_proj, "down_proj")
+        if (bg is None) != (bu is None):
+            raise NotImplementedError("gate_proj and up_proj disagree on having a bias")
+        return dict(w1=wg, b1=bg, w_up=wu, b_up=bu, w2=w2, b2=b2, gated=True,
+                    activation=_activation(m.act_fn))
+    for fc, act, proj in (("c_fc", "act", "c_proj"), ("fc1", "activation_fn", "fc2")):
+        if all(hasattr(m, a) for a in (fc, act, proj)):
+            w1, b1 = _linear_weight(getattr(m, fc), fc)
+            w2, b2 = _linear_weight(getattr(m, proj), proj)
+            dropout = getattr(m, "dropout", None)
+            return dict(w1=w1, b1=b1, w2=w2, b2=b2, activation=_activation(getattr(m, act)),
+                        dropout=dropout if isinstance(dropout, nn.Dropout) else None)
+    if isinstance(m, nn.Sequential) and len(m) in (3, 4) and isinstance(m[0], nn.Linear) \
+            and isinstance(m[2], nn.Linear) and (len(m) == 3 or isinstance(m[3], nn.Dropout)):
+        return dict(w1=m[0].weight, b1=m[0].bias, w2=m[2].weight, b2=m[2].bias,
+                    activation=_activation(m[1]), dropout=m[3] if len(m) == 4 else None)
+    raise NotImplementedError(f"{type(m).__name__} is not a known MLP layout (gate/up/down "
+                              "projections, c_fc/act/c_proj, fc1/activation_fn/fc2 or "
+                              "Sequential(Linear, act, Linear))")
+
+
+from ._patch import PROBE_RTOL, PatchError, PatchReport, patch  # noqa: E402
