@@ -5,6 +5,8 @@
             --gpu-info OUT/gpu.txt --commit SHA --out bench/results/cuda_decode_h200
   prefill: python3 bench/report.py prefill --ours OUT/ours_prefill.json \
             --peers OUT/peers_prefill.json --commit SHA --out bench/results/cuda_prefill_h200
+  ops:  python3 bench/report.py ops --ours OUT/ops.json --peers OUT/peers_ops.json --commit SHA \
+            --out bench/results/ops_h200
   cpu:  python3 bench/report.py cpu --bench a.json:label [--bench b.json:label] --commit SHA \
             --out bench/results/cpu_speedup
 
@@ -140,6 +142,59 @@ def prefill(a):
               f"{r['peer_us']} ({r['best_peer']}) | {r['speedup_vs_best_peer']}x |")
 
 
+def ops(a):
+    """linear and softmax against torch (F.linear / torch.softmax, graph replay, same session):
+    µs, % of the copy-bandwidth floor, speedup; geometric mean over the M = 1 linear suite."""
+    import math
+
+    ours = json.load(open(a.ours))
+    peers = json.load(open(a.peers))
+    key = lambda r: (r["op"], r["shape"], r["dtype"], r["M"])
+    peer_by = {key(p): p for p in peers["rows"]}
+    rows = []
+    for r in ours["rows"]:
+        p = peer_by.get(key(r), {})
+        rows.append({"op": r["op"], "shape": r["shape"], "dtype": r["dtype"], "M": r["M"],
+                     "N": r["N"], "K": r["K"], "kernel": r.get("kernel"), "ours_us": r["us"],
+                     "ours_pct_of_copy": r["pct_of_copy"], "check": r["check"],
+                     "torch_us": None if not p else round(p["us"], 3),
+                     "speedup": None if not p else round(p["us"] / r["us"], 3)})
+    m1 = [r["speedup"] for r in rows if r["op"] == "linear" and r["M"] == 1 and r["dtype"] == "bf16"
+          and r["speedup"]]
+    geo = math.exp(sum(math.log(x) for x in m1) / len(m1)) if m1 else None
+    meta = {"gpu": ours.get("gpu"), "copy_TBps": ours.get("copy_TBps"), "torch": peers.get("torch"),
+            "commit": a.commit, "linear_m1_bf16_geomean_speedup": geo,
+            "linear_m1_bf16_slower_than_torch": [r["shape"] for r in rows if r["op"] == "linear"
+                                                 and r["M"] == 1 and r["dtype"] == "bf16"
+                                                 and r["speedup"] and r["speedup"] < 1],
+            "softmax_inf_row": peers.get("softmax_inf_row"),
+            "method": "CUDA-graph replay, inputs rotated over > 3x L2, median; % of copy = "
+                      "(bytes read + written) / device copy bandwidth measured in the run"}
+    write_rows(a.out, rows, meta)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lin = [r for r in rows if r["op"] == "linear" and r["M"] == 1 and r["dtype"] == "bf16"]
+    fig, ax = plt.subplots(figsize=(12, 4))
+    ax.bar(range(len(lin)), [r["speedup"] or 0 for r in lin])
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(range(len(lin)))
+    ax.set_xticklabels([r["shape"] for r in lin], rotation=75, fontsize=7)
+    ax.set_ylabel("speedup vs torch F.linear")
+    ax.set_title(f"linear M = 1, bf16, {meta['gpu']}, geomean {geo:.2f}x, commit {a.commit}")
+    fig.tight_layout()
+    fig.savefig(a.out + ".png", dpi=110)
+    print(f"linear M=1 bf16 geomean speedup {geo:.3f}x; slower than torch: "
+          f"{meta['linear_m1_bf16_slower_than_torch']}")
+    print("| op | shape | dtype | M | µs | % of copy | torch µs | speedup |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['M']} | {r['ours_us']:.2f} | "
+              f"{r['ours_pct_of_copy']:.1f}% | {r['torch_us']} | {r['speedup']}x |")
+
+
 def cpu(a):
     """One plot of the speedup over the OpenBLAS pipeline against M, one series per bench file."""
     rows, metas, series = [], {}, []
@@ -182,13 +237,18 @@ def main():
     f.add_argument("--peers")
     f.add_argument("--commit", default="unknown")
     f.add_argument("--out", required=True)
+    o = sub.add_parser("ops")
+    o.add_argument("--ours", required=True)
+    o.add_argument("--peers", required=True)
+    o.add_argument("--commit", default="")
+    o.add_argument("--out", required=True)
     p = sub.add_parser("cpu")
     p.add_argument("--bench", action="append", required=True, help="FILE[:label], repeatable")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", required=True)
     a = ap.parse_args()
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    return {"cuda": cuda, "prefill": prefill, "cpu": cpu}[a.cmd](a)
+    return {"cuda": cuda, "prefill": prefill, "ops": ops, "cpu": cpu}[a.cmd](a)
 
 
 if __name__ == "__main__":
