@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "core/error.hpp"
+#include "cuda/device_scope.hpp"
 #include "cuda/mlp_prefill_cublaslt.cuh"
 #include "cuda/ops.cuh"
 
@@ -39,13 +40,8 @@ size_t linear_cublaslt_workspace(const LinearDesc& d) {
 
 fmlp_status_t linear_cublaslt_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
                                   void* stream) {
-  int current = -1;
-  cudaGetDevice(&current);
-  if (current != d.device_id && cudaSetDevice(d.device_id) != cudaSuccess) {
-    const cudaError_t e = cudaGetLastError();
-    return fail(FMLP_ERROR_CUDA, "cudaSetDevice({}) failed: {}", d.device_id,
-                cudaGetErrorString(e));
-  }
+  const DeviceScope scope(d.device_id);
+  if (scope.status() != FMLP_SUCCESS) return scope.status();
   LtGemm g;
   g.device = d.device_id;
   g.dtype = d.w_dtype;
@@ -68,7 +64,6 @@ fmlp_status_t linear_cublaslt_run(const fmlp_linear_args_t& a, const LinearDesc&
     const cudaError_t e = cudaGetLastError();
     st = fail(FMLP_ERROR_CUDA, "clearing the cuBLASLt workspace failed: {}", cudaGetErrorString(e));
   }
-  if (current >= 0 && current != d.device_id) cudaSetDevice(current);
   return st;
 }
 

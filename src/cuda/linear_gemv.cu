@@ -34,6 +34,7 @@
 #include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
+#include "cuda/device_scope.hpp"
 #include "cuda/ops.cuh"
 
 namespace fmlp::detail {
@@ -384,13 +385,8 @@ fmlp_status_t gemv_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* w
     p.counters = reinterpret_cast<unsigned*>(
         base + align_up(size_t(c.splits) * size_t(d.m) * size_t(d.n) * 4));
   }
-  int current = -1;
-  cudaGetDevice(&current);
-  if (current != d.device_id && cudaSetDevice(d.device_id) != cudaSuccess) {
-    const cudaError_t e = cudaGetLastError();
-    return fail(FMLP_ERROR_CUDA, "cudaSetDevice({}) failed: {}", d.device_id,
-                cudaGetErrorString(e));
-  }
+  const DeviceScope scope(d.device_id);
+  if (scope.status() != FMLP_SUCCESS) return scope.status();
   auto s = static_cast<cudaStream_t>(stream);
   fmlp_status_t st;
   switch (d.w_dtype) {
@@ -399,7 +395,6 @@ fmlp_status_t gemv_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* w
     case FMLP_DTYPE_BF16: st = dispatch_mt<__nv_bfloat16>(p, c, d.w_vec16, d.device_id, s); break;
     default: st = dispatch_mt<Fp8>(p, c, d.w_vec16, d.device_id, s); break;
   }
-  if (current >= 0 && current != d.device_id) cudaSetDevice(current);
   return st;
 }
 

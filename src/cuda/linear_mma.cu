@@ -25,13 +25,18 @@
 #include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
+#include "cuda/device_scope.hpp"
+#include "cuda/mma_stream.cuh"
 #include "cuda/ops.cuh"
 
 namespace fmlp::detail {
 namespace {
 
+using fmlp::cuda::Frags;
 using fmlp::cuda::ld_stream_v4;
 using fmlp::cuda::load_scalar;
+using fmlp::cuda::mma_step;
+using fmlp::cuda::pipelined;
 using fmlp::cuda::store_scalar;
 
 constexpr int kWarps = 8;
@@ -59,28 +64,6 @@ struct MmaParams {
   unsigned* counters;  // [chunks] when splits > 1, zero between calls
 };
 
-template <typename WT>
-__device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                    uint32_t a3, uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<WT, __half>)
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  else
-    fmlp::cuda::mma_bf16(c, a0, a1, a2, a3, b0, b1);
-}
-
-// One 32-column step: lane (g, t) holds columns 8t..8t+7 of rows g and g + 8 and of token g;
-// k slots 2t, 2t+1, 2t+8, 2t+9 of the first mma are columns 8t..8t+3, of the second 8t+4..8t+7.
-template <typename WT>
-__device__ __forceinline__ void mma_step(float (&c)[4], const uint4& row_g, const uint4& row_g8,
-                                         const uint4& b) {
-  mma<WT>(c, row_g.x, row_g8.x, row_g.y, row_g8.y, b.x, b.y);
-  mma<WT>(c, row_g.z, row_g8.z, row_g.w, row_g8.w, b.z, b.w);
-}
-
 // 32-column steps per load batch and batches in flight: fewer steps with more token tiles, whose
 // accumulators and staged-token fragments take the registers (two blocks of 256 threads per
 // multiprocessor leave 128 per thread).
@@ -88,27 +71,6 @@ template <int NT>
 struct Pipe {
   static constexpr int kSteps = NT >= 8 ? 1 : NT >= 4 ? 2 : 4;
   static constexpr int kDepth = NT >= 8 ? 2 : NT >= 4 ? 3 : 2;
-};
-
-// Runs body(ring[i % DEPTH], i) for i in [0, n); ring slots 0 .. DEPTH - 2 already hold batches
-// 0 .. DEPTH - 2, and batch i + DEPTH - 1 is requested before batch i is used (slot indices stay
-// compile-time constants, so the ring stays in registers).
-template <int DEPTH, typename Buf, typename Load, typename Body>
-__device__ __forceinline__ void pipelined(int n, Buf (&ring)[DEPTH], Load load, Body body) {
-  for (int i0 = 0; i0 < n; i0 += DEPTH) {
-#pragma unroll
-    for (int d = 0; d < DEPTH; ++d) {
-      const int i = i0 + d;
-      if (i >= n) break;
-      if (i + DEPTH - 1 < n) load(ring[(d + DEPTH - 1) % DEPTH], i + DEPTH - 1);
-      body(ring[d], i);
-    }
-  }
-}
-
-template <int SP>
-struct Frags {
-  uint4 v[SP][2];  // rows g and g + 8, one 16-byte piece per step
 };
 
 // Columns [k0, k0 + width) of the tokens into xs, zeros past M and past the split's `cols`.
@@ -354,17 +316,11 @@ fmlp_status_t linear_mma_run(const fmlp_linear_args_t& a, const LinearDesc& d, v
     p.counters = reinterpret_cast<unsigned*>(
         base + align_up(size_t(c.splits) * size_t(d.m) * size_t(d.n) * 4));
   }
-  int current = -1;
-  cudaGetDevice(&current);
-  if (current != d.device_id && cudaSetDevice(d.device_id) != cudaSuccess) {
-    const cudaError_t e = cudaGetLastError();
-    return fail(FMLP_ERROR_CUDA, "cudaSetDevice({}) failed: {}", d.device_id,
-                cudaGetErrorString(e));
-  }
+  const DeviceScope scope(d.device_id);
+  if (scope.status() != FMLP_SUCCESS) return scope.status();
   auto s = static_cast<cudaStream_t>(stream);
   const fmlp_status_t st =
       d.w_dtype == FMLP_DTYPE_F16 ? dispatch<__half>(p, c, s) : dispatch<__nv_bfloat16>(p, c, s);
-  if (current >= 0 && current != d.device_id) cudaSetDevice(current);
   return st;
 }
 

@@ -33,6 +33,7 @@
 #include "core/tensor_check.hpp"
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
+#include "cuda/device_scope.hpp"
 #include "cuda/mlp_decode.cuh"
 
 namespace fmlp::detail {
@@ -616,18 +617,14 @@ fmlp_status_t mlp_decode_sm90_splitk_run(const fmlp_mlp_args_t& a, const MlpDesc
   p.counters = reinterpret_cast<unsigned*>(
       static_cast<char*>(workspace) + round256(slots * size_t(d.d_out) * c.nt * 8 * sizeof(float)));
 
-  int prev = -1;
-  cudaGetDevice(&prev);
-  if (prev != d.device_id && cudaSetDevice(d.device_id) != cudaSuccess)
-    return fail(FMLP_ERROR_CUDA, "cudaSetDevice({}) failed: {}", d.device_id,
-                cudaGetErrorString(cudaGetLastError()));
+  const DeviceScope scope(d.device_id);
+  if (scope.status() != FMLP_SUCCESS) return scope.status();
   cudaError_t err =
       cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem));
   if (err == cudaSuccess) {
     fn<<<c.grid, kThreads, c.smem, static_cast<cudaStream_t>(stream)>>>(p);
     err = cudaGetLastError();
   }
-  if (prev >= 0 && prev != d.device_id) cudaSetDevice(prev);
   if (err != cudaSuccess)
     return fail(FMLP_ERROR_CUDA,
                 "mlp_decode_sm90_splitk launch ({} blocks x {} threads, {} bytes "

@@ -33,16 +33,22 @@
 #include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
+#include "cuda/device_scope.hpp"
 #include "cuda/mlp_decode.cuh"
+#include "cuda/mma_stream.cuh"
 
 namespace fmlp::detail {
 namespace {
 
 namespace cg = cooperative_groups;
 using fmlp::cuda::activate;
+using fmlp::cuda::Frags;
 using fmlp::cuda::ld_stream_v4;
 using fmlp::cuda::load_scalar;
+using fmlp::cuda::mma_step;
 using fmlp::cuda::opt;
+using fmlp::cuda::pipelined;
+using fmlp::cuda::prime;
 using fmlp::cuda::store_scalar;
 
 constexpr int kThreads = 512;
@@ -66,30 +72,6 @@ struct ClusterParams : fmlp::cuda::DecodeOperands {
   const float *sg, *su, *s2;
   int sg_stride, su_stride, s2_stride;
 };
-
-template <typename WT>
-__device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                    uint32_t a3, uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<WT, __half>)
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  else
-    fmlp::cuda::mma_bf16(c, a0, a1, a2, a3, b0, b1);
-}
-
-// One 32-column step: rows g and g+8 of a 16-row group hold 8 consecutive columns each (lane
-// (g, t) holds columns 8t..8t+7), and so does the token operand; mapping k slots 2t, 2t+1 to
-// columns 8t, 8t+1 and slots 2t+8, 2t+9 to 8t+2, 8t+3 (second mma: 8t+4..8t+7) makes both plain
-// 16-byte loads valid fragments.
-template <typename WT>
-__device__ __forceinline__ void mma_step(float (&c)[4], const uint4& row_g, const uint4& row_g8,
-                                         const uint4& b) {
-  mma<WT>(c, row_g.x, row_g8.x, row_g.y, row_g8.y, b.x, b.y);
-  mma<WT>(c, row_g.z, row_g8.z, row_g.w, row_g8.w, b.z, b.w);
-}
 
 // Eight e4m3 weights (two 32-bit words) as eight WT values, exactly: cvt.rn.f16x2.e4m3x2 is exact
 // (e4m3 is a subset of fp16, subnormals and NaN included) and so is fp16 -> fp32 -> bf16 for
@@ -217,33 +199,6 @@ template <int NT>
 struct Pipe {
   static constexpr int kSteps = NT >= 8 ? 2 : 4;
   static constexpr int kDepth = 2;
-};
-
-// Runs body(i, buf) for i in [0, n) with loads issued kDepth - 1 iterations ahead into a ring of
-// register buffers (indices stay compile-time constants, so the ring stays in registers).
-template <int DEPTH, typename Buf, typename Load>
-__device__ __forceinline__ void prime(int n, Buf (&ring)[DEPTH], Load load) {
-#pragma unroll
-  for (int d = 0; d < DEPTH - 1; ++d)
-    if (d < n) load(ring[d], d);
-}
-// The ring must have been primed (prime()) with the first DEPTH - 1 loads.
-template <int DEPTH, typename Buf, typename Load, typename Body>
-__device__ __forceinline__ void pipelined(int n, Buf (&ring)[DEPTH], Load load, Body body) {
-  for (int i0 = 0; i0 < n; i0 += DEPTH) {
-#pragma unroll
-    for (int d = 0; d < DEPTH; ++d) {
-      const int i = i0 + d;
-      if (i >= n) break;
-      if (i + DEPTH - 1 < n) load(ring[(d + DEPTH - 1) % DEPTH], i + DEPTH - 1);
-      body(ring[d], i);
-    }
-  }
-}
-
-template <int STEPS>
-struct Frags {
-  uint4 v[STEPS][2];  // rows g and g + 8 of a 16-row group, one 16-byte piece per step
 };
 
 template <int NT, typename WT, bool FP8>
@@ -683,20 +638,11 @@ size_t mlp_decode_sm90_cluster_workspace(const MlpDesc& d) {
 
 fmlp_status_t mlp_decode_sm90_cluster_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* ws,
                                           void* stream) {
-  int current = -1;
-  cudaGetDevice(&current);
-  if (current != d.device_id && cudaSetDevice(d.device_id) != cudaSuccess) {
-    const cudaError_t e = cudaGetLastError();
-    return fail(FMLP_ERROR_CUDA, "cudaSetDevice({}) failed: {}", d.device_id,
-                cudaGetErrorString(e));
-  }
-  auto restore = [&](fmlp_status_t s) {
-    if (current >= 0 && current != d.device_id) cudaSetDevice(current);
-    return s;
-  };
+  const DeviceScope scope(d.device_id);
+  if (scope.status() != FMLP_SUCCESS) return scope.status();
   Plan pl;
   std::string why;
-  if (!cached_plan(d, &pl, &why)) return restore(fail(FMLP_ERROR_NOT_SUPPORTED, "{}", why));
+  if (!cached_plan(d, &pl, &why)) return fail(FMLP_ERROR_NOT_SUPPORTED, "{}", why);
   ClusterParams p = pl.shape;
   static_cast<fmlp::cuda::DecodeOperands&>(p) = fmlp::cuda::decode_operands(a, d);
   char* base = static_cast<char*>(ws);
@@ -730,12 +676,12 @@ fmlp_status_t mlp_decode_sm90_cluster_run(const fmlp_mlp_args_t& a, const MlpDes
   }
   if (e != cudaSuccess) {
     cudaGetLastError();
-    return restore(fail(FMLP_ERROR_CUDA,
-                        "mlp_decode_sm90_cluster launch ({} blocks, cluster {}, "
-                        "{} bytes of shared memory) failed: {}",
-                        pl.blocks, pl.cluster, pl.smem, cudaGetErrorString(e)));
+    return fail(FMLP_ERROR_CUDA,
+                "mlp_decode_sm90_cluster launch ({} blocks, cluster {}, {} bytes of shared "
+                "memory) failed: {}",
+                pl.blocks, pl.cluster, pl.smem, cudaGetErrorString(e));
   }
-  return restore(FMLP_SUCCESS);
+  return FMLP_SUCCESS;
 }
 
 }  // namespace fmlp::detail

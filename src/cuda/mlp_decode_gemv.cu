@@ -25,6 +25,7 @@
 #include "core/tensor_check.hpp"
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
+#include "cuda/device_scope.hpp"
 #include "cuda/mlp_decode.cuh"
 
 namespace fmlp::detail {
@@ -323,21 +324,14 @@ fmlp_status_t mlp_decode_sm80_gemv_run(const fmlp_mlp_args_t& a, const MlpDesc& 
   base += align_up(size_t(d.m) * size_t(d.d_out) * 4);
   p.counter = reinterpret_cast<unsigned*>(base);
 
-  // Launch on the tensors' device, leaving the caller's current device as it was.
-  int current = -1;
-  cudaGetDevice(&current);
-  if (current != d.device_id && cudaSetDevice(d.device_id) != cudaSuccess) {
-    const cudaError_t e = cudaGetLastError();
-    return fail(FMLP_ERROR_CUDA, "cudaSetDevice({}) failed: {}", d.device_id,
-                cudaGetErrorString(e));
-  }
+  const DeviceScope scope(d.device_id);
+  if (scope.status() != FMLP_SUCCESS) return scope.status();
   const int blocks = blocks_for(d);
   const size_t smem = smem_bytes(d, blocks);
   auto s = static_cast<cudaStream_t>(stream);
   const fmlp_status_t status = d.w_dtype == FMLP_DTYPE_F16
                                    ? dispatch<__half>(p, d, blocks, smem, s)
                                    : dispatch<__nv_bfloat16>(p, d, blocks, smem, s);
-  if (current >= 0 && current != d.device_id) cudaSetDevice(current);
   return status;
 }
 

@@ -22,6 +22,7 @@
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "cuda/common.cuh"
+#include "cuda/device_scope.hpp"
 #include "cuda/mlp_prefill.cuh"
 #include "cuda/mlp_prefill_cublaslt.cuh"
 
@@ -417,11 +418,8 @@ size_t mlp_prefill_sm90_cublaslt_workspace(const MlpDesc& d) {
 
 fmlp_status_t mlp_prefill_sm90_cublaslt_run(const fmlp_mlp_args_t& a, const MlpDesc& d,
                                             void* workspace, void* stream) {
-  int prev = -1;
-  cudaGetDevice(&prev);
-  if (prev != d.device_id && cudaSetDevice(d.device_id) != cudaSuccess)
-    return fail(FMLP_ERROR_CUDA, "cudaSetDevice({}) failed: {}", d.device_id,
-                cudaGetErrorString(cudaGetLastError()));
+  const DeviceScope scope(d.device_id);
+  if (scope.status() != FMLP_SUCCESS) return scope.status();
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   fmlp_status_t st;
   switch (d.act_dtype) {
@@ -429,7 +427,6 @@ fmlp_status_t mlp_prefill_sm90_cublaslt_run(const fmlp_mlp_args_t& a, const MlpD
     case FMLP_DTYPE_F16: st = run_typed<__half>(a, d, workspace, s); break;
     default: st = run_typed<__nv_bfloat16>(a, d, workspace, s); break;
   }
-  if (prev >= 0 && prev != d.device_id) cudaSetDevice(prev);
   return st;
 }
 

@@ -28,6 +28,7 @@
 #include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
+#include "cuda/device_scope.hpp"
 #include "cuda/ops.cuh"
 
 namespace fmlp::detail {
@@ -366,13 +367,8 @@ fmlp_status_t rows_run(const fmlp_softmax_args_t& a, const SoftmaxDesc& d, void*
     base += align_up(size_t(d.rows) * 8);
     p.counters = reinterpret_cast<unsigned*>(base);
   }
-  int current = -1;
-  cudaGetDevice(&current);
-  if (current != d.device_id && cudaSetDevice(d.device_id) != cudaSuccess) {
-    const cudaError_t e = cudaGetLastError();
-    return fail(FMLP_ERROR_CUDA, "cudaSetDevice({}) failed: {}", d.device_id,
-                cudaGetErrorString(e));
-  }
+  const DeviceScope scope(d.device_id);
+  if (scope.status() != FMLP_SUCCESS) return scope.status();
   auto s = static_cast<cudaStream_t>(stream);
   fmlp_status_t st;
   switch (d.dtype) {
@@ -380,7 +376,6 @@ fmlp_status_t rows_run(const fmlp_softmax_args_t& a, const SoftmaxDesc& d, void*
     case FMLP_DTYPE_BF16: st = dispatch<__nv_bfloat16>(p, c, s); break;
     default: st = dispatch<float>(p, c, s); break;
   }
-  if (current >= 0 && current != d.device_id) cudaSetDevice(current);
   return st;
 }
 
@@ -522,16 +517,13 @@ int plan_cluster(const SoftmaxDesc& d) {
     std::lock_guard<std::mutex> lock(mu);
     auto it = cache.find(key);
     if (it == cache.end()) {
-      int current = -1;
-      cudaGetDevice(&current);
-      if (current != d.device_id) cudaSetDevice(d.device_id);
-      bool ok;
+      const DeviceScope scope(d.device_id);
+      bool ok = false;
       switch (d.dtype) {
         case FMLP_DTYPE_F16: ok = cluster_resident<__half>(c, smem); break;
         case FMLP_DTYPE_BF16: ok = cluster_resident<__nv_bfloat16>(c, smem); break;
         default: ok = cluster_resident<float>(c, smem); break;
       }
-      if (current >= 0 && current != d.device_id) cudaSetDevice(current);
       it = cache.emplace(key, ok).first;
     }
     if (it->second) return c;
@@ -594,13 +586,8 @@ fmlp_status_t softmax_cluster_run(const fmlp_softmax_args_t& a, const SoftmaxDes
   p.log = d.log;
   p.chunks = c;
   p.chunk_len = part_len(d, c);
-  int current = -1;
-  cudaGetDevice(&current);
-  if (current != d.device_id && cudaSetDevice(d.device_id) != cudaSuccess) {
-    const cudaError_t e = cudaGetLastError();
-    return fail(FMLP_ERROR_CUDA, "cudaSetDevice({}) failed: {}", d.device_id,
-                cudaGetErrorString(e));
-  }
+  const DeviceScope scope(d.device_id);
+  if (scope.status() != FMLP_SUCCESS) return scope.status();
   auto s = static_cast<cudaStream_t>(stream);
   cudaError_t e;
   switch (d.dtype) {
@@ -617,7 +604,6 @@ fmlp_status_t softmax_cluster_run(const fmlp_softmax_args_t& a, const SoftmaxDes
                    : launch_cluster<float, false>(p, c, d.rows, s);
       break;
   }
-  if (current >= 0 && current != d.device_id) cudaSetDevice(current);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return fail(FMLP_ERROR_CUDA, "softmax_sm90_cluster launch ({} rows, cluster {}) failed: {}",
