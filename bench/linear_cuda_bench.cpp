@@ -16,27 +16,13 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "fusedmlp/dtype.hpp"
 #include "fusedmlp/fusedmlp.h"
 
 namespace {
 
-#define CK(call)                                                                                 \
-  do {                                                                                           \
-    const cudaError_t e_ = (call);                                                               \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                              \
-    }                                                                                            \
-  } while (0)
-#define FK(call)                                                                            \
-  do {                                                                                      \
-    const fmlp_status_t s_ = (call);                                                        \
-    if (s_ != FMLP_SUCCESS) {                                                               \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, fmlp_last_error()); \
-      std::exit(3);                                                                         \
-    }                                                                                       \
-  } while (0)
+using fmlp_bench::copy_bandwidth;
 
 struct Shape {
   const char* name;
@@ -186,37 +172,6 @@ cudaGraphExec_t capture(cudaStream_t s, F body) {
   CK(cudaGraphInstantiateWithFlags(&e, g, 0));
   CK(cudaGraphDestroy(g));
   return e;
-}
-
-// The copy floor of every bench of the project (mlp_cuda_bench.cpp does the same): read + write
-// bytes of a stream-ordered device-to-device cudaMemcpyAsync of 2 GiB (far beyond L2), median of
-// 20 after 3 warm-ups. Not a graph memcpy node: in a graph the copy engines do it, which is slower
-// (2.7 vs 4.2 TB/s on an H200) and would put kernels above 100 % of "copy".
-double copy_bandwidth() {
-  const size_t bytes = size_t(2) << 30;
-  void *a, *b;
-  CK(cudaMalloc(&a, bytes));
-  CK(cudaMalloc(&b, bytes));
-  CK(cudaMemset(a, 1, bytes));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  std::vector<double> t;
-  for (int i = 0; i < 23; ++i) {
-    CK(cudaEventRecord(e0));
-    CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    if (i >= 3) t.push_back(ms * 1e-3);
-  }
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  CK(cudaFree(a));
-  CK(cudaFree(b));
-  std::sort(t.begin(), t.end());
-  return 2.0 * double(bytes) / t[t.size() / 2];
 }
 
 struct Row {

@@ -21,28 +21,13 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "fusedmlp/fusedmlp.h"
 
 namespace {
 
-#define CK(call)                                                                                 \
-  do {                                                                                           \
-    const cudaError_t e_ = (call);                                                               \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                              \
-    }                                                                                            \
-  } while (0)
-
-#define FK(call)                                                                                  \
-  do {                                                                                            \
-    const fmlp_status_t s_ = (call);                                                              \
-    if (s_ != FMLP_SUCCESS) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s: %s\n", __FILE__, __LINE__, #call, fmlp_status_name(s_), \
-                   fmlp_last_error());                                                            \
-      std::exit(3);                                                                               \
-    }                                                                                             \
-  } while (0)
+using fmlp_bench::copy_bandwidth;
+using fmlp_bench::median;
 
 size_t esize(fmlp_dtype_t t) {
   return t == FMLP_DTYPE_F32 ? 4 : t == FMLP_DTYPE_F8_E4M3 ? 1 : 2;
@@ -527,35 +512,6 @@ int determinism_and_graph(std::mt19937& rng) {
   c.release();
   CK(cudaStreamDestroy(s));
   return failures;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-double copy_bandwidth() {
-  const size_t bytes = size_t(2) << 30;
-  void *a, *b;
-  CK(cudaMalloc(&a, bytes));
-  CK(cudaMalloc(&b, bytes));
-  CK(cudaMemset(a, 1, bytes));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  std::vector<double> t;
-  for (int i = 0; i < 23; ++i) {
-    CK(cudaEventRecord(e0));
-    CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    if (i >= 3) t.push_back(ms * 1e-3);
-  }
-  CK(cudaFree(a));
-  CK(cudaFree(b));
-  return 2.0 * double(bytes) / median(t);
 }
 
 struct Shape {

@@ -22,19 +22,13 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "fusedmlp/dtype.hpp"
 #include "fusedmlp/fusedmlp.h"
 
 namespace {
 
-#define CK(call)                                                                                 \
-  do {                                                                                           \
-    const cudaError_t e_ = (call);                                                               \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                              \
-    }                                                                                            \
-  } while (0)
+using fmlp_bench::median;
 
 #define LK(call)                                                        \
   do {                                                                  \
@@ -52,11 +46,6 @@ struct Shape {
   fmlp_activation_t act;
   bool gated;
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
