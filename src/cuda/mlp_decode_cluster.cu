@@ -526,6 +526,9 @@ cudaLaunchConfig_t launch_config(const Plan& pl, cudaLaunchAttribute* attr, cuda
 // largest size whose grid still covers >= 90 % of the multiprocessors and whose shared memory
 // fits. The grid is one block per multiprocessor, all co-resident.
 bool make_plan(const MlpDesc& d, Plan* pl, std::string* why) {
+  // The attribute and occupancy queries below act on the current device: make it the tensors'.
+  const DeviceScope scope(d.device_id);
+  if (scope.status() != FMLP_SUCCESS) return (*why = last_error(), false);
   const int sms = cuda_sm_count(d.device_id), tiles = int(d.hidden / 16);
   const int limit = max_optin_smem(d.device_id);
   static const int forced = [] {
