@@ -288,6 +288,79 @@ FMLP_API fmlp_status_t fmlp_softmax_with_kernel(const fmlp_softmax_args_t* args,
                                                 void* workspace, size_t workspace_bytes,
                                                 void* stream);
 
+/* ==== mixture-of-experts op (issue #6; host backends so far) ====
+ * For each token t (row of x [T, d]):
+ *   routing, computed by the router:
+ *     logits = Wr x_t + br            Wr: [E, d] (nn.Linear layout), br: optional [E]
+ *     scores = softmax(logits) | sigmoid(logits)              (config.scoring)
+ *     e_1..e_k = the k largest scores, ties to the lower expert id; w_j = scores[e_j]
+ *     renormalize: w_j /= sum_j w_j
+ *   or routing given: e_j = topk_ids[t][j], w_j = topk_weights[t][j] (used as given; scoring and
+ *     renormalize describe the router and are ignored). Given ids may repeat within a token (each
+ *     occurrence counts).
+ *   expert e (weights stacked over experts, the mlp op's math without norm):
+ *     dense: h = act(W1[e] x_t + b1[e])                        W1: [E, hidden, d]
+ *     gated: h = act(gate) * up, [gate; up] = W1[e] x_t + b1[e]   W1: [E, 2*hidden, d]
+ *                                                             (gate rows first, then up rows)
+ *     mlp_e(x_t) = W2[e] h + b2[e]                             W2: [E, d_out, hidden]
+ *   y_t = [residual_t +] sum_j w_j mlp_{e_j}(x_t)               (j in order 1..k)
+ * A shared expert is one fmlp_mlp call whose output is passed here as `residual`.
+ * Types: x, y, residual: one activation dtype (f32, f16, bf16). W1, W2: one dtype, f32, f16 or bf16
+ * (f8_e4m3 experts are not supported yet). Wr: f32, f16 or bf16; biases f32, f16 or bf16.
+ * Shapes: E = config.num_experts = W1.shape[0] = W2.shape[0] (= Wr.shape[0]); 1 <= top_k <= E;
+ * d, hidden, d_out > 0; T may be 0 (nothing is done). residual may be the very same view as y.
+ * topk_ids: int32, topk_weights: fp32, both [T, top_k] contiguous row-major, in the memory x is in;
+ * pass both (and no router) or neither. Host ids are checked in validation: one outside [0, E)
+ * gives FMLP_ERROR_INDEX_OUT_OF_RANGE naming the token and the value, and y is untouched.
+ * Workspaces follow the mlp contract. Accumulation is fp32 or wider; the cpu backend is
+ * deterministic (fixed summation order whatever the thread count). */
+typedef enum fmlp_moe_scoring_t {
+  FMLP_MOE_SCORING_SOFTMAX = 0,
+  FMLP_MOE_SCORING_SIGMOID = 1
+} fmlp_moe_scoring_t;
+
+typedef struct fmlp_moe_config_t {
+  int32_t num_experts; /* E >= 1 */
+  int32_t top_k;       /* k, 1 <= k <= E */
+  fmlp_activation_t activation;
+  int32_t gated; /* 0: dense, 1: gated (W1 stacked [gate; up]) */
+  fmlp_moe_scoring_t scoring;
+  int32_t renormalize; /* 1: the k router weights are divided by their sum */
+  int32_t deterministic;
+} fmlp_moe_config_t;
+
+typedef struct fmlp_moe_args_t {
+  fmlp_tensor_t y;           /* [T, d_out] */
+  fmlp_tensor_t x;           /* [T, d] */
+  fmlp_tensor_t residual;    /* optional [T, d_out] */
+  fmlp_tensor_t router_w;    /* [E, d]; absent when the routing is given */
+  fmlp_tensor_t router_b;    /* optional [E] */
+  const int32_t* topk_ids;   /* [T, top_k] or NULL (then the router runs) */
+  const float* topk_weights; /* [T, top_k] or NULL */
+  fmlp_tensor_t w1;          /* [E, hidden or 2*hidden, d] */
+  fmlp_tensor_t b1;          /* optional [E, hidden or 2*hidden] */
+  fmlp_tensor_t w2;          /* [E, d_out, hidden] */
+  fmlp_tensor_t b2;          /* optional [E, d_out] */
+  fmlp_moe_config_t config;
+} fmlp_moe_args_t;
+
+/* softmax scoring, renormalize on, deterministic, silu, dense. */
+FMLP_API fmlp_moe_config_t fmlp_moe_config_default(int32_t num_experts, int32_t top_k);
+FMLP_API fmlp_status_t fmlp_moe_workspace_size(const fmlp_moe_args_t* args, fmlp_backend_t backend,
+                                               size_t* bytes);
+FMLP_API fmlp_status_t fmlp_moe(const fmlp_moe_args_t* args, fmlp_backend_t backend,
+                                void* workspace, size_t workspace_bytes, void* stream);
+FMLP_API fmlp_status_t fmlp_moe_explain(const fmlp_moe_args_t* args, fmlp_backend_t backend,
+                                        char* buf, size_t buf_size, size_t* needed);
+FMLP_API int fmlp_moe_kernel_count(void);
+FMLP_API const char* fmlp_moe_kernel_name(int index);
+FMLP_API fmlp_backend_t fmlp_moe_kernel_backend(int index);
+FMLP_API fmlp_status_t fmlp_moe_kernel_supports(const fmlp_moe_args_t* args, const char* kernel);
+FMLP_API fmlp_status_t fmlp_moe_kernel_workspace_size(const fmlp_moe_args_t* args,
+                                                      const char* kernel, size_t* bytes);
+FMLP_API fmlp_status_t fmlp_moe_with_kernel(const fmlp_moe_args_t* args, const char* kernel,
+                                            void* workspace, size_t workspace_bytes, void* stream);
+
 #ifdef __cplusplus
 }
 #endif

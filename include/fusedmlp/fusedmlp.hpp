@@ -189,4 +189,20 @@ inline void softmax(const fmlp_softmax_args_t& args, fmlp_backend_t backend = FM
                                   fmlp_softmax_workspace_size, fmlp_softmax);
 }
 
+// ---- mixture of experts (semantics: fmlp_moe in fusedmlp.h) ----
+// Routing by the router router_w (pass topk_ids / topk_weights in args to give it instead). On
+// the host a workspace is allocated when none is given.
+inline fmlp_moe_args_t moe_args(const fmlp_tensor_t& y, const fmlp_tensor_t& x,
+                                const fmlp_tensor_t& router_w, const fmlp_tensor_t& w1,
+                                const fmlp_tensor_t& w2, const fmlp_moe_config_t& config) {
+  fmlp_moe_args_t a{};
+  a.y = y, a.x = x, a.router_w = router_w, a.w1 = w1, a.w2 = w2, a.config = config;
+  return a;
+}
+inline void moe(const fmlp_moe_args_t& args, fmlp_backend_t backend = FMLP_BACKEND_AUTO,
+                void* workspace = nullptr, size_t workspace_bytes = 0, void* stream = nullptr) {
+  detail::run_with_host_workspace(args, backend, workspace, workspace_bytes, stream,
+                                  fmlp_moe_workspace_size, fmlp_moe);
+}
+
 }  // namespace fmlp

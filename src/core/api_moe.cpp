@@ -1,0 +1,318 @@
+// C ABI of the mixture-of-experts op: the one place its arguments are validated (host expert ids
+// included), then dispatch through the op table (op_table.hpp).
+#include "core/error.hpp"
+#include "core/mlp_validate.hpp"
+#include "core/moe_desc.hpp"
+#include "core/tensor_check.hpp"
+
+namespace fmlp::detail {
+namespace {
+
+#define FMLP_TRY(expr)                           \
+  do {                                           \
+    const fmlp_status_t status_ = (expr);        \
+    if (status_ != FMLP_SUCCESS) return status_; \
+  } while (0)
+
+bool is_act_dtype(fmlp_dtype_t t) {
+  return t == FMLP_DTYPE_F32 || t == FMLP_DTYPE_F16 || t == FMLP_DTYPE_BF16;
+}
+
+fmlp_status_t check_float_dtype(const char* name, const fmlp_tensor_t& t) {
+  if (!is_act_dtype(t.dtype))
+    return fail(FMLP_ERROR_DTYPE_MISMATCH, "{} has dtype {}; it must be f32, f16 or bf16", name,
+                fmlp_dtype_name(t.dtype));
+  return FMLP_SUCCESS;
+}
+
+fmlp_status_t check_config(const fmlp_moe_config_t& c) {
+  if (c.num_experts < 1)
+    return fail(FMLP_ERROR_INVALID_VALUE, "config.num_experts is {}; it must be >= 1",
+                c.num_experts);
+  if (c.top_k < 1 || c.top_k > c.num_experts)
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "config.top_k is {} but config.num_experts is {}; top_k must be in [1, "
+                "num_experts]",
+                c.top_k, c.num_experts);
+  if (unsigned(c.scoring) > unsigned(FMLP_MOE_SCORING_SIGMOID))
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "config.scoring is {}; expected FMLP_MOE_SCORING_SOFTMAX (0) or "
+                "FMLP_MOE_SCORING_SIGMOID (1)",
+                int(c.scoring));
+  if (c.renormalize != 0 && c.renormalize != 1)
+    return fail(FMLP_ERROR_INVALID_VALUE, "config.renormalize is {}; expected 0 or 1",
+                c.renormalize);
+  return FMLP_SUCCESS;
+}
+
+fmlp_status_t check_routing(const fmlp_moe_args_t& a, MoeDesc* d) {
+  const bool router = !tensor_absent(a.router_w);
+  const bool ids = a.topk_ids != nullptr, wts = a.topk_weights != nullptr;
+  if (ids != wts)
+    return fail(FMLP_ERROR_NULL_POINTER,
+                "{} is given but {} is NULL; pass both topk_ids and topk_weights to give the "
+                "routing, or neither to run the router",
+                ids ? "topk_ids" : "topk_weights", ids ? "topk_weights" : "topk_ids");
+  if (ids && router)
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "both router_w and topk_ids are given; pass the router or the routing, not both");
+  if (!ids && !router)
+    return fail(FMLP_ERROR_NULL_POINTER,
+                "router_w is absent and topk_ids is NULL; pass the router [E, d] or the routing "
+                "(topk_ids and topk_weights [T, top_k])");
+  d->given_routing = ids;
+  if (router) {
+    const int64_t shape[2] = {d->experts, d->d};
+    FMLP_TRY(check_tensor("router_w", a.router_w, 2, shape, "[num_experts, d]"));
+    FMLP_TRY(check_float_dtype("router_w", a.router_w));
+    d->router_dtype = a.router_w.dtype;
+    if (!tensor_absent(a.router_b)) {
+      const int64_t bs[1] = {d->experts};
+      FMLP_TRY(check_tensor("router_b", a.router_b, 1, bs, "[num_experts]"));
+      FMLP_TRY(check_float_dtype("router_b", a.router_b));
+      d->router_bias_dtype = a.router_b.dtype;
+    }
+    return FMLP_SUCCESS;
+  }
+  if (!tensor_absent(a.router_b))
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "router_b is given but router_w is absent; the bias belongs to the router");
+  if (uintptr_t(a.topk_ids) % alignof(int32_t) || uintptr_t(a.topk_weights) % alignof(float))
+    return fail(FMLP_ERROR_MISALIGNED, "topk_ids and topk_weights must be 4-byte aligned");
+  if (a.x.device_type == FMLP_DEVICE_CPU)  // device ids cannot be read without a sync
+    for (int64_t t = 0; t < d->tokens; ++t)
+      for (int64_t j = 0; j < d->top_k; ++j) {
+        const int32_t e = a.topk_ids[t * d->top_k + j];
+        if (e < 0 || e >= d->experts)
+          return fail(FMLP_ERROR_INDEX_OUT_OF_RANGE,
+                      "topk_ids[{}][{}] (token {}) is {}; expert ids must be in [0, {}) "
+                      "(config.num_experts)",
+                      t, j, t, e, d->experts);
+      }
+  return FMLP_SUCCESS;
+}
+
+// Expert weights through the mlp op's own validation, expert by expert, so the mlp kernels can
+// take any slice.
+fmlp_status_t check_experts(const fmlp_moe_args_t& a, MoeDesc* d) {
+  const fmlp_mlp_config_t mc{a.config.activation, a.config.gated, FMLP_NORM_NONE, 0.f,
+                             a.config.deterministic};
+  for (int64_t e = 0; e < d->experts; ++e) {
+    fmlp_mlp_weights_t w{};
+    w.w1 = expert_slice(a.w1, e);
+    w.b1 = expert_slice(a.b1, e);
+    w.w2 = expert_slice(a.w2, e);
+    w.b2 = expert_slice(a.b2, e);
+    MlpDesc md;
+    if (const fmlp_status_t s = validate_mlp_weights(w, mc, d->d_out, &md); s != FMLP_SUCCESS)
+      return fail(s, "expert {}: {}", e, last_error());
+    if (e == 0)
+      d->expert = md;
+    else
+      d->expert.weights_vec16 = d->expert.weights_vec16 && md.weights_vec16;
+  }
+  d->expert.act_dtype = FMLP_DTYPE_F32;
+  d->expert.m = 0;
+  return FMLP_SUCCESS;
+}
+
+fmlp_status_t validate_moe(const fmlp_moe_args_t* a, MoeDesc* d) {
+  if (a == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "args is NULL");
+  FMLP_TRY(check_config(a->config));
+  d->experts = a->config.num_experts;
+  d->top_k = a->config.top_k;
+  d->activation = a->config.activation;
+  d->gated = a->config.gated == 1;
+  d->scoring = a->config.scoring;
+  d->renormalize = a->config.renormalize == 1;
+  d->deterministic = a->config.deterministic != 0;
+  if (tensor_absent(a->x)) return fail(FMLP_ERROR_NULL_POINTER, "x is absent; pass [T, d]");
+  if (tensor_absent(a->y)) return fail(FMLP_ERROR_NULL_POINTER, "y is absent; pass [T, d_out]");
+  if (tensor_absent(a->w1))
+    return fail(FMLP_ERROR_NULL_POINTER,
+                "w1 is absent; pass [num_experts, hidden (2*hidden "
+                "gated), d]");
+  if (tensor_absent(a->w2))
+    return fail(FMLP_ERROR_NULL_POINTER, "w2 is absent; pass [num_experts, d_out, hidden]");
+  const int64_t any2[2] = {-1, -1};
+  FMLP_TRY(check_tensor("x", a->x, 2, any2, "[T, d]"));
+  d->tokens = a->x.shape[0];
+  d->d = a->x.shape[1];
+  const int64_t w1_shape[3] = {d->experts, -1, d->d};
+  FMLP_TRY(check_tensor("w1", a->w1, 3, w1_shape, "[num_experts, hidden or 2*hidden, d]"));
+  const int64_t w2_any[3] = {d->experts, -1, -1};
+  FMLP_TRY(check_tensor("w2", a->w2, 3, w2_any, "[num_experts, d_out, hidden]"));
+  d->d_out = a->w2.shape[1];
+  d->hidden = a->w2.shape[2];
+  const int64_t w1_rows = d->gated ? 2 * d->hidden : d->hidden;
+  const int64_t w1_full[3] = {d->experts, w1_rows, d->d};
+  FMLP_TRY(check_tensor("w1", a->w1, 3, w1_full,
+                        d->gated ? "[num_experts, 2*hidden, d] (gate rows, then up rows)"
+                                 : "[num_experts, hidden, d]"));
+  const int64_t y_shape[2] = {d->tokens, d->d_out};
+  FMLP_TRY(check_tensor("y", a->y, 2, y_shape, "[T, d_out]"));
+  if (!is_act_dtype(a->x.dtype))
+    return fail(FMLP_ERROR_DTYPE_MISMATCH, "x has dtype {}; activations must be f32, f16 or bf16",
+                fmlp_dtype_name(a->x.dtype));
+  if (a->y.dtype != a->x.dtype)
+    return fail(FMLP_ERROR_DTYPE_MISMATCH, "y is {} but x is {}; y must have x's dtype",
+                fmlp_dtype_name(a->y.dtype), fmlp_dtype_name(a->x.dtype));
+  d->act_dtype = a->x.dtype;
+  if (a->w1.dtype == FMLP_DTYPE_F8_E4M3 || a->w2.dtype == FMLP_DTYPE_F8_E4M3)
+    return fail(FMLP_ERROR_NOT_SUPPORTED,
+                "fp8 e4m3 expert weights are not supported by the moe op yet; pass f32, f16 or "
+                "bf16 experts");
+  FMLP_TRY(check_float_dtype("w1", a->w1));
+  if (a->w2.dtype != a->w1.dtype)
+    return fail(FMLP_ERROR_DTYPE_MISMATCH, "w2 is {} but w1 is {}; the experts share one dtype",
+                fmlp_dtype_name(a->w2.dtype), fmlp_dtype_name(a->w1.dtype));
+  d->w_dtype = a->w1.dtype;
+  if (!tensor_absent(a->b1)) {
+    const int64_t s[2] = {d->experts, w1_rows};
+    FMLP_TRY(check_tensor("b1", a->b1, 2, s, "[num_experts, hidden or 2*hidden]"));
+    FMLP_TRY(check_float_dtype("b1", a->b1));
+    d->b1_dtype = a->b1.dtype;
+  }
+  if (!tensor_absent(a->b2)) {
+    const int64_t s[2] = {d->experts, d->d_out};
+    FMLP_TRY(check_tensor("b2", a->b2, 2, s, "[num_experts, d_out]"));
+    FMLP_TRY(check_float_dtype("b2", a->b2));
+    d->b2_dtype = a->b2.dtype;
+  }
+  if (!tensor_absent(a->residual)) {
+    FMLP_TRY(check_tensor("residual", a->residual, 2, y_shape, "[T, d_out]"));
+    if (a->residual.dtype != a->x.dtype)
+      return fail(FMLP_ERROR_DTYPE_MISMATCH,
+                  "residual is {} but x is {}; residual must have x's dtype",
+                  fmlp_dtype_name(a->residual.dtype), fmlp_dtype_name(a->x.dtype));
+    d->has_residual = true;
+    d->residual_is_y = same_view(a->residual, a->y);
+  }
+  if (d->tokens > INT32_MAX / d->top_k)  // slots are indexed with int32 (ids, groups)
+    return fail(FMLP_ERROR_SIZE_OVERFLOW,
+                "T * top_k = {} * {} (token, expert) slots exceed 2^31 - 1; split the batch",
+                d->tokens, d->top_k);
+  FMLP_TRY(check_routing(*a, d));
+  FMLP_TRY(check_experts(*a, d));
+  d->device = a->x.device_type;
+  d->device_id = a->x.device_id;
+  d->expert.device = d->device;
+  d->expert.device_id = d->device_id;
+  const struct {
+    const fmlp_tensor_t* t;
+    const char* name;
+  } all[] = {{&a->y, "y"},
+             {&a->residual, "residual"},
+             {&a->router_w, "router_w"},
+             {&a->router_b, "router_b"},
+             {&a->w1, "w1"},
+             {&a->b1, "b1"},
+             {&a->w2, "w2"},
+             {&a->b2, "b2"}};
+  for (const auto& n : all) {
+    if (tensor_absent(*n.t)) continue;
+    if (n.t->device_type != d->device || n.t->device_id != d->device_id)
+      return fail(FMLP_ERROR_DEVICE_MISMATCH,
+                  "{} is on {} but x is on {}; put every tensor on one device", n.name,
+                  device_string(n.t->device_type, n.t->device_id),
+                  device_string(d->device, d->device_id));
+  }
+  const ByteRange yr = byte_range(a->y);
+  if (ranges_overlap(yr, byte_range(a->x)))
+    return fail(FMLP_ERROR_ALIASING,
+                "y overlaps x; the experts read x while y is written, so pass a separate output");
+  for (const auto& n : all)
+    if (n.t != &a->y && !(n.t == &a->residual && d->residual_is_y) &&
+        ranges_overlap(yr, byte_range(*n.t)))
+      return fail(FMLP_ERROR_ALIASING,
+                  "y overlaps {}; y may only be the very same view as residual, so pass a "
+                  "separate output buffer",
+                  n.name);
+  if (d->given_routing) {
+    const size_t n = size_t(d->tokens * d->top_k) * 4;
+    const ByteRange ids{uintptr_t(a->topk_ids), uintptr_t(a->topk_ids) + n};
+    const ByteRange wts{uintptr_t(a->topk_weights), uintptr_t(a->topk_weights) + n};
+    if (ranges_overlap(yr, ids) || ranges_overlap(yr, wts))
+      return fail(FMLP_ERROR_ALIASING,
+                  "y overlaps topk_ids or topk_weights; pass a separate output buffer");
+  }
+  return FMLP_SUCCESS;
+}
+
+struct MoeOp {
+  using Args = fmlp_moe_args_t;
+  using Desc = MoeDesc;
+  static constexpr const char* kName = "moe";
+  static fmlp_status_t validate(const Args* a, Desc* d) { return validate_moe(a, d); }
+  static std::string describe(const Desc& d) { return fmlp::detail::describe(d); }
+  static bool empty(const Desc& d) { return d.tokens == 0; }
+  static std::array<MoeKernelList, 3> lists() {
+    return {cuda_moe_kernels(), cpu_moe_kernels(), ref_moe_kernels()};
+  }
+};
+using Table = OpTable<MoeOp>;
+
+}  // namespace
+
+// The CUDA kernels are still to come (docs/moe.md); until then device tensors get NOT_SUPPORTED
+// with the reason from the op table.
+MoeKernelList cuda_moe_kernels() {
+  return {nullptr, 0};
+}
+
+std::string describe(const MoeDesc& d) {
+  return fmt::format("T={} d={} hidden={} d_out={} E={} k={} {} {} x={} w={} routing={}{}{} on {}",
+                     d.tokens, d.d, d.hidden, d.d_out, d.experts, d.top_k,
+                     d.gated ? "gated" : "dense", fmlp_activation_name(d.activation),
+                     fmlp_dtype_name(d.act_dtype), fmlp_dtype_name(d.w_dtype),
+                     d.given_routing                         ? "given"
+                     : d.scoring == FMLP_MOE_SCORING_SIGMOID ? "sigmoid"
+                                                             : "softmax",
+                     d.renormalize && !d.given_routing ? " renormalized" : "",
+                     d.has_residual ? " residual" : "", device_string(d.device, d.device_id));
+}
+
+}  // namespace fmlp::detail
+
+using fmlp::detail::Table;
+
+extern "C" {
+
+fmlp_moe_config_t fmlp_moe_config_default(int32_t num_experts, int32_t top_k) {
+  return fmlp_moe_config_t{num_experts, top_k, FMLP_ACT_SILU, 0, FMLP_MOE_SCORING_SOFTMAX, 1, 1};
+}
+fmlp_status_t fmlp_moe_workspace_size(const fmlp_moe_args_t* args, fmlp_backend_t backend,
+                                      size_t* bytes) {
+  return Table::workspace_size(args, backend, bytes);
+}
+fmlp_status_t fmlp_moe(const fmlp_moe_args_t* args, fmlp_backend_t backend, void* workspace,
+                       size_t workspace_bytes, void* stream) {
+  return Table::run(args, backend, workspace, workspace_bytes, stream, "fmlp_moe_workspace_size");
+}
+fmlp_status_t fmlp_moe_explain(const fmlp_moe_args_t* args, fmlp_backend_t backend, char* buf,
+                               size_t buf_size, size_t* needed) {
+  return Table::explain(args, backend, buf, buf_size, needed);
+}
+int fmlp_moe_kernel_count(void) {
+  return Table::count();
+}
+const char* fmlp_moe_kernel_name(int index) {
+  return Table::name(index);
+}
+fmlp_backend_t fmlp_moe_kernel_backend(int index) {
+  return Table::backend(index);
+}
+fmlp_status_t fmlp_moe_kernel_supports(const fmlp_moe_args_t* args, const char* kernel) {
+  return Table::kernel_supports(args, kernel);
+}
+fmlp_status_t fmlp_moe_kernel_workspace_size(const fmlp_moe_args_t* args, const char* kernel,
+                                             size_t* bytes) {
+  return Table::kernel_workspace(args, kernel, bytes);
+}
+fmlp_status_t fmlp_moe_with_kernel(const fmlp_moe_args_t* args, const char* kernel, void* workspace,
+                                   size_t workspace_bytes, void* stream) {
+  return Table::with_kernel(args, kernel, workspace, workspace_bytes, stream,
+                            "fmlp_moe_kernel_workspace_size");
+}
+
+}  // extern "C"

@@ -1,0 +1,55 @@
+// The mixture-of-experts op as the kernels see it: a validated, pointer-free description and its
+// op-table entries (op_table.hpp). api_moe.cpp validates every argument once (host expert ids
+// included); kernels trust what they receive.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "core/dtype.hpp"
+#include "core/mlp_desc.hpp"
+#include "core/op_table.hpp"
+
+namespace fmlp::detail {
+
+struct MoeDesc {
+  int64_t tokens = 0, d = 0, hidden = 0, d_out = 0, experts = 0, top_k = 0;
+  fmlp_dtype_t act_dtype = FMLP_DTYPE_INVALID;          // x, y, residual
+  fmlp_dtype_t w_dtype = FMLP_DTYPE_INVALID;            // W1 and W2
+  fmlp_dtype_t router_dtype = FMLP_DTYPE_INVALID;       // INVALID when the routing is given
+  fmlp_dtype_t router_bias_dtype = FMLP_DTYPE_INVALID;  // INVALID when absent
+  fmlp_dtype_t b1_dtype = FMLP_DTYPE_INVALID, b2_dtype = FMLP_DTYPE_INVALID;
+  fmlp_activation_t activation = FMLP_ACT_RELU;
+  fmlp_moe_scoring_t scoring = FMLP_MOE_SCORING_SOFTMAX;
+  bool gated = false, renormalize = false, deterministic = false;
+  bool given_routing = false, has_residual = false, residual_is_y = false;
+  fmlp_device_type_t device = FMLP_DEVICE_CPU;
+  int32_t device_id = 0;
+  // Expert 0 as the mlp kernels see it with fp32 x and y (m = 0); weights_vec16 holds for every
+  // expert. Lets a backend run each expert's token group through its mlp kernels.
+  MlpDesc expert;
+};
+
+using MoeKernel = OpKernel<fmlp_moe_args_t, MoeDesc>;
+using MoeKernelList = OpKernelList<fmlp_moe_args_t, MoeDesc>;
+MoeKernelList ref_moe_kernels();
+MoeKernelList cpu_moe_kernels();
+MoeKernelList cuda_moe_kernels();  // empty until the CUDA kernels exist
+std::string describe(const MoeDesc& d);
+
+// Expert e's slice of a stacked [E, rows, cols] (or [E, n]) tensor as a 2-D (or 1-D) view.
+inline fmlp_tensor_t expert_slice(const fmlp_tensor_t& t, int64_t e) {
+  if (t.data == nullptr && t.ndim == 0) return t;
+  fmlp_tensor_t s = t;
+  s.data = static_cast<char*>(t.data) + e * t.stride[0] * int64_t(dtype_size(t.dtype));
+  s.ndim = t.ndim - 1;
+  for (int i = 0; i + 1 < t.ndim; ++i) s.shape[i] = t.shape[i + 1], s.stride[i] = t.stride[i + 1];
+  s.shape[t.ndim - 1] = 0, s.stride[t.ndim - 1] = 0;
+  return s;
+}
+
+// Host routing of token t in fp64, the spec both host backends share: fills ids[top_k] and
+// weights[top_k]; `scores` holds `experts` doubles of scratch.
+void moe_route_token(const fmlp_moe_args_t& a, const MoeDesc& d, int64_t t, double* scores,
+                     int32_t* ids, double* weights);
+
+}  // namespace fmlp::detail
