@@ -10,30 +10,14 @@ import re
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
+
+from peers import graphed, median_us
 
 
 def bench_shapes():
     """The linear shapes of linear_cuda_bench.cpp's table, read from its source."""
     src = open(__file__.replace("peers_ops.py", "linear_cuda_bench.cpp")).read()
     return [(n, int(a), int(b)) for n, a, b in re.findall(r'\{"([^"]+)", (\d+), (\d+)\}', src)]
-
-
-def median_us(fn, rep_ms=200):
-    return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
-
-
-def graphed(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def main():

@@ -2,6 +2,8 @@
 // placed in host or device memory at an optional one-element offset and padded row stride, every
 // byte outside the view 0xFF so stray writes and unwritten outputs show.
 #pragma once
+#include <gtest/gtest.h>
+
 #include <functional>
 #include <string>
 #include <vector>
@@ -104,5 +106,37 @@ inline std::string capture_and_replay(const std::function<fmlp_status_t(void*)>&
   return "built without CUDA";
 #endif
 }
+
+// The op-table fixtures of the linear and softmax suites: one test instance per kernel entry of
+// the op (COUNT / NAME / BACKEND are its fmlp_<op>_kernel_* functions), skipped with the reason
+// where the entry's backend cannot run here.
+constexpr const char* kSkipped = "skipped: ";  // prefix of a run_case result: entry took no case
+
+inline bool skipped(const std::string& err) {
+  return err.rfind(kSkipped, 0) == 0;
+}
+
+template <int (*COUNT)(), const char* (*NAME)(int), fmlp_backend_t (*BACKEND)(int)>
+class OpKernelTest : public ::testing::TestWithParam<int> {
+ public:
+  static std::vector<int> indices() {
+    std::vector<int> v;
+    for (int i = 0; i < COUNT(); ++i) v.push_back(i);
+    return v;
+  }
+
+ protected:
+  void SetUp() override {
+    kernel_ = NAME(GetParam());
+    const fmlp_backend_t b = BACKEND(GetParam());
+    device_ = b == FMLP_BACKEND_CUDA;
+    if (fmlp_backend_available(b) != FMLP_SUCCESS)
+      GTEST_SKIP() << kernel_ << ": backend unavailable: " << fmlp_last_error();
+    if (device_ && !device_unavailable_reason().empty())
+      GTEST_SKIP() << kernel_ << ": " << device_unavailable_reason();
+  }
+  const char* kernel_ = nullptr;
+  bool device_ = false;
+};
 
 }  // namespace fmlp_test

@@ -44,7 +44,6 @@ struct RunMode {
   bool graph = false;
   std::vector<unsigned char>* y_bytes = nullptr;
 };
-constexpr const char* kSkipped = "skipped: ";
 
 // Runs one case through `kernel`; returns "", the failure, or kSkipped + why when the kernel
 // does not take the case.
@@ -193,30 +192,8 @@ std::vector<LinCase> cases() {
   return v;
 }
 
-std::vector<int> kernel_indices() {
-  std::vector<int> v;
-  for (int i = 0; i < fmlp_linear_kernel_count(); ++i) v.push_back(i);
-  return v;
-}
-
-class LinearKernelTest : public ::testing::TestWithParam<int> {
- protected:
-  void SetUp() override {
-    kernel_ = fmlp_linear_kernel_name(GetParam());
-    const fmlp_backend_t b = fmlp_linear_kernel_backend(GetParam());
-    device_ = b == FMLP_BACKEND_CUDA;
-    if (fmlp_backend_available(b) != FMLP_SUCCESS)
-      GTEST_SKIP() << kernel_ << ": backend unavailable: " << fmlp_last_error();
-    if (device_ && !device_unavailable_reason().empty())
-      GTEST_SKIP() << kernel_ << ": " << device_unavailable_reason();
-  }
-  const char* kernel_ = nullptr;
-  bool device_ = false;
-};
-
-bool skipped(const std::string& err) {
-  return err.rfind(kSkipped, 0) == 0;
-}
+using LinearKernelTest =
+    OpKernelTest<fmlp_linear_kernel_count, fmlp_linear_kernel_name, fmlp_linear_kernel_backend>;
 
 // Every entry but the general ones takes a subset of the cases; each must take some.
 TEST_P(LinearKernelTest, MatchesReference) {
@@ -295,7 +272,8 @@ TEST_P(LinearKernelTest, ZeroRowsAndZeroKWork) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Kernels, LinearKernelTest, ::testing::ValuesIn(kernel_indices()),
+INSTANTIATE_TEST_SUITE_P(Kernels, LinearKernelTest,
+                         ::testing::ValuesIn(LinearKernelTest::indices()),
                          [](const ::testing::TestParamInfo<int>& info) {
                            return std::string(fmlp_linear_kernel_name(info.param));
                          });

@@ -37,11 +37,6 @@ struct RunMode {
   bool graph = false;
   std::vector<unsigned char>* y_bytes = nullptr;
 };
-constexpr const char* kSkipped = "skipped: ";
-
-bool skipped(const std::string& err) {
-  return err.rfind(kSkipped, 0) == 0;
-}
 
 // Runs one case through `kernel`; returns "", the failure, or kSkipped + why when the kernel
 // does not take the case.
@@ -167,26 +162,8 @@ std::vector<SmCase> cases() {
   return v;
 }
 
-std::vector<int> kernel_indices() {
-  std::vector<int> v;
-  for (int i = 0; i < fmlp_softmax_kernel_count(); ++i) v.push_back(i);
-  return v;
-}
-
-class SoftmaxKernelTest : public ::testing::TestWithParam<int> {
- protected:
-  void SetUp() override {
-    kernel_ = fmlp_softmax_kernel_name(GetParam());
-    const fmlp_backend_t b = fmlp_softmax_kernel_backend(GetParam());
-    device_ = b == FMLP_BACKEND_CUDA;
-    if (fmlp_backend_available(b) != FMLP_SUCCESS)
-      GTEST_SKIP() << kernel_ << ": backend unavailable: " << fmlp_last_error();
-    if (device_ && !device_unavailable_reason().empty())
-      GTEST_SKIP() << kernel_ << ": " << device_unavailable_reason();
-  }
-  const char* kernel_ = nullptr;
-  bool device_ = false;
-};
+using SoftmaxKernelTest =
+    OpKernelTest<fmlp_softmax_kernel_count, fmlp_softmax_kernel_name, fmlp_softmax_kernel_backend>;
 
 // Every entry but the general ones takes a subset of the cases; each must take some.
 TEST_P(SoftmaxKernelTest, MatchesReference) {
@@ -252,7 +229,8 @@ TEST_P(SoftmaxKernelTest, ThreadCountIndependent) {
   omp_set_num_threads(before);
 }
 
-INSTANTIATE_TEST_SUITE_P(Kernels, SoftmaxKernelTest, ::testing::ValuesIn(kernel_indices()),
+INSTANTIATE_TEST_SUITE_P(Kernels, SoftmaxKernelTest,
+                         ::testing::ValuesIn(SoftmaxKernelTest::indices()),
                          [](const ::testing::TestParamInfo<int>& info) {
                            return std::string(fmlp_softmax_kernel_name(info.param));
                          });
