@@ -149,8 +149,10 @@ def measure(torch, transformers, model, ids, n, modes, repeats):
     results, tokens = {}, {}
     for mode in modes:
         torch._dynamo.reset()
+        # transformers recompiles only when the attribute is absent (get_compiled_call), and the
+        # patched model must not reuse the unpatched model's compiled forward.
         if hasattr(model, "_compiled_call"):
-            model._compiled_call = None
+            del model._compiled_call
         try:
             if mode == "generate":
                 results[mode], tokens[mode] = run_generate(torch, model, ids, n, repeats)

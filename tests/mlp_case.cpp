@@ -490,9 +490,10 @@ RunOutcome run_kernel(const PlacedCase& p, const char* kernel) {
   return out;
 }
 
-CompareOutcome compare(const MlpCase& c, const std::vector<double>& out, const Reference& ref) {
+CompareOutcome compare(const MlpCase& c, const std::vector<double>& out, const Reference& ref,
+                       bool gemm_composed) {
   CompareOutcome r;
-  const double rtol = mlp_rtol(c.x_dtype, c.w_dtype);
+  const double rtol = mlp_rtol(c.x_dtype, c.w_dtype, gemm_composed);
   double worst_bad = -1.0;
   for (size_t e = 0; e < out.size(); ++e) {
     const ElementCheck chk = check_element(out[e], ref.y[e], ref.scale[e], rtol, c.x_dtype);

@@ -120,6 +120,8 @@ struct CompareOutcome {
   double max_err = 0.0;
   std::string detail;  // the worst failing element, when !ok
 };
-CompareOutcome compare(const MlpCase& c, const std::vector<double>& out, const Reference& ref);
+// gemm_composed: the kernel stores intermediates in the 16-bit dtype (tolerance.hpp).
+CompareOutcome compare(const MlpCase& c, const std::vector<double>& out, const Reference& ref,
+                       bool gemm_composed = false);
 
 }  // namespace fmlp_test

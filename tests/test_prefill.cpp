@@ -53,7 +53,7 @@ std::string check_case(const MlpCase& c, const char* kernel, uint64_t salt) {
   std::string stray;
   const std::vector<double> out = p.download_y(&stray);
   if (!stray.empty()) return stray;
-  const CompareOutcome cmp = compare(c, out, reference(c, data));
+  const CompareOutcome cmp = compare(c, out, reference(c, data), /*gemm_composed=*/true);
   if (!cmp.ok)
     return std::to_string(cmp.bad) + " of " + std::to_string(out.size()) + " outputs wrong; " +
            cmp.detail;
@@ -147,7 +147,7 @@ TEST(Prefill, OddSizesAndMisalignedPointers) {
       std::string stray;
       const std::vector<double> out = p.download_y(&stray);
       EXPECT_TRUE(stray.empty()) << stray;
-      const CompareOutcome cmp = compare(c, out, reference(c, data));
+      const CompareOutcome cmp = compare(c, out, reference(c, data), /*gemm_composed=*/true);
       EXPECT_TRUE(cmp.ok) << "[" << c.name() << "]: " << cmp.bad << " wrong; " << cmp.detail;
     }
 }
@@ -228,7 +228,7 @@ TEST(Prefill, GraphCaptureAfterWarmCall) {
     std::string stray;
     const std::vector<double> out = p.download_y(&stray);
     EXPECT_TRUE(stray.empty()) << stray;
-    const CompareOutcome cmp = compare(c, out, reference(c, data));
+    const CompareOutcome cmp = compare(c, out, reference(c, data), /*gemm_composed=*/true);
     EXPECT_TRUE(cmp.ok) << "replay " << replay << ": " << cmp.bad << " wrong; " << cmp.detail;
   }
 }
@@ -270,7 +270,8 @@ TEST(Planner, DecodeAtOneTokenPrefillAtManyTokens) {
         << fmlp_last_error();
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::string stray;
-    const CompareOutcome cmp = compare(c, p.download_y(&stray), reference(c, data));
+    const CompareOutcome cmp =
+        compare(c, p.download_y(&stray), reference(c, data), /*gemm_composed=*/true);
     EXPECT_TRUE(cmp.ok) << "M=" << m << ": " << cmp.detail;
   }
 }

@@ -6,6 +6,11 @@ up stacked by the pack), fc1/activation_fn/fc2 blocks, and BERT-style encoder la
 (intermediate.dense + act, then output.dense + dropout + LayerNorm(h + input)): the two linears,
 the activation and the residual add are fused, the LayerNorm stays a torch op. Mixture-of-experts
 blocks are reported as skipped.
+
+With fuse_norm (default), the pre-MLP norm of decoder blocks whose wiring is known to be
+`h + mlp(norm(h))` (GPT2Block's ln_2; post_attention_layernorm of Llama, Mistral, Qwen2, Qwen3
+decoder layers) moves into the fused op: the norm module becomes a passthrough and the fused MLP
+normalises its input itself, one launch fewer per layer (several for the eager RMSNorm).
 """
 
 import dataclasses
@@ -87,6 +92,48 @@ def _is_bert_layer(m):
             and isinstance(getattr(out, "LayerNorm", None), nn.LayerNorm))
 
 
+# Decoder blocks whose `mlp` child is fed by exactly this norm and nothing else reads the norm's
+# output; listed by class because the attribute names alone are ambiguous (Gemma 2 has a
+# post_attention_layernorm that normalises the attention output, not the MLP input).
+_NORM_BEFORE_MLP = {
+    "GPT2Block": "ln_2",
+    "LlamaDecoderLayer": "post_attention_layernorm",
+    "MistralDecoderLayer": "post_attention_layernorm",
+    "Qwen2DecoderLayer": "post_attention_layernorm",
+    "Qwen3DecoderLayer": "post_attention_layernorm",
+}
+
+
+def _norm_kwargs(norm):
+    """FusedMLP norm arguments computing what `norm` computes, or None when it does not fit."""
+    if isinstance(norm, nn.LayerNorm) and len(norm.normalized_shape) == 1:
+        return dict(norm="layernorm", norm_weight=norm.weight, norm_bias=norm.bias,
+                    eps=float(norm.eps))
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    weight = getattr(norm, "weight", None)
+    if (type(norm).__name__.endswith("RMSNorm") and eps is not None
+            and isinstance(weight, torch.Tensor) and weight.dim() == 1
+            and len(list(norm.parameters())) == 1):
+        return dict(norm="rmsnorm", norm_weight=weight, eps=float(eps))
+    return None
+
+
+def _fused_norm_plan(name, block, backend):
+    """The plan for a known block: its norm and mlp replaced by one FusedMLP, or None."""
+    attr = _NORM_BEFORE_MLP.get(type(block).__name__)
+    norm, mlp = getattr(block, attr or "", None), getattr(block, "mlp", None)
+    if attr is None or norm is None or mlp is None or not _is_mlp_candidate(mlp):
+        return None
+    kwargs = _norm_kwargs(norm)
+    if kwargs is None:
+        return None
+    fused = FusedMLP(**_describe(mlp), **kwargs, backend=backend).train(mlp.training)
+    return _Plan(f"{name}.mlp" if name else "mlp", block,
+                 {attr: _Passthrough().train(norm.training), "mlp": fused},
+                 lambda x: mlp(norm(x)), fused, fused.d_in, fused.w1,
+                 f"{type(norm).__name__}+{type(mlp).__name__} -> FusedMLP ({fused.extra_repr()})")
+
+
 def _is_mlp_candidate(m):
     return (all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj"))
             or all(hasattr(m, a) for a in ("c_fc", "c_proj"))
@@ -121,7 +168,7 @@ def _bert_plan(name, layer, backend):
                  f"({fused.extra_repr()}) + LayerNorm")
 
 
-def _collect(module, prefix, backend, plans, report, skip=()):
+def _collect(module, prefix, backend, plans, report, skip=(), fuse_norm=True):
     for child_name, child in module.named_children():
         if child_name in skip:
             continue
@@ -132,7 +179,14 @@ def _collect(module, prefix, backend, plans, report, skip=()):
         try:
             if _is_bert_layer(child):
                 plans.append(_bert_plan(name, child, backend))
-                _collect(child, name, backend, plans, report, skip=("intermediate", "output"))
+                _collect(child, name, backend, plans, report, skip=("intermediate", "output"),
+                         fuse_norm=fuse_norm)
+                continue
+            plan = _fused_norm_plan(name, child, backend) if fuse_norm else None
+            if plan is not None:
+                plans.append(plan)
+                _collect(child, name, backend, plans, report, skip=tuple(plan.attrs),
+                         fuse_norm=fuse_norm)
                 continue
             if _is_mlp_candidate(child):
                 fused = FusedMLP(**_describe(child), backend=backend).train(child.training)
@@ -143,7 +197,7 @@ def _collect(module, prefix, backend, plans, report, skip=()):
         except (NotImplementedError, ValueError) as e:
             report.skipped.append((name, str(e)))
             continue
-        _collect(child, name, backend, plans, report)
+        _collect(child, name, backend, plans, report, fuse_norm=fuse_norm)
 
 
 def _probe_input(probe, plan):
@@ -166,7 +220,7 @@ def _probe_error(plan, probe):
     return float(err.nan_to_num(nan=float("inf")).max()) if err.numel() else 0.0
 
 
-def patch(model, strict=False, probe=None, backend="auto"):
+def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True):
     """Replaces the MLP blocks of `model` in place by FusedMLP modules (packed once for the
     weights' device) and returns a PatchReport (print it).
 
@@ -175,12 +229,13 @@ def patch(model, strict=False, probe=None, backend="auto"):
     than PROBE_RTOL[dtype] * (|original| + rms(original row)) (fp32 2^-12, fp16 2^-7, bf16 2^-4).
     probe: a tensor of hidden states [..., d_model] for that check (default: 8 random rows,
     seeded); given with strict=False, blocks that fail it are skipped instead of replaced.
-    Blocks that cannot be fused (unknown activation, mixture of experts, ...) are skipped with
-    the reason. Inference only: call model.eval() (dropout before a fused residual add raises).
+    fuse_norm: also fuse the pre-MLP LayerNorm/RMSNorm of the decoder blocks listed in
+    _NORM_BEFORE_MLP (the norm module becomes a passthrough). Blocks that cannot be fused
+    (unknown activation, mixture of experts, ...) are skipped with the reason. Inference only: call model.eval() (dropout before a fused residual add raises).
     """
     report = PatchReport()
     plans = []
-    _collect(model, "", backend, plans, report)
+    _collect(model, "", backend, plans, report, fuse_norm=fuse_norm)
     check = strict or probe is not None
     accepted, failures = [], []
     for plan in plans:

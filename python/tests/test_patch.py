@@ -52,22 +52,31 @@ def output(model, x):
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
-@pytest.mark.parametrize("make,names,kind", [
-    (gpt2, ["transformer.h.0.mlp", "transformer.h.1.mlp"], "GPT2MLP"),
-    (llama, ["model.layers.0.mlp", "model.layers.1.mlp"], "LlamaMLP"),
+@pytest.mark.parametrize("fuse_norm", [True, False], ids=["fuse_norm", "mlp_only"])
+@pytest.mark.parametrize("make,names,kind,norm", [
+    (gpt2, ["transformer.h.0.mlp", "transformer.h.1.mlp"], "GPT2MLP", "layernorm"),
+    (llama, ["model.layers.0.mlp", "model.layers.1.mlp"], "LlamaMLP", "rmsnorm"),
     (bert, ["encoder.layer.0.intermediate+output", "encoder.layer.1.intermediate+output"],
-     "BertIntermediate"),
+     "BertIntermediate", None),
 ], ids=["gpt2", "llama", "bert"])
-def test_patch_matches_unpatched(make, names, kind):
+def test_patch_matches_unpatched(make, names, kind, norm, fuse_norm):
     torch.manual_seed(0)
     model = make().eval()
+    with torch.no_grad():  # non-trivial norm parameters, so a dropped gamma/beta shows
+        for m in model.modules():
+            if "Norm" in type(m).__name__:
+                for p in m.parameters():
+                    p.add_(0.3 * torch.randn_like(p))
     x = ids(128)
     ref = output(model, x)
-    report = fusedmlp.patch(model, strict=True)
+    report = fusedmlp.patch(model, strict=True, fuse_norm=fuse_norm)
     assert report.replaced == names, str(report)
     assert kind in str(report) and "probe error" in str(report)
     assert all(0 <= report.errors[n] <= 1 for n in names)
-    assert sum(isinstance(m, ft.FusedMLP) for m in model.modules()) == 2
+    fused = [m for m in model.modules() if isinstance(m, ft.FusedMLP)]
+    assert len(fused) == 2
+    expected = norm if fuse_norm and norm else None
+    assert all(m.norm == expected for m in fused), [m.norm for m in fused]
     close(output(model, x), ref)
     assert fusedmlp.patch(model).replaced == []  # idempotent: nothing left to swap
 

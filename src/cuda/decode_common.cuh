@@ -61,4 +61,67 @@ struct DecodeOperands {
 
 DecodeOperands decode_operands(const fmlp_mlp_args_t& a, const fmlp::detail::MlpDesc& d);
 
+// Sum over a block of THREADS threads; every thread gets the result. `scratch` holds one float
+// per warp.
+template <int THREADS>
+__device__ float block_sum(float v, float* scratch) {
+  constexpr int kWarps = THREADS / 32;
+  v = warp_sum(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = lane < kWarps ? scratch[lane] : 0.f;
+  return warp_sum(t);
+}
+
+// Stage the M rows of x in shared memory as fp32 ([M, k]), normalised when asked.
+template <int THREADS, int M>
+__device__ void stage_tokens(const DecodeOperands& p, float* xs, float* scratch) {
+  for (int m = 0; m < M; ++m) {
+    const char* row =
+        static_cast<const char*>(p.x) + m * p.x_ld * int64_t(p.act_t == FMLP_DTYPE_F32 ? 4 : 2);
+    float* xr = xs + m * p.k;
+    for (int c = threadIdx.x; c < p.k; c += THREADS) xr[c] = load_scalar(row, p.act_t, c);
+    if (p.norm == FMLP_NORM_NONE) continue;
+    __syncthreads();
+    float s = 0.f;
+    if (p.norm == FMLP_NORM_LAYERNORM)
+      for (int c = threadIdx.x; c < p.k; c += THREADS) s += xr[c];
+    const float mean =
+        p.norm == FMLP_NORM_LAYERNORM ? block_sum<THREADS>(s, scratch) / float(p.k) : 0.f;
+    float q = 0.f;
+    for (int c = threadIdx.x; c < p.k; c += THREADS) q += (xr[c] - mean) * (xr[c] - mean);
+    const float inv = rsqrtf(block_sum<THREADS>(q, scratch) / float(p.k) + p.eps);
+    for (int c = threadIdx.x; c < p.k; c += THREADS)
+      xr[c] =
+          (xr[c] - mean) * inv * opt(p.gamma, p.gamma_t, c, 1.f) + opt(p.beta, p.beta_t, c, 0.f);
+  }
+  __syncthreads();
+}
+
+// End of a split-hidden kernel whose blocks added their partial outputs into acc [M, n] (fp32,
+// zero between calls): the block that arrives last (counter, zero between calls) adds b2 and the
+// residual, writes y and re-zeroes acc and the counter, so the next call or graph replay needs no
+// memset. Every thread of every block calls it after its last add into acc.
+template <int THREADS, int M>
+__device__ void finish_last_block(const DecodeOperands& p, float* acc, unsigned* counter) {
+  __shared__ unsigned is_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const size_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
+  for (int i = threadIdx.x; i < M * p.n; i += THREADS) {
+    const int m = i / p.n, o = i % p.n;
+    float r = __ldcg(acc + i) + opt(p.b2, p.b2_t, o, 0.f);
+    acc[i] = 0.f;
+    if (p.res) r += load_scalar(static_cast<const char*>(p.res) + m * p.res_ld * es, p.act_t, o);
+    store_scalar(static_cast<char*>(p.y) + m * p.y_ld * es, p.act_t, o, r);
+  }
+  if (threadIdx.x == 0) *counter = 0;
+}
+
 }  // namespace fmlp::cuda

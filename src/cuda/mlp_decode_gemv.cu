@@ -32,10 +32,10 @@ namespace fmlp::detail {
 namespace {
 
 using fmlp::cuda::activate;
+using fmlp::cuda::finish_last_block;
 using fmlp::cuda::ld_stream_v4;
-using fmlp::cuda::load_scalar;
 using fmlp::cuda::opt;
-using fmlp::cuda::store_scalar;
+using fmlp::cuda::stage_tokens;
 using fmlp::cuda::warp_sum;
 using fmlp::cuda::widen8;
 
@@ -53,41 +53,6 @@ struct GemvParams : fmlp::cuda::DecodeOperands {
   float* acc;         // [m, n] fp32 accumulators, zero between calls
   unsigned* counter;  // blocks done, zero between calls
 };
-
-// Sum over the block; every thread gets the result. `scratch` holds kWarps floats.
-__device__ float block_sum(float v, float* scratch) {
-  v = warp_sum(v);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  float t = lane < kWarps ? scratch[lane] : 0.f;
-  return warp_sum(t);
-}
-
-// Stage the M rows of x in shared memory as fp32, normalised when asked.
-template <int M>
-__device__ void stage_tokens(const GemvParams& p, float* xs, float* scratch) {
-  for (int m = 0; m < M; ++m) {
-    const char* row =
-        static_cast<const char*>(p.x) + m * p.x_ld * int64_t(p.act_t == FMLP_DTYPE_F32 ? 4 : 2);
-    float* xr = xs + m * p.k;
-    for (int c = threadIdx.x; c < p.k; c += kThreads) xr[c] = load_scalar(row, p.act_t, c);
-    if (p.norm == FMLP_NORM_NONE) continue;
-    __syncthreads();
-    float s = 0.f;
-    if (p.norm == FMLP_NORM_LAYERNORM)
-      for (int c = threadIdx.x; c < p.k; c += kThreads) s += xr[c];
-    const float mean = p.norm == FMLP_NORM_LAYERNORM ? block_sum(s, scratch) / float(p.k) : 0.f;
-    float q = 0.f;
-    for (int c = threadIdx.x; c < p.k; c += kThreads) q += (xr[c] - mean) * (xr[c] - mean);
-    const float inv = rsqrtf(block_sum(q, scratch) / float(p.k) + p.eps);
-    for (int c = threadIdx.x; c < p.k; c += kThreads)
-      xr[c] =
-          (xr[c] - mean) * inv * opt(p.gamma, p.gamma_t, c, 1.f) + opt(p.beta, p.beta_t, c, 0.f);
-  }
-  __syncthreads();
-}
 
 // dot(W row, x_m) for all M tokens, for one row (dense) or the gate and up rows together (gated,
 // so both rows' loads are in flight at once); per-lane sums, not yet reduced over the warp.
@@ -131,7 +96,6 @@ template <int M, typename WT, bool GATED>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) mlp_decode_sm80_gemv(const GemvParams p) {
   extern __shared__ float smem[];
   __shared__ float scratch[kWarps];
-  __shared__ unsigned is_last;
   float* xs = smem;          // [M, k]
   float* hs = xs + M * p.k;  // [M, slice]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -140,7 +104,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) mlp_decode_sm80_gemv(c
   const int t1 = int(int64_t(tiles) * (blockIdx.x + 1) / gridDim.x);
   const int h0 = t0 * kTile, slice = (t1 - t0) * kTile;
 
-  stage_tokens<M>(p, xs, scratch);
+  stage_tokens<kThreads, M>(p, xs, scratch);
 
   // Phase 1: hidden slice -> shared memory.
   for (int j = warp; j < slice; j += kWarps) {
@@ -208,22 +172,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) mlp_decode_sm80_gemv(c
     }
   }
 
-  // The block that finishes last adds b2 and the residual, writes y and re-zeroes the workspace.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  const size_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
-  for (int i = threadIdx.x; i < M * p.n; i += kThreads) {
-    const int m = i / p.n, o = i % p.n;
-    float r = __ldcg(p.acc + i) + opt(p.b2, p.b2_t, o, 0.f);
-    p.acc[i] = 0.f;
-    if (p.res) r += load_scalar(static_cast<const char*>(p.res) + m * p.res_ld * es, p.act_t, o);
-    store_scalar(static_cast<char*>(p.y) + m * p.y_ld * es, p.act_t, o, r);
-  }
-  if (threadIdx.x == 0) *p.counter = 0;
+  finish_last_block<kThreads, M>(p, p.acc, p.counter);
 }
 
 size_t smem_bytes(const MlpDesc& d, int blocks) {
