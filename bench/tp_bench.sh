@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Tensor-parallel mlp on 2 GPUs (issue #9): llama3-70b (8192 -> 28672 swiglu, bf16) at M = 1 and
+# M = 4096, one process per GPU, against the single-GPU op measured in the same run.
+# Targets: M = 1 tp/single <= 0.55; M = 4096 speedup >= 1.8.
+# Usage, from the repo root after a build (bench/run_device.sh build, or BUILD_DIR=...):
+#   bash bench/tp_bench.sh            # writes $OUT/tp_llama3-70b.json (+ logs), OUT defaults ./out
+# Env: BUILD_DIR (default /tmp/fmlp-build), SHAPE, MS (default 1,4096), RANKS (default 2),
+#      REDUCE (all|scatter), PYCHECK=1 also runs bench/tp_python_check.py under torchrun (needs
+#      the fusedmlp package built from this tree: bash python/run_device.sh build, into $SITE).
+set -uo pipefail
+OUT=${OUT:-$PWD/out}
+B=${BUILD_DIR:-/tmp/fmlp-build}
+SHAPE=${SHAPE:-llama3-70b}
+MS=${MS:-1,4096}
+RANKS=${RANKS:-2}
+REDUCE=${REDUCE:-all}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0  # never NVLink SHARP / multicast on these machines
+if [ -d .device/fmt ]; then
+  export LD_LIBRARY_PATH=$PWD/.device/fmt/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+fi
+exe=$B/fusedmlp_tp_mlp
+if [ ! -x "$exe" ]; then
+  echo "no $exe: build with NCCL found (cmake prints 'fusedmlp: NCCL ON'; set NCCL_ROOT or"
+  echo "pip install nvidia-nccl-cu13)"; exit 1
+fi
+id=$(mktemp -u /tmp/fmlp_tp_id.XXXXXX)
+pids=()
+for ((r = RANKS - 1; r >= 0; r--)); do  # rank 0 last: it writes the id the others wait for
+  extra=()
+  [ "$r" = 0 ] && extra=(--json "$OUT/tp_$SHAPE.json")
+  timeout 900 "$exe" --rank "$r" --size "$RANKS" --id-file "$id" --shape "$SHAPE" --m "$MS" \
+    --reduce "$REDUCE" "${extra[@]}" >"$OUT/tp_rank$r.log" 2>&1 &
+  pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+rm -f "$id"
+cat "$OUT/tp_rank0.log"
+[ $rc = 0 ] || { echo "tp_mlp failed (rc=$rc); other ranks:"; tail -5 "$OUT"/tp_rank[1-9]*.log; }
+if [ -f "$OUT/tp_$SHAPE.json" ]; then
+  python3 - "$OUT/tp_$SHAPE.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for row in r["results"]:
+    m, ratio, speedup = row["M"], row["tp_over_single"], row["speedup"]
+    if m == 1:
+        print(f"target M=1: tp/single {ratio:.3f} <= 0.55: {'met' if ratio <= 0.55 else 'MISSED'}")
+    elif m >= 4096:
+        print(f"target M={m}: speedup {speedup:.2f}x >= 1.8: {'met' if speedup >= 1.8 else 'MISSED'}")
+PY
+fi
+if [ "${PYCHECK:-0}" = 1 ]; then
+  PYTHONPATH=${SITE:-/tmp/fmlp-site}:${PYTHONPATH:-} timeout 600 torchrun --nproc-per-node "$RANKS" \
+    bench/tp_python_check.py --json "$OUT/tp_python.json" 2>&1 | tee "$OUT/tp_python.log" | tail -8
+fi
+exit $rc

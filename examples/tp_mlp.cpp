@@ -1,0 +1,359 @@
+// fusedmlp_tp_mlp: the tensor-parallel mlp, one process per GPU, NCCL unique id shared through a
+// file (no MPI). Every rank builds the same random full weights from --seed, keeps its shard
+// (fmlp_tp_shard_weights + fmlp_mlp_pack), runs fmlp_tp_mlp_packed (fused op + all-reduce) and
+// rank 0 checks the all-reduced y against the single-GPU op on the full weights, then both are
+// timed: CUDA-graph replay (the all-reduce inside the graph), graphs queued back to back and timed
+// between consecutive events (no host skew between the ranks), median, weight copies rotated over
+// > 3x the L2 so every call reads HBM.
+//
+//   rm -f /tmp/tp.id
+//   fusedmlp_tp_mlp --rank 0 --size 2 --id-file /tmp/tp.id --shape llama3-70b --m 1,4096 &
+//   fusedmlp_tp_mlp --rank 1 --size 2 --id-file /tmp/tp.id --shape llama3-70b --m 1,4096
+//
+// options: --device D (default: rank) --seed S --reps N --json FILE (rank 0 writes it)
+//          --reduce all|scatter
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench_common.hpp"
+#include "fusedmlp/dtype.hpp"
+#include "fusedmlp/fusedmlp.h"
+#include "fusedmlp/fusedmlp_nccl.h"
+
+namespace {
+
+using fmlp_bench::median;
+
+struct Shape {
+  const char* name;
+  int64_t d, h;
+};
+// Gated SwiGLU FFNs, bf16 (the shapes of bench/mlp_cuda_bench.cpp).
+const Shape kShapes[] = {{"llama3-70b", 8192, 28672},
+                         {"llama3-8b", 4096, 14336},
+                         {"mixtral", 4096, 14336},
+                         {"tiny", 512, 2048}};
+
+struct Options {
+  int rank = -1, size = 0, device = -1, reps = 100;
+  uint64_t seed = 1234;
+  std::string id_file, shape = "llama3-70b", json;
+  std::vector<int64_t> ms{1};
+  fmlp_tp_reduce_t reduce = FMLP_TP_ALL_REDUCE;
+};
+
+[[noreturn]] void usage(const char* why) {
+  std::fprintf(stderr,
+               "%s\nusage: fusedmlp_tp_mlp --rank R --size N --id-file FILE [--shape NAME] "
+               "[--m 1,4096] [--device D] [--seed S] [--reps N] [--json FILE] "
+               "[--reduce all|scatter]\n",
+               why);
+  std::exit(1);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (i + 1 >= argc) usage(("missing value after " + a).c_str());
+    const char* v = argv[++i];
+    if (a == "--rank")
+      o.rank = std::atoi(v);
+    else if (a == "--size")
+      o.size = std::atoi(v);
+    else if (a == "--device")
+      o.device = std::atoi(v);
+    else if (a == "--reps")
+      o.reps = std::max(5, std::atoi(v));
+    else if (a == "--seed")
+      o.seed = std::strtoull(v, nullptr, 10);
+    else if (a == "--id-file")
+      o.id_file = v;
+    else if (a == "--shape")
+      o.shape = v;
+    else if (a == "--json")
+      o.json = v;
+    else if (a == "--reduce")
+      o.reduce = std::string(v) == "scatter" ? FMLP_TP_REDUCE_SCATTER : FMLP_TP_ALL_REDUCE;
+    else if (a == "--m") {
+      o.ms.clear();
+      for (const char* p = v; *p;) {
+        char* end = nullptr;
+        const long long m = std::strtoll(p, &end, 10);
+        if (end == p || m < 1 || (*end != ',' && *end != '\0')) usage("--m takes M,M,... (>= 1)");
+        o.ms.push_back(m);
+        p = *end == ',' ? end + 1 : end;
+      }
+    } else
+      usage(("unknown option " + a).c_str());
+  }
+  if (o.size < 1 || o.rank < 0 || o.rank >= o.size || o.id_file.empty())
+    usage("--rank, --size and --id-file are required (0 <= rank < size)");
+  if (o.device < 0) o.device = o.rank;
+  return o;
+}
+
+// Counter-based random bf16 values in [-scale, scale): the same on every rank whatever the
+// thread count, so all ranks hold identical full weights and x.
+void fill_bf16(std::vector<uint16_t>& v, uint64_t seed, float scale) {
+  const size_t n = v.size();
+  const unsigned threads = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      for (size_t i = n * t / threads; i < n * (t + 1) / threads; ++i) {
+        uint64_t z = seed * 0x9E3779B97F4A7C15ull + i;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        const float u = float(z >> 40) * (1.f / 16777216.f);  // [0, 1)
+        v[i] = fmlp::float_to_bf16((2.f * u - 1.f) * scale);
+      }
+    });
+  for (std::thread& th : pool) th.join();
+}
+
+void* upload(const std::vector<uint16_t>& h) {
+  void* d = nullptr;
+  CK(cudaMalloc(&d, h.size() * 2));
+  CK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+
+fmlp_tensor_t dev2(void* p, int64_t rows, int64_t cols, int device) {
+  fmlp_tensor_t t = fmlp_tensor_2d(p, FMLP_DTYPE_BF16, rows, cols, cols);
+  t.device_type = FMLP_DEVICE_CUDA;
+  t.device_id = device;
+  return t;
+}
+
+// Per-call microseconds: `reps` graph launches queued back to back, each bracketed by events, so
+// the GPU never waits for the host (or for another rank's host); median over launches / calls.
+double time_graph(cudaGraphExec_t ge, cudaStream_t s, int reps, int calls) {
+  for (int i = 0; i < 5; ++i) CK(cudaGraphLaunch(ge, s));
+  std::vector<cudaEvent_t> ev(size_t(reps) + 1);
+  for (cudaEvent_t& e : ev) CK(cudaEventCreate(&e));
+  CK(cudaEventRecord(ev[0], s));
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaGraphLaunch(ge, s));
+    CK(cudaEventRecord(ev[size_t(i) + 1], s));
+  }
+  CK(cudaStreamSynchronize(s));
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, ev[size_t(i)], ev[size_t(i) + 1]));
+    t.push_back(double(ms) * 1e3 / calls);
+  }
+  for (cudaEvent_t& e : ev) CK(cudaEventDestroy(e));
+  return median(t);
+}
+
+// Rows of y each rank holds after the reduction.
+int64_t my_rows(const Options& o, int64_t m) {
+  return o.reduce == FMLP_TP_ALL_REDUCE ? m : m / o.size;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = parse(argc, argv);
+  const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
+  if (nvls != nullptr && std::strcmp(nvls, "0") != 0)
+    std::fprintf(stderr, "NCCL_NVLS_ENABLE=%s overridden to 0 (NVLink SHARP stays off)\n", nvls);
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  const Shape* sh = nullptr;
+  for (const Shape& s : kShapes)
+    if (o.shape == s.name) sh = &s;
+  if (sh == nullptr) usage(("unknown --shape " + o.shape).c_str());
+  const int64_t d = sh->d, H = sh->h, hs = H / o.size;
+  const bool root = o.rank == 0;
+
+  FK(fmlp_tp_available());
+  CK(cudaSetDevice(o.device));
+  void* comm = nullptr;
+  FK(fmlp_tp_comm_init_from_file(o.id_file.c_str(), o.rank, o.size, o.device, &comm));
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, o.device));
+  const double bw = fmlp_bench::copy_bandwidth();
+
+  // Full weights, identical on every rank: W1 = [gate; up] stacked [2H, d], W2 [d, H].
+  std::vector<uint16_t> hw1(size_t(2 * H * d)), hw2(size_t(d * H));
+  fill_bf16(hw1, o.seed * 3 + 1, 1.f / std::sqrt(float(d)));
+  fill_bf16(hw2, o.seed * 3 + 2, 1.f / std::sqrt(float(H)));
+  void* dw1 = upload(hw1);
+  void* dw2 = upload(hw2);
+  hw1 = {};
+  hw2 = {};
+  fmlp_mlp_weights_t full{};
+  full.w1 = dev2(dw1, 2 * H, d, o.device);
+  full.w2 = dev2(dw2, d, H, o.device);
+  fmlp_mlp_config_t cfg = fmlp_mlp_config_default();
+  cfg.activation = FMLP_ACT_SILU;
+  cfg.gated = 1;
+  fmlp_mlp_weights_t shard{};
+  FK(fmlp_tp_shard_weights(&full, &cfg, o.rank, o.size, &shard));
+
+  // Copies so that one graph's calls stream > 3x the L2 of distinct weights.
+  const double shard_bytes = 3.0 * double(hs * d) * 2, full_bytes = 3.0 * double(H * d) * 2;
+  const int copies = std::max(2, int(std::ceil(3.0 * prop.l2CacheSize / shard_bytes)));
+  std::vector<fmlp_mlp_packed_t*> ps(size_t(copies), nullptr), pf;
+  for (fmlp_mlp_packed_t*& p : ps) FK(fmlp_mlp_pack(&p, &shard, &cfg, FMLP_BACKEND_CUDA, s));
+  const int full_copies = std::max(2, int(std::ceil(3.0 * prop.l2CacheSize / full_bytes)));
+  if (root) {
+    pf.resize(size_t(full_copies), nullptr);
+    for (fmlp_mlp_packed_t*& p : pf) FK(fmlp_mlp_pack(&p, &full, &cfg, FMLP_BACKEND_CUDA, s));
+  }
+  CK(cudaStreamSynchronize(s));
+  CK(cudaFree(dw1));
+  CK(cudaFree(dw2));
+  if (root)
+    std::printf(
+        "tp_mlp %s d=%lld hidden=%lld (%lld per rank) bf16 swiglu, %d ranks, %s, %s, "
+        "copy bandwidth %.2f TB/s, weight copies %d (tp) / %d (single)\n",
+        sh->name, (long long)d, (long long)H, (long long)hs, o.size, prop.name,
+        o.reduce == FMLP_TP_ALL_REDUCE ? "all-reduce" : "reduce-scatter", bw / 1e12, copies,
+        full_copies);
+
+  int failures = 0;
+  std::string rows;
+  for (const int64_t m : o.ms) {
+    if (o.reduce == FMLP_TP_REDUCE_SCATTER && m % o.size != 0) {
+      if (root) std::printf("M=%lld skipped: reduce-scatter needs M %% size == 0\n", (long long)m);
+      continue;
+    }
+    const int nx = std::max(copies, full_copies);
+    std::vector<uint16_t> hx(size_t(m * d));
+    fill_bf16(hx, o.seed * 3 + 3 + uint64_t(m), 1.7320508f);  // unit variance
+    std::vector<void*> xs(static_cast<size_t>(nx)), ys(static_cast<size_t>(nx));
+    std::vector<fmlp_tensor_t> xv(static_cast<size_t>(nx)), yv(static_cast<size_t>(nx));
+    for (int i = 0; i < nx; ++i) {
+      xs[size_t(i)] = upload(hx);
+      CK(cudaMalloc(&ys[size_t(i)], size_t(m * d) * 2));
+      xv[size_t(i)] = dev2(xs[size_t(i)], m, d, o.device);
+      yv[size_t(i)] = dev2(ys[size_t(i)], m, d, o.device);
+    }
+    size_t ws_bytes = 0, b = 0;
+    FK(fmlp_mlp_packed_workspace_size(ps[0], &yv[0], &xv[0], &ws_bytes));
+    if (root) {
+      FK(fmlp_mlp_packed_workspace_size(pf[0], &yv[0], &xv[0], &b));
+      ws_bytes = std::max(ws_bytes, b);
+    }
+    void* ws = nullptr;
+    CK(cudaMalloc(&ws, std::max<size_t>(ws_bytes, 256)));
+    CK(cudaMemset(ws, 0, std::max<size_t>(ws_bytes, 256)));  // the workspace contract: zeroed once
+
+    // Correctness on rank 0: single-GPU y into ys[1], tensor-parallel y into ys[0].
+    const int64_t rows_here = my_rows(o, m);  // rank 0's rows are the first ones either way
+    double max_err = 0;
+    bool ok = true;
+    if (root) FK(fmlp_mlp_packed_run(pf[0], &yv[1], &xv[0], nullptr, ws, ws_bytes, s));
+    FK(fmlp_tp_mlp_packed(ps[0], &yv[0], &xv[0], nullptr, comm, o.rank, o.size, o.reduce, ws,
+                          ws_bytes, s));
+    CK(cudaStreamSynchronize(s));
+    if (root) {
+      // Both outputs are within the accuracy contract (tests/tolerance.hpp, bf16: 2^-7 of |y| +
+      // the row's error scale, about its rms) of the exact result, so they differ by at most
+      // twice that: 2^-6 of |y| + rms(y).
+      const size_t n = size_t(rows_here * d);
+      std::vector<uint16_t> a(n), r(n);
+      CK(cudaMemcpy(a.data(), ys[0], n * 2, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(r.data(), ys[1], n * 2, cudaMemcpyDeviceToHost));
+      double ss = 0;
+      for (uint16_t v : r) ss += double(fmlp::bf16_to_float(v)) * fmlp::bf16_to_float(v);
+      const double rms = std::sqrt(ss / double(n));
+      for (size_t i = 0; i < n; ++i) {
+        const double ref = fmlp::bf16_to_float(r[i]), got = fmlp::bf16_to_float(a[i]);
+        const double err = std::fabs(got - ref) / (std::fabs(ref) + rms);
+        if (!(err <= 1.0 / 64)) ok = false;  // NaN fails too
+        if (std::isfinite(err))
+          max_err = std::max(max_err, err);
+        else
+          max_err = INFINITY;
+      }
+    }
+
+    // Timing: one graph = one call per weight copy.
+    cudaGraph_t g;
+    cudaGraphExec_t tp_exec, one_exec = nullptr;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < copies; ++i)
+      FK(fmlp_tp_mlp_packed(ps[size_t(i)], &yv[size_t(i)], &xv[size_t(i)], nullptr, comm, o.rank,
+                            o.size, o.reduce, ws, ws_bytes, s));
+    CK(cudaStreamEndCapture(s, &g));
+    CK(cudaGraphInstantiate(&tp_exec, g, 0));
+    CK(cudaGraphDestroy(g));
+    double one_us = 0;
+    if (root) {  // the other ranks wait inside their first all-reduce meanwhile
+      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+      for (int i = 0; i < full_copies; ++i)
+        FK(fmlp_mlp_packed_run(pf[size_t(i)], &yv[size_t(i)], &xv[size_t(i)], nullptr, ws, ws_bytes,
+                               s));
+      CK(cudaStreamEndCapture(s, &g));
+      CK(cudaGraphInstantiate(&one_exec, g, 0));
+      CK(cudaGraphDestroy(g));
+      one_us = time_graph(one_exec, s, o.reps, full_copies);
+    }
+    const double tp_us = time_graph(tp_exec, s, o.reps, copies);
+    CK(cudaGetLastError());
+    if (root) {
+      const double flops = 2.0 * double(m) * 3.0 * double(d) * double(H);
+      const double floor_us = shard_bytes / bw * 1e6;
+      failures += !ok;
+      std::printf(
+          "M=%-5lld tp %9.2f us  single %9.2f us  tp/single %.3f  speedup %.2fx  "
+          "%.1f TFLOP/s  floor(shard bytes) %.2f us (%.1f%%)  check %s (max err %.2e of "
+          "|y|+rms, tol 2^-6)\n",
+          (long long)m, tp_us, one_us, tp_us / one_us, one_us / tp_us, flops / tp_us * 1e-6,
+          floor_us, 100 * floor_us / tp_us, ok ? "ok" : "FAIL", max_err);
+      std::fflush(stdout);
+      char row[640];
+      std::snprintf(row, sizeof row,
+                    "%s{\"M\": %lld, \"tp_us\": %.3f, \"single_us\": %.3f, \"tp_over_single\": "
+                    "%.4f, \"speedup\": %.4f, \"tp_tflops\": %.2f, \"shard_floor_us\": %.3f, "
+                    "\"copies\": %d, \"check_ok\": %s, \"max_err\": %.3e}",
+                    rows.empty() ? "" : ", ", (long long)m, tp_us, one_us, tp_us / one_us,
+                    one_us / tp_us, flops / tp_us * 1e-6, floor_us, copies, ok ? "true" : "false",
+                    max_err);
+      rows += row;
+    }
+    CK(cudaGraphExecDestroy(tp_exec));
+    if (one_exec) CK(cudaGraphExecDestroy(one_exec));
+    CK(cudaFree(ws));
+    for (int i = 0; i < nx; ++i) {
+      CK(cudaFree(xs[size_t(i)]));
+      CK(cudaFree(ys[size_t(i)]));
+    }
+  }
+  if (root && !o.json.empty()) {
+    FILE* f = std::fopen(o.json.c_str(), "w");
+    if (f == nullptr) {
+      std::fprintf(stderr, "cannot write %s\n", o.json.c_str());
+      return 2;
+    }
+    std::fprintf(f,
+                 "{\"bench\": \"tp_mlp\", \"shape\": \"%s\", \"d\": %lld, \"hidden\": %lld, "
+                 "\"ranks\": %d, \"reduce\": \"%s\", \"gpu\": \"%s\", \"copy_TBps\": %.3f, "
+                 "\"results\": [%s], \"failures\": %d}\n",
+                 sh->name, (long long)d, (long long)H, o.size,
+                 o.reduce == FMLP_TP_ALL_REDUCE ? "all_reduce" : "reduce_scatter", prop.name,
+                 bw / 1e12, rows.c_str(), failures);
+    std::fclose(f);
+  }
+  for (fmlp_mlp_packed_t* p : ps) fmlp_mlp_packed_destroy(p);
+  for (fmlp_mlp_packed_t* p : pf) fmlp_mlp_packed_destroy(p);
+  FK(fmlp_tp_comm_destroy(comm));
+  CK(cudaStreamDestroy(s));
+  return failures == 0 ? 0 : 4;
+}

@@ -1,0 +1,102 @@
+/* fusedmlp tensor-parallel mlp over NCCL (issue #9).
+ *
+ * The Megatron split of the mlp op over P ranks (one GPU each). Rank r holds the hidden units
+ * [r*H/P, (r+1)*H/P): those rows of W1 (gate and up: the gated product stays local) and of b1,
+ * and those columns of W2. Every rank holds the whole x (replicated), so a norm of x is computed
+ * redundantly on each rank and needs nothing special. Each rank runs the ordinary fused op
+ * (fmlp_mlp: decode and prefill kernels alike) on its shard, writing the partial
+ *   y_r = W2[:, slice_r] h_slice_r      (+ b2 + residual on rank 0 only)
+ * into its y, then one ncclAllReduce (sum, in place on y, y's dtype) leaves the full y on every
+ * rank; the reduce-scatter variant (sequence parallelism) leaves rank r rows
+ * [r*M/P, (r+1)*M/P) of the sum in those rows of its y.
+ *
+ * Precision: each partial is rounded to y's dtype before the sum, and the sum is rounded again,
+ * so a bf16 y carries about one more bf16 rounding than the single-GPU op (still inside the
+ * accuracy contract of tests/tolerance.hpp); an f32 y is unaffected.
+ *
+ * NCCL types stay out of this header: a communicator is passed as void* (an ncclComm_t, which
+ * is a pointer). The library loads NCCL at run time (dlopen), so linking fusedmlp never needs
+ * libnccl; a build without NCCL (FMLP_NCCL=OFF or not found) keeps these entry points and they
+ * return FMLP_ERROR_BACKEND_UNAVAILABLE with the reason, except fmlp_tp_shard_weights, which
+ * only computes views and always works. The run-time library is, in order: $FMLP_NCCL_LIBRARY,
+ * the libnccl found at configure time, libnccl.so.2 from the loader's search path.
+ *
+ * NVLink SHARP / multicast stays off: the communicator helpers set NCCL_NVLS_ENABLE=0 unless
+ * the environment already sets it (set it to 0 yourself for communicators you create).
+ */
+#ifndef FUSEDMLP_FUSEDMLP_NCCL_H
+#define FUSEDMLP_FUSEDMLP_NCCL_H
+
+#include "fusedmlp/fusedmlp.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum fmlp_tp_reduce_t {
+  FMLP_TP_ALL_REDUCE = 0,    /* every rank gets the whole y */
+  FMLP_TP_REDUCE_SCATTER = 1 /* rank r gets rows [r*M/P, (r+1)*M/P) of y; M % P == 0 */
+} fmlp_tp_reduce_t;
+
+/* FMLP_SUCCESS when this build has NCCL support and the library loads; else
+ * FMLP_ERROR_BACKEND_UNAVAILABLE and fmlp_last_error() says why. */
+FMLP_API fmlp_status_t fmlp_tp_available(void);
+
+/* Rank `rank` of `size`'s shard of full mlp weights, as views into `full` (no copy, no
+ * allocation, any memory). The full weights' hidden H must be a multiple of size * 8 so that
+ * every shard starts on a 16-byte boundary and keeps the fast kernels; pad H otherwise (extra
+ * hidden units with zero columns in W2 contribute nothing). The shard is always gated with a
+ * separate up (the stacked [gate; up] rows of one rank are not adjacent): w1 = gate rows, w_up =
+ * up rows, b1/b_up and per-row fp8 scales split the same way; w2 = columns of W2 (a view with
+ * row stride H); b2 only on rank 0 (absent elsewhere); norm parameters whole on every rank.
+ * Pass the shard to fmlp_mlp_pack (on the rank's device) for contiguous copies in the layout the
+ * kernels read fastest, or use it as it is in fmlp_tp_mlp's args. */
+FMLP_API fmlp_status_t fmlp_tp_shard_weights(const fmlp_mlp_weights_t* full,
+                                             const fmlp_mlp_config_t* config, int32_t rank,
+                                             int32_t size, fmlp_mlp_weights_t* shard);
+
+/* Workspace bytes for fmlp_tp_mlp with these (sharded) args on rank `rank`. */
+FMLP_API fmlp_status_t fmlp_tp_mlp_workspace_size(const fmlp_mlp_args_t* shard_args, int32_t rank,
+                                                  fmlp_backend_t backend, size_t* bytes);
+
+/* Runs rank `rank`'s part of the tensor-parallel mlp on `stream` (a cudaStream_t on the
+ * communicator's device) and enqueues the reduction on the same stream. shard_args: y, x and
+ * residual as for the whole op (x replicated, y [M, d_out] contiguous), weights the rank's shard
+ * (fmlp_tp_shard_weights). On ranks other than 0, b2 and residual are ignored, so every rank may
+ * pass the same activations and residual. comm: an ncclComm_t of `size` ranks on which this
+ * process is `rank`, on y's device. backend: AUTO or CUDA. Asynchronous and capturable in a
+ * CUDA graph (every rank must replay its graph the same number of times). When one thread drives
+ * several ranks, bracket their calls with fmlp_tp_group_start / fmlp_tp_group_end. On error
+ * (checked before anything is enqueued) nothing is written; a failing NCCL enqueue after the
+ * mlp ran gives FMLP_ERROR_CUDA with NCCL's message. */
+FMLP_API fmlp_status_t fmlp_tp_mlp(const fmlp_mlp_args_t* shard_args, void* comm, int32_t rank,
+                                   int32_t size, fmlp_tp_reduce_t reduce, fmlp_backend_t backend,
+                                   void* workspace, size_t workspace_bytes, void* stream);
+
+/* The same with weights packed by fmlp_mlp_pack from the rank's shard (workspace from
+ * fmlp_mlp_packed_workspace_size). residual may be NULL; it is ignored on ranks other than 0,
+ * and a shard packed with b2 on a rank other than 0 is refused (b2 would be added twice). */
+FMLP_API fmlp_status_t fmlp_tp_mlp_packed(const fmlp_mlp_packed_t* shard, const fmlp_tensor_t* y,
+                                          const fmlp_tensor_t* x, const fmlp_tensor_t* residual,
+                                          void* comm, int32_t rank, int32_t size,
+                                          fmlp_tp_reduce_t reduce, void* workspace,
+                                          size_t workspace_bytes, void* stream);
+
+/* ---- communicators (no MPI needed) ----
+ * One process per GPU sharing the NCCL unique id through a file: rank 0 creates the id and
+ * writes it to `path` atomically (write + rename); the other ranks wait (up to 300 s) for the
+ * file. Delete a stale file before launching. Makes `device` current, then ncclCommInitRank;
+ * *comm gets the ncclComm_t. */
+FMLP_API fmlp_status_t fmlp_tp_comm_init_from_file(const char* path, int32_t rank, int32_t size,
+                                                   int32_t device, void** comm);
+/* One process driving `size` GPUs: comms[i] becomes rank i on devices[i] (ncclCommInitAll). */
+FMLP_API fmlp_status_t fmlp_tp_comm_init_all(int32_t size, const int32_t* devices, void** comms);
+FMLP_API fmlp_status_t fmlp_tp_comm_destroy(void* comm); /* NULL is a no-op */
+/* ncclGroupStart / ncclGroupEnd, for one thread enqueuing the reductions of several ranks. */
+FMLP_API fmlp_status_t fmlp_tp_group_start(void);
+FMLP_API fmlp_status_t fmlp_tp_group_end(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* FUSEDMLP_FUSEDMLP_NCCL_H */

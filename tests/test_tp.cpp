@@ -1,0 +1,382 @@
+// Tensor-parallel mlp (include/fusedmlp/fusedmlp_nccl.h).
+//
+// Host, any machine: the shard views of fmlp_tp_shard_weights, run through the ref backend and
+// summed, give the full op (so the split itself is right: dense, stacked and separate gate/up,
+// biases, fp8 row scales, norms, residual, strided and misaligned views); bad input is refused
+// with its message and nothing written.
+// Devices, >= 2 GPUs with NCCL: one process drives ranks 0 and 1 (ncclCommInitAll, the calls
+// grouped); every rank's reduced y is checked against the fp64 reference with the accuracy
+// contract of tolerance.hpp (which also bounds its distance to the single-GPU fmlp_mlp).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fusedmlp/fusedmlp.h"
+#include "fusedmlp/fusedmlp_nccl.h"
+#include "mlp_case.hpp"
+#include "tolerance.hpp"
+
+namespace {
+
+using fmlp_test::CaseData;
+using fmlp_test::Gate;
+using fmlp_test::MlpCase;
+using fmlp_test::PlacedCase;
+using fmlp_test::Reference;
+using fmlp_test::Residual;
+
+MlpCase tp_case(Gate gate, fmlp_dtype_t x, fmlp_dtype_t w, int64_t m) {
+  MlpCase c;
+  c.m = m;
+  c.d_in = 256;
+  c.hidden = 768;
+  c.d_out = 320;
+  c.gate = gate;
+  c.act = gate == Gate::kDense ? FMLP_ACT_GELU : FMLP_ACT_SILU;
+  c.x_dtype = x;
+  c.w_dtype = w;
+  c.b1 = FMLP_DTYPE_F32;
+  c.b_up = FMLP_DTYPE_BF16;
+  c.b2 = FMLP_DTYPE_F32;
+  c.norm = gate == Gate::kStacked ? FMLP_NORM_RMSNORM : FMLP_NORM_NONE;
+  c.gamma = FMLP_DTYPE_F32;
+  c.residual = gate == Gate::kStacked ? Residual::kInPlace : Residual::kSeparate;
+  c.data_seed = fmlp_test::mix_seed(fmlp_test::test_seed(), uint64_t(m) * 7 + uint64_t(gate));
+  fmlp_test::normalize(&c);
+  return c;
+}
+
+// ---- host: the split itself ----
+
+// Sum over ranks of the ref backend on each shard (residual on rank 0 only, as fmlp_tp_mlp does).
+void check_split_on_host(const MlpCase& c, int size) {
+  SCOPED_TRACE(c.name() + " size " + std::to_string(size));
+  const CaseData data = fmlp_test::make_data(c, c.data_seed);
+  const Reference ref = fmlp_test::reference(c, data);
+  PlacedCase p(c, false);
+  std::vector<double> sum(size_t(c.m * c.d_out), 0.0);
+  for (int r = 0; r < size; ++r) {
+    p.upload(data);
+    fmlp_mlp_args_t a = p.args();
+    ASSERT_EQ(fmlp_tp_shard_weights(&p.args().weights, &a.config, r, size, &a.weights),
+              FMLP_SUCCESS)
+        << fmlp_last_error();
+    EXPECT_EQ(a.weights.w2.shape[1], c.hidden / size);
+    EXPECT_EQ(a.weights.b2.data != nullptr, r == 0);  // b2 is added once, by rank 0
+    if (r != 0) a.residual = fmlp_tensor_none();
+    size_t bytes = 0;
+    ASSERT_EQ(fmlp_mlp_workspace_size(&a, FMLP_BACKEND_REF, &bytes), FMLP_SUCCESS)
+        << fmlp_last_error();
+    std::vector<unsigned char> ws(bytes);
+    ASSERT_EQ(fmlp_mlp(&a, FMLP_BACKEND_REF, ws.data(), bytes, nullptr), FMLP_SUCCESS)
+        << fmlp_last_error();
+    std::string stray;
+    const std::vector<double> part = p.download_y(&stray);
+    EXPECT_EQ(stray, "");
+    for (size_t i = 0; i < sum.size(); ++i) sum[i] += part[i];
+  }
+  // f32 partials: one more f32 rounding per rank, far inside the f32 budget (1e-4).
+  const fmlp_test::CompareOutcome out = fmlp_test::compare(c, sum, ref);
+  EXPECT_TRUE(out.ok) << out.bad << " bad elements; " << out.detail;
+}
+
+TEST(TpShard, SumOfShardsIsTheFullOp) {
+  for (Gate g : {Gate::kDense, Gate::kStacked, Gate::kSeparate})
+    for (int size : {1, 2, 4}) {
+      MlpCase c = tp_case(g, FMLP_DTYPE_F32, FMLP_DTYPE_F32, 5);
+      c.hidden = 64;
+      c.d_in = 24;
+      c.d_out = 40;
+      c.residual = Residual::kSeparate;
+      c.norm = FMLP_NORM_LAYERNORM;
+      c.beta = FMLP_DTYPE_F16;
+      c.strided = g == Gate::kSeparate;
+      c.misaligned = g == Gate::kDense;
+      fmlp_test::normalize(&c);
+      check_split_on_host(c, size);
+    }
+}
+
+TEST(TpShard, Fp8ScalesFollowTheirRows) {
+  for (Gate g : {Gate::kStacked, Gate::kSeparate, Gate::kDense})
+    for (bool per_row : {true, false}) {
+      MlpCase c = tp_case(g, FMLP_DTYPE_F32, FMLP_DTYPE_F8_E4M3, 3);
+      c.hidden = 32;
+      c.d_in = 16;
+      c.d_out = 24;
+      c.per_row_scale = per_row;
+      c.residual = Residual::kNone;
+      fmlp_test::normalize(&c);
+      check_split_on_host(c, 2);
+    }
+}
+
+// A valid host problem for the bad-input checks: dense f32, d_in 4, hidden 16, d_out 4, M 2.
+struct Small {
+  alignas(64) float x[8], y[8], w1[64], w2[64], b2[4];
+  fmlp_mlp_args_t args{};
+  Small() {
+    std::fill(x, x + 8, 0.5f);
+    std::fill(w1, w1 + 64, 0.25f);
+    std::fill(w2, w2 + 64, 0.25f);
+    std::fill(b2, b2 + 4, 1.f);
+    std::memset(y, 0x5A, sizeof y);
+    args.x = fmlp_tensor_2d(x, FMLP_DTYPE_F32, 2, 4, 4);
+    args.y = fmlp_tensor_2d(y, FMLP_DTYPE_F32, 2, 4, 4);
+    args.weights.w1 = fmlp_tensor_2d(w1, FMLP_DTYPE_F32, 16, 4, 4);
+    args.weights.w2 = fmlp_tensor_2d(w2, FMLP_DTYPE_F32, 4, 16, 16);
+    args.weights.b2 = fmlp_tensor_1d(b2, FMLP_DTYPE_F32, 4);
+    args.config = fmlp_mlp_config_default();
+  }
+  bool y_untouched() const {
+    unsigned char poison[sizeof y];
+    std::memset(poison, 0x5A, sizeof poison);
+    return std::memcmp(y, poison, sizeof y) == 0;
+  }
+};
+
+void expect_error(fmlp_status_t got, fmlp_status_t want, const char* needle) {
+  EXPECT_EQ(got, want) << fmlp_status_name(got) << ": " << fmlp_last_error();
+  EXPECT_NE(std::string(fmlp_last_error()).find(needle), std::string::npos)
+      << "message: " << fmlp_last_error() << "\nexpected to contain: " << needle;
+}
+
+TEST(TpBadInput, ShardWeights) {
+  Small s;
+  fmlp_mlp_weights_t out{};
+  const fmlp_mlp_config_t& cfg = s.args.config;
+  expect_error(fmlp_tp_shard_weights(nullptr, &cfg, 0, 2, &out), FMLP_ERROR_NULL_POINTER, "full");
+  expect_error(fmlp_tp_shard_weights(&s.args.weights, nullptr, 0, 2, &out), FMLP_ERROR_NULL_POINTER,
+               "config");
+  expect_error(fmlp_tp_shard_weights(&s.args.weights, &cfg, 0, 2, nullptr), FMLP_ERROR_NULL_POINTER,
+               "shard");
+  expect_error(fmlp_tp_shard_weights(&s.args.weights, &cfg, 0, 0, &out), FMLP_ERROR_INVALID_VALUE,
+               "size is 0");
+  expect_error(fmlp_tp_shard_weights(&s.args.weights, &cfg, 2, 2, &out), FMLP_ERROR_INVALID_VALUE,
+               "rank is 2; expected 0 <= rank < size = 2");
+  expect_error(fmlp_tp_shard_weights(&s.args.weights, &cfg, -1, 2, &out), FMLP_ERROR_INVALID_VALUE,
+               "rank is -1");
+  // hidden 16 splits over 2 ranks (8 each) but not over 4: pad to 32.
+  EXPECT_EQ(fmlp_tp_shard_weights(&s.args.weights, &cfg, 1, 2, &out), FMLP_SUCCESS);
+  expect_error(fmlp_tp_shard_weights(&s.args.weights, &cfg, 1, 4, &out), FMLP_ERROR_SHAPE_MISMATCH,
+               "pad hidden to 32");
+  // Invalid weights are reported by the mlp validation.
+  fmlp_mlp_weights_t bad = s.args.weights;
+  bad.w2 = fmlp_tensor_2d(s.w2, FMLP_DTYPE_F32, 4, 8, 8);
+  expect_error(fmlp_tp_shard_weights(&bad, &cfg, 0, 2, &out), FMLP_ERROR_SHAPE_MISMATCH,
+               "weights.w2");
+}
+
+TEST(TpBadInput, RunAndCommunicators) {
+  Small s;
+  int dummy = 0;
+  void* fake_comm = &dummy;  // never dereferenced: every case fails before the comm is queried
+  const bool have = fmlp_tp_available() == FMLP_SUCCESS;
+  if (!have) {
+    const std::string why = fmlp_last_error();
+    EXPECT_NE(why.find("tensor parallel"), std::string::npos) << why;
+    expect_error(fmlp_tp_mlp(&s.args, fake_comm, 0, 2, FMLP_TP_ALL_REDUCE, FMLP_BACKEND_AUTO,
+                             nullptr, 0, nullptr),
+                 FMLP_ERROR_BACKEND_UNAVAILABLE, "tensor parallel");
+    void* c = nullptr;
+    expect_error(fmlp_tp_comm_init_from_file("/tmp/x", 0, 2, 0, &c), FMLP_ERROR_BACKEND_UNAVAILABLE,
+                 "tensor parallel");
+    EXPECT_TRUE(s.y_untouched());
+    GTEST_SKIP() << "NCCL unavailable, only the BACKEND_UNAVAILABLE answers checked: " << why;
+  }
+  expect_error(fmlp_tp_mlp(nullptr, fake_comm, 0, 2, FMLP_TP_ALL_REDUCE, FMLP_BACKEND_AUTO, nullptr,
+                           0, nullptr),
+               FMLP_ERROR_NULL_POINTER, "shard_args");
+  expect_error(fmlp_tp_mlp(&s.args, nullptr, 0, 2, FMLP_TP_ALL_REDUCE, FMLP_BACKEND_AUTO, nullptr,
+                           0, nullptr),
+               FMLP_ERROR_NULL_POINTER, "comm is NULL");
+  expect_error(fmlp_tp_mlp(&s.args, fake_comm, 3, 2, FMLP_TP_ALL_REDUCE, FMLP_BACKEND_AUTO, nullptr,
+                           0, nullptr),
+               FMLP_ERROR_INVALID_VALUE, "rank is 3");
+  expect_error(fmlp_tp_mlp(&s.args, fake_comm, 0, 2, FMLP_TP_ALL_REDUCE, FMLP_BACKEND_AUTO, nullptr,
+                           0, nullptr),
+               FMLP_ERROR_DEVICE_MISMATCH, "needs CUDA device memory");
+  fmlp_mlp_args_t wrong = s.args;
+  wrong.x = fmlp_tensor_2d(s.x, FMLP_DTYPE_F32, 2, 3, 3);
+  expect_error(fmlp_tp_mlp(&wrong, fake_comm, 0, 2, FMLP_TP_ALL_REDUCE, FMLP_BACKEND_AUTO, nullptr,
+                           0, nullptr),
+               FMLP_ERROR_SHAPE_MISMATCH, "x");
+  expect_error(fmlp_tp_mlp_packed(nullptr, &s.args.y, &s.args.x, nullptr, fake_comm, 0, 2,
+                                  FMLP_TP_ALL_REDUCE, nullptr, 0, nullptr),
+               FMLP_ERROR_NULL_POINTER, "shard");
+  EXPECT_TRUE(s.y_untouched());
+
+  void* c = nullptr;
+  expect_error(fmlp_tp_comm_init_from_file(nullptr, 0, 2, 0, &c), FMLP_ERROR_NULL_POINTER, "path");
+  expect_error(fmlp_tp_comm_init_from_file("/tmp/x", 0, 2, 0, nullptr), FMLP_ERROR_NULL_POINTER,
+               "comm");
+  expect_error(fmlp_tp_comm_init_from_file("/tmp/x", 2, 2, 0, &c), FMLP_ERROR_INVALID_VALUE,
+               "rank is 2");
+  const fmlp_status_t st = fmlp_tp_comm_init_from_file("/tmp/x", 0, 2, 999, &c);
+  EXPECT_TRUE(st == FMLP_ERROR_INVALID_VALUE || st == FMLP_ERROR_BACKEND_UNAVAILABLE)
+      << fmlp_status_name(st);
+  EXPECT_NE(std::string(fmlp_last_error()).find("999"), std::string::npos) << fmlp_last_error();
+  const int32_t devs[2] = {0, 0};
+  void* comms[2] = {};
+  const fmlp_status_t st2 = fmlp_tp_comm_init_all(2, devs, comms);
+  EXPECT_TRUE(st2 == FMLP_ERROR_INVALID_VALUE || st2 == FMLP_ERROR_BACKEND_UNAVAILABLE)
+      << fmlp_status_name(st2) << ": " << fmlp_last_error();
+  EXPECT_EQ(comms[0], nullptr);
+  EXPECT_EQ(fmlp_tp_comm_destroy(nullptr), FMLP_SUCCESS);
+}
+
+// ---- devices: two ranks driven by one process ----
+
+#ifdef FMLP_TEST_WITH_CUDA
+
+void on_device(fmlp_mlp_args_t* a, int dev) {
+  fmlp_mlp_weights_t& w = a->weights;
+  for (fmlp_tensor_t* t :
+       {&a->x, &a->y, &a->residual, &w.w1, &w.w1_scale, &w.b1, &w.w_up, &w.w_up_scale, &w.b_up,
+        &w.w2, &w.w2_scale, &w.b2, &w.norm_weight, &w.norm_bias})
+    if (t->data != nullptr) t->device_id = dev;
+}
+
+class TpDevices : public ::testing::Test {
+ protected:
+  static constexpr int kRanks = 2;
+  static void SetUpTestSuite() {
+    if (fmlp_tp_available() != FMLP_SUCCESS) {
+      skip_ = std::string("NCCL unavailable: ") + fmlp_last_error();
+      return;
+    }
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n < kRanks) {
+      cudaGetLastError();
+      skip_ = "needs 2 CUDA devices, found " + std::to_string(n);
+      return;
+    }
+    const int32_t devs[kRanks] = {0, 1};
+    if (fmlp_tp_comm_init_all(kRanks, devs, comms_) != FMLP_SUCCESS)
+      skip_ = std::string("fmlp_tp_comm_init_all failed: ") + fmlp_last_error();
+  }
+  static void TearDownTestSuite() {
+    for (void*& c : comms_) {
+      fmlp_tp_comm_destroy(c);
+      c = nullptr;
+    }
+  }
+  void SetUp() override {
+    if (!skip_.empty()) GTEST_SKIP() << skip_;
+  }
+
+  // Runs the case on both ranks and returns each rank's y (decoded).
+  std::vector<std::vector<double>> run(const MlpCase& c, fmlp_tp_reduce_t reduce) {
+    const CaseData data = fmlp_test::make_data(c, c.data_seed);
+    std::unique_ptr<PlacedCase> placed[kRanks];
+    fmlp_test::Buffer ws[kRanks];
+    cudaStream_t streams[kRanks];
+    fmlp_mlp_args_t args[kRanks];
+    for (int r = 0; r < kRanks; ++r) {
+      EXPECT_EQ(cudaSetDevice(r), cudaSuccess);
+      placed[r] = std::make_unique<PlacedCase>(c, true);
+      placed[r]->upload(data);
+      args[r] = placed[r]->args();
+      on_device(&args[r], r);
+      EXPECT_EQ(
+          fmlp_tp_shard_weights(&args[r].weights, &args[r].config, r, kRanks, &args[r].weights),
+          FMLP_SUCCESS)
+          << fmlp_last_error();
+      size_t bytes = 0;
+      EXPECT_EQ(fmlp_tp_mlp_workspace_size(&args[r], r, FMLP_BACKEND_CUDA, &bytes), FMLP_SUCCESS)
+          << fmlp_last_error();
+      ws[r] = fmlp_test::Buffer(bytes, true);
+      ws[r].fill(0);
+      EXPECT_EQ(cudaStreamCreate(&streams[r]), cudaSuccess);
+    }
+    EXPECT_EQ(fmlp_tp_group_start(), FMLP_SUCCESS);
+    for (int r = 0; r < kRanks; ++r)
+      EXPECT_EQ(fmlp_tp_mlp(&args[r], comms_[r], r, kRanks, reduce, FMLP_BACKEND_CUDA, ws[r].data(),
+                            ws[r].size(), streams[r]),
+                FMLP_SUCCESS)
+          << "rank " << r << ": " << fmlp_last_error();
+    EXPECT_EQ(fmlp_tp_group_end(), FMLP_SUCCESS) << fmlp_last_error();
+    std::vector<std::vector<double>> ys(kRanks);
+    for (int r = 0; r < kRanks; ++r) {
+      EXPECT_EQ(cudaSetDevice(r), cudaSuccess);
+      EXPECT_EQ(cudaStreamSynchronize(streams[r]), cudaSuccess);
+      EXPECT_EQ(cudaStreamDestroy(streams[r]), cudaSuccess);
+      std::string stray;
+      ys[size_t(r)] = placed[r]->download_y(&stray);
+      EXPECT_EQ(stray, "") << "rank " << r;
+      ws[r] = fmlp_test::Buffer();  // freed on its own device
+      placed[r].reset();
+    }
+    EXPECT_EQ(cudaSetDevice(0), cudaSuccess);
+    return ys;
+  }
+
+  static inline void* comms_[kRanks] = {};
+  static inline std::string skip_;
+};
+
+TEST_F(TpDevices, AllReduceMatchesReference) {
+  for (fmlp_dtype_t t : {FMLP_DTYPE_BF16, FMLP_DTYPE_F32})
+    for (Gate g : {Gate::kDense, Gate::kStacked, Gate::kSeparate})
+      for (int64_t m : {1, 7, 64, 300}) {
+        const MlpCase c = tp_case(g, t, t, m);
+        SCOPED_TRACE(c.name());
+        const Reference ref = fmlp_test::reference(c, fmlp_test::make_data(c, c.data_seed));
+        const std::vector<std::vector<double>> ys = run(c, FMLP_TP_ALL_REDUCE);
+        for (int r = 0; r < kRanks; ++r) {
+          const fmlp_test::CompareOutcome out = fmlp_test::compare(c, ys[size_t(r)], ref);
+          EXPECT_TRUE(out.ok) << "rank " << r << ": " << out.bad << " bad; " << out.detail;
+        }
+      }
+}
+
+TEST_F(TpDevices, ReduceScatterGivesEachRankItsRows) {
+  for (int64_t m : {2, 64, 300}) {
+    const MlpCase c = tp_case(Gate::kStacked, FMLP_DTYPE_BF16, FMLP_DTYPE_BF16, m);
+    SCOPED_TRACE(c.name());
+    const Reference ref = fmlp_test::reference(c, fmlp_test::make_data(c, c.data_seed));
+    const std::vector<std::vector<double>> ys = run(c, FMLP_TP_REDUCE_SCATTER);
+    std::vector<double> owned(size_t(c.m * c.d_out));
+    const int64_t rows = c.m / kRanks;
+    for (int64_t i = 0; i < c.m; ++i)
+      for (int64_t o = 0; o < c.d_out; ++o)
+        owned[size_t(i * c.d_out + o)] = ys[size_t(i / rows)][size_t(i * c.d_out + o)];
+    const fmlp_test::CompareOutcome out = fmlp_test::compare(c, owned, ref);
+    EXPECT_TRUE(out.ok) << out.bad << " bad; " << out.detail;
+  }
+}
+
+TEST_F(TpDevices, MismatchedRankOrDeviceIsRefused) {
+  const MlpCase c = tp_case(Gate::kDense, FMLP_DTYPE_BF16, FMLP_DTYPE_BF16, 4);
+  EXPECT_EQ(cudaSetDevice(0), cudaSuccess);
+  PlacedCase p(c, true);
+  p.upload(fmlp_test::make_data(c, c.data_seed));
+  fmlp_mlp_args_t a = p.args();
+  ASSERT_EQ(fmlp_tp_shard_weights(&a.weights, &a.config, 0, kRanks, &a.weights), FMLP_SUCCESS);
+  // comm of rank 1 with rank 0's claim, then rank 0's comm with tensors said to be on cuda:1.
+  expect_error(fmlp_tp_mlp(&a, comms_[1], 0, kRanks, FMLP_TP_ALL_REDUCE, FMLP_BACKEND_CUDA, nullptr,
+                           0, nullptr),
+               FMLP_ERROR_INVALID_VALUE, "but comm is rank 1 of 2");
+  fmlp_mlp_args_t moved = a;
+  on_device(&moved, 1);
+  expect_error(fmlp_tp_mlp(&moved, comms_[0], 0, kRanks, FMLP_TP_ALL_REDUCE, FMLP_BACKEND_CUDA,
+                           nullptr, 0, nullptr),
+               FMLP_ERROR_DEVICE_MISMATCH, "comm (rank 0) is on cuda:0");
+  fmlp_mlp_args_t odd = a;  // 3 rows do not scatter over 2 ranks
+  odd.x.shape[0] = odd.y.shape[0] = odd.residual.shape[0] = 3;
+  expect_error(fmlp_tp_mlp(&odd, comms_[0], 0, kRanks, FMLP_TP_REDUCE_SCATTER, FMLP_BACKEND_CUDA,
+                           nullptr, 0, nullptr),
+               FMLP_ERROR_SHAPE_MISMATCH, "multiple of size");
+  std::string stray;
+  const std::vector<double> y = p.download_y(&stray);
+  EXPECT_EQ(stray, "");
+  for (double v : y) EXPECT_TRUE(std::isnan(v)) << "y was written";  // still the 0xFF poison
+}
+
+#endif  // FMLP_TEST_WITH_CUDA
+
+}  // namespace
