@@ -3,7 +3,7 @@
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 bench/tp_python_check.py [--json out.json]
 
 Every rank builds the same Llama-style MLP (gate/up/down, SiLU, bf16; llama3-8b sizes by
-default, --d/--hidden to change), fusedmlp.tp.patch_tp replaces it by the rank's TPFusedMLP
+default, --d/--hidden to change), fusedmlp.patch(model, tp_group=...) replaces it by the rank's TPFusedMLP
 shard, and the all-reduced output is compared with the unsharded PyTorch module on the same
 input: |tp - ref| <= 2^-6 (|ref| + rms(ref row)) (both sides round to bf16 at least once, plus
 the partial sums; twice the bf16 budget of tests/tolerance.hpp). Then both are timed with CUDA
@@ -69,13 +69,13 @@ def main():
     local = int(os.environ.get("LOCAL_RANK", rank))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    import fusedmlp.tp
+    import fusedmlp
 
     torch.manual_seed(0)  # identical weights and inputs on every rank
     ref = LlamaMLP(a.d, a.hidden).to(device="cuda", dtype=torch.bfloat16).eval()
     model = nn.Sequential(LlamaMLP(a.d, a.hidden)).to(device="cuda", dtype=torch.bfloat16)
     model[0].load_state_dict(ref.state_dict())
-    replaced = fusedmlp.tp.patch_tp(model)
+    replaced = fusedmlp.patch(model, tp_group=dist.group.WORLD).replaced
     assert replaced == ["0"], replaced
     rows, failures = [], 0
     for m in [int(v) for v in a.ms.split(",")]:

@@ -425,8 +425,9 @@ def kernels(op="mlp"):
     return _ext.kernels(op)
 
 
-def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True):
+def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_group=None):
     """Swaps the MLP blocks of a Hugging Face model for fused ones in place; see
     fusedmlp.torch.patch (needs torch)."""
     from .torch import patch as _patch
-    return _patch(model, strict=strict, probe=probe, backend=backend, fuse_norm=fuse_norm)
+    return _patch(model, strict=strict, probe=probe, backend=backend, fuse_norm=fuse_norm,
+                  tp_group=tp_group)

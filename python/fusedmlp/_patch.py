@@ -220,7 +220,7 @@ def _probe_error(plan, probe):
     return float(err.nan_to_num(nan=float("inf")).max()) if err.numel() else 0.0
 
 
-def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True):
+def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_group=None):
     """Replaces the MLP blocks of `model` in place by FusedMLP modules (packed once for the
     weights' device) and returns a PatchReport (print it).
 
@@ -231,8 +231,14 @@ def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True):
     seeded); given with strict=False, blocks that fail it are skipped instead of replaced.
     fuse_norm: also fuse the pre-MLP LayerNorm/RMSNorm of the decoder blocks listed in
     _NORM_BEFORE_MLP (the norm module becomes a passthrough). Blocks that cannot be fused
-    (unknown activation, mixture of experts, ...) are skipped with the reason. Inference only: call model.eval() (dropout before a fused residual add raises).
+    (unknown activation, mixture of experts, ...) are skipped with the reason.
+    tp_group: a torch.distributed NCCL process group: each rank replaces the MLP blocks by its
+    tensor-parallel shard (fusedmlp.tp.TPFusedMLP, all-reduce over the group); every rank must
+    call it on an identical model; strict, probe and fuse_norm do not apply. Inference only: call model.eval() (dropout before a fused residual add raises).
     """
+    if tp_group is not None:  # tensor parallel: every rank keeps its shard (fusedmlp.tp)
+        from .tp import patch_tp
+        return PatchReport(replaced=patch_tp(model, tp_group=tp_group, backend=backend))
     report = PatchReport()
     plans = []
     _collect(model, "", backend, plans, report, fuse_norm=fuse_norm)
