@@ -1,6 +1,7 @@
 // Every linear op-table entry against an fp64 reference computed here (tolerance rule of
 // tolerance.hpp: rtol * (|ref| + l2 norm of the summed terms) + atol, rtol the larger of the
-// activation and weight dtypes': f32 1e-4, f16 2^-9, bf16 and f8 2^-7), plus bad input.
+// output and weight dtypes': f32 1e-4, f16 2^-9, bf16 and f8 2^-7), plus bad input. W8A8 cases
+// (fp8 x with per-row or per-tensor x_scale) follow torch._scaled_mm's semantics.
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -19,11 +20,17 @@ struct LinCase {
   fmlp_dtype_t xt = FMLP_DTYPE_F32, wt = FMLP_DTYPE_F32, bt = kAbsent;
   bool per_row = false, misaligned = false, strided = false, nonfinite = false;
   bool x_misaligned = false;  // x and y only: W stays 16-byte aligned
+  fmlp_dtype_t yt = kAbsent;  // y's dtype when x is f8_e4m3 (W8A8); else x's
+  bool x_per_row = false;     // W8A8: x_scale [M] rather than [1]
+  fmlp_dtype_t out() const { return yt != kAbsent ? yt : xt; }
   std::string name() const {
     return "M=" + std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k) +
            " x=" + fmlp_dtype_name(xt) + " w=" + fmlp_dtype_name(wt) +
            (bt != kAbsent ? std::string(" bias=") + fmlp_dtype_name(bt) : "") +
            (wt == FMLP_DTYPE_F8_E4M3 ? (per_row ? " scale/row" : " scale/tensor") : "") +
+           (xt == FMLP_DTYPE_F8_E4M3 ? std::string(x_per_row ? " x_scale/row" : " x_scale/tensor") +
+                                           " y=" + fmlp_dtype_name(out())
+                                     : "") +
            (misaligned ? " misaligned" : "") + (x_misaligned ? " x-misaligned" : "") +
            (strided ? " strided" : "") + (nonfinite ? " nonfinite" : "");
   }
@@ -54,14 +61,17 @@ std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t
   std::uniform_real_distribution<double> ud(-1.0, 1.0);
   HostMatrix x = matrix(c.xt, c.m, c.k), w = matrix(c.wt, c.n, c.k);
   HostMatrix s = matrix(FMLP_DTYPE_F32, 1, c.per_row ? c.n : 1), b;
+  const bool x8 = c.xt == FMLP_DTYPE_F8_E4M3;
+  HostMatrix xsc = matrix(FMLP_DTYPE_F32, 1, c.x_per_row ? c.m : 1);
+  for (int64_t i = 0; i < xsc.cols; ++i) xsc.set(0, i, (0.5 + ud(rng) * 0.25) / 100.0);
   for (int64_t i = 0; i < c.m; ++i)
-    for (int64_t j = 0; j < c.k; ++j) x.set(i, j, nd(rng));
+    for (int64_t j = 0; j < c.k; ++j) x.set(i, j, x8 ? ud(rng) * 300.0 : nd(rng));
   const double wscale = c.wt == FMLP_DTYPE_F8_E4M3 ? 100.0 : 1.0 / std::sqrt(double(c.k));
   for (int64_t i = 0; i < c.n; ++i)
     for (int64_t j = 0; j < c.k; ++j) w.set(i, j, ud(rng) * wscale);
   for (int64_t i = 0; i < s.cols; ++i)
     s.set(0, i, (0.5 + ud(rng) * 0.25) / (100.0 * std::sqrt(double(c.k))));
-  if (c.nonfinite && c.m >= 3) {
+  if (c.nonfinite && c.m >= 3 && !x8) {  // e4m3fn has no Inf
     x.set(0, c.k / 2, NAN);
     x.set(1, 0, INFINITY);
   }
@@ -71,8 +81,9 @@ std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t
   }
   PlacedTensor px(c.xt, c.m, c.k, device, c.misaligned || c.x_misaligned, c.strided);
   PlacedTensor pw(c.wt, c.n, c.k, device, c.misaligned, c.strided);
-  PlacedTensor py(c.xt, c.m, c.n, device, c.misaligned || c.x_misaligned, c.strided);
+  PlacedTensor py(c.out(), c.m, c.n, device, c.misaligned || c.x_misaligned, c.strided);
   PlacedTensor ps(FMLP_DTYPE_F32, 1, s.cols, device, false, false);
+  PlacedTensor pxs(FMLP_DTYPE_F32, 1, xsc.cols, device, false, false);
   PlacedTensor pb;
   HostMatrix stale = x;  // what a captured graph finds before its inputs are refreshed
   for (int64_t i = 0; i < c.m; ++i)
@@ -80,8 +91,10 @@ std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t
   px.upload(mode.graph ? stale : x);
   pw.upload(w);
   ps.upload(s);
+  pxs.upload(xsc);
   fmlp_linear_args_t a{py.view(), px.view(), pw.view(), fmlp_tensor_none(), fmlp_tensor_none()};
   if (c.wt == FMLP_DTYPE_F8_E4M3) a.w_scale = ps.vector_view();
+  if (x8) a.x_scale = pxs.vector_view();
   if (c.bt != kAbsent) {
     pb = PlacedTensor(c.bt, 1, c.n, device, c.misaligned, false);
     pb.upload(b);
@@ -111,12 +124,13 @@ std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t
     for (unsigned char v : ws.download())
       if (v != 0) return "the workspace was not left zero-filled";
   }
-  const double rtol = mlp_rtol(c.xt, c.wt);
+  const double rtol = mlp_rtol(c.out(), c.wt);
   int bad = 0;
   std::string first;
   for (int64_t i = 0; i < c.m; ++i)
     for (int64_t o = 0; o < c.n; ++o) {
-      const double sc = c.wt == FMLP_DTYPE_F8_E4M3 ? s.get(0, c.per_row ? o : 0) : 1.0;
+      const double sc = (c.wt == FMLP_DTYPE_F8_E4M3 ? s.get(0, c.per_row ? o : 0) : 1.0) *
+                        (x8 ? xsc.get(0, c.x_per_row ? i : 0) : 1.0);
       double ref = 0.0, l2 = 0.0;
       for (int64_t j = 0; j < c.k; ++j) {
         const double t = w.get(o, j) * sc * x.get(i, j);
@@ -125,7 +139,7 @@ std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t
       }
       if (c.bt != kAbsent) ref += b.get(0, o), l2 += b.get(0, o) * b.get(0, o);
       const ElementCheck e =
-          check_element(out[size_t(i * c.n + o)], ref, std::sqrt(l2), rtol, c.xt);
+          check_element(out[size_t(i * c.n + o)], ref, std::sqrt(l2), rtol, c.out());
       if (!e.ok && bad++ == 0)
         first = "y[" + std::to_string(i) + "][" + std::to_string(o) +
                 "] = " + std::to_string(out[size_t(i * c.n + o)]) + ", ref " + std::to_string(ref) +
@@ -182,6 +196,23 @@ std::vector<LinCase> cases() {
         c.nonfinite = m % 2 == 1;
         v.push_back(c);
       }
+  // W8A8: every output dtype, both scale granularities, the M the brief names, odd sizes and
+  // cuBLASLt-friendly ones (K, N multiples of 16).
+  int variant = 0;
+  for (int64_t m : {1, 7, 64, 300})
+    for (auto [n, k] : {std::pair<int64_t, int64_t>{7, 127}, {32, 64}, {264, 4096}, {769, 768}}) {
+      if (m * n * k > 20'000'000) continue;
+      LinCase c;
+      c.m = m, c.n = n, c.k = k;
+      c.xt = c.wt = FMLP_DTYPE_F8_E4M3;
+      c.yt = acts[variant % 3];
+      c.per_row = variant % 2 == 0;
+      c.x_per_row = variant % 4 < 2;
+      c.bt = variant % 3 == 1 ? c.yt : variant % 3 == 2 ? FMLP_DTYPE_F32 : kAbsent;
+      c.x_misaligned = variant % 5 == 4;
+      ++variant;
+      v.push_back(c);
+    }
   for (int64_t n : {1, 8, 3}) {  // router-like: tiny N, long K (split K on the GPU)
     LinCase c;
     c.m = n == 3 ? 5 : 1, c.n = n, c.k = 8192;
@@ -281,7 +312,8 @@ INSTANTIATE_TEST_SUITE_P(Kernels, LinearKernelTest,
 // Bad input: every entry point rejects it with a message naming the argument; y is untouched.
 struct BadLinear {
   alignas(64) float x[16], y[16], w[16], b[8], s[8];
-  alignas(64) uint8_t w8[16];
+  alignas(64) uint8_t w8[16], x8[16];
+  float xs[4] = {0.25f, 0.25f, 0.25f, 0.25f};
   fmlp_linear_args_t a{};
   BadLinear() {
     std::fill(std::begin(x), std::end(x), 0.5f);
@@ -289,7 +321,8 @@ struct BadLinear {
     std::fill(std::begin(b), std::end(b), 1.f);
     std::fill(std::begin(s), std::end(s), 1.f);
     std::memset(y, 0x5A, sizeof y);
-    std::memset(w8, 0x38, sizeof w8);
+    std::memset(w8, 0x38, sizeof w8);                  // 1.0
+    std::memset(x8, 0x30, sizeof x8);                  // 0.5
     a.x = fmlp_tensor_2d(x, FMLP_DTYPE_F32, 2, 4, 4);  // M = 2, K = 4, N = 3
     a.y = fmlp_tensor_2d(y, FMLP_DTYPE_F32, 2, 3, 3);
     a.w = fmlp_tensor_2d(w, FMLP_DTYPE_F32, 3, 4, 4);
@@ -342,7 +375,48 @@ TEST(LinearBadInput, Dtypes) {
   BadLinear g;
   g.a.x.dtype = FMLP_DTYPE_F8_E4M3;
   g.a.y.dtype = FMLP_DTYPE_F8_E4M3;
-  expect_rejected(g, FMLP_ERROR_DTYPE_MISMATCH, {"x has dtype f8_e4m3"});
+  expect_rejected(g, FMLP_ERROR_DTYPE_MISMATCH, {"x is f8_e4m3 but w is f32"});
+}
+// W8A8: fp8 x needs fp8 W, an x_scale of [1] or [M] with finite positive entries, and a 16- or
+// 32-bit output.
+TEST(LinearBadInput, W8A8) {
+  auto w8a8 = [](BadLinear& f) {
+    f.a.x = fmlp_tensor_2d(f.x8, FMLP_DTYPE_F8_E4M3, 2, 4, 4);
+    f.a.w = fmlp_tensor_2d(f.w8, FMLP_DTYPE_F8_E4M3, 3, 4, 4);
+    f.a.w_scale = fmlp_tensor_1d(f.s, FMLP_DTYPE_F32, 3);
+    f.a.x_scale = fmlp_tensor_1d(f.xs, FMLP_DTYPE_F32, 2);
+  };
+  BadLinear ok;
+  w8a8(ok);
+  ASSERT_EQ(fmlp_linear(&ok.a, FMLP_BACKEND_REF, nullptr, 0, nullptr), FMLP_SUCCESS)
+      << fmlp_last_error();
+  EXPECT_FLOAT_EQ(ok.y[0], 0.5f * 4 * 0.25f + 1.f);  // e4m3 0x30 = 0.5, scales 1 and 0.25
+  BadLinear f;
+  w8a8(f);
+  f.a.x_scale = fmlp_tensor_none();
+  expect_rejected(f, FMLP_ERROR_BAD_SCALE, {"x is fp8 e4m3 but x_scale is absent", "[2]"});
+  BadLinear g;
+  w8a8(g);
+  g.a.x_scale = fmlp_tensor_1d(g.xs, FMLP_DTYPE_F32, 3);
+  expect_rejected(g, FMLP_ERROR_BAD_SCALE, {"x_scale has 3 entries", "1 (per tensor) or 2"});
+  BadLinear h;
+  w8a8(h);
+  h.xs[1] = NAN;
+  expect_rejected(h, FMLP_ERROR_BAD_SCALE, {"x_scale[1] is nan", "finite and > 0"});
+  h.xs[1] = 0.f;
+  expect_rejected(h, FMLP_ERROR_BAD_SCALE, {"x_scale[1] is 0"});
+  BadLinear i;
+  w8a8(i);
+  i.a.w = fmlp_tensor_2d(i.w, FMLP_DTYPE_F32, 3, 4, 4);
+  i.a.w_scale = fmlp_tensor_none();
+  expect_rejected(i, FMLP_ERROR_DTYPE_MISMATCH, {"x is f8_e4m3 but w is f32"});
+  BadLinear j;
+  w8a8(j);
+  j.a.y.dtype = FMLP_DTYPE_F8_E4M3;
+  expect_rejected(j, FMLP_ERROR_DTYPE_MISMATCH, {"y is f8_e4m3 with f8_e4m3 x"});
+  BadLinear k;
+  k.a.x_scale = fmlp_tensor_1d(k.xs, FMLP_DTYPE_F32, 1);
+  expect_rejected(k, FMLP_ERROR_BAD_SCALE, {"x_scale is given but x is f32"});
 }
 TEST(LinearBadInput, Scales) {
   BadLinear f;

@@ -57,7 +57,7 @@ typedef enum fmlp_dtype_t {
   FMLP_DTYPE_F32 = 1,
   FMLP_DTYPE_F16 = 2,
   FMLP_DTYPE_BF16 = 3,
-  FMLP_DTYPE_F8_E4M3 = 4 /* float8_e4m3fn, weights only, with fp32 scales */
+  FMLP_DTYPE_F8_E4M3 = 4 /* float8_e4m3fn with fp32 scales: weights, and linear's x (W8A8) */
 } fmlp_dtype_t;
 
 typedef enum fmlp_device_type_t { FMLP_DEVICE_CPU = 0, FMLP_DEVICE_CUDA = 1 } fmlp_device_type_t;
@@ -230,6 +230,9 @@ FMLP_API fmlp_status_t fmlp_quantize_fp8(const fmlp_tensor_t* w, const fmlp_tens
  *   fp32 [1] per tensor or [N] per row, W is dequantised as w * scale); bias: optional [N],
  *   f32, f16 or bf16. M, N or K may be 0 (K = 0 gives y = bias, or 0). y may not overlap any
  *   input. Accumulation is fp32 or wider.
+ *   W8A8 (torch._scaled_mm semantics): x f8_e4m3 with x_scale fp32 [1] per tensor or [M] per
+ *   row (token), W f8_e4m3 with w_scale; y f32, f16 or bf16:
+ *     y[m, n] = (x_scale[m] * w_scale[n]) * sum_k x[m, k] w[n, k] + bias[n].
  *   Host scales are checked to be finite and > 0; device scales are not read by validation
  *   (that would synchronise), so a bad device scale gives a bad result, not an error.
  * softmax: y = softmax(x / T) over the last dim, or log_softmax when `log` is 1.
@@ -245,6 +248,7 @@ typedef struct fmlp_linear_args_t {
   fmlp_tensor_t w;
   fmlp_tensor_t w_scale; /* only for f8_e4m3 weights */
   fmlp_tensor_t bias;    /* optional */
+  fmlp_tensor_t x_scale; /* only for f8_e4m3 x (W8A8) */
 } fmlp_linear_args_t;
 
 typedef struct fmlp_softmax_args_t {

@@ -1,11 +1,16 @@
 // C ABI of the linear op: the one place its arguments are validated, then dispatch through the
 // op table (op_table.hpp).
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/linear_desc.hpp"
 #include "core/tensor_check.hpp"
+#if FMLP_WITH_CUDA
+#include "cuda/linear_planner.hpp"
+#endif
 
 namespace fmlp::detail {
 namespace {
@@ -20,41 +25,41 @@ bool is_act_dtype(fmlp_dtype_t t) {
   return t == FMLP_DTYPE_F32 || t == FMLP_DTYPE_F16 || t == FMLP_DTYPE_BF16;
 }
 
-fmlp_status_t check_scale(const fmlp_linear_args_t& a, LinearDesc* d) {
-  const fmlp_tensor_t& s = a.w_scale;
-  const bool fp8 = a.w.dtype == FMLP_DTYPE_F8_E4M3;
+// One operand's fp8 scales: `s` for the e4m3 tensor `of` with `rows` rows ([1] or [rows]).
+fmlp_status_t check_scale(const char* name, const fmlp_tensor_t& s, const char* of, bool fp8,
+                          fmlp_dtype_t of_dtype, int64_t rows, const char* rows_name,
+                          ScaleKind* kind) {
   if (tensor_absent(s)) {
     if (fp8)
       return fail(FMLP_ERROR_BAD_SCALE,
-                  "w is fp8 e4m3 but w_scale is absent; pass fp32 scales of shape [1] (per "
-                  "tensor) or [{}] (per row)",
-                  d->n);
-    d->w_scale = ScaleKind::kNone;
+                  "{} is fp8 e4m3 but {} is absent; pass fp32 scales of shape [1] (per tensor) "
+                  "or [{}] (one per {})",
+                  of, name, rows, rows_name);
+    *kind = ScaleKind::kNone;
     return FMLP_SUCCESS;
   }
   if (!fp8)
     return fail(FMLP_ERROR_BAD_SCALE,
-                "w_scale is given but w is {}; scales apply to fp8 e4m3 weights only, drop the "
-                "scale",
-                fmlp_dtype_name(a.w.dtype));
+                "{} is given but {} is {}; scales apply to fp8 e4m3 tensors only, drop the scale",
+                name, of, fmlp_dtype_name(of_dtype));
   const int64_t any[1] = {-1};
-  FMLP_TRY(check_tensor("w_scale", s, 1, any, "[1] or [N]"));
+  FMLP_TRY(check_tensor(name, s, 1, any, "[1] or [rows]"));
   if (s.dtype != FMLP_DTYPE_F32)
-    return fail(FMLP_ERROR_BAD_SCALE, "w_scale has dtype {}; scales must be f32",
+    return fail(FMLP_ERROR_BAD_SCALE, "{} has dtype {}; scales must be f32", name,
                 fmlp_dtype_name(s.dtype));
-  if (s.shape[0] == 1 && d->n != 1)
-    d->w_scale = ScaleKind::kPerTensor;
-  else if (s.shape[0] == d->n)
-    d->w_scale = ScaleKind::kPerRow;
+  if (s.shape[0] == 1 && rows != 1)
+    *kind = ScaleKind::kPerTensor;
+  else if (s.shape[0] == rows)
+    *kind = ScaleKind::kPerRow;
   else
     return fail(FMLP_ERROR_BAD_SCALE,
-                "w_scale has {} entries; expected 1 (per tensor) or {} (one per row of w)",
-                s.shape[0], d->n);
+                "{} has {} entries; expected 1 (per tensor) or {} (one per {} of {})", name,
+                s.shape[0], rows, rows_name, of);
   if (s.device_type == FMLP_DEVICE_CPU) {
     const float* p = static_cast<const float*>(s.data);
     for (int64_t i = 0; i < s.shape[0]; ++i)
       if (!(std::isfinite(p[i]) && p[i] > 0.f))
-        return fail(FMLP_ERROR_BAD_SCALE, "w_scale[{}] is {}; scales must be finite and > 0", i,
+        return fail(FMLP_ERROR_BAD_SCALE, "{}[{}] is {}; scales must be finite and > 0", name, i,
                     p[i]);
   }
   return FMLP_SUCCESS;
@@ -78,15 +83,28 @@ fmlp_status_t validate_linear(const fmlp_linear_args_t* a, LinearDesc* d) {
     return fail(FMLP_ERROR_DTYPE_MISMATCH,
                 "w has dtype {}; weights must be f32, f16, bf16 or f8_e4m3",
                 fmlp_dtype_name(a->w.dtype));
-  if (!is_act_dtype(a->x.dtype))
-    return fail(FMLP_ERROR_DTYPE_MISMATCH, "x has dtype {}; activations must be f32, f16 or bf16",
+  const bool x_fp8 = a->x.dtype == FMLP_DTYPE_F8_E4M3;
+  if (!is_act_dtype(a->x.dtype) && !x_fp8)
+    return fail(FMLP_ERROR_DTYPE_MISMATCH,
+                "x has dtype {}; activations must be f32, f16, bf16 or f8_e4m3 (W8A8)",
                 fmlp_dtype_name(a->x.dtype));
-  if (a->y.dtype != a->x.dtype)
-    return fail(FMLP_ERROR_DTYPE_MISMATCH, "y is {} but x is {}; y must have x's dtype",
+  if (x_fp8 && a->w.dtype != FMLP_DTYPE_F8_E4M3)
+    return fail(FMLP_ERROR_DTYPE_MISMATCH,
+                "x is f8_e4m3 but w is {}; fp8 activations (W8A8) need f8_e4m3 weights, or pass "
+                "x in f32, f16 or bf16",
+                fmlp_dtype_name(a->w.dtype));
+  if (x_fp8 ? !is_act_dtype(a->y.dtype) : a->y.dtype != a->x.dtype)
+    return fail(FMLP_ERROR_DTYPE_MISMATCH,
+                x_fp8 ? "y is {} with f8_e4m3 x; W8A8 outputs are f32, f16 or bf16"
+                      : "y is {} but x is {}; y must have x's dtype",
                 fmlp_dtype_name(a->y.dtype), fmlp_dtype_name(a->x.dtype));
   d->act_dtype = a->x.dtype;
+  d->out_dtype = a->y.dtype;
   d->w_dtype = a->w.dtype;
-  FMLP_TRY(check_scale(*a, d));
+  FMLP_TRY(check_scale("w_scale", a->w_scale, "w", a->w.dtype == FMLP_DTYPE_F8_E4M3, a->w.dtype,
+                       d->n, "row", &d->w_scale));
+  FMLP_TRY(
+      check_scale("x_scale", a->x_scale, "x", x_fp8, a->x.dtype, d->m, "row (token)", &d->x_scale));
   d->bias_dtype = FMLP_DTYPE_INVALID;
   if (!tensor_absent(a->bias)) {
     const int64_t b_shape[1] = {d->n};
@@ -101,7 +119,11 @@ fmlp_status_t validate_linear(const fmlp_linear_args_t* a, LinearDesc* d) {
   const struct {
     const fmlp_tensor_t* t;
     const char* name;
-  } all[] = {{&a->x, "x"}, {&a->y, "y"}, {&a->w_scale, "w_scale"}, {&a->bias, "bias"}};
+  } all[] = {{&a->x, "x"},
+             {&a->y, "y"},
+             {&a->w_scale, "w_scale"},
+             {&a->bias, "bias"},
+             {&a->x_scale, "x_scale"}};
   for (const auto& n : all) {
     if (tensor_absent(*n.t)) continue;
     if (n.t->device_type != d->device || n.t->device_id != d->device_id)
@@ -123,10 +145,10 @@ fmlp_status_t validate_linear(const fmlp_linear_args_t* a, LinearDesc* d) {
   const int64_t es = int64_t(dtype_size(d->w_dtype));
   d->w_vec16 = uintptr_t(a->w.data) % 16 == 0 && (d->k * es) % 16 == 0 &&
                (d->n <= 1 || (a->w.stride[0] * es) % 16 == 0);
-  const int64_t xs = int64_t(dtype_size(d->act_dtype));
   auto vec16 = [&](const fmlp_tensor_t& t, int64_t cols) {
-    return uintptr_t(t.data) % 16 == 0 && (cols * xs) % 16 == 0 &&
-           (d->m <= 1 || (t.stride[0] * xs) % 16 == 0);
+    const int64_t es = int64_t(dtype_size(t.dtype));
+    return uintptr_t(t.data) % 16 == 0 && (cols * es) % 16 == 0 &&
+           (d->m <= 1 || (t.stride[0] * es) % 16 == 0);
   };
   d->io_vec16 = vec16(a->x, d->k) && vec16(a->y, d->n);
   return FMLP_SUCCESS;
@@ -145,36 +167,109 @@ struct LinearOp {
 };
 using Table = OpTable<LinearOp>;
 
+// The CUDA planner (cuda/linear_planner.hpp) picks between entries by shape; null elsewhere.
+const LinearKernel* planned(const LinearDesc& d, fmlp_backend_t b, std::string* reason) {
+#if FMLP_WITH_CUDA
+  if (b == FMLP_BACKEND_CUDA) return cuda_linear_plan(d, reason);
+#else
+  (void)d, (void)b, (void)reason;
+#endif
+  return nullptr;
+}
+
+fmlp_status_t select_linear(const LinearDesc& d, fmlp_backend_t requested,
+                            const LinearKernel** out) {
+  fmlp_backend_t b;
+  if (const fmlp_status_t s = Table::resolve(requested, d, &b); s != FMLP_SUCCESS) return s;
+  if (const LinearKernel* k = planned(d, b, nullptr)) {
+    *out = k;
+    return FMLP_SUCCESS;
+  }
+  return Table::select(d, b, out);
+}
+
+fmlp_status_t explain(const fmlp_linear_args_t* a, fmlp_backend_t backend, char* buf,
+                      size_t buf_size, size_t* needed) {
+  LinearDesc d;
+  if (const fmlp_status_t s = validate_linear(a, &d); s != FMLP_SUCCESS) return s;
+  fmlp_backend_t b;
+  if (const fmlp_status_t s = Table::resolve(backend, d, &b); s != FMLP_SUCCESS) return s;
+  std::string report = fmt::format("linear {}\nbackend {}\n", describe(d), fmlp_backend_name(b));
+  std::string plan;
+  const LinearKernel* chosen_k = planned(d, b, &plan);
+  if (!plan.empty()) report += fmt::format("  planner  {}\n", plan);
+  bool chosen = false;
+  for (const LinearKernel* k : Table::all()) {
+    if (k->backend != b) continue;
+    std::string why;
+    const bool ok = k->supports(d, &why);
+    if (ok && !chosen && (chosen_k == nullptr || k == chosen_k)) {
+      chosen = true;
+      report += fmt::format("  chosen   {} (workspace {} bytes)\n", k->name, k->workspace_bytes(d));
+    } else if (ok) {
+      report += fmt::format(
+          "  skipped  {}: {}\n", k->name,
+          chosen_k ? "the planner prefers another entry" : "an earlier entry is preferred");
+    } else {
+      report += fmt::format("  rejected {}: {}\n", k->name, why);
+    }
+  }
+  if (!chosen) report += "  no kernel of this backend handles the request\n";
+  if (needed) *needed = report.size() + 1;
+  if (buf && buf_size > 0) {
+    const size_t n = std::min(report.size(), buf_size - 1);
+    std::memcpy(buf, report.data(), n);
+    buf[n] = '\0';
+  }
+  clear_last_error();
+  return FMLP_SUCCESS;
+}
+
 }  // namespace
 
 std::string describe(const LinearDesc& d) {
-  return fmt::format("M={} N={} K={} x={} w={}{}{}{} on {}", d.m, d.n, d.k,
-                     fmlp_dtype_name(d.act_dtype), fmlp_dtype_name(d.w_dtype),
-                     d.w_scale == ScaleKind::kPerTensor ? " scale/tensor"
-                     : d.w_scale == ScaleKind::kPerRow  ? " scale/row"
-                                                        : "",
+  auto scale = [](ScaleKind k) {
+    return k == ScaleKind::kPerTensor ? " scale/tensor"
+           : k == ScaleKind::kPerRow  ? " scale/row"
+                                      : "";
+  };
+  return fmt::format("M={} N={} K={} x={}{}{} w={}{}{}{} on {}", d.m, d.n, d.k,
+                     fmlp_dtype_name(d.act_dtype), scale(d.x_scale),
+                     d.w8a8() ? fmt::format(" y={}", fmlp_dtype_name(d.out_dtype)) : "",
+                     fmlp_dtype_name(d.w_dtype), scale(d.w_scale),
                      d.bias_dtype != FMLP_DTYPE_INVALID ? " bias" : "", d.w_vec16 ? " vec16" : "",
                      device_string(d.device, d.device_id));
 }
 
 }  // namespace fmlp::detail
 
-using fmlp::detail::Table;
+using namespace fmlp::detail;
 
 extern "C" {
 
 fmlp_status_t fmlp_linear_workspace_size(const fmlp_linear_args_t* args, fmlp_backend_t backend,
                                          size_t* bytes) {
-  return Table::workspace_size(args, backend, bytes);
+  if (bytes == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "bytes is NULL");
+  LinearDesc d;
+  const LinearKernel* k = nullptr;
+  if (const fmlp_status_t s = validate_linear(args, &d); s != FMLP_SUCCESS) return s;
+  if (const fmlp_status_t s = select_linear(d, backend, &k); s != FMLP_SUCCESS) return s;
+  *bytes = LinearOp::empty(d) ? 0 : k->workspace_bytes(d);
+  clear_last_error();
+  return FMLP_SUCCESS;
 }
 fmlp_status_t fmlp_linear(const fmlp_linear_args_t* args, fmlp_backend_t backend, void* workspace,
                           size_t workspace_bytes, void* stream) {
-  return Table::run(args, backend, workspace, workspace_bytes, stream,
-                    "fmlp_linear_workspace_size");
+  LinearDesc d;
+  const LinearKernel* k = nullptr;
+  if (const fmlp_status_t s = validate_linear(args, &d); s != FMLP_SUCCESS) return s;
+  if (const fmlp_status_t s = select_linear(d, backend, &k); s != FMLP_SUCCESS) return s;
+  return Table::run_kernel(*k, *args, d, workspace, workspace_bytes, stream,
+                           "fmlp_linear_workspace_size");
 }
 fmlp_status_t fmlp_linear_explain(const fmlp_linear_args_t* args, fmlp_backend_t backend, char* buf,
                                   size_t buf_size, size_t* needed) {
-  return Table::explain(args, backend, buf, buf_size, needed);
+  return fmlp::detail::explain(args, backend, buf, buf_size, needed);
 }
 int fmlp_linear_kernel_count(void) {
   return Table::count();

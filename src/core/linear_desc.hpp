@@ -12,10 +12,13 @@ namespace fmlp::detail {
 
 struct LinearDesc {
   int64_t m = 0, n = 0, k = 0;
-  fmlp_dtype_t act_dtype = FMLP_DTYPE_INVALID;  // x and y
+  fmlp_dtype_t act_dtype = FMLP_DTYPE_INVALID;  // x: f32, f16, bf16, or f8_e4m3 (W8A8)
+  fmlp_dtype_t out_dtype = FMLP_DTYPE_INVALID;  // y: act_dtype, or f32/f16/bf16 for W8A8
   fmlp_dtype_t w_dtype = FMLP_DTYPE_INVALID;
   fmlp_dtype_t bias_dtype = FMLP_DTYPE_INVALID;  // INVALID when there is no bias
   ScaleKind w_scale = ScaleKind::kNone;
+  ScaleKind x_scale = ScaleKind::kNone;  // per tensor or per row (token) for f8_e4m3 x
+  bool w8a8() const { return act_dtype == FMLP_DTYPE_F8_E4M3; }
   fmlp_device_type_t device = FMLP_DEVICE_CPU;
   int32_t device_id = 0;
   // W starts on a 16-byte boundary, its row stride is a multiple of 16 bytes and K fills whole

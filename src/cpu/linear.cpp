@@ -1,8 +1,9 @@
 // linear_cpu_avx2_gemv: y = x W^T + b on the host. The op is a stream over W, so each thread owns a
 // contiguous slice of W rows and dots every 4-row group with a block of x rows (converted once to
 // fp32 in the workspace) while the group is in L1. fp8 e4m3 weights are widened in registers; the
-// per-row or per-tensor scale is applied to the finished dot product. Each output's summation
-// order depends only on K, never on the thread count.
+// per-row or per-tensor scale is applied to the finished dot product. fp8 activations (W8A8) are
+// widened exactly when x is converted to fp32; their scale joins the weight scale at the end. Each
+// output's summation order depends only on K, never on the thread count.
 #include <omp.h>
 
 #include <algorithm>
@@ -85,7 +86,7 @@ struct View {
 template <fmlp_dtype_t WT>
 void row_group(const View& v, int64_t j, int64_t nj, int64_t r0, int64_t r1) {
   const LinearDesc& d = *v.d;
-  const size_t es = dtype_size(d.act_dtype);
+  const size_t es = dtype_size(d.out_dtype);
   const char* w[4];
   for (int64_t q = 0; q < 4; ++q)
     w[q] = row_ptr(v.a->w, j + std::min(q, nj - 1), size_t(wsize<WT>()));
@@ -97,12 +98,15 @@ void row_group(const View& v, int64_t j, int64_t nj, int64_t r0, int64_t r1) {
     if (d.bias_dtype != FMLP_DTYPE_INVALID)
       bias[q] = float(load_as_double(v.a->bias.data, d.bias_dtype, j + q));
   }
+  const float* x_scale = static_cast<const float*>(v.a->x_scale.data);
   const auto emit = [&](int64_t r, __m128 s) {
     alignas(16) float t[4];
     _mm_store_ps(t, s);
     char* y = const_cast<char*>(row_ptr(v.a->y, r, es));
+    const float xs =
+        d.x_scale == ScaleKind::kNone ? 1.f : x_scale[d.x_scale == ScaleKind::kPerRow ? r : 0];
     for (int64_t q = 0; q < nj; ++q)
-      store_from_double(y, d.act_dtype, j + q, double(t[q] * scale[q] + bias[q]));
+      store_from_double(y, d.out_dtype, j + q, double(t[q] * (xs * scale[q]) + bias[q]));
   };
   int64_t r = r0;
   for (; r + 3 <= r1; r += 3) {

@@ -1,8 +1,8 @@
-// linear_sm90_cublaslt: y[M, N] = x[M, K] W^T + b for 2 <= M as one cuBLASLt GEMM with the bias
-// in its epilogue. Once a weight is read for more than one token, a plain GEMM is the job and
-// cuBLASLt's tensor-core kernels are the reference implementation; the GEMV entries keep M = 1
-// and everything this one does not take (mixed or fp8 dtypes, misaligned views, other bias
-// dtypes).
+// linear_sm90_cublaslt: y[M, N] = x[M, K] W^T + b as one cuBLASLt GEMM with the bias in its
+// epilogue. Once a weight is read for more than one token, a plain GEMM is the job and cuBLASLt's
+// tensor-core kernels are the reference implementation; at M = 1 the planner
+// (linear_planner.cpp) picks it or the GEMV by shape. The GEMV entries keep everything this one
+// does not take (mixed or fp8 dtypes, misaligned views, other bias dtypes).
 #include <cuda_runtime.h>
 
 #include "core/error.hpp"
@@ -14,8 +14,6 @@ namespace fmlp::detail {
 
 bool linear_cublaslt_supports(const LinearDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
-  if (d.m < 2)
-    return (*why = "M = 1 is a GEMV: the streaming entries read the weights faster", false);
   if (d.k == 0 || d.n == 0)
     return (*why = "K = 0 or N = 0: nothing to multiply; the GEMV entry writes y = bias", false);
   if ((d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16) || d.act_dtype != d.w_dtype)

@@ -13,13 +13,18 @@
 //     next x tile find it in L2 (larger M re-reads W from L2, a simple correct fallback),
 //   - one task per block up to 16 tasks per resident block (the block scheduler balances them),
 //     a resident grid dealing tasks statically beyond,
-//   - small weights are latency bound, so the launcher splits K until there are >= 4 tasks per
-//     multiprocessor (never below one load batch per lane): each split writes fp32 partial sums
-//     to the workspace and the last split to arrive for a task (a counter per task, no spinning)
-//     adds them in split order, so results are deterministic; it re-zeroes the partial sums it
-//     read and its counter, leaving the workspace zero-filled for the next call,
+//   - K is split only when N is too small to give every multiprocessor a task (then up to 2
+//     tasks per multiprocessor, never below one load batch per lane): each split writes fp32
+//     partial sums to the workspace and the last split to arrive for a task (a counter per task,
+//     no spinning) adds them in split order, so results are deterministic; it re-zeroes the
+//     partial sums it read and its counter, leaving the workspace zero-filled for the next call.
+//     Splitting shapes that already fill the GPU made them slower (4096 x 4096 bf16 split in
+//     two: 15.6 -> 18.2 us on an H200); the likely causes: every block's stream halves, so a
+//     warp's second batch barely overlaps the first, and the partial-sum round trip (write,
+//     fence, counter, re-read by the last block) lands on the critical path at the end,
 //   - fp8 e4m3 is widened pairwise with cvt.rn.f16x2.e4m3x2 on sm_89+ (exact: every e4m3 value,
 //     subnormals included, is an fp16 value; NaN stays NaN),
+//   - fp8 activations (W8A8) are widened and multiplied by their scale when x is staged,
 //   - the epilogue applies the fp8 scale, adds the bias and converts to the output dtype.
 // Unaligned or ragged W (base, row stride or K not in whole 16-byte chunks) takes the same kernel
 // with element loads.
@@ -35,6 +40,7 @@
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
 #include "cuda/device_scope.hpp"
+#include "cuda/linear_planner.hpp"
 #include "cuda/ops.cuh"
 
 namespace fmlp::detail {
@@ -56,11 +62,12 @@ struct LinearParams {
   const void* x;
   void* y;
   const void* w;
-  const float* scale;  // nullptr: no scale
-  const void* bias;    // nullptr: no bias
+  const float* scale;    // nullptr: no scale
+  const float* x_scale;  // fp8 x only
+  const void* bias;      // nullptr: no bias
   int64_t x_ld, y_ld, w_ld;
-  fmlp_dtype_t act_t, bias_t;
-  int scale_per_row;
+  fmlp_dtype_t act_t, y_t, bias_t;
+  int scale_per_row, x_scale_per_row;
   int m, n, k;
   int mtiles, splits, rowgroups;
   int kc;              // K per split, a multiple of the 16-byte sweep of a warp
@@ -179,8 +186,15 @@ __device__ __forceinline__ void row_dot_scalar(const WT* row, int len, const flo
 __device__ __forceinline__ void epilogue(const LinearParams& p, int row, int m, float v) {
   if (p.scale) v *= p.scale[p.scale_per_row ? row : 0];
   if (p.bias) v += load_scalar(p.bias, p.bias_t, row);
-  const int64_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
-  store_scalar(static_cast<char*>(p.y) + m * p.y_ld * es, p.act_t, row, v);
+  const int64_t es = p.y_t == FMLP_DTYPE_F32 ? 4 : 2;
+  store_scalar(static_cast<char*>(p.y) + m * p.y_ld * es, p.y_t, row, v);
+}
+
+// x[m][c] as staged: fp8 activations dequantised with their scale.
+__device__ __forceinline__ float load_x(const LinearParams& p, const char* xr, int m, int64_t c) {
+  if (p.act_t == FMLP_DTYPE_F8_E4M3)
+    return fp8_to_f32(reinterpret_cast<const Fp8*>(xr)[c]) * p.x_scale[p.x_scale_per_row ? m : 0];
+  return load_scalar(xr, p.act_t, c);
 }
 
 template <typename WT, int MT, bool VEC>
@@ -189,7 +203,7 @@ __global__ void __launch_bounds__(kThreads) linear_sm80_gemv(const LinearParams 
   float* xs = reinterpret_cast<float*>(smem4);  // [MT, kx]
   __shared__ unsigned is_last;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
+  const int64_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : p.act_t == FMLP_DTYPE_F8_E4M3 ? 1 : 2;
   const int64_t tasks = int64_t(p.rowgroups) * p.splits * p.mtiles;
   int64_t staged = -1;
   for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
@@ -216,7 +230,7 @@ __global__ void __launch_bounds__(kThreads) linear_sm80_gemv(const LinearParams 
         for (int r = 0; r < MT; ++r) {
           const char* xr = static_cast<const char*>(p.x) + (m0 + r) * p.x_ld * es;
           for (int c = threadIdx.x; c < len; c += kThreads)
-            xs[r * p.kx + c] = r < mcount ? load_scalar(xr, p.act_t, kb + c) : 0.f;
+            xs[r * p.kx + c] = r < mcount ? load_x(p, xr, m0 + r, kb + c) : 0.f;
         }
         __syncthreads();
       }
@@ -276,9 +290,9 @@ Config config_for(const LinearDesc& d) {
   const int sweep = 32 * (16 / elem_bytes(d.w_dtype));  // K of one 16-byte load per lane
   const int sms = std::max(1, cuda_sm_count(d.device_id));
   const int64_t base = int64_t(c.rowgroups) * c.mtiles;
-  // Split K until there are 4 tasks per multiprocessor (small weights are latency bound: more,
-  // shorter streams), never below one load batch (kUnroll sweeps) per split.
-  const int64_t want = (4 * sms + base - 1) / base;
+  // Split K only when the tasks cannot cover the multiprocessors (see the file comment), to 2
+  // tasks per multiprocessor, never below one load batch (kUnroll sweeps) per split.
+  const int64_t want = base >= sms ? 1 : (2 * sms + base - 1) / base;
   const int64_t useful = std::max<int64_t>(1, d.k / (int64_t(sweep) * kUnroll));
   c.splits = int(std::max<int64_t>(1, std::min(want, useful)));
   const int64_t per = (d.k + c.splits - 1) / c.splits;
@@ -371,6 +385,9 @@ fmlp_status_t gemv_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* w
   p.w = a.w.data;
   p.scale = d.w_scale == ScaleKind::kNone ? nullptr : static_cast<const float*>(a.w_scale.data);
   p.scale_per_row = d.w_scale == ScaleKind::kPerRow;
+  p.x_scale = d.x_scale == ScaleKind::kNone ? nullptr : static_cast<const float*>(a.x_scale.data);
+  p.x_scale_per_row = d.x_scale == ScaleKind::kPerRow;
+  p.y_t = d.out_dtype;
   p.bias = d.bias_dtype == FMLP_DTYPE_INVALID ? nullptr : a.bias.data;
   p.bias_t = d.bias_dtype;
   p.x_ld = a.x.stride[0];
@@ -398,13 +415,17 @@ fmlp_status_t gemv_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* w
   return st;
 }
 
-// cuBLASLt first for M >= 2 (measured on an H200: our tensor-core entry reached 0.15-0.9x of
-// cuBLAS at M = 4..64), then the tensor-core entry for what it does not take, the GEMV for M = 1.
+// Table order is the planner's order past its M = 1 choice (linear_planner.cpp): cuBLASLt first
+// for 16-bit M >= 2 (measured on an H200: our tensor-core entry reached 0.15-0.9x of cuBLAS at
+// M = 4..64), then the tensor-core entry (fp8 weights at M <= 64, W8A8 included), cuBLASLt's fp8
+// GEMM for W8A8 beyond, the GEMV for everything else.
 const LinearKernel kCudaKernels[] = {
     {"linear_sm90_cublaslt", FMLP_BACKEND_CUDA, linear_cublaslt_supports, linear_cublaslt_workspace,
      linear_cublaslt_run},
     {"linear_sm80_mma", FMLP_BACKEND_CUDA, linear_mma_supports, linear_mma_workspace,
      linear_mma_run},
+    {"linear_sm90_cublaslt_fp8", FMLP_BACKEND_CUDA, linear_cublaslt_fp8_supports,
+     linear_cublaslt_fp8_workspace, linear_cublaslt_fp8_run},
     {"linear_sm80_gemv", FMLP_BACKEND_CUDA, gemv_supports, gemv_workspace, gemv_run},
 };
 

@@ -17,6 +17,15 @@
 //     splits write fp32 partial sums to the workspace and the last split to arrive for a task (a
 //     counter per task) adds them in split order (deterministic), applies the bias, writes y and
 //     re-zeroes what it read and its counter, so the workspace is left zero-filled.
+// fp8 e4m3 weights (sm_89+, M = 1..64, weight-only or W8A8): a lane's 16-byte load is 16 columns
+// of a 64-column step, widened exactly to fp16 with cvt.rn.f16x2.e4m3x2 (one instruction per two
+// weights: the older GEMV's extra fp16 -> fp32 conversions made it compute bound) and fed to fp16
+// mma.sync as two 8-column halves against the matching halves of the staged tokens (the k
+// permutation stays the one of the 16-bit path). The tokens are staged as fp16: fp16 and e4m3 x
+// exactly; bf16 x times a power of two per token and split that puts its largest finite |x| in
+// [2^14, 2^15), which keeps every bf16 value at least 2^-24 of that maximum exact in fp16 (the
+// rest flush, contributing < 2^-24 relative). The power of two, the fp8 scales and the bias are
+// applied to the fp32 sums in the epilogue.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -50,9 +59,12 @@ struct MmaParams {
   const void* x;
   void* y;
   const void* w;
-  const void* bias;  // nullptr: no bias
+  const void* bias;      // nullptr: no bias
+  const float* scale;    // fp8 weights: per-row or per-tensor scales
+  const float* x_scale;  // fp8 x: per-row or per-tensor scales
+  int scale_per_row, x_scale_per_row;
   int64_t x_ld, y_ld, w_ld;
-  fmlp_dtype_t act_t, bias_t;
+  fmlp_dtype_t act_t, y_t, bias_t;
   int m, n, k;
   int rgs;             // 16-row groups of W
   int chunks;          // tasks per split (kWarps row groups each)
@@ -97,16 +109,90 @@ __device__ void stage(const MmaParams& p, unsigned short* xs, int k0, int cols, 
   }
 }
 
-__device__ __forceinline__ void epilogue(const MmaParams& p, int row, int m, float v) {
-  if (p.bias) v += load_scalar(p.bias, p.bias_t, row);
-  store_scalar(static_cast<char*>(p.y) + int64_t(m) * p.y_ld * 2, p.act_t, row, v);
+// Two e4m3 values (the first in the low byte) as fp16x2, exactly.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t pair) {
+  uint32_t h = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(pair));
+#else
+  (void)pair;  // supports() keeps fp8 off devices below sm_89
+#endif
+  return h;
 }
 
-template <int NT, typename WT>
+// Eight e4m3 weights (two words) as eight fp16 (see the file comment).
+__device__ __forceinline__ uint4 widen_e4m3x8(uint32_t lo, uint32_t hi) {
+  return make_uint4(e4m3x2_to_f16x2(uint16_t(lo)), e4m3x2_to_f16x2(uint16_t(lo >> 16)),
+                    e4m3x2_to_f16x2(uint16_t(hi)), e4m3x2_to_f16x2(uint16_t(hi >> 16)));
+}
+
+// The fp8 path's staging: columns [k0, k0 + width) of the tokens as fp16 (zeros past M and past
+// `cols`); inv[m] gets the factor that undoes the token's power of two (see the file comment).
+template <int NT>
+__device__ void stage_f16(const MmaParams& p, unsigned short* xs, float* inv, unsigned* amax,
+                          int k0, int cols, int width) {
+  const int64_t es = p.act_t == FMLP_DTYPE_F8_E4M3 ? 1 : 2;
+  const bool bf16 = p.act_t == FMLP_DTYPE_BF16;
+  if (threadIdx.x < NT * 8) amax[threadIdx.x] = 0;
+  __syncthreads();
+  if (bf16)
+    for (int i = threadIdx.x; i < p.m * cols; i += kThreads) {
+      const int m = i / cols, c = i % cols;
+      const float v = fabsf(
+          load_scalar(static_cast<const char*>(p.x) + (int64_t(m) * p.x_ld + k0) * es, p.act_t, c));
+      if (v <= 3.4e38f) atomicMax(amax + m, __float_as_uint(v));  // finite: bits order as values
+    }
+  __syncthreads();
+  float mul = 1.f;  // this thread's token's power of two
+  if (bf16 && threadIdx.x < NT * 8) {
+    int e = 0;
+    frexpf(__uint_as_float(amax[threadIdx.x]), &e);
+    const int shift = amax[threadIdx.x] == 0 ? 0 : max(-126, min(126, 15 - e));
+    inv[threadIdx.x] = ldexpf(1.f, -shift);
+  } else if (threadIdx.x < NT * 8) {
+    inv[threadIdx.x] = 1.f;
+  }
+  __syncthreads();
+  const int vecs = width / 8;
+  for (int v = threadIdx.x; v < NT * 8 * vecs; v += kThreads) {
+    const int m = v / vecs, c = (v % vecs) * 8;
+    if (bf16) mul = 1.f / inv[m];
+    uint32_t h[4] = {0, 0, 0, 0};
+    if (m < p.m && c < cols) {  // cols is a multiple of 16: the piece is whole
+      const char* row = static_cast<const char*>(p.x) + (int64_t(m) * p.x_ld + k0 + c) * es;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (es == 1) {
+          const auto* b = reinterpret_cast<const uint8_t*>(row);
+          h[i] = e4m3x2_to_f16x2(uint16_t(b[2 * i] | b[2 * i + 1] << 8));
+        } else {
+          const __half2 pair = __floats2half2_rn(load_scalar(row, p.act_t, 2 * i) * mul,
+                                                 load_scalar(row, p.act_t, 2 * i + 1) * mul);
+          h[i] = *reinterpret_cast<const uint32_t*>(&pair);
+        }
+      }
+    }
+    *reinterpret_cast<uint4*>(xs + m * p.xs_stride + c) = make_uint4(h[0], h[1], h[2], h[3]);
+  }
+}
+
+__device__ __forceinline__ void epilogue(const MmaParams& p, int row, int m, float v) {
+  if (p.scale) v *= p.scale[p.scale_per_row ? row : 0];
+  if (p.x_scale) v *= p.x_scale[p.x_scale_per_row ? m : 0];
+  if (p.bias) v += load_scalar(p.bias, p.bias_t, row);
+  store_scalar(static_cast<char*>(p.y) + int64_t(m) * p.y_ld * (p.y_t == FMLP_DTYPE_F32 ? 4 : 2),
+               p.y_t, row, v);
+}
+
+template <int NT, typename WT, bool FP8>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) linear_sm80_mma(const MmaParams p) {
   extern __shared__ uint4 smem_v[];
   auto* xs = reinterpret_cast<unsigned short*>(smem_v);  // [NT * 8][xs_stride]
   __shared__ unsigned is_last;
+  __shared__ float inv[NT * 8];      // FP8: per-token factor of the staged tile
+  __shared__ unsigned amax[NT * 8];  // FP8: largest finite |x| per token, as bits
+  constexpr int SC = FP8 ? 64 : 32;  // columns per 16-byte load step
+  constexpr int LC = FP8 ? 16 : 8;   // a lane's columns per step
   constexpr int SP = Pipe<NT>::kSteps, DEPTH = Pipe<NT>::kDepth;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int tasks = p.splits * p.chunks;
@@ -116,17 +202,18 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) linear_sm80_mma(const 
   for (int task = task0; task < task1; ++task) {
     const int split = task / p.chunks, ch = task % p.chunks;
     const int k0 = split * p.kc, cols = min(p.kc, p.k - k0);
-    const int steps = (cols + 31) / 32, batches = (steps + SP - 1) / SP;
+    const int steps = (cols + SC - 1) / SC, batches = (steps + SP - 1) / SP;
     const int rg = ch * kWarps + warp;
     const bool active = rg < p.rgs;
     const int r0 = rg * 16 + g;
     // Rows past N repeat the last row: valid loads whose results are never stored.
-    const WT* wg = static_cast<const WT*>(p.w) + int64_t(min(r0, p.n - 1)) * p.w_ld + k0;
-    const WT* wg8 = static_cast<const WT*>(p.w) + int64_t(min(r0 + 8, p.n - 1)) * p.w_ld + k0;
+    using ST = std::conditional_t<FP8, uint8_t, WT>;  // stored weight element
+    const ST* wg = static_cast<const ST*>(p.w) + int64_t(min(r0, p.n - 1)) * p.w_ld + k0;
+    const ST* wg8 = static_cast<const ST*>(p.w) + int64_t(min(r0 + 8, p.n - 1)) * p.w_ld + k0;
     auto load = [&](Frags<SP>& f, int b) {
 #pragma unroll
       for (int s = 0; s < SP; ++s) {
-        const int col = (b * SP + s) * 32 + 8 * t;
+        const int col = (b * SP + s) * SC + LC * t;
         const bool in = active && col < cols;
         f.v[s][0] = in ? ld_stream_v4(wg + col) : make_uint4(0, 0, 0, 0);
         f.v[s][1] = in ? ld_stream_v4(wg8 + col) : make_uint4(0, 0, 0, 0);
@@ -138,7 +225,10 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) linear_sm80_mma(const 
       if (d < batches) load(ring[d], d);
     if (split != staged) {
       __syncthreads();  // every warp is done with the previous tile
-      stage<NT>(p, xs, k0, cols, steps * 32);
+      if constexpr (FP8)
+        stage_f16<NT>(p, xs, inv, amax, k0, cols, steps * SC);
+      else
+        stage<NT>(p, xs, k0, cols, steps * SC);
       __syncthreads();
       staged = split;
     }
@@ -148,11 +238,24 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) linear_sm80_mma(const 
 #pragma unroll
       for (int s = 0; s < SP; ++s) {
         if (b * SP + s >= steps) break;
-        const int col = (b * SP + s) * 32 + 8 * t;
+        const int col = (b * SP + s) * SC + LC * t;
+        if constexpr (FP8) {
+          const uint4 a0 = widen_e4m3x8(f.v[s][0].x, f.v[s][0].y);
+          const uint4 a8 = widen_e4m3x8(f.v[s][1].x, f.v[s][1].y);
+          const uint4 b0 = widen_e4m3x8(f.v[s][0].z, f.v[s][0].w);
+          const uint4 b8 = widen_e4m3x8(f.v[s][1].z, f.v[s][1].w);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const uint4 xv = *reinterpret_cast<const uint4*>(xs + (nt * 8 + g) * p.xs_stride + col);
-          mma_step<WT>(c[nt], f.v[s][0], f.v[s][1], xv);
+          for (int nt = 0; nt < NT; ++nt) {
+            const unsigned short* xr = xs + (nt * 8 + g) * p.xs_stride + col;
+            mma_step<WT>(c[nt], a0, a8, *reinterpret_cast<const uint4*>(xr));
+            mma_step<WT>(c[nt], b0, b8, *reinterpret_cast<const uint4*>(xr + 8));
+          }
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint4 xv = *reinterpret_cast<const uint4*>(xs + (nt * 8 + g) * p.xs_stride + col);
+            mma_step<WT>(c[nt], f.v[s][0], f.v[s][1], xv);
+          }
         }
       }
     };
@@ -164,7 +267,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) linear_sm80_mma(const 
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int row = r0 + (i >= 2 ? 8 : 0), m = nt * 8 + 2 * t + (i & 1);
-            if (row < p.n && m < p.m) epilogue(p, row, m, c[nt][i]);
+            if (row < p.n && m < p.m) epilogue(p, row, m, FP8 ? c[nt][i] * inv[m] : c[nt][i]);
           }
       }
       continue;
@@ -175,7 +278,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) linear_sm80_mma(const 
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int row = r0 + (i >= 2 ? 8 : 0), m = nt * 8 + 2 * t + (i & 1);
-          if (row < p.n && m < p.m) p.partial[(int64_t(split) * p.m + m) * p.n + row] = c[nt][i];
+          if (row < p.n && m < p.m)
+            p.partial[(int64_t(split) * p.m + m) * p.n + row] = FP8 ? c[nt][i] * inv[m] : c[nt][i];
         }
     }
     __threadfence();
@@ -217,10 +321,11 @@ Config config_for(const LinearDesc& d) {
   const int64_t kc_max = (kMaxXsBytes / (c.nt * 8 * 2) - 32) / 64 * 64;
   const int64_t need = (d.k + kc_max - 1) / kc_max;
   const int64_t want = (int64_t(kBlocksPerSm) * sms + c.chunks - 1) / c.chunks;
-  const int64_t useful = std::max<int64_t>(1, d.k / 256);  // >= 8 steps per warp and split
+  const int64_t sc = d.w_dtype == FMLP_DTYPE_F8_E4M3 ? 64 : 32;  // columns per load step
+  const int64_t useful = std::max<int64_t>(1, d.k / (8 * sc));   // >= 8 steps per warp and split
   int64_t splits = std::max(need, std::min(want, useful));
   const int64_t per = (d.k + splits - 1) / splits;
-  c.kc = int((per + 31) / 32 * 32);
+  c.kc = int((per + sc - 1) / sc * sc);
   c.splits = int((d.k + c.kc - 1) / c.kc);
   c.xs_stride = (c.kc + 63) / 64 * 64 + 32;
   c.smem = size_t(c.nt) * 8 * size_t(c.xs_stride) * 2;
@@ -234,9 +339,9 @@ size_t align_up(size_t n) {
   return (n + 255) / 256 * 256;
 }
 
-template <int NT, typename WT>
+template <int NT, typename WT, bool FP8>
 fmlp_status_t launch(const MmaParams& p, const Config& c, cudaStream_t s) {
-  auto* kernel = &linear_sm80_mma<NT, WT>;
+  auto* kernel = &linear_sm80_mma<NT, WT, FP8>;
   if (c.smem > 48 * 1024) {
     const cudaError_t e =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem));
@@ -253,13 +358,13 @@ fmlp_status_t launch(const MmaParams& p, const Config& c, cudaStream_t s) {
   return FMLP_SUCCESS;
 }
 
-template <typename WT>
+template <typename WT, bool FP8>
 fmlp_status_t dispatch(const MmaParams& p, const Config& c, cudaStream_t s) {
   switch (c.nt) {
-    case 1: return launch<1, WT>(p, c, s);
-    case 2: return launch<2, WT>(p, c, s);
-    case 4: return launch<4, WT>(p, c, s);
-    default: return launch<8, WT>(p, c, s);
+    case 1: return launch<1, WT, FP8>(p, c, s);
+    case 2: return launch<2, WT, FP8>(p, c, s);
+    case 4: return launch<4, WT, FP8>(p, c, s);
+    default: return launch<8, WT, FP8>(p, c, s);
   }
 }
 
@@ -267,19 +372,33 @@ fmlp_status_t dispatch(const MmaParams& p, const Config& c, cudaStream_t s) {
 
 bool linear_mma_supports(const LinearDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
-  if (d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16)
-    return (*why = fmt::format("{} weights: the tensor-core path takes bf16 or f16",
+  const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
+  if (fp8) {
+    if (cuda_compute_capability(d.device_id) < 89)
+      return (*why = "fp8 weights need sm_89 or newer (cvt.rn.f16x2.e4m3x2)", false);
+    if (d.act_dtype == FMLP_DTYPE_F32)
+      return (*why =
+                  "f32 activations with fp8 weights: the fp16 tensor-core path would round x; "
+                  "the GEMV entry takes them",
+              false);
+  } else if (d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16) {
+    return (*why = fmt::format("{} weights: the tensor-core path takes bf16, f16 or f8_e4m3",
                                fmlp_dtype_name(d.w_dtype)),
             false);
-  if (d.act_dtype != d.w_dtype)
+  } else if (d.act_dtype != d.w_dtype) {
     return (*why = fmt::format("{} activations with {} weights: the tensor cores need one dtype",
                                fmlp_dtype_name(d.act_dtype), fmlp_dtype_name(d.w_dtype)),
             false);
-  if (d.m < 2 || d.m > kMaxTokens)
-    return (*why = fmt::format("M={}: the tensor-core path takes 2 to {} rows", d.m, kMaxTokens),
+  }
+  const int64_t m_min = fp8 ? 1 : 2;  // 16-bit M = 1 is a plain stream: the GEMV or cuBLASLt
+  if (d.m < m_min || d.m > kMaxTokens)
+    return (*why = fmt::format("M={}: the tensor-core path takes {} to {} rows with {} weights",
+                               d.m, m_min, kMaxTokens, fmlp_dtype_name(d.w_dtype)),
             false);
   if (d.k == 0 || !d.w_vec16)
-    return (*why = "W must be 16-byte aligned (base, row stride) with K a non-zero multiple of 8",
+    return (*why = fmt::format("W must be 16-byte aligned (base, row stride) with K a non-zero "
+                               "multiple of {}",
+                               fp8 ? 16 : 8),
             false);
   if (d.n >= (int64_t(1) << 31) || d.k >= (int64_t(1) << 31))
     return (*why = "N and K must be below 2^31", false);
@@ -306,6 +425,11 @@ fmlp_status_t linear_mma_run(const fmlp_linear_args_t& a, const LinearDesc& d, v
   p.y_ld = a.y.stride[0];
   p.w_ld = a.w.stride[0];
   p.act_t = d.act_dtype;
+  p.y_t = d.out_dtype;
+  p.scale = d.w_scale == ScaleKind::kNone ? nullptr : static_cast<const float*>(a.w_scale.data);
+  p.scale_per_row = d.w_scale == ScaleKind::kPerRow;
+  p.x_scale = d.x_scale == ScaleKind::kNone ? nullptr : static_cast<const float*>(a.x_scale.data);
+  p.x_scale_per_row = d.x_scale == ScaleKind::kPerRow;
   p.m = int(d.m), p.n = int(d.n), p.k = int(d.k);
   p.rgs = c.rgs, p.chunks = c.chunks, p.splits = c.splits, p.kc = c.kc;
   p.xs_stride = c.xs_stride;
@@ -319,9 +443,9 @@ fmlp_status_t linear_mma_run(const fmlp_linear_args_t& a, const LinearDesc& d, v
   const DeviceScope scope(d.device_id);
   if (scope.status() != FMLP_SUCCESS) return scope.status();
   auto s = static_cast<cudaStream_t>(stream);
-  const fmlp_status_t st =
-      d.w_dtype == FMLP_DTYPE_F16 ? dispatch<__half>(p, c, s) : dispatch<__nv_bfloat16>(p, c, s);
-  return st;
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) return dispatch<__half, true>(p, c, s);
+  return d.w_dtype == FMLP_DTYPE_F16 ? dispatch<__half, false>(p, c, s)
+                                     : dispatch<__nv_bfloat16, false>(p, c, s);
 }
 
 }  // namespace fmlp::detail

@@ -1,0 +1,33 @@
+// The CUDA planner of the linear op: which op-table entry runs a request. At M = 1 both the
+// streaming GEMV and cuBLASLt (a tile GEMM) read W once; which one reaches the byte floor sooner
+// depends on the shape, so the choice comes from a table measured on the GPU
+// (bench/linear_cuda_bench prints rows ready to paste into linear_planner.cpp), with a default by
+// weight bytes for shapes never measured. FMLP_LINEAR_KERNEL=<entry> forces an entry (for
+// measuring); an entry that cannot run the request is ignored and explain says why.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "core/linear_desc.hpp"
+
+namespace fmlp::detail {
+
+struct LinearChoice {
+  int64_t n, k;        // W is [n, k]
+  fmlp_dtype_t w;      // bf16 rows serve f16 alike (same bytes, same math)
+  const char* kernel;  // the entry to run at M = 1
+  const char* source;  // where the choice comes from
+};
+
+// The CUDA entry dispatch runs for d, or nullptr when no CUDA entry handles it. reason (may be
+// null) gets one line for fmlp_linear_explain.
+const LinearKernel* cuda_linear_plan(const LinearDesc& d, std::string* reason);
+
+// linear_sm90_cublaslt_fp8 (linear_cublaslt_fp8.cpp): W8A8 through cuBLASLt's fp8 GEMM with
+// per-row (outer-vector) or per-tensor scales.
+bool linear_cublaslt_fp8_supports(const LinearDesc& d, std::string* why);
+size_t linear_cublaslt_fp8_workspace(const LinearDesc& d);
+fmlp_status_t linear_cublaslt_fp8_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
+                                      void* stream);
+
+}  // namespace fmlp::detail
