@@ -3,7 +3,8 @@
 # Usage on the GPU machine, from the repo root: bash bench/run_device.sh [steps...]
 #   steps: build test sanitize bench peers (default: these); prefill (M = 1..8192 sweep of our
 #   kernels and the PyTorch peers, for the planner's crossover table) and ops (linear + softmax
-#   bench and peers) run when named. Logs and JSON go to $OUT (or ./out).
+#   bench and peers) and moe (moe bench + PyTorch moe peers) run when named. Logs and JSON go
+#   to $OUT (or ./out).
 # A git-ignored .device/fmt (headers + libfmt + cmake config) is used when the machine lacks fmt.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
@@ -61,6 +62,13 @@ if has ops; then  # linear + softmax: our bench, then the PyTorch peers with the
   "$B/bench/fusedmlp_ops_bench" --json "$OUT/ops.json" 2>&1 | tee "$OUT/ops_bench.log" | tail -70
   PYTHONUNBUFFERED=1 timeout ${PEERS_TIMEOUT:-420} python3 bench/peers_ops.py \
     --json "$OUT/peers_ops.json" --ours "$OUT/ops.json" 2>&1 | tee "$OUT/peers_ops.log" | tail -70
+fi
+if has moe; then  # moe op: our bench (fast and deterministic mode), then the PyTorch peers
+  "$B/bench/fusedmlp_moe_bench" --json "$OUT/moe.json" 2>&1 | tee "$OUT/moe_bench.log" | tail -12
+  "$B/bench/fusedmlp_moe_bench" --deterministic --ts 64,512 --json "$OUT/moe_det.json" 2>&1 |
+    tee "$OUT/moe_bench_det.log" | tail -6
+  PYTHONUNBUFFERED=1 timeout ${PEERS_TIMEOUT:-420} python3 bench/peers_moe.py \
+    --json "$OUT/peers_moe.json" --ours "$OUT/moe.json" 2>&1 | tee "$OUT/peers_moe.log" | tail -14
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
 nvcc --version | tail -1 >>"$OUT/gpu.txt"

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -11,6 +12,7 @@
 
 #include "fusedmlp/fusedmlp.hpp"
 #include "mlp_case.hpp"
+#include "op_tensor.hpp"
 #include "ref/activation.hpp"
 #include "tolerance.hpp"
 
@@ -61,7 +63,7 @@ struct MoeCase {
   fmlp_dtype_t xt = FMLP_DTYPE_F32, wt = FMLP_DTYPE_F32, rt = FMLP_DTYPE_F32;
   fmlp_dtype_t b1 = kAbsent, b2 = kAbsent, rb = kAbsent;
   fmlp_activation_t act = FMLP_ACT_SILU;
-  bool gated = false, renorm = true, sigmoid = false;
+  bool gated = false, renorm = true, sigmoid = false, deterministic = true;
   int residual = 0;  // 0 none, 1 separate, 2 in place (the very view of y)
   int routing = 0;   // 0 router, 1 random given ids, 2 all to expert e-1, 3 only experts 0 and e/2
   std::string name() const {
@@ -72,7 +74,7 @@ struct MoeCase {
            (routing ? " routing=" + std::to_string(routing)
                     : std::string(sigmoid ? " sigmoid" : " softmax") + (renorm ? " renorm" : "")) +
            (residual ? " residual=" + std::to_string(residual) : "") + (b1 ? " b1" : "") +
-           (b2 ? " b2" : "") + (rb ? " router_b" : "");
+           (b2 ? " b2" : "") + (rb ? " router_b" : "") + (deterministic ? "" : " nondet");
   }
 };
 
@@ -131,12 +133,17 @@ void make(const MoeCase& c, uint64_t seed, MoeData* m) {
   a.config.gated = c.gated;
   a.config.scoring = c.sigmoid ? FMLP_MOE_SCORING_SIGMOID : FMLP_MOE_SCORING_SOFTMAX;
   a.config.renormalize = c.renorm;
+  a.config.deterministic = c.deterministic;
 }
 
 // The reference, written from the spec in fusedmlp.h: ref[t*d_out + o] and the l2 norm of the
 // terms summed into it (magnitudes of h propagated through both layers).
+// *near_tie (optional) marks tokens whose k-th and (k+1)-th router scores are within 1e-4 of each
+// other (relative): an fp32 router may pick either expert there, so device results skip them.
 void reference(const MoeCase& c, const MoeData& m, const std::vector<double>& residual,
-               std::vector<double>* ref, std::vector<double>* scale) {
+               std::vector<double>* ref, std::vector<double>* scale,
+               std::vector<char>* near_tie = nullptr) {
+  if (near_tie) near_tie->assign(size_t(c.t), 0);
   ref->assign(size_t(c.t * c.d_out), 0.0);
   scale->assign(ref->size(), 0.0);
   std::vector<double> h(size_t(c.hidden)), hmag(size_t(c.hidden));
@@ -165,6 +172,10 @@ void reference(const MoeCase& c, const MoeData& m, const std::vector<double>& re
       for (int64_t e = 0; e < c.e; ++e) order[size_t(e)] = e;
       std::stable_sort(order.begin(), order.end(),
                        [&](int64_t p, int64_t q) { return s[size_t(p)] > s[size_t(q)]; });
+      if (near_tie && c.k < c.e) {
+        const double a = s[size_t(order[size_t(c.k - 1)])], b = s[size_t(order[size_t(c.k)])];
+        (*near_tie)[size_t(t)] = a - b <= 1e-4 * std::fabs(a);
+      }
       double sum = 0.0;
       for (int64_t j = 0; j < c.k; ++j)
         ids[size_t(j)] = order[size_t(j)], sum += (w[size_t(j)] = s[size_t(order[size_t(j)])]);
@@ -212,6 +223,37 @@ void reference(const MoeCase& c, const MoeData& m, const std::vector<double>& re
   for (double& s : *scale) s = std::sqrt(s);
 }
 
+// m.y against the reference; rows in nan_rows must be all NaN (device ids out of range) and are
+// left out of the reference, as are near-tie tokens when the router ran in fp32 (device).
+std::string check_y(const MoeCase& c, const MoeData& m, const std::vector<double>& residual,
+                    const std::vector<int64_t>& nan_rows, bool fp32_router = false) {
+  std::vector<double> ref, scale;
+  std::vector<char> near_tie;
+  reference(c, m, residual, &ref, &scale, &near_tie);
+  const double rtol = mlp_rtol(c.xt, c.wt);
+  int bad = 0, ties = 0;
+  std::string first;
+  for (int64_t t = 0; t < c.t; ++t) {
+    const bool nan_row = std::find(nan_rows.begin(), nan_rows.end(), t) != nan_rows.end();
+    if (!nan_row && fp32_router && near_tie[size_t(t)]) {
+      ++ties;
+      continue;
+    }
+    for (int64_t o = 0; o < c.d_out; ++o) {
+      const size_t i = size_t(t * c.d_out + o);
+      const double out = m.y.get(int64_t(i));
+      const ElementCheck e = nan_row ? ElementCheck{std::isnan(out), 0, 0, "expected a NaN row"}
+                                     : check_element(out, ref[i], scale[i], rtol, c.xt);
+      if (!e.ok && bad++ == 0)
+        first = "y[" + std::to_string(t) + "][" + std::to_string(o) + "] = " + std::to_string(out) +
+                ", ref " + std::to_string(ref[i]) + ": " + e.why;
+    }
+  }
+  if (ties * 10 > c.t + 10)
+    return std::to_string(ties) + " near-tie tokens: the case checks little";
+  return bad ? std::to_string(bad) + " wrong outputs; first " + first : "";
+}
+
 std::string run_case(const MoeCase& c, const char* kernel, uint64_t seed,
                      std::vector<unsigned char>* y_bytes = nullptr) {
   MoeData m;
@@ -230,20 +272,7 @@ std::string run_case(const MoeCase& c, const char* kernel, uint64_t seed,
     return std::string(fmlp_status_name(s)) + ": " + fmlp_last_error();
   if (!m.y.guard_intact()) return "bytes after y were written";
   if (y_bytes) *y_bytes = m.y.bytes;
-  std::vector<double> ref, scale;
-  reference(c, m, residual, &ref, &scale);
-  const double rtol = mlp_rtol(c.xt, c.wt);
-  int bad = 0;
-  std::string first;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double out = m.y.get(int64_t(i));
-    const ElementCheck e = check_element(out, ref[i], scale[i], rtol, c.xt);
-    if (!e.ok && bad++ == 0)
-      first = "y[" + std::to_string(int64_t(i) / c.d_out) + "][" +
-              std::to_string(int64_t(i) % c.d_out) + "] = " + std::to_string(out) + ", ref " +
-              std::to_string(ref[i]) + ": " + e.why;
-  }
-  return bad ? std::to_string(bad) + " wrong outputs; first " + first : "";
+  return check_y(c, m, residual, {});
 }
 
 std::vector<MoeCase> cases() {
@@ -454,6 +483,275 @@ TEST(Moe, ZeroTokensIsANoOp) {
       << fmlp_last_error();
   EXPECT_EQ(bytes, 0u);
   EXPECT_EQ(fmlp_moe(&m.args, FMLP_BACKEND_AUTO, nullptr, 0, nullptr), FMLP_SUCCESS);
+}
+
+// ---- cuda backend: the cases on device memory ----
+// Tolerances: those of tolerance.hpp (rtol of the output dtype, or of the weight dtype when larger:
+// x and h are rounded to the bf16/f16 weights for the tensor cores); tokens whose k-th and
+// (k+1)-th router scores are within 1e-4 are not compared (the fp32 router may pick either).
+
+// A case's tensors copied into device buffers (guard bytes included) and its args pointing there.
+class DeviceCase {
+ public:
+  DeviceCase(const MoeCase& c, const MoeData& m) {
+    const auto alloc = [](const HostTensor& h) {
+      return h.t == kAbsent ? Buffer() : Buffer(h.bytes.size(), true);
+    };
+    const auto view = [](const HostTensor& h, const Buffer& b) {
+      if (h.t == kAbsent) return fmlp_tensor_none();
+      fmlp_tensor_t v = h.view;
+      v.data = b.data();
+      v.device_type = FMLP_DEVICE_CUDA;
+      return v;
+    };
+    const HostTensor* host[] = {&m.x, &m.y, &m.res, &m.rw, &m.rb, &m.w1, &m.b1, &m.w2, &m.b2};
+    for (int i = 0; i < 9; ++i) buf_[i] = alloc(*host[i]);
+    args_ = m.args;
+    args_.x = view(m.x, buf_[0]), args_.y = view(m.y, buf_[1]);
+    args_.residual = c.residual == 1   ? view(m.res, buf_[2])
+                     : c.residual == 2 ? args_.y
+                                       : args_.residual;
+    args_.router_w = view(m.rw, buf_[3]), args_.router_b = view(m.rb, buf_[4]);
+    args_.w1 = view(m.w1, buf_[5]), args_.b1 = view(m.b1, buf_[6]);
+    args_.w2 = view(m.w2, buf_[7]), args_.b2 = view(m.b2, buf_[8]);
+    if (!m.ids.empty()) {
+      ids_ = Buffer(m.ids.size() * 4, true), wts_ = Buffer(m.wts.size() * 4, true);
+      args_.topk_ids = static_cast<const int32_t*>(ids_.data());
+      args_.topk_weights = static_cast<const float*>(wts_.data());
+    }
+    upload(m);
+  }
+  // Every input (and y) from m into the same buffers, ids optionally replaced.
+  void upload(const MoeData& m, const std::vector<int32_t>* ids = nullptr) {
+    const HostTensor* host[] = {&m.x, &m.y, &m.res, &m.rw, &m.rb, &m.w1, &m.b1, &m.w2, &m.b2};
+    for (int i = 0; i < 9; ++i)
+      if (host[i]->t != kAbsent) buf_[i].upload(host[i]->bytes);
+    if (m.ids.empty()) return;
+    const std::vector<int32_t>& id = ids ? *ids : m.ids;
+    std::vector<unsigned char> b(id.size() * 4), w(m.wts.size() * 4);
+    std::memcpy(b.data(), id.data(), b.size());
+    std::memcpy(w.data(), m.wts.data(), w.size());
+    ids_.upload(b), wts_.upload(w);
+  }
+  std::vector<unsigned char> y_bytes() const { return buf_[1].download(); }
+  const fmlp_moe_args_t& args() const { return args_; }
+
+ private:
+  Buffer buf_[9], ids_, wts_;
+  fmlp_moe_args_t args_{};
+};
+
+struct DeviceRun {
+  bool graph = false;  // capture, replay, refresh the inputs with other data, replay twice
+  std::vector<std::pair<size_t, int32_t>> bad_ids;  // (slot, id outside [0, E)) on the device
+  std::vector<unsigned char>* y_bytes = nullptr;
+};
+
+std::vector<double> residual_of(const MoeCase& c, const MoeData& m) {
+  std::vector<double> r;
+  const HostTensor& h = c.residual == 2 ? m.y : m.res;
+  for (int64_t i = 0; c.residual && i < c.t * c.d_out; ++i) r.push_back(h.get(i));
+  return r;
+}
+
+std::string run_device(const MoeCase& c, const char* kernel, uint64_t seed,
+                       const DeviceRun& run = {}) {
+  MoeData m;
+  make(c, seed, &m);
+  DeviceCase dc(c, m);
+  if (fmlp_moe_kernel_supports(&dc.args(), kernel) != FMLP_SUCCESS)
+    return std::string(kSkipped) + fmlp_last_error();
+  size_t bytes = 0;
+  if (fmlp_moe_kernel_workspace_size(&dc.args(), kernel, &bytes) != FMLP_SUCCESS)
+    return fmlp_last_error();
+  Buffer ws(bytes, true);
+  ws.fill(0);
+  std::vector<int32_t> ids = m.ids;
+  std::vector<int64_t> nan_rows;
+  for (const auto& [slot, id] : run.bad_ids)
+    ids[slot] = id, nan_rows.push_back(int64_t(slot) / c.k);
+  if (!run.bad_ids.empty()) dc.upload(m, &ids);
+  auto call = [&](void* stream) {
+    return fmlp_moe_with_kernel(&dc.args(), kernel, ws.data(), bytes, stream);
+  };
+  MoeData fresh;
+  if (run.graph) {  // the refreshed data routes differently: new x, router, ids and weights
+    make(c, seed + 1000, &fresh);
+    const std::string err = capture_and_replay(call, [&] { dc.upload(fresh); });
+    if (!err.empty()) return err;
+  } else if (const fmlp_status_t st = call(nullptr); st != FMLP_SUCCESS) {
+    return std::string(fmlp_status_name(st)) + ": " + fmlp_last_error();
+  }
+  MoeData& used = run.graph ? fresh : m;
+  const std::vector<double> residual = residual_of(c, used);
+  used.y.bytes = dc.y_bytes();
+  if (!used.y.guard_intact()) return "bytes after y were written";
+  if (run.y_bytes) *run.y_bytes = used.y.bytes;
+  int32_t errors = -1;
+  if (fmlp_moe_device_errors(ws.data(), bytes, nullptr, &errors) != FMLP_SUCCESS)
+    return std::string("fmlp_moe_device_errors: ") + fmlp_last_error();
+  if (errors != int32_t(run.bad_ids.size()))
+    return "the device error count is " + std::to_string(errors) + ", expected " +
+           std::to_string(run.bad_ids.size());
+  for (unsigned char v : ws.download())
+    if (v != 0) return "the workspace was not left zero-filled";
+  return check_y(c, used, residual, nan_rows, c.routing == 0);
+}
+
+std::vector<const char*> cuda_moe_kernels() {
+  std::vector<const char*> v;
+  for (int i = 0; i < fmlp_moe_kernel_count(); ++i)
+    if (fmlp_moe_kernel_backend(i) == FMLP_BACKEND_CUDA) v.push_back(fmlp_moe_kernel_name(i));
+  return v;
+}
+
+#define SKIP_WITHOUT_GPU()                                                                 \
+  do {                                                                                     \
+    if (fmlp_backend_available(FMLP_BACKEND_CUDA) != FMLP_SUCCESS)                         \
+      GTEST_SKIP() << "cuda backend unavailable: " << fmlp_last_error();                   \
+    if (!device_unavailable_reason().empty()) GTEST_SKIP() << device_unavailable_reason(); \
+  } while (0)
+
+std::vector<MoeCase> device_cases() {
+  std::vector<MoeCase> v;
+  Rng rng(mix_seed(test_seed(), 6));
+  const fmlp_dtype_t any[] = {FMLP_DTYPE_F32, FMLP_DTYPE_F16, FMLP_DTYPE_BF16};
+  const int64_t ds[] = {64, 136, 256}, hs[] = {72, 264, 520}, outs[] = {8, 40, 264};
+  for (int64_t t : {1, 3, 16, 64, 300})
+    for (int64_t e : {1, 8, 64})
+      for (int64_t k : {1, 2, 8}) {
+        if (k > e) continue;
+        MoeCase c;
+        c.t = t, c.e = e, c.k = k;
+        c.d = ds[rng() % 3], c.hidden = hs[rng() % 3], c.d_out = outs[rng() % 3];
+        c.xt = rng() % 2 ? FMLP_DTYPE_F32 : FMLP_DTYPE_BF16;
+        c.wt = rng() % 2 ? FMLP_DTYPE_F16 : FMLP_DTYPE_BF16;
+        c.rt = any[rng() % 3];
+        c.b1 = rng() % 2 ? any[rng() % 3] : kAbsent;
+        c.b2 = rng() % 2 ? any[rng() % 3] : kAbsent;
+        c.rb = rng() % 2 ? any[rng() % 3] : kAbsent;
+        c.act = fmlp_activation_t(rng() % 4);
+        c.gated = rng() % 2, c.renorm = rng() % 2, c.sigmoid = rng() % 3 == 0;
+        c.deterministic = rng() % 2;
+        c.residual = int(rng() % 3);
+        c.routing = rng() % 3 == 0 ? 1 : 0;
+        v.push_back(c);
+      }
+  for (int routing : {2, 3})  // every slot on one expert; most experts without tokens
+    for (bool gated : {false, true}) {
+      MoeCase c;
+      c.t = 64, c.e = 8, c.k = 2, c.d = 256, c.hidden = 264, c.d_out = 40;
+      c.routing = routing, c.gated = gated, c.residual = gated ? 2 : 1;
+      c.xt = FMLP_DTYPE_BF16, c.wt = gated ? FMLP_DTYPE_BF16 : FMLP_DTYPE_F16;
+      v.push_back(c);
+    }
+  for (bool renorm : {false, true}) {  // sigmoid scoring, with and without renormalisation
+    MoeCase c;
+    c.t = 16, c.e = 64, c.k = 8, c.d = 136, c.hidden = 72, c.d_out = 40;
+    c.sigmoid = true, c.renorm = renorm, c.gated = true, c.rb = FMLP_DTYPE_F32;
+    c.xt = c.wt = FMLP_DTYPE_BF16;
+    v.push_back(c);
+  }
+  for (bool det : {false, true}) {  // T*k*d_out large: red.add path, and the partials of det mode
+    MoeCase c;
+    c.t = 512, c.e = 64, c.k = 8, c.d = 64, c.hidden = 64, c.d_out = 8192;
+    c.xt = c.wt = FMLP_DTYPE_BF16, c.gated = true, c.deterministic = det;
+    v.push_back(c);
+  }
+  return v;
+}
+
+TEST(MoeCuda, MatchesReference) {
+  SKIP_WITHOUT_GPU();
+  for (const char* kernel : cuda_moe_kernels()) {
+    int ran = 0, n = 0;
+    for (const MoeCase& c : device_cases()) {
+      const std::string err = run_device(c, kernel, mix_seed(test_seed(), uint64_t(++n)));
+      if (skipped(err)) continue;
+      ++ran;
+      EXPECT_EQ(err, "") << kernel << " [" << c.name() << "] (FMLP_TEST_SEED=" << test_seed()
+                         << ")";
+    }
+    EXPECT_GT(ran, 0) << kernel << " took none of the cases";
+  }
+}
+
+TEST(MoeCuda, GraphReplaysRouteTheNewInputs) {
+  SKIP_WITHOUT_GPU();
+  MoeCase router, given;
+  router.t = 16, router.e = 8, router.k = 2, router.d = 256, router.hidden = 520;
+  router.d_out = 264, router.gated = true, router.residual = 1;
+  router.xt = router.wt = FMLP_DTYPE_BF16;
+  given = router;
+  given.t = 64, given.e = 64, given.k = 8, given.routing = 1, given.deterministic = false;
+  given.xt = FMLP_DTYPE_F32, given.wt = FMLP_DTYPE_F16;
+  DeviceRun graph;
+  graph.graph = true;
+  for (const char* kernel : cuda_moe_kernels())
+    for (const MoeCase& c : {router, given})
+      EXPECT_EQ(run_device(c, kernel, mix_seed(test_seed(), 21), graph), "")
+          << kernel << " [" << c.name() << "]";
+}
+
+TEST(MoeCuda, DeterministicModeIsBitwiseReproducible) {
+  SKIP_WITHOUT_GPU();
+  MoeCase c;
+  c.t = 300, c.e = 64, c.k = 8, c.d = 256, c.hidden = 264, c.d_out = 264, c.gated = true;
+  c.xt = c.wt = FMLP_DTYPE_BF16;
+  for (const char* kernel : cuda_moe_kernels()) {
+    std::vector<unsigned char> a, b;
+    DeviceRun ra, rb;
+    ra.y_bytes = &a, rb.y_bytes = &b;
+    EXPECT_EQ(run_device(c, kernel, 5, ra), "") << kernel;
+    EXPECT_EQ(run_device(c, kernel, 5, rb), "") << kernel;
+    EXPECT_TRUE(a == b) << kernel << ": two deterministic runs differ";
+  }
+}
+
+TEST(MoeCuda, DeviceIdsOutOfRangeGiveNanRowsAndACount) {
+  SKIP_WITHOUT_GPU();
+  MoeCase c;
+  c.t = 7, c.e = 8, c.k = 2, c.d = 64, c.hidden = 72, c.d_out = 40, c.routing = 1;
+  c.xt = c.wt = FMLP_DTYPE_BF16, c.residual = 1;
+  DeviceRun bad;
+  bad.bad_ids = {{1 * 2 + 1, 8}, {3 * 2 + 0, -1}, {3 * 2 + 1, 1 << 30}};
+  for (const char* kernel : cuda_moe_kernels())
+    EXPECT_EQ(run_device(c, kernel, 9, bad), "") << kernel;
+}
+
+TEST(MoeCuda, BadInputIsRejectedAndDeviceYUntouched) {
+  SKIP_WITHOUT_GPU();
+  MoeCase c;
+  c.t = 7, c.e = 8, c.k = 2, c.d = 64, c.hidden = 72, c.d_out = 40;
+  c.xt = c.wt = FMLP_DTYPE_BF16;
+  const std::vector<std::pair<std::function<void(fmlp_moe_args_t&)>, fmlp_status_t>> bad = {
+      {[](fmlp_moe_args_t& a) { a.config.top_k = 9; }, FMLP_ERROR_INVALID_VALUE},
+      {[](fmlp_moe_args_t& a) { a.w2.shape[0] = 7; }, FMLP_ERROR_SHAPE_MISMATCH},
+      {[](fmlp_moe_args_t& a) { a.w1.shape[2] = 56; }, FMLP_ERROR_SHAPE_MISMATCH},
+      {[](fmlp_moe_args_t& a) { a.router_w.shape[0] = 4; }, FMLP_ERROR_SHAPE_MISMATCH},
+  };
+  MoeData m;
+  make(c, 13, &m);
+  DeviceCase dc(c, m);
+  const std::vector<unsigned char> before = dc.y_bytes();
+  Buffer ws(size_t(1) << 20, true);
+  ws.fill(0);
+  for (const auto& [spoil, status] : bad) {
+    fmlp_moe_args_t a = dc.args();
+    spoil(a);
+    EXPECT_EQ(fmlp_moe(&a, FMLP_BACKEND_CUDA, ws.data(), ws.size(), nullptr), status)
+        << fmlp_last_error();
+    EXPECT_EQ(dc.y_bytes(), before) << "y was written: " << fmlp_last_error();
+  }
+  // Valid but outside the kernels' reach: NOT_SUPPORTED with the reason.
+  fmlp_moe_args_t a = dc.args();
+  a.w1.dtype = a.w2.dtype = FMLP_DTYPE_F32;
+  a.w1.shape[2] = a.x.shape[1] = a.router_w.shape[1] = 32;  // the bytes of 64 bf16 per row
+  EXPECT_EQ(fmlp_moe(&a, FMLP_BACKEND_CUDA, ws.data(), ws.size(), nullptr),
+            FMLP_ERROR_NOT_SUPPORTED);
+  EXPECT_NE(std::string(fmlp_last_error()).find("bf16 or f16"), std::string::npos)
+      << fmlp_last_error();
+  EXPECT_EQ(dc.y_bytes(), before);
 }
 
 }  // namespace

@@ -292,7 +292,7 @@ FMLP_API fmlp_status_t fmlp_softmax_with_kernel(const fmlp_softmax_args_t* args,
                                                 void* workspace, size_t workspace_bytes,
                                                 void* stream);
 
-/* ==== mixture-of-experts op (issue #6; host backends so far) ====
+/* ==== mixture-of-experts op (issue #6) ====
  * For each token t (row of x [T, d]):
  *   routing, computed by the router:
  *     logits = Wr x_t + br            Wr: [E, d] (nn.Linear layout), br: optional [E]
@@ -316,8 +316,14 @@ FMLP_API fmlp_status_t fmlp_softmax_with_kernel(const fmlp_softmax_args_t* args,
  * topk_ids: int32, topk_weights: fp32, both [T, top_k] contiguous row-major, in the memory x is in;
  * pass both (and no router) or neither. Host ids are checked in validation: one outside [0, E)
  * gives FMLP_ERROR_INDEX_OUT_OF_RANGE naming the token and the value, and y is untouched.
- * Workspaces follow the mlp contract. Accumulation is fp32 or wider; the cpu backend is
- * deterministic (fixed summation order whatever the thread count). */
+ * Device ids (cuda backend) are not read on the host, which would synchronise: an id outside
+ * [0, E) is never used as an index, its slot is skipped, the token's whole row of y is written as
+ * NaN, and the event is counted in the workspace; fmlp_moe_device_errors reads the count.
+ * Workspaces follow the mlp contract (a cuda workspace is left zero-filled except for that count).
+ * Accumulation is fp32 or wider. The cpu backend is deterministic (fixed summation order whatever
+ * the thread count); the cuda backend is with config.deterministic set, and in practice at decode
+ * sizes (it falls back to atomic fp32 sums only for large T * top_k * d_out without it). cuda
+ * experts are bf16 or f16 (x is rounded to the weights' dtype for the tensor cores, h too). */
 typedef enum fmlp_moe_scoring_t {
   FMLP_MOE_SCORING_SOFTMAX = 0,
   FMLP_MOE_SCORING_SIGMOID = 1
@@ -364,6 +370,12 @@ FMLP_API fmlp_status_t fmlp_moe_kernel_workspace_size(const fmlp_moe_args_t* arg
                                                       const char* kernel, size_t* bytes);
 FMLP_API fmlp_status_t fmlp_moe_with_kernel(const fmlp_moe_args_t* args, const char* kernel,
                                             void* workspace, size_t workspace_bytes, void* stream);
+/* The number of device expert ids outside [0, num_experts) met by the cuda fmlp_moe calls that
+ * used this workspace since the last read, then reset to 0. Synchronises `stream` (the stream of
+ * those calls): call it outside graph capture. FMLP_ERROR_INVALID_VALUE when workspace is not
+ * device memory. */
+FMLP_API fmlp_status_t fmlp_moe_device_errors(void* workspace, size_t workspace_bytes, void* stream,
+                                              int32_t* count);
 
 #ifdef __cplusplus
 }

@@ -254,12 +254,6 @@ using Table = OpTable<MoeOp>;
 
 }  // namespace
 
-// The CUDA kernels are still to come (docs/moe.md); until then device tensors get NOT_SUPPORTED
-// with the reason from the op table.
-MoeKernelList cuda_moe_kernels() {
-  return {nullptr, 0};
-}
-
 std::string describe(const MoeDesc& d) {
   return fmt::format("T={} d={} hidden={} d_out={} E={} k={} {} {} x={} w={} routing={}{}{} on {}",
                      d.tokens, d.d, d.hidden, d.d_out, d.experts, d.top_k,
@@ -308,6 +302,20 @@ fmlp_status_t fmlp_moe_kernel_supports(const fmlp_moe_args_t* args, const char* 
 fmlp_status_t fmlp_moe_kernel_workspace_size(const fmlp_moe_args_t* args, const char* kernel,
                                              size_t* bytes) {
   return Table::kernel_workspace(args, kernel, bytes);
+}
+fmlp_status_t fmlp_moe_device_errors(void* workspace, size_t workspace_bytes, void* stream,
+                                     int32_t* count) {
+  using fmlp::detail::fail;
+  if (count == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "count is NULL");
+  if (workspace == nullptr)
+    return fail(FMLP_ERROR_NULL_POINTER, "workspace is NULL; pass the one given to fmlp_moe");
+  if (workspace_bytes < 16)
+    return fail(FMLP_ERROR_WORKSPACE_TOO_SMALL,
+                "workspace_bytes is {}; a cuda moe workspace holds at least 16 bytes",
+                workspace_bytes);
+  const fmlp_status_t s = fmlp::detail::cuda_moe_device_errors(workspace, stream, count);
+  if (s == FMLP_SUCCESS) fmlp::detail::clear_last_error();
+  return s;
 }
 fmlp_status_t fmlp_moe_with_kernel(const fmlp_moe_args_t* args, const char* kernel, void* workspace,
                                    size_t workspace_bytes, void* stream) {

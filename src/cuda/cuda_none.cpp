@@ -39,3 +39,18 @@ SoftmaxKernelList cuda_softmax_kernels() {
 }
 
 }  // namespace fmlp::detail
+
+// ---- moe op: nothing to register, no device workspace to read ----
+#include "core/moe_desc.hpp"
+
+namespace fmlp::detail {
+
+MoeKernelList cuda_moe_kernels() {
+  return {nullptr, 0};
+}
+
+fmlp_status_t cuda_moe_device_errors(void*, void*, int32_t*) {
+  return fail(FMLP_ERROR_BACKEND_UNAVAILABLE, "{}", cuda_unavailable_reason());
+}
+
+}  // namespace fmlp::detail

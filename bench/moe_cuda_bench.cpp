@@ -1,0 +1,276 @@
+// fusedmlp_moe_bench: speed of the cuda moe op (router + experts + combine, one fmlp_moe call) on
+// two MoE layers, bf16, random router weights (so the routing is realistic), at T = 1..512 tokens.
+//   mixtral: E = 8, top-2, 4096 -> 14336 (SwiGLU) -> 4096
+//   e64k8:   E = 64, top-8, 2048 -> 1408 (SwiGLU) -> 2048 (Qwen/DeepSeek-style fine-grained)
+// Every case: CUDA-graph replay of `copies` calls (weights and inputs rotated so the experts a call
+// reads exceed 3x the L2), warm-up, median of --reps replays. Floor = bytes of the experts the
+// routing actually hits (counted on the host from an fp64 routing of the same inputs) + router +
+// x and y, at the copy bandwidth measured in this run. T <= 4 is checked against an fp64 host
+// reference of token 0 before timing.
+// usage: fusedmlp_moe_bench [--json FILE] [--reps N] [--ts 1,4,16,64,512] [--deterministic]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+#include "fusedmlp/dtype.hpp"
+#include "fusedmlp/fusedmlp.h"
+
+namespace {
+
+using fmlp_bench::copy_bandwidth;
+using fmlp_bench::median;
+
+struct Layer {
+  const char* name;
+  int64_t e, k, d, h;
+};
+const Layer kLayers[] = {{"mixtral", 8, 2, 4096, 14336}, {"e64k8", 64, 8, 2048, 1408}};
+
+uint64_t g_rng = 0x9E3779B97F4A7C15ull;
+double urand() {  // [-1, 1)
+  g_rng ^= g_rng << 13, g_rng ^= g_rng >> 7, g_rng ^= g_rng << 17;
+  return double(g_rng >> 11) * 0x1p-52 - 1.0;
+}
+
+std::vector<uint16_t> random_bf16(size_t n, double scale) {
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = fmlp::float_to_bf16(float(urand() * scale));
+  return v;
+}
+double bf(uint16_t v) {
+  return fmlp::bf16_to_float(v);
+}
+
+void* upload(const std::vector<uint16_t>& h) {
+  void* d = nullptr;
+  CK(cudaMalloc(&d, h.size() * 2));
+  CK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+
+fmlp_tensor_t dev(void* p, int nd, const int64_t* shape) {
+  fmlp_tensor_t t = fmlp_tensor_none();
+  t.data = p, t.dtype = FMLP_DTYPE_BF16, t.ndim = nd, t.device_type = FMLP_DEVICE_CUDA;
+  int64_t s = 1;
+  for (int i = nd - 1; i >= 0; --i) t.shape[i] = shape[i], t.stride[i] = s, s *= shape[i];
+  return t;
+}
+
+// fp64 routing of token x (softmax, top-k with ties to the lower id, renormalised).
+void route(const Layer& L, const uint16_t* wr, const uint16_t* x, int64_t* ids, double* w) {
+  std::vector<double> s(size_t(L.e));
+  double mx = -INFINITY, sum = 0;
+  for (int64_t e = 0; e < L.e; ++e) {
+    double a = 0;
+    for (int64_t c = 0; c < L.d; ++c) a += bf(wr[e * L.d + c]) * bf(x[c]);
+    mx = std::max(mx, s[size_t(e)] = a);
+  }
+  for (double& v : s) sum += (v = std::exp(v - mx));
+  double tot = 0;
+  for (int64_t j = 0; j < L.k; ++j) {
+    int64_t b = -1;
+    for (int64_t e = 0; e < L.e; ++e)
+      if (std::find(ids, ids + j, e) == ids + j && (b < 0 || s[size_t(e)] > s[size_t(b)])) b = e;
+    ids[j] = b, tot += (w[j] = s[size_t(b)] / sum);
+  }
+  for (int64_t j = 0; j < L.k; ++j) w[j] /= tot;
+}
+
+struct Row {
+  std::string layer, check;
+  int64_t t;
+  double us, floor_us, bytes, hit;
+};
+
+Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int reps, bool det) {
+  const size_t w1n = size_t(L.e * 2 * L.h * L.d), w2n = size_t(L.e * L.d * L.h);
+  const double expert_bytes = double(3 * L.h * L.d) * 2;
+  // Copies so that the experts one call hits (at least k) exceed 3x the L2, within ~6 GB.
+  const double hit_min = expert_bytes * double(std::min(L.e, L.k * T));
+  const int copies = int(std::clamp<double>(std::ceil(3.0 * double(l2) / hit_min), 1.0,
+                                            std::max(1.0, 6e9 / double((w1n + w2n) * 2))));
+  const size_t nc = size_t(copies);
+  std::vector<std::vector<uint16_t>> w1(nc), w2(nc), x(nc);
+  const std::vector<uint16_t> wr = random_bf16(size_t(L.e * L.d), 1.0 / std::sqrt(double(L.d)));
+  std::vector<void*> dw1, dw2, dx;
+  for (int c = 0; c < copies; ++c) {
+    w1[size_t(c)] = random_bf16(w1n, std::sqrt(3.0 / double(L.d)));
+    w2[size_t(c)] = random_bf16(w2n, std::sqrt(3.0 / double(L.h)));
+    x[size_t(c)] = random_bf16(size_t(T * L.d), 1.7);
+    dw1.push_back(upload(w1[size_t(c)])), dw2.push_back(upload(w2[size_t(c)]));
+    dx.push_back(upload(x[size_t(c)]));
+  }
+  void* dwr = upload(wr);
+  void* dy = nullptr;
+  CK(cudaMalloc(&dy, size_t(T * L.d) * 2));
+  const int64_t xs[2] = {T, L.d}, wrs[2] = {L.e, L.d}, w1s[3] = {L.e, 2 * L.h, L.d},
+                w2s[3] = {L.e, L.d, L.h};
+  fmlp_moe_args_t a{};
+  a.y = dev(dy, 2, xs), a.x = dev(dx[0], 2, xs), a.router_w = dev(dwr, 2, wrs);
+  a.w1 = dev(dw1[0], 3, w1s), a.w2 = dev(dw2[0], 3, w2s);
+  a.residual = a.router_b = a.b1 = a.b2 = fmlp_tensor_none();
+  a.config = fmlp_moe_config_default(int32_t(L.e), int32_t(L.k));
+  a.config.gated = 1, a.config.activation = FMLP_ACT_SILU, a.config.deterministic = det;
+  size_t wsb = 0;
+  FK(fmlp_moe_workspace_size(&a, FMLP_BACKEND_CUDA, &wsb));
+  void* ws = nullptr;
+  CK(cudaMalloc(&ws, wsb));
+  CK(cudaMemset(ws, 0, wsb));
+  Row r{L.name, "-", T, 0, 0, 0, 0};
+  if (T <= 4) {  // token 0 of copy 0 against fp64
+    FK(fmlp_moe(&a, FMLP_BACKEND_CUDA, ws, wsb, s));
+    CK(cudaStreamSynchronize(s));
+    std::vector<uint16_t> y(size_t(T * L.d));
+    CK(cudaMemcpy(y.data(), dy, y.size() * 2, cudaMemcpyDeviceToHost));
+    std::vector<int64_t> ids(size_t(L.k));
+    std::vector<double> w(size_t(L.k)), ref(size_t(L.d), 0.0), h(size_t(L.h));
+    route(L, wr.data(), x[0].data(), ids.data(), w.data());
+    for (int64_t j = 0; j < L.k; ++j) {
+      const uint16_t* e1 = w1[0].data() + size_t(ids[size_t(j)] * 2 * L.h * L.d);
+      const uint16_t* e2 = w2[0].data() + size_t(ids[size_t(j)] * L.d * L.h);
+      for (int64_t u = 0; u < L.h; ++u) {
+        double g = 0, v = 0;
+        for (int64_t c = 0; c < L.d; ++c) {
+          g += bf(e1[u * L.d + c]) * bf(x[0][size_t(c)]);
+          v += bf(e1[(L.h + u) * L.d + c]) * bf(x[0][size_t(c)]);
+        }
+        h[size_t(u)] = g / (1 + std::exp(-g)) * v;
+      }
+      for (int64_t o = 0; o < L.d; ++o) {
+        double acc = 0;
+        for (int64_t u = 0; u < L.h; ++u) acc += bf(e2[o * L.h + u]) * h[size_t(u)];
+        ref[size_t(o)] += w[size_t(j)] * acc;
+      }
+    }
+    double rms = 0, worst = 0;
+    for (double v : ref) rms += v * v;
+    rms = std::sqrt(rms / double(L.d));
+    for (int64_t o = 0; o < L.d; ++o)
+      worst = std::max(worst, std::fabs(bf(y[size_t(o)]) - ref[size_t(o)]) /
+                                  ((std::fabs(ref[size_t(o)]) + rms) / 128));
+    r.check = worst <= 1.0 ? "ok" : "CHECK-FAILED";
+  }
+  // Experts hit per call, from the fp64 routing of every copy's tokens.
+  double hit = 0;
+  for (int c = 0; c < copies; ++c) {
+    std::set<int64_t> seen;
+    std::vector<int64_t> ids(size_t(L.k));
+    std::vector<double> w(size_t(L.k));
+    for (int64_t t = 0; t < T; ++t) {
+      route(L, wr.data(), x[size_t(c)].data() + t * L.d, ids.data(), w.data());
+      seen.insert(ids.begin(), ids.end());
+    }
+    hit += double(seen.size()) / copies;
+  }
+  r.hit = hit;
+  r.bytes = hit * expert_bytes + double(L.e * L.d) * 2 + 2.0 * double(T * L.d) * 2;
+  r.floor_us = r.bytes / bw * 1e6;
+  cudaGraph_t g;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int c = 0; c < copies; ++c) {
+    a.x.data = dx[size_t(c)], a.w1.data = dw1[size_t(c)], a.w2.data = dw2[size_t(c)];
+    FK(fmlp_moe(&a, FMLP_BACKEND_CUDA, ws, wsb, s));
+  }
+  CK(cudaStreamEndCapture(s, &g));
+  cudaGraphExec_t ge;
+  CK(cudaGraphInstantiateWithFlags(&ge, g, 0));
+  CK(cudaGraphDestroy(g));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, s));
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaEventRecord(e0, s));
+    CK(cudaGraphLaunch(ge, s));
+    CK(cudaEventRecord(e1, s));
+    CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    t.push_back(1e3 * ms / copies);
+  }
+  r.us = median(t);
+  int32_t errors = 0;
+  FK(fmlp_moe_device_errors(ws, wsb, s, &errors));
+  if (errors != 0) r.check = "DEVICE-ERRORS";
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  CK(cudaGraphExecDestroy(ge));
+  for (int c = 0; c < copies; ++c) {
+    CK(cudaFree(dw1[size_t(c)]));
+    CK(cudaFree(dw2[size_t(c)]));
+    CK(cudaFree(dx[size_t(c)]));
+  }
+  CK(cudaFree(dwr));
+  CK(cudaFree(dy));
+  CK(cudaFree(ws));
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json = "moe.json", ts = "1,4,16,64,512";
+  int reps = 30;
+  bool det = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--json" && i + 1 < argc)
+      json = argv[++i];
+    else if (a == "--reps" && i + 1 < argc)
+      reps = std::atoi(argv[++i]);
+    else if (a == "--ts" && i + 1 < argc)
+      ts = argv[++i];
+    else if (a == "--deterministic")
+      det = true;
+  }
+  std::vector<int64_t> tv;
+  for (const char* p = ts.c_str(); *p;) {
+    tv.push_back(std::strtoll(p, nullptr, 10));
+    p = std::strchr(p, ',') ? std::strchr(p, ',') + 1 : p + std::strlen(p);
+  }
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const double bw = copy_bandwidth();
+  std::printf("%s, copy %.3f TB/s, L2 %d MB, deterministic %d\n", prop.name, bw * 1e-12,
+              prop.l2CacheSize >> 20, det ? 1 : 0);
+  std::vector<Row> rows;
+  for (const Layer& L : kLayers)
+    for (int64_t T : tv) {
+      rows.push_back(bench(L, T, size_t(prop.l2CacheSize), bw, s, reps, det));
+      const Row& r = rows.back();
+      std::printf(
+          "%-8s T=%-4lld experts hit %6.2f  %9.2f us  floor %8.2f us  %5.1f%% of floor  "
+          "%7.1f GB/s  %s\n",
+          r.layer.c_str(), (long long)r.t, r.hit, r.us, r.floor_us, 100 * r.floor_us / r.us,
+          r.bytes / r.us * 1e-3, r.check.c_str());
+      std::fflush(stdout);
+    }
+  FILE* f = std::fopen(json.c_str(), "w");
+  if (!f) return 1;
+  std::fprintf(f, "{\"gpu\": \"%s\", \"copy_TBps\": %.4f, \"deterministic\": %d, \"rows\": [\n",
+               prop.name, bw * 1e-12, det ? 1 : 0);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    std::fprintf(f,
+                 "  {\"layer\": \"%s\", \"T\": %lld, \"us\": %.3f, \"floor_us\": %.3f, "
+                 "\"pct_of_floor\": %.1f, \"experts_hit\": %.3f, \"bytes\": %.0f, \"GBps\": %.1f, "
+                 "\"check\": \"%s\"}%s\n",
+                 r.layer.c_str(), (long long)r.t, r.us, r.floor_us, 100 * r.floor_us / r.us, r.hit,
+                 r.bytes, r.bytes / r.us * 1e-3, r.check.c_str(), i + 1 < rows.size() ? "," : "");
+  }
+  std::fprintf(f, "]}\n");
+  std::fclose(f);
+  return 0;
+}

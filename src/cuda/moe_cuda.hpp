@@ -1,0 +1,89 @@
+// The cuda moe path (moe_sm80_chunked) as its host code and its three kernels share it: the plan
+// (chunk size, hidden slices, reduction mode, workspace layout; a function of the shapes and the
+// device only, so the launch grids never depend on the routing) and the kernel parameters.
+//
+//   moe_route   (moe_route.cu)    per token block: router logits, scores, top-k (or the given
+//                                 routing, bad ids counted and flagged), per-expert counts; the
+//                                 last block to finish groups the slots by expert (stable) and cuts
+//                                 each group into chunks of <= chunk tokens.
+//   moe_experts (moe_experts.cu)  grid max_chunks x slices: one chunk's tokens through one hidden
+//                                 slice of its expert on the tensor cores, fp32 partial outputs.
+//   moe_combine (moe_route.cu)    y = [residual +] sum_j w_j (expert output + b2), j in order;
+//                                 re-zeroes the workspace.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/moe_desc.hpp"
+
+namespace fmlp::detail {
+
+constexpr int kMoeMaxExperts = 512;  // the route kernel keeps per-expert tables in shared memory
+constexpr int kMoeSubTiles = 16;     // 16-unit hidden tiles a block keeps on chip at a time
+constexpr int kMoeHsStride = 288;    // elements per row of h in shared memory: 256 + 32, so the
+                                     // 8 rows a fragment load touches fall in distinct banks
+constexpr int kMoeResRows = 64;      // layer-1 rows summed across warps in shared memory (<= 4
+                                     // tiles: column splits only happen below 8 tiles)
+
+// At workspace offset 0, so fmlp_moe_device_errors can find the error count without the shapes.
+struct MoeHeader {
+  int32_t errors;         // given expert ids outside [0, E) since the last read
+  uint32_t route_done;    // route blocks finished (the last one plans), back to 0 after
+  uint32_t combine_done;  // combine blocks finished (the last one clears), back to 0 after
+  int32_t chunks;         // chunks in the list
+};
+
+struct MoePlan {
+  int chunk = 8;           // tokens per chunk (8, 16, 32 or 64): the mma token tiles times 8
+  int64_t max_chunks = 0;  // bound on sum_e ceil(count_e / chunk) from T, k and E alone
+  int slices = 1;          // hidden slices per chunk (grid y)
+  int tiles = 0;           // 16-unit tiles of the hidden dimension
+  bool partial = true;     // per-slice partials summed in order (deterministic), else red.add
+  int route_tokens = 4;    // tokens per route block
+  size_t counts = 0, ids = 0, wts = 0, perm = 0, chunk_expert = 0, chunk_start = 0, chunk_len = 0,
+         out = 0, total = 0;  // workspace layout in bytes
+  size_t experts_smem = 0;    // dynamic shared memory of the expert kernel
+};
+MoePlan moe_plan(const MoeDesc& d);
+
+struct MoeParams {
+  int tokens, d, hidden, d_out, experts, top_k, slots, chunk, slices, tiles, out_slices;
+  int route_tokens;
+  bool gated, partial, renormalize, sigmoid, given;
+  fmlp_activation_t act;
+  const void* x;
+  int64_t x_ld;
+  fmlp_dtype_t x_t;  // x, y and residual
+  bool x_vec16;      // x rows may be read with 16-byte loads
+  bool x_direct;     // ... and x already has the weights' dtype: its pieces are mma fragments
+  void* y;
+  int64_t y_ld;
+  const void* res;  // nullptr: no residual
+  int64_t res_ld;
+  const void* rw;  // router [E, d]; nullptr when the routing is given
+  int64_t rw_ld;
+  fmlp_dtype_t rw_t;
+  bool rw_vec16;
+  const void* rb;
+  fmlp_dtype_t rb_t;
+  const int32_t* given_ids;
+  const float* given_wts;
+  const void *w1, *w2;  // expert stride, row stride in elements
+  int64_t w1_e, w1_ld, w2_e, w2_ld;
+  const void *b1, *b2;  // nullptr when absent; [E, n] with an expert stride
+  int64_t b1_e, b2_e;
+  fmlp_dtype_t b1_t, b2_t, w_t;
+  MoeHeader* hdr;
+  int32_t *counts, *ids, *perm, *chunk_expert, *chunk_start, *chunk_len;
+  float *wts, *out;  // out: [out_slices][slots][d_out] fp32
+  int max_chunks;
+  size_t experts_smem;
+};
+
+fmlp_status_t moe_launch_route(const MoeParams& p, cudaStream_t s);
+fmlp_status_t moe_launch_experts(const MoeParams& p, cudaStream_t s);
+fmlp_status_t moe_launch_combine(const MoeParams& p, cudaStream_t s);
+
+}  // namespace fmlp::detail

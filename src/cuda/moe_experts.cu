@@ -1,0 +1,274 @@
+// moe_sm80_chunked, expert kernel: block (chunk, slice) runs the chunk's tokens (<= 8 * NT slots of
+// one expert, from the route kernel's list) through one slice of that expert's hidden units.
+//
+// The op is weight-bandwidth bound at decode sizes, so the block streams its expert's weights the
+// way mlp_decode_sm90_cluster does (mma_stream.cuh): warps own 16-row groups, a lane's 16-byte
+// non-allocating load of a row is its mma.sync A fragment (k order permuted inside each 32-column
+// step, the same way for the tokens), a ring of loads in flight. Only the experts that received
+// tokens are read, each weight once per chunk (chunks of one expert and slice are adjacent in the
+// grid, so further chunks mostly hit L2).
+//   layer 1: warps take (gate group, up group) pairs of the slice, so act(gate) * up is formed in
+//            registers; the tokens (B operand) are read from x with 16-byte loads when x already
+//            has the weights' dtype, else converted on the fly. With fewer groups than warps the
+//            columns are split and the parts added in shared memory (fp32).
+//   h:       rounded to the weights' dtype (as PyTorch rounds it) into shared memory; a slice is
+//            processed in sub-slices of <= 256 units, so shared memory stays small.
+//   layer 2: W2[:, slice] x h, the 16-row groups of d_out dealt over the warps (its loads are
+//            requested before the barrier that publishes h); fp32 results either added into the
+//            block's own rows of a per-slice partial buffer (no other block writes them: the sum
+//            over slices happens in the combine kernel, in slice order) or red.add'ed into one
+//            per-slot buffer when the partials would not fit (non-deterministic).
+#include <cuda_runtime.h>
+
+#include "core/error.hpp"
+#include "cuda/common.cuh"
+#include "cuda/mma_stream.cuh"
+#include "cuda/moe_cuda.hpp"
+#include "cuda/moe_device.cuh"
+
+namespace fmlp::detail {
+namespace {
+
+using fmlp::cuda::activate;
+using fmlp::cuda::Frags;
+using fmlp::cuda::ld_stream_v4;
+using fmlp::cuda::load_scalar;
+using fmlp::cuda::mma_step;
+using fmlp::cuda::pipelined;
+using fmlp::cuda::prime;
+using fmlp::cuda::to_w;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+// 32-column steps per load batch, batches in flight, and blocks per multiprocessor: the
+// accumulators of more token tiles take the registers the load ring would use (ptxas -v: no
+// spills on sm_90a, <= 24 bytes on sm_80).
+template <int NT>
+struct Pipe {
+  static constexpr int kSteps = 1;
+  static constexpr int kDepth = NT >= 2 ? 2 : 3;
+  static constexpr int kMinBlocks = NT >= 4 ? 1 : 2;
+};
+
+// Rows g and g + 8 of a gate group and of its up group, one 16-byte piece per step.
+template <int STEPS>
+struct GateUpFrags {
+  uint4 v[STEPS][4];
+};
+
+// Eight x values of token row `row` (nullptr: a padding token) at column col, as WT.
+template <typename WT>
+__device__ __forceinline__ uint4 x_piece(const MoeParams& p, const void* row, int col) {
+  if (row == nullptr || col >= p.d) return make_uint4(0, 0, 0, 0);
+  if (p.x_direct) return __ldg(reinterpret_cast<const uint4*>(static_cast<const WT*>(row) + col));
+  float f[8];
+  fmlp::cuda::load8(row, p.x_t, col, p.d, p.x_vec16, f);
+  return make_uint4(fmlp::cuda::pack2<WT>(f[0], f[1]), fmlp::cuda::pack2<WT>(f[2], f[3]),
+                    fmlp::cuda::pack2<WT>(f[4], f[5]), fmlp::cuda::pack2<WT>(f[6], f[7]));
+}
+
+// h of hidden unit `unit` from its layer-1 sums (0 past hidden, so padding never carries NaN).
+__device__ __forceinline__ float hidden_value(const MoeParams& p, const void* b1, float gate,
+                                              float up, int unit) {
+  if (unit >= p.hidden) return 0.f;
+  float h = activate(p.act, gate + (b1 ? load_scalar(b1, p.b1_t, unit) : 0.f));
+  if (p.gated) h *= up + (b1 ? load_scalar(b1, p.b1_t, p.hidden + unit) : 0.f);
+  return h;
+}
+
+template <int NT, typename WT>
+__global__ void __launch_bounds__(kThreads, Pipe<NT>::kMinBlocks)
+    moe_sm80_chunked(const MoeParams p) {
+  constexpr int CH = NT * 8, SP = Pipe<NT>::kSteps, DEPTH = Pipe<NT>::kDepth;
+  const int chunk = blockIdx.x, slice = blockIdx.y;
+  if (chunk >= p.hdr->chunks) return;  // the grid covers the most chunks any routing can give
+  extern __shared__ __align__(16) unsigned char smem[];
+  WT* hs = reinterpret_cast<WT*>(smem);                                 // [CH][kMoeHsStride]
+  float* res = reinterpret_cast<float*>(smem + CH * kMoeHsStride * 2);  // [2][w][CH]
+  __shared__ int slot_of[CH];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int e = p.chunk_expert[chunk], start = p.chunk_start[chunk], len = p.chunk_len[chunk];
+  for (int i = threadIdx.x; i < CH; i += kThreads) slot_of[i] = i < len ? p.perm[start + i] : -1;
+  const WT* w1 = static_cast<const WT*>(p.w1) + int64_t(e) * p.w1_e;
+  const WT* w2 = static_cast<const WT*>(p.w2) + int64_t(e) * p.w2_e;
+  const void* b1 = p.b1 ? static_cast<const char*>(p.b1) +
+                              int64_t(e) * p.b1_e * (p.b1_t == FMLP_DTYPE_F32 ? 4 : 2)
+                        : nullptr;
+  const int tile0 = int(int64_t(p.tiles) * slice / p.slices);
+  const int tile1 = int(int64_t(p.tiles) * (slice + 1) / p.slices);
+  __syncthreads();
+  const void* xr[NT];  // this lane's B-fragment token rows
+  const size_t xs = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int sl = slot_of[nt * 8 + g];
+    xr[nt] =
+        sl >= 0 ? static_cast<const char*>(p.x) + int64_t(sl / p.top_k) * p.x_ld * xs : nullptr;
+  }
+  const int steps1 = (p.d + 31) / 32, ogs = (p.d_out + 15) / 16;
+
+  for (int q0 = tile0; q0 < tile1; q0 += kMoeSubTiles) {
+    const int G = min(tile1, q0 + kMoeSubTiles) - q0, u0 = q0 * 16, w = G * 16;
+    const int w32 = (w + 31) / 32 * 32;
+    const int parts = G >= kWarps ? 1 : min(kWarps / G, steps1);
+    for (int i = threadIdx.x; i < CH * (w32 - w); i += kThreads)
+      hs[(i / (w32 - w)) * kMoeHsStride + w + i % (w32 - w)] = to_w<WT>(0.f);
+    if (parts > 1)
+      for (int i = threadIdx.x; i < 2 * w * CH; i += kThreads) res[i] = 0.f;
+    __syncthreads();
+
+    // Layer 1.
+    for (int item = warp; item < G * parts; item += kWarps) {
+      const int grp = item / parts, part = item % parts;
+      const int st0 = steps1 * part / parts, st1 = steps1 * (part + 1) / parts;
+      const int unit = u0 + grp * 16 + g;
+      // Rows past hidden repeat the last row: valid loads whose results are dropped.
+      const int r0 = min(unit, p.hidden - 1), r8 = min(unit + 8, p.hidden - 1);
+      const WT* rg = w1 + int64_t(r0) * p.w1_ld;
+      const WT* rg8 = w1 + int64_t(r8) * p.w1_ld;
+      const WT* ru = w1 + int64_t(p.hidden + r0) * p.w1_ld;
+      const WT* ru8 = w1 + int64_t(p.hidden + r8) * p.w1_ld;
+      float cg[NT][4] = {}, cu[NT][4] = {};
+      auto load = [&](GateUpFrags<SP>& f, int b) {
+#pragma unroll
+        for (int s = 0; s < SP; ++s) {
+          const int step = st0 + b * SP + s, col = step * 32 + 8 * t;
+          const bool in = step < st1 && col < p.d;
+          const uint4 z = make_uint4(0, 0, 0, 0);
+          f.v[s][0] = in ? ld_stream_v4(rg + col) : z;
+          f.v[s][1] = in ? ld_stream_v4(rg8 + col) : z;
+          f.v[s][2] = in && p.gated ? ld_stream_v4(ru + col) : z;
+          f.v[s][3] = in && p.gated ? ld_stream_v4(ru8 + col) : z;
+        }
+      };
+      auto body = [&](const GateUpFrags<SP>& f, int b) {
+#pragma unroll
+        for (int s = 0; s < SP; ++s) {
+          const int step = st0 + b * SP + s, col = step * 32 + 8 * t;
+          if (step >= st1) break;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint4 xb = x_piece<WT>(p, xr[nt], col);
+            mma_step<WT>(cg[nt], f.v[s][0], f.v[s][1], xb);
+            if (p.gated) mma_step<WT>(cu[nt], f.v[s][2], f.v[s][3], xb);
+          }
+        }
+      };
+      const int batches = (st1 - st0 + SP - 1) / SP;
+      GateUpFrags<SP> ring[DEPTH];
+      prime(batches, ring, load);
+      pipelined<DEPTH>(batches, ring, load, body);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int lu = grp * 16 + g + (i >= 2 ? 8 : 0), m = nt * 8 + 2 * t + (i & 1);
+          if (parts == 1) {
+            hs[m * kMoeHsStride + lu] =
+                to_w<WT>(hidden_value(p, b1, cg[nt][i], cu[nt][i], u0 + lu));
+          } else {
+            atomicAdd(res + lu * CH + m, cg[nt][i]);
+            if (p.gated) atomicAdd(res + (w + lu) * CH + m, cu[nt][i]);
+          }
+        }
+    }
+    if (parts > 1) {
+      __syncthreads();
+      for (int i = threadIdx.x; i < w * CH; i += kThreads) {
+        const int lu = i / CH, m = i % CH;
+        hs[m * kMoeHsStride + lu] =
+            to_w<WT>(hidden_value(p, b1, res[i], p.gated ? res[w * CH + i] : 0.f, u0 + lu));
+      }
+    }
+
+    // Layer 2: this warp's output groups og = warp, warp + 8, ..., each over the sub-slice.
+    const int steps2 = w32 / 32, batches2 = (steps2 + SP - 1) / SP;
+    const int my_ogs = ogs > warp ? (ogs - warp + kWarps - 1) / kWarps : 0;
+    auto load2 = [&](Frags<SP>& f, int q) {
+      const int o = (warp + (q / batches2) * kWarps) * 16 + g, b = q % batches2;
+      const WT* row = w2 + int64_t(min(o, p.d_out - 1)) * p.w2_ld + u0;
+      const WT* row8 = w2 + int64_t(min(o + 8, p.d_out - 1)) * p.w2_ld + u0;
+#pragma unroll
+      for (int s = 0; s < SP; ++s) {
+        const int lc = (b * SP + s) * 32 + 8 * t;
+        const bool in = lc < w && u0 + lc < p.hidden;
+        f.v[s][0] = in ? ld_stream_v4(row + lc) : make_uint4(0, 0, 0, 0);
+        f.v[s][1] = in ? ld_stream_v4(row8 + lc) : make_uint4(0, 0, 0, 0);
+      }
+    };
+    Frags<SP> ring2[DEPTH];
+    prime(my_ogs * batches2, ring2, load2);  // independent of h: in flight across the barrier
+    __syncthreads();
+    float c2[NT][4] = {};
+    auto body2 = [&](const Frags<SP>& f, int q) {
+      const int b = q % batches2;
+#pragma unroll
+      for (int s = 0; s < SP; ++s) {
+        const int step = b * SP + s, lc = step * 32 + 8 * t;
+        if (step >= steps2) break;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mma_step<WT>(c2[nt], f.v[s][0], f.v[s][1],
+                       *reinterpret_cast<const uint4*>(hs + (nt * 8 + g) * kMoeHsStride + lc));
+      }
+      if (b != batches2 - 1) return;
+      const int og = warp + (q / batches2) * kWarps;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int o = og * 16 + g + (i >= 2 ? 8 : 0), m = nt * 8 + 2 * t + (i & 1);
+          if (o < p.d_out && m < len) {
+            const int sl = slot_of[m];
+            if (p.partial)  // this block alone writes these elements
+              p.out[(int64_t(slice) * p.slots + sl) * p.d_out + o] += c2[nt][i];
+            else
+              fmlp::cuda::red_add_f32(p.out + int64_t(sl) * p.d_out + o, c2[nt][i]);
+          }
+          c2[nt][i] = 0.f;
+        }
+    };
+    pipelined<DEPTH>(my_ogs * batches2, ring2, load2, body2);
+    __syncthreads();  // h is rewritten by the next sub-slice
+  }
+}
+
+template <int NT, typename WT>
+fmlp_status_t launch(const MoeParams& p, cudaStream_t s) {
+  auto* kernel = &moe_sm80_chunked<NT, WT>;
+  if (p.experts_smem > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               int(p.experts_smem));
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return fail(FMLP_ERROR_CUDA, "moe_sm80_chunked: cannot raise shared memory to {} bytes: {}",
+                  p.experts_smem, cudaGetErrorString(e));
+    }
+  }
+  const dim3 grid(unsigned(p.max_chunks), unsigned(p.slices));
+  kernel<<<grid, kThreads, p.experts_smem, s>>>(p);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return fail(FMLP_ERROR_CUDA, "moe_sm80_chunked launch ({} x {} blocks) failed: {}",
+                p.max_chunks, p.slices, cudaGetErrorString(e));
+  return FMLP_SUCCESS;
+}
+
+template <typename WT>
+fmlp_status_t dispatch(const MoeParams& p, cudaStream_t s) {
+  switch (p.chunk) {
+    case 8: return launch<1, WT>(p, s);
+    case 16: return launch<2, WT>(p, s);
+    case 32: return launch<4, WT>(p, s);
+    default: return launch<8, WT>(p, s);
+  }
+}
+
+}  // namespace
+
+fmlp_status_t moe_launch_experts(const MoeParams& p, cudaStream_t s) {
+  return p.w_t == FMLP_DTYPE_F16 ? dispatch<__half>(p, s) : dispatch<__nv_bfloat16>(p, s);
+}
+
+}  // namespace fmlp::detail

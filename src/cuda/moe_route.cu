@@ -1,0 +1,319 @@
+// The routing and combine kernels of moe_sm80_chunked (moe_cuda.hpp has the overview).
+//
+// moe_sm80_route: a block routes route_tokens tokens. Router logits in fp32 (warps over experts,
+// each lane's 8-column piece of a router row serving every token of the block), softmax or sigmoid,
+// top-k by repeated arg-max with the ref's rule (strict >, so ties go to the lower id; a NaN score
+// never wins unless it is the lowest unpicked id), optional renormalisation. Given routing is read
+// as is; an id outside [0, E) is never used as an index: its slot is marked -1 (combine turns the
+// token's row into NaN) and counted in the workspace header. Per-expert counts by atomics.
+// The last block to finish (a counter) plans: exclusive scan of the counts, a stable scatter of the
+// slot ids grouped by expert (each warp counts its contiguous run of slots per expert, runs are
+// ranked in warp order, lanes of one step are ranked with __match_any_sync), the chunk list, and
+// the counts re-zeroed.
+//
+// moe_sm80_combine: one (token, column tile) per block; the expert outputs of the token's k slots
+// summed over the hidden slices in a fixed order, weighted, + b2, + residual, stored as y's dtype.
+// Every value read is re-zeroed; the last block clears the routing, so the workspace is left
+// zero-filled (the error count aside).
+#include <cuda_runtime.h>
+
+#include <climits>
+
+#include "core/error.hpp"
+#include "cuda/common.cuh"
+#include "cuda/decode_common.cuh"
+#include "cuda/moe_cuda.hpp"
+#include "cuda/moe_device.cuh"
+
+namespace fmlp::detail {
+namespace {
+
+using fmlp::cuda::load8;
+using fmlp::cuda::load_scalar;
+using fmlp::cuda::store_scalar;
+using fmlp::cuda::warp_sum;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxRouteTokens = 4;
+constexpr unsigned kFull = 0xffffffffu;
+
+struct RouteShared {
+  float scores[kMaxRouteTokens][kMoeMaxExperts];
+  unsigned char taken[kMaxRouteTokens][kMoeMaxExperts];
+  int run[kWarps][kMoeMaxExperts];  // plan: per-warp counts, then per-warp next positions
+  int off[kMoeMaxExperts], chunk_off[kMoeMaxExperts], count[kMoeMaxExperts];
+  int valid;  // slots with an expert
+  bool last;
+};
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
+
+// Logits of the block's tokens into sh.scores (+ router bias).
+__device__ void router_logits(const MoeParams& p, int t0, int tn, RouteShared& sh) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const size_t rs = p.rw_t == FMLP_DTYPE_F32 ? 4 : 2, xs = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
+  for (int e = warp; e < p.experts; e += kWarps) {
+    const void* wrow = static_cast<const char*>(p.rw) + int64_t(e) * p.rw_ld * rs;
+    float acc[kMaxRouteTokens] = {};
+    for (int c = lane * 8; c < p.d; c += 256) {
+      float w[8];
+      load8(wrow, p.rw_t, c, p.d, p.rw_vec16, w);
+#pragma unroll
+      for (int tk = 0; tk < kMaxRouteTokens; ++tk) {
+        if (tk >= tn) break;
+        const void* xrow = static_cast<const char*>(p.x) + int64_t(t0 + tk) * p.x_ld * xs;
+        float xv[8];
+        load8(xrow, p.x_t, c, p.d, p.x_vec16, xv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[tk] = fmaf(w[i], xv[i], acc[tk]);
+      }
+    }
+    const float bias = p.rb ? load_scalar(p.rb, p.rb_t, e) : 0.f;
+#pragma unroll
+    for (int tk = 0; tk < kMaxRouteTokens; ++tk) {
+      const float v = warp_sum(acc[tk]);
+      if (lane == 0 && tk < tn) sh.scores[tk][e] = v + bias;
+    }
+  }
+}
+
+// Scores, top-k and weights of token t (one warp; its logits in s).
+__device__ void select_topk(const MoeParams& p, int t, float* s, unsigned char* taken) {
+  const int lane = threadIdx.x % 32, E = p.experts;
+  for (int e = lane; e < E; e += 32) taken[e] = 0;
+  if (p.sigmoid) {
+    for (int e = lane; e < E; e += 32) s[e] = 1.f / (1.f + expf(-s[e]));
+  } else {
+    float mx = -INFINITY;  // fmaxf skips NaN, as the ref's std::fmax
+    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, s[e]);
+    mx = warp_max(mx);
+    float sum = 0.f;
+    for (int e = lane; e < E; e += 32) sum += (s[e] = expf(s[e] - mx));
+    sum = warp_sum(sum);
+    for (int e = lane; e < E; e += 32) s[e] /= sum;
+  }
+  __syncwarp();
+  const int slot0 = t * p.top_k;
+  float wsum = 0.f;
+  for (int j = 0; j < p.top_k; ++j) {
+    int first = INT_MAX, best = INT_MAX;
+    float bv = 0.f;
+    for (int e = lane; e < E; e += 32) {
+      if (taken[e]) continue;
+      first = min(first, e);
+      const float v = s[e];
+      if (!isnan(v) && (best == INT_MAX || v > bv)) bv = v, best = e;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      first = min(first, __shfl_xor_sync(kFull, first, o));
+      const float ov = __shfl_xor_sync(kFull, bv, o);
+      const int ob = __shfl_xor_sync(kFull, best, o);
+      if (ob != INT_MAX && (best == INT_MAX || ov > bv || (ov == bv && ob < best)))
+        bv = ov, best = ob;
+    }
+    const int pick = isnan(s[first]) ? first : best;
+    if (lane == 0) {
+      taken[pick] = 1;
+      const float w = s[pick];
+      p.ids[slot0 + j] = pick;
+      p.wts[slot0 + j] = w;
+      wsum += w;
+      atomicAdd(p.counts + pick, 1);
+    }
+    __syncwarp();
+  }
+  if (lane == 0 && p.renormalize)
+    for (int j = 0; j < p.top_k; ++j) p.wts[slot0 + j] /= wsum;
+}
+
+// The last route block: group the slots by expert and cut the groups into chunks.
+__device__ void plan(const MoeParams& p, RouteShared& sh) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, E = p.experts, C = p.chunk;
+  if (warp == 0) {  // exclusive scans of the counts and of the chunks per expert
+    const int per = (E + 31) / 32, e0 = min(E, lane * per), e1 = min(E, e0 + per);
+    int cs = 0, ks = 0;
+    for (int e = e0; e < e1; ++e) {
+      const int c = __ldcg(p.counts + e);
+      sh.count[e] = c;
+      cs += c, ks += (c + C - 1) / C;
+    }
+    int ci = cs, ki = ks;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int a = __shfl_up_sync(kFull, ci, o), b = __shfl_up_sync(kFull, ki, o);
+      if (lane >= o) ci += a, ki += b;
+    }
+    int run = ci - cs, krun = ki - ks;
+    for (int e = e0; e < e1; ++e) {
+      sh.off[e] = run, sh.chunk_off[e] = krun;
+      run += sh.count[e], krun += (sh.count[e] + C - 1) / C;
+      p.counts[e] = 0;  // read for the last time: back to zero for the next call
+    }
+    if (lane == 31) sh.valid = ci, p.hdr->chunks = ki;
+  }
+  for (int i = threadIdx.x; i < kWarps * E; i += kThreads) sh.run[i / E][i % E] = 0;
+  __syncthreads();
+  const int n = p.slots, seg = (n + kWarps - 1) / kWarps;
+  const int s0 = min(n, warp * seg), s1 = min(n, s0 + seg);
+  const unsigned below = (1u << lane) - 1;
+  for (int base = s0; base < s1; base += 32) {  // per-warp counts of its run
+    const int i = base + lane, id = i < s1 ? __ldcg(p.ids + i) : -1;
+    const unsigned same = __match_any_sync(kFull, id);
+    if (id >= 0 && (same & below) == 0) sh.run[warp][id] += __popc(same);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += kThreads) {  // first position of each warp's run
+    int at = sh.off[e];
+    for (int w = 0; w < kWarps; ++w) {
+      const int c = sh.run[w][e];
+      sh.run[w][e] = at;
+      at += c;
+    }
+  }
+  __syncthreads();
+  for (int base = s0; base < s1; base += 32) {
+    const int i = base + lane, id = i < s1 ? __ldcg(p.ids + i) : -1;
+    const unsigned same = __match_any_sync(kFull, id);
+    const int at = id >= 0 ? sh.run[warp][id] : 0;
+    __syncwarp();
+    if (id >= 0) {
+      p.perm[at + __popc(same & below)] = i;
+      if ((same & below) == 0) sh.run[warp][id] = at + __popc(same);
+    }
+    __syncwarp();
+  }
+  for (int e = threadIdx.x; e < E; e += kThreads) {
+    const int c = sh.count[e];
+    for (int q = 0; q * C < c; ++q) {
+      const int at = sh.chunk_off[e] + q;
+      p.chunk_expert[at] = e;
+      p.chunk_start[at] = sh.off[e] + q * C;
+      p.chunk_len[at] = min(C, c - q * C);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) moe_sm80_route(const MoeParams p) {
+  __shared__ RouteShared sh;
+  const int t0 = blockIdx.x * p.route_tokens, tn = min(p.route_tokens, p.tokens - t0);
+  const int warp = threadIdx.x / 32;
+  if (p.given) {
+    for (int i = threadIdx.x; i < tn * p.top_k; i += kThreads) {
+      const int slot = t0 * p.top_k + i, id = p.given_ids[slot];
+      if (id < 0 || id >= p.experts) {
+        p.ids[slot] = -1;
+        atomicAdd(&p.hdr->errors, 1);
+      } else {
+        p.ids[slot] = id;
+        p.wts[slot] = p.given_wts[slot];
+        atomicAdd(p.counts + id, 1);
+      }
+    }
+  } else {
+    router_logits(p, t0, tn, sh);
+    __syncthreads();
+    if (warp < tn) select_topk(p, t0 + warp, sh.scores[warp], sh.taken[warp]);
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) sh.last = atomicAdd(&p.hdr->route_done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!sh.last) return;
+  __threadfence();
+  plan(p, sh);
+  if (threadIdx.x == 0) p.hdr->route_done = 0;
+}
+
+__global__ void __launch_bounds__(kThreads) moe_sm80_combine(const MoeParams p, int groups) {
+  __shared__ float part[kThreads];
+  __shared__ float wt[kMoeMaxExperts];
+  __shared__ int eid[kMoeMaxExperts];
+  __shared__ bool bad, last;
+  const int t = blockIdx.x, cols = kThreads / groups;
+  const int r = threadIdx.x / cols, c = threadIdx.x % cols, o = blockIdx.y * cols + c;
+  const int k = p.top_k;
+  if (threadIdx.x == 0) bad = false;
+  __syncthreads();
+  for (int j = threadIdx.x; j < k; j += kThreads) {
+    eid[j] = p.ids[t * k + j];
+    wt[j] = p.wts[t * k + j];
+    if (eid[j] < 0) bad = true;
+  }
+  __syncthreads();
+  // Thread r of a column sums slices r, r + groups, ...; the groups are then added in order.
+  float acc = 0.f;
+  if (o < p.d_out)
+    for (int j = 0; j < k; ++j) {
+      float s = 0.f;
+      for (int q = r; q < p.out_slices; q += groups) {
+        float* at = p.out + (int64_t(q) * p.slots + t * k + j) * p.d_out + o;
+        s += __ldcg(at);
+        *at = 0.f;
+      }
+      acc = fmaf(wt[j], s, acc);
+    }
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  if (r == 0 && o < p.d_out) {
+    float v = 0.f;
+    for (int q = 0; q < groups; ++q) v += part[q * cols + c];
+    const size_t es = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
+    if (p.b2)
+      for (int j = 0; j < k; ++j)
+        if (eid[j] >= 0)
+          v = fmaf(wt[j],
+                   load_scalar(static_cast<const char*>(p.b2) +
+                                   int64_t(eid[j]) * p.b2_e * (p.b2_t == FMLP_DTYPE_F32 ? 4 : 2),
+                               p.b2_t, o),
+                   v);
+    if (p.res)
+      v += load_scalar(static_cast<const char*>(p.res) + int64_t(t) * p.res_ld * es, p.x_t, o);
+    if (bad) v = __int_as_float(0x7fc00000);  // an expert id was out of range: never silent
+    store_scalar(static_cast<char*>(p.y) + int64_t(t) * p.y_ld * es, p.x_t, o, v);
+  }
+  // The expert kernel's lists are not read here: any block clears them.
+  const int64_t nb = int64_t(gridDim.x) * gridDim.y;
+  const int64_t b = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
+  for (int64_t i = b * kThreads + threadIdx.x; i < p.slots; i += nb * kThreads) p.perm[i] = 0;
+  for (int64_t i = b * kThreads + threadIdx.x; i < p.max_chunks; i += nb * kThreads)
+    p.chunk_expert[i] = p.chunk_start[i] = p.chunk_len[i] = 0;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&p.hdr->combine_done, 1u) == unsigned(nb - 1);
+  __syncthreads();
+  if (!last) return;
+  for (int i = threadIdx.x; i < p.slots; i += kThreads) p.ids[i] = 0, p.wts[i] = 0.f;
+  if (threadIdx.x == 0) p.hdr->chunks = 0, p.hdr->combine_done = 0;
+}
+
+fmlp_status_t launched(const char* name) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return fail(FMLP_ERROR_CUDA, "{} launch failed: {}", name, cudaGetErrorString(e));
+  return FMLP_SUCCESS;
+}
+
+}  // namespace
+
+fmlp_status_t moe_launch_route(const MoeParams& p, cudaStream_t s) {
+  const int blocks = (p.tokens + p.route_tokens - 1) / p.route_tokens;
+  moe_sm80_route<<<blocks, kThreads, 0, s>>>(p);
+  return launched("moe_sm80_route");
+}
+
+fmlp_status_t moe_launch_combine(const MoeParams& p, cudaStream_t s) {
+  int groups = 1;  // threads per column summing the slices: up to 8, a power of two
+  while (groups < 8 && groups * 2 <= p.out_slices) groups *= 2;
+  const int cols = kThreads / groups;
+  const dim3 grid(unsigned(p.tokens), unsigned((p.d_out + cols - 1) / cols));
+  moe_sm80_combine<<<grid, kThreads, 0, s>>>(p, groups);
+  return launched("moe_sm80_combine");
+}
+
+}  // namespace fmlp::detail
