@@ -64,6 +64,37 @@ def main():
         record({"op": "linear", "shape": name, "dtype": "bf16", "M": m, "N": n, "K": k,
                 "us": us, "pct_of_copy": 100 * (wbytes + 2 * m * (n + k)) / bw / (us * 1e-6)})
         del ws
+    # fp8 peers (issue #5): torch._scaled_mm, W8A8 with e4m3 weights and activations, tensorwise
+    # and rowwise scales, bf16 out; x is quantised outside the timed graph (favours the peer).
+    # Recorded under dtype f8_e4m3 (the key of our weight-only fp8 rows) as the faster of the two.
+    fp8_shapes = ("llama3-8b.q", "llama3-8b.down", "llama3-8b.up", "llama3-70b.up")
+    for name, n, k in [s for s in bench_shapes() if s[0] in fp8_shapes]:
+        wbytes = n * k
+        copies = min(64, max(1, math.ceil(3 * l2 / wbytes)))
+        ws = [(torch.randn(n, k, device=dev) / math.sqrt(k) * 64).to(torch.float8_e4m3fn)
+              for _ in range(copies)]
+        x = (torch.randn(1, k, device=dev) * 16).to(torch.float8_e4m3fn)
+        times = {}
+        for mode in ("tensorwise", "rowwise"):
+            if mode == "tensorwise":
+                sa, sb = torch.tensor(1.0, device=dev), torch.tensor(1.0, device=dev)
+            else:
+                sa = torch.ones(1, 1, device=dev)
+                sb = torch.ones(1, n, device=dev)
+            try:
+                def run():
+                    for w in ws:
+                        torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+                times[mode] = median_us(graphed(run)) / copies
+            except Exception as e:  # recorded, not fatal: one mode may be unsupported
+                print(f"_scaled_mm {mode} {name}: {type(e).__name__}: {e}", flush=True)
+        if times:
+            best = min(times, key=times.get)
+            record({"op": "linear", "shape": name, "dtype": "f8_e4m3", "M": 1, "N": n, "K": k,
+                    "us": times[best], "peer": f"torch._scaled_mm {best}",
+                    "scaled_mm_us": times,
+                    "pct_of_copy": 100 * (wbytes + 2 * (n + k)) / bw / (times[best] * 1e-6)})
+        del ws
     for log in (False, True):
         for rows, n, dt in ((1, 128256, torch.float32), (256, 128256, torch.float32),
                             (1, 128256, torch.bfloat16), (64, 32000, torch.bfloat16),

@@ -213,6 +213,19 @@ std::vector<LinCase> cases() {
       ++variant;
       v.push_back(c);
     }
+  // W8A8 cases cuBLASLt's fp8 GEMMs take (K, N multiples of 16, aligned, bias absent or in the
+  // output dtype): each scale granularity pair, bf16 and f16 out.
+  for (int64_t m : {1, 16, 64})
+    for (int q = 0; q < 4; ++q) {
+      LinCase c;
+      c.m = m, c.n = q % 2 ? 256 : 528, c.k = q < 2 ? 512 : 1024;
+      c.xt = c.wt = FMLP_DTYPE_F8_E4M3;
+      c.yt = q == 3 ? FMLP_DTYPE_F16 : FMLP_DTYPE_BF16;
+      c.per_row = q % 2 == 0;
+      c.x_per_row = q < 2;
+      c.bt = m == 16 ? c.yt : kAbsent;
+      v.push_back(c);
+    }
   for (int64_t n : {1, 8, 3}) {  // router-like: tiny N, long K (split K on the GPU)
     LinCase c;
     c.m = n == 3 ? 5 : 1, c.n = n, c.k = 8192;
@@ -229,14 +242,18 @@ using LinearKernelTest =
 // Every entry but the general ones takes a subset of the cases; each must take some.
 TEST_P(LinearKernelTest, MatchesReference) {
   int i = 0, ran = 0;
+  std::string last_skip;
   for (const LinCase& c : cases()) {
     const std::string err = run_case(c, kernel_, device_, mix_seed(test_seed(), uint64_t(++i)));
-    if (skipped(err)) continue;
+    if (skipped(err)) {
+      last_skip = "[" + c.name() + "] " + err;
+      continue;
+    }
     ++ran;
     EXPECT_TRUE(err.empty()) << "[" << c.name() << "] (FMLP_TEST_SEED=" << test_seed()
                              << "): " << err;
   }
-  EXPECT_GT(ran, 0) << kernel_ << " took none of the cases";
+  EXPECT_GT(ran, 0) << kernel_ << " took none of the cases; last reason: " << last_skip;
 }
 
 // Captured in a CUDA graph and replayed on refreshed inputs, split-K and tensor-core shapes
