@@ -268,6 +268,10 @@ TEST_P(LinearKernelTest, GraphReplayMatchesReference) {
   v[3].bt = FMLP_DTYPE_BF16;
   v[4].m = 64, v[4].n = 769, v[4].k = 8192, v[4].xt = v[4].wt = FMLP_DTYPE_F16;
   v[4].strided = true;
+  LinCase w8a8;  // cuBLASLt's fp8 GEMM: per-row scales on both sides, bf16 bias and y
+  w8a8.m = 16, w8a8.n = 256, w8a8.k = 512, w8a8.xt = w8a8.wt = FMLP_DTYPE_F8_E4M3;
+  w8a8.yt = w8a8.bt = FMLP_DTYPE_BF16, w8a8.per_row = w8a8.x_per_row = true;
+  v.push_back(w8a8);
   int ran = 0, i = 0;
   for (const LinCase& c : v) {
     RunMode mode;
