@@ -51,6 +51,14 @@ def mlp_fn(act, gated):
     return mlp
 
 
+def copy_bandwidth(dev="cuda"):
+    """Device copy bandwidth in bytes/s (read + write of a 2 GiB buffer, median of 100): the
+    floor every peer script reports against."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (median_us(lambda: dst.copy_(src), 100) * 1e-6)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -60,10 +68,7 @@ def main():
     a = ap.parse_args()
     dev = "cuda"
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    src = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    bw = 2 * src.numel() / (median_us(lambda: dst.copy_(src), 100) * 1e-6)
-    del src, dst
+    bw = copy_bandwidth(dev)
     res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "l2_bytes": l2,
            "copy_TBps": bw / 1e12, "mlp": []}
     print(f"{res['gpu']} torch {res['torch']} copy {bw / 1e12:.3f} TB/s", flush=True)

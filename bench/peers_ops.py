@@ -11,7 +11,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-from peers import graphed, median_us
+from peers import copy_bandwidth, graphed, median_us
 
 
 def bench_shapes():
@@ -27,10 +27,7 @@ def main():
     a = ap.parse_args()
     dev = "cuda"
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    src = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    bw = 2 * src.numel() / (median_us(lambda: dst.copy_(src), 100) * 1e-6)
-    del src, dst
+    bw = copy_bandwidth(dev)
     res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12,
            "rows": []}
     print(f"{res['gpu']} torch {res['torch']} copy {bw / 1e12:.3f} TB/s", flush=True)

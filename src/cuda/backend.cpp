@@ -6,6 +6,7 @@
 
 #include "core/error.hpp"
 #include "core/mlp_desc.hpp"
+#include "cuda/launch_util.hpp"
 #include "cuda/mlp_decode.cuh"
 #include "cuda/mlp_prefill.cuh"
 
@@ -122,6 +123,21 @@ int cuda_sm_count(int device) {
   }
   cache[size_t(device)].store(v, std::memory_order_relaxed);
   return v;
+}
+
+int cuda_max_dynamic_smem(int device, int static_bytes) {
+  static std::array<std::atomic<int>, kMaxDevices> cache{};
+  if (device < 0 || device >= kMaxDevices) return 48 * 1024;
+  int v = cache[size_t(device)].load(std::memory_order_relaxed);
+  if (v == 0) {
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      return 48 * 1024;
+    }
+    cache[size_t(device)].store(v, std::memory_order_relaxed);
+  }
+  return v - static_bytes;
 }
 
 MlpKernelList cuda_mlp_kernels() {

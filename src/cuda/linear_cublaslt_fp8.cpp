@@ -13,6 +13,7 @@
 #include <mutex>
 
 #include "core/error.hpp"
+#include "cuda/cublaslt_handle.hpp"
 #include "cuda/device_scope.hpp"
 #include "cuda/linear_planner.hpp"
 #include "cuda/ops.cuh"
@@ -21,28 +22,6 @@ namespace fmlp::detail {
 namespace {
 
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;
-constexpr int kMaxDevices = 64;
-
-// One handle per device for the process (destroying them at exit can run after the driver).
-fmlp_status_t handle(int device, cublasLtHandle_t* out) {
-  static std::mutex mu;
-  static std::array<cublasLtHandle_t, kMaxDevices> handles{};
-  if (device < 0 || device >= kMaxDevices)
-    return fail(FMLP_ERROR_NOT_SUPPORTED, "cuda:{}: this entry handles devices 0..{}", device,
-                kMaxDevices - 1);
-  std::lock_guard<std::mutex> lock(mu);
-  cublasLtHandle_t& h = handles[size_t(device)];
-  if (h == nullptr) {
-    const cublasStatus_t s = cublasLtCreate(&h);
-    if (s != CUBLAS_STATUS_SUCCESS) {
-      h = nullptr;
-      return fail(FMLP_ERROR_CUDA, "cublasLtCreate on cuda:{} failed: {}", device,
-                  cublasLtGetStatusString(s));
-    }
-  }
-  *out = h;
-  return FMLP_SUCCESS;
-}
 
 cudaDataType_t cuda_type(fmlp_dtype_t t) {
   return t == FMLP_DTYPE_F32 ? CUDA_R_32F : t == FMLP_DTYPE_F16 ? CUDA_R_16F : CUDA_R_16BF;
@@ -122,7 +101,7 @@ fmlp_status_t choose(const LinearDesc& d, int64_t lda, int64_t ldb, int64_t ldd,
     if (const auto it = cache.find(key); it != cache.end()) return *out = it->second, FMLP_SUCCESS;
   }
   cublasLtHandle_t h;
-  if (const fmlp_status_t st = handle(d.device_id, &h); st != FMLP_SUCCESS) return st;
+  if (const fmlp_status_t st = cublaslt_handle(d.device_id, &h); st != FMLP_SUCCESS) return st;
   const float dummy = 1.f;  // the heuristic reads the scale modes, not the pointers
   Descriptors ds;
   cublasStatus_t s = describe(d, lda, ldb, ldd, &dummy, &dummy,
@@ -178,7 +157,8 @@ bool linear_cublaslt_fp8_supports(const LinearDesc& d, std::string* why) {
 
 size_t linear_cublaslt_fp8_workspace(const LinearDesc& d) {
   cublasLtHandle_t h;
-  handle(d.device_id, &h);  // the size query precedes any graph capture: create the handle here
+  cublaslt_handle(d.device_id,
+                  &h);  // the size query precedes any graph capture: create the handle here
   return kWorkspaceBytes;
 }
 
@@ -199,7 +179,7 @@ fmlp_status_t linear_cublaslt_fp8_run(const fmlp_linear_args_t& a, const LinearD
                 "fmlp_linear_with_kernel with linear_sm80_gemv",
                 d.m, d.n, d.k);
   cublasLtHandle_t h;
-  if (const fmlp_status_t st = handle(d.device_id, &h); st != FMLP_SUCCESS) return st;
+  if (const fmlp_status_t st = cublaslt_handle(d.device_id, &h); st != FMLP_SUCCESS) return st;
   Descriptors ds;
   const void* bias = d.bias_dtype != FMLP_DTYPE_INVALID ? a.bias.data : nullptr;
   cublasStatus_t s = describe(d, lda, ldb, ldd, a.w_scale.data, a.x_scale.data, bias, &ds);

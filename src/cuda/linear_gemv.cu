@@ -40,6 +40,7 @@
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
 #include "cuda/device_scope.hpp"
+#include "cuda/launch_util.hpp"
 #include "cuda/linear_planner.hpp"
 #include "cuda/ops.cuh"
 
@@ -301,10 +302,6 @@ Config config_for(const LinearDesc& d) {
   c.kx = std::min(c.kc, kXsBytes / (4 * c.mt) / sweep * sweep);
   c.blocks = int(std::min<int64_t>(base * c.splits, int64_t(1) << 30));
   return c;
-}
-
-size_t align_up(size_t n) {
-  return (n + 255) / 256 * 256;
 }
 
 bool gemv_supports(const LinearDesc& d, std::string* why) {

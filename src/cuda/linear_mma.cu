@@ -35,6 +35,7 @@
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
 #include "cuda/device_scope.hpp"
+#include "cuda/launch_util.hpp"
 #include "cuda/mma_stream.cuh"
 #include "cuda/ops.cuh"
 
@@ -333,10 +334,6 @@ Config config_for(const LinearDesc& d) {
   // block would cost a whole extra task time).
   c.blocks = int(std::min<int64_t>(int64_t(c.splits) * c.chunks, (int64_t(1) << 31) - 1));
   return c;
-}
-
-size_t align_up(size_t n) {
-  return (n + 255) / 256 * 256;
 }
 
 template <int NT, typename WT, bool FP8>

@@ -34,6 +34,7 @@
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
 #include "cuda/device_scope.hpp"
+#include "cuda/launch_util.hpp"
 #include "cuda/mlp_decode.cuh"
 #include "cuda/mma_stream.cuh"
 
@@ -480,15 +481,6 @@ void size_plan(const MlpDesc& d, int cluster, int blocks, Plan* pl) {
   pl->blocks = blocks;
 }
 
-int max_optin_smem(int device) {
-  int v = 0;
-  if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    cudaGetLastError();
-    return 48 * 1024;
-  }
-  return v - 1024;  // the kernel's static shared memory
-}
-
 template <int NT, typename WT>
 auto kernel_of(bool fp8) {
   return fp8 ? &mlp_decode_sm90_cluster<NT, WT, true> : &mlp_decode_sm90_cluster<NT, WT, false>;
@@ -530,7 +522,7 @@ bool make_plan(const MlpDesc& d, Plan* pl, std::string* why) {
   const DeviceScope scope(d.device_id);
   if (scope.status() != FMLP_SUCCESS) return (*why = last_error(), false);
   const int sms = cuda_sm_count(d.device_id), tiles = int(d.hidden / 16);
-  const int limit = max_optin_smem(d.device_id);
+  const int limit = cuda_max_dynamic_smem(d.device_id, 1024);
   static const int forced = [] {
     const char* e = std::getenv("FMLP_DECODE_CLUSTER");
     const int v = e ? std::atoi(e) : 0;
@@ -671,7 +663,7 @@ fmlp_status_t mlp_decode_sm90_cluster_run(const fmlp_mlp_args_t& a, const MlpDes
 
   KernelFn k = pick_kernel(d);
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       max_optin_smem(d.device_id));
+                                       cuda_max_dynamic_smem(d.device_id, 1024));
   if (e == cudaSuccess) {
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = launch_config(pl, &attr, static_cast<cudaStream_t>(stream));

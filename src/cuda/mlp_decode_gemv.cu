@@ -26,6 +26,7 @@
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
 #include "cuda/device_scope.hpp"
+#include "cuda/launch_util.hpp"
 #include "cuda/mlp_decode.cuh"
 
 namespace fmlp::detail {
@@ -187,15 +188,6 @@ int blocks_for(const MlpDesc& d) {
       1, std::min<int64_t>(tiles, kBlocksPerSm * int64_t(cuda_sm_count(d.device_id)))));
 }
 
-int max_dynamic_smem(int device) {
-  int v = 0;
-  if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    cudaGetLastError();
-    return 48 * 1024;
-  }
-  return v - 1024;  // static shared memory of the kernel
-}
-
 template <int M, typename WT, bool GATED>
 fmlp_status_t launch(const GemvParams& p, int blocks, size_t smem, cudaStream_t stream) {
   auto* kernel = &mlp_decode_sm80_gemv<M, WT, GATED>;
@@ -219,10 +211,6 @@ fmlp_status_t dispatch(const GemvParams& p, const MlpDesc& d, int blocks, size_t
                        cudaStream_t s) {
   return d.gated ? launch<1, WT, true>(p, blocks, smem, s)
                  : launch<1, WT, false>(p, blocks, smem, s);
-}
-
-size_t align_up(size_t n) {
-  return (n + 255) / 256 * 256;
 }
 
 }  // namespace
@@ -252,7 +240,7 @@ bool mlp_decode_sm80_gemv_supports(const MlpDesc& d, std::string* why) {
   if (d.d_in > (int64_t(1) << 30) || d.hidden > (int64_t(1) << 30) || d.d_out > (int64_t(1) << 30))
     return (*why = "sizes above 2^30 need 64-bit indexing", false);
   const size_t smem = smem_bytes(d, blocks_for(d));
-  if (smem > size_t(max_dynamic_smem(d.device_id)))
+  if (smem > size_t(cuda_max_dynamic_smem(d.device_id, 1024)))
     return (*why = fmt::format("M x d_in = {} x {} tokens need {} bytes of shared memory, more "
                                "than the device has",
                                d.m, d.d_in, smem),

@@ -22,6 +22,7 @@
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
 #include "cuda/device_scope.hpp"
+#include "cuda/launch_util.hpp"
 #include "cuda/mlp_decode.cuh"
 
 namespace fmlp::detail {
@@ -168,15 +169,6 @@ size_t smem_bytes(const MlpDesc& d, int blocks) {
          size_t(d.m) * (size_t(d.d_in) + u) * sizeof(float);
 }
 
-int max_dynamic_smem(int device) {
-  int v = 0;
-  if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    cudaGetLastError();
-    return 48 * 1024;
-  }
-  return v - 1024;  // static shared memory of the kernel
-}
-
 // Raising a kernel's shared-memory limit is a host call per (instantiation, device); do it once.
 template <int M, typename WT, bool GATED>
 fmlp_status_t launch(const PrefetchParams& p, int device, int blocks, size_t smem,
@@ -220,10 +212,6 @@ fmlp_status_t dispatch(const PrefetchParams& p, const MlpDesc& d, int blocks, si
   }
 }
 
-size_t align_up(size_t n) {
-  return (n + 255) / 256 * 256;
-}
-
 }  // namespace
 
 bool mlp_decode_sm80_prefetch_supports(const MlpDesc& d, std::string* why) {
@@ -251,7 +239,7 @@ bool mlp_decode_sm80_prefetch_supports(const MlpDesc& d, std::string* why) {
   if (d.d_in > (int64_t(1) << 24) || d.hidden > (int64_t(1) << 24) || d.d_out > (int64_t(1) << 24))
     return (*why = "sizes above 2^24 do not fit in shared memory", false);
   const size_t smem = smem_bytes(d, blocks_for(d));
-  const int limit = max_dynamic_smem(d.device_id);
+  const int limit = cuda_max_dynamic_smem(d.device_id, 1024);
   if (smem > size_t(limit))
     return (*why = fmt::format("the weights need {} KiB of shared memory per block, more than the "
                                "{} KiB a block can have; the streaming kernels take this shape",

@@ -12,45 +12,12 @@
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
+#include "cuda/cublaslt_handle.hpp"
 
 namespace fmlp::detail {
 namespace {
 
 constexpr int kMaxDevices = 64;
-
-std::mutex& handle_mutex() {
-  static std::mutex m;
-  return m;
-}
-
-// Handles live for the process: destroying them from a static destructor can run after the
-// CUDA driver has shut down.
-std::array<cublasLtHandle_t, kMaxDevices>& handles() {
-  static std::array<cublasLtHandle_t, kMaxDevices> h{};
-  return h;
-}
-
-fmlp_status_t get_handle(int device, cublasLtHandle_t* out) {
-  if (device < 0 || device >= kMaxDevices)
-    return fail(FMLP_ERROR_NOT_SUPPORTED, "cuda:{}: the prefill path handles devices 0..{}", device,
-                kMaxDevices - 1);
-  std::lock_guard<std::mutex> lock(handle_mutex());
-  cublasLtHandle_t& h = handles()[size_t(device)];
-  if (h == nullptr) {
-    int prev = -1;
-    cudaGetDevice(&prev);
-    if (prev != device) cudaSetDevice(device);
-    const cublasStatus_t s = cublasLtCreate(&h);
-    if (prev >= 0 && prev != device) cudaSetDevice(prev);
-    if (s != CUBLAS_STATUS_SUCCESS) {
-      h = nullptr;
-      return fail(FMLP_ERROR_CUDA, "cublasLtCreate on cuda:{} failed: {}", device,
-                  cublasLtGetStatusString(s));
-    }
-  }
-  *out = h;
-  return FMLP_SUCCESS;
-}
 
 cudaDataType_t cuda_type(fmlp_dtype_t t) {
   switch (t) {
@@ -139,13 +106,13 @@ cublasStatus_t describe(const LtGemm& g, int64_t ldb, int64_t ldc, int64_t ldd, 
 
 fmlp_status_t lt_prepare(int device) {
   cublasLtHandle_t h;
-  return get_handle(device, &h);
+  return cublaslt_handle(device, &h);
 }
 
 fmlp_status_t lt_matmul(const LtGemm& g, void* ws, size_t ws_bytes, size_t* ws_used,
                         cudaStream_t stream) {
   cublasLtHandle_t h;
-  if (const fmlp_status_t st = get_handle(g.device, &h); st != FMLP_SUCCESS) return st;
+  if (const fmlp_status_t st = cublaslt_handle(g.device, &h); st != FMLP_SUCCESS) return st;
   // With one column (one token) the leading dimension is never used; cuBLASLt still wants it to
   // cover the rows.
   const bool one = g.n == 1;
@@ -230,6 +197,44 @@ fmlp_status_t lt_matmul(const LtGemm& g, void* ws, size_t ws_bytes, size_t* ws_u
     return fail(FMLP_ERROR_CUDA, "cublasLtMatmul ({} m={} n={} k={}) failed: {}",
                 fmlp_dtype_name(g.dtype), g.m, g.n, g.k, cublasLtGetStatusString(s));
   *ws_used = choice.workspace;
+  return FMLP_SUCCESS;
+}
+
+namespace {
+
+std::mutex& handle_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+// Handles live for the process: destroying them from a static destructor can run after the
+// CUDA driver has shut down.
+std::array<cublasLtHandle_t, kMaxDevices>& handles() {
+  static std::array<cublasLtHandle_t, kMaxDevices> h{};
+  return h;
+}
+
+}  // namespace
+
+fmlp_status_t cublaslt_handle(int device, cublasLtHandle_t* out) {
+  if (device < 0 || device >= kMaxDevices)
+    return fail(FMLP_ERROR_NOT_SUPPORTED, "cuda:{}: the cuBLASLt entries handle devices 0..{}",
+                device, kMaxDevices - 1);
+  std::lock_guard<std::mutex> lock(handle_mutex());
+  cublasLtHandle_t& h = handles()[size_t(device)];
+  if (h == nullptr) {
+    int prev = -1;
+    cudaGetDevice(&prev);
+    if (prev != device) cudaSetDevice(device);
+    const cublasStatus_t s = cublasLtCreate(&h);
+    if (prev >= 0 && prev != device) cudaSetDevice(prev);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+      h = nullptr;
+      return fail(FMLP_ERROR_CUDA, "cublasLtCreate on cuda:{} failed: {}", device,
+                  cublasLtGetStatusString(s));
+    }
+  }
+  *out = h;
   return FMLP_SUCCESS;
 }
 

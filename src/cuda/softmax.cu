@@ -29,6 +29,7 @@
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
 #include "cuda/device_scope.hpp"
+#include "cuda/launch_util.hpp"
 #include "cuda/ops.cuh"
 
 namespace fmlp::detail {
@@ -294,10 +295,6 @@ Config config_for(const SoftmaxDesc& d, const fmlp_softmax_args_t* a) {
   const int per_sm = c.cache_vecs > 0 ? 1 : std::max(1, 2048 / threads);
   c.blocks = int(std::min<int64_t>(d.rows, int64_t(sms) * per_sm));
   return c;
-}
-
-size_t align_up(size_t n) {
-  return (n + 255) / 256 * 256;
 }
 
 bool rows_supports(const SoftmaxDesc& d, std::string* why) {
