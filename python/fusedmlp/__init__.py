@@ -10,6 +10,9 @@ Math of the mlp op (row i of x, one token):
 
 act: relu | gelu (erf) | gelu_tanh | silu. Gated with silu is SwiGLU, with gelu GeGLU.
 
+moe() runs a mixture of experts (router, top-k, stacked expert MLPs, weighted sum); its math
+is in its docstring.
+
 Every op runs on its tensors' device; CUDA calls are asynchronous on `stream` (an int
 cudaStream_t handle; by default the current stream of the tensors' framework: torch's
 current_stream().cuda_stream, cupy's current stream) and capturable in CUDA graphs. CUDA calls
@@ -25,7 +28,8 @@ import numpy as np
 
 from . import _ext
 
-__all__ = ["mlp", "explain", "mlp_workspace_size", "pack", "PackedMlp", "linear",
+__all__ = ["mlp", "explain", "mlp_workspace_size", "pack", "PackedMlp", "moe", "moe_explain",
+           "moe_workspace_size", "moe_device_errors", "linear",
            "linear_explain", "linear_workspace_size", "softmax", "log_softmax",
            "softmax_explain", "softmax_workspace_size", "quantize_fp8", "available",
            "build_info", "devices", "kernels", "patch", "__version__"]
@@ -34,6 +38,7 @@ __version__ = _ext.version()
 _ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
 _NORMS = {None: 0, "none": 0, "layernorm": 1, "rmsnorm": 2}
 _BACKENDS = {"auto": 0, "ref": 1, "cpu": 2, "cuda": 3}
+_SCORINGS = {"softmax": 0, "sigmoid": 1}
 
 
 def _lookup(table, name, value):
@@ -138,10 +143,10 @@ def _stream(like, stream):
 _CUPY_WORKSPACES = {}
 
 
-def _cupy_workspace(nbytes, device_type, device_id):
+def _cupy_workspace(nbytes, device_type, device_id, kind="op"):
     import cupy
     size = _workspace_bytes(nbytes)
-    key = (device_id, size)
+    key = (device_id, size, kind)
     if key not in _CUPY_WORKSPACES:
         with cupy.cuda.Device(device_id):
             _CUPY_WORKSPACES[key] = cupy.zeros(size, dtype=cupy.uint8)
@@ -153,9 +158,11 @@ def _workspace_bytes(nbytes):
     return max(4096, 1 << (int(nbytes) - 1).bit_length())
 
 
-def _workspace(like, workspace):
+def _workspace(like, workspace, kind="op"):
     """The workspace argument for _ext: the caller's array, or an allocator that gives a cached,
-    zero-filled buffer of like's framework (host calls use the extension's own buffer)."""
+    zero-filled buffer of like's framework (host calls use the extension's own buffer). kind
+    "moe" keeps the moe op's buffers apart: they carry its bad-expert-id count, which the other
+    ops' kernels would read as dirty scratch."""
     if workspace is not None:
         return _export(workspace, "workspace") if _library(workspace) in ("torch",
                                                                            "cupy") else workspace
@@ -164,9 +171,9 @@ def _workspace(like, workspace):
     if _library(like) == "torch":
         from .torch import _cached_workspace
         return lambda nbytes, device_type, device_id: _export(
-            _cached_workspace(like.device, nbytes), "workspace")
+            _cached_workspace(like.device, nbytes, kind), "workspace")
     return lambda nbytes, device_type, device_id: _export(
-        _cupy_workspace(nbytes, device_type, device_id), "workspace")
+        _cupy_workspace(nbytes, device_type, device_id, kind), "workspace")
 
 
 def _rows_out(x, w2, out, name):
@@ -316,6 +323,183 @@ def pack(w1, w2, *, b1=None, w_up=None, b_up=None, b2=None, norm_weight=None, no
     return PackedMlp(handle, activation, bool(gated), norm)
 
 
+def _shape(a):
+    shape = getattr(a, "shape", None)
+    return None if shape is None else tuple(int(n) for n in shape)
+
+
+def _routing_ids(ids, num_experts):
+    """topk_ids as the int32 array the op reads. Other integer dtypes (torch.topk gives int64)
+    are cast; a value that int32 cannot hold is reported on the host, and on a CUDA device
+    (where reading it would synchronise) clamped to [-1, num_experts], which keeps it out of
+    range: its token's row becomes NaN and the workspace counts it (moe_device_errors)."""
+    lib = _library(ids)
+    if isinstance(ids, np.ndarray):
+        if ids.dtype == np.int32 or ids.dtype.kind not in "iu":
+            return ids  # a non-integer dtype is reported by the extension, naming topk_ids
+        if ids.size and (ids.min() < -2**31 or ids.max() >= 2**31):
+            bad = ids.max() if ids.max() >= 2**31 else ids.min()
+            raise ValueError(f"topk_ids holds {int(bad)}; expert ids must be in [0, "
+                             f"{num_experts}) (num_experts = w1.shape[0])")
+        return np.ascontiguousarray(ids, dtype=np.int32)
+    if lib == "torch":
+        import torch
+        if ids.dtype == torch.int32 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            return ids
+        if ids.device.type == "cuda":
+            return ids.clamp(-1, num_experts).to(torch.int32)
+        if ids.numel() and (int(ids.min()) < -2**31 or int(ids.max()) >= 2**31):
+            bad = int(ids.max()) if int(ids.max()) >= 2**31 else int(ids.min())
+            raise ValueError(f"topk_ids holds {bad}; expert ids must be in [0, {num_experts}) "
+                             "(num_experts = w1.shape[0])")
+        return ids.to(torch.int32)
+    if lib == "cupy":
+        import cupy
+        if ids.dtype == cupy.int32 or ids.dtype.kind not in "iu":
+            return ids
+        return cupy.clip(ids, -1, num_experts).astype(cupy.int32)
+    return ids
+
+
+def _routing_weights(w):
+    """topk_weights as float32 (routers often give them in the model's dtype)."""
+    if isinstance(w, np.ndarray):
+        return np.ascontiguousarray(w, dtype=np.float32) if w.dtype.kind == "f" else w
+    if _library(w) == "torch":
+        import torch
+        return w.float() if w.dtype.is_floating_point and w.dtype != torch.float32 else w
+    if _library(w) == "cupy":
+        return w.astype("float32") if w.dtype.kind == "f" and w.dtype.name != "float32" else w
+    return w
+
+
+def _run_moe(mode, x, w1, w2, router_w, router_b, topk_ids, topk_weights, top_k, b1, b2,
+             residual, activation, gated, scoring, renormalize, deterministic, out, backend,
+             workspace, stream):
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
+        raise ValueError(f"top_k is {top_k!r}; expected an int, the experts per token")
+    top_k = int(top_k)
+    config = (_lookup(_ACTIVATIONS, "activation", activation), bool(gated),
+              _lookup(_SCORINGS, "scoring", scoring), bool(renormalize), bool(deterministic),
+              _lookup(_BACKENDS, "backend", backend))
+    w1_shape, w2_shape, x_shape = _shape(w1), _shape(w2), _shape(x)
+    if w1_shape is None or len(w1_shape) != 3:
+        raise ValueError(f"w1 has shape {w1_shape}; expected [num_experts, hidden, d] (gated: "
+                         "[num_experts, 2*hidden, d], gate rows then up rows)")
+    if w2_shape is None or len(w2_shape) != 3:
+        raise ValueError(f"w2 has shape {w2_shape}; expected [num_experts, d_out, hidden]")
+    if x_shape is None or len(x_shape) != 2:
+        raise ValueError(f"x has shape {x_shape}; expected [T, d] (flatten leading dims)")
+    num_experts = w1_shape[0]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k is {top_k}; expected 1 <= top_k <= num_experts = {num_experts} "
+                         "(w1.shape[0])")
+    if (topk_ids is None) != (topk_weights is None):
+        given, missing = (("topk_ids", "topk_weights") if topk_weights is None
+                          else ("topk_weights", "topk_ids"))
+        raise ValueError(f"{given} is given but {missing} is None; pass both to give the "
+                         "routing, or neither (and router_w) to run the router")
+    if topk_ids is not None and router_w is not None:
+        raise ValueError("both router_w and topk_ids are given; pass the router or the routing, "
+                         "not both")
+    if topk_ids is None and router_w is None:
+        raise ValueError("router_w is None and topk_ids is None; pass the router weights "
+                         "[num_experts, d] or the routing (topk_ids and topk_weights "
+                         "[T, top_k])")
+    if topk_ids is not None:
+        topk_ids = _routing_ids(topk_ids, num_experts)
+        topk_weights = _routing_weights(topk_weights)
+    y = out if out is not None else _empty(x, (x_shape[0], w2_shape[1]))
+    with _current(x):
+        tensors, bits = _prepare(dict(
+            out=y, x=x, residual=residual, router_w=router_w, router_b=router_b,
+            topk_ids=topk_ids, topk_weights=topk_weights, w1=w1, b1=b1, w2=w2, b2=b2))
+        result = _ext.moe(mode, tensors, bits, top_k, *config,
+                          _workspace(x, workspace, "moe") if mode == "run" else None,
+                          _stream(x, stream) if mode == "run" else 0)
+    return y if mode == "run" else result
+
+
+def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=None, top_k,
+        b1=None, b2=None, residual=None, activation="silu", gated=True, scoring="softmax",
+        renormalize=True, deterministic=False, out=None, backend="auto", workspace=None,
+        stream=None):
+    """Runs the mixture-of-experts op on x's device and returns y (out when given).
+
+    For each token x_t (row of x [T, d]):
+
+        routing, by the router (router_w given):
+            logits = Wr x_t + br                     Wr: router_w [E, d], br: router_b [E]
+            scores = softmax(logits) | sigmoid(logits)                          (scoring)
+            e_1..e_k = the top_k largest scores, ties to the lower expert id; w_j = scores[e_j]
+            renormalize: w_j /= sum_j w_j
+        or given: e_j = topk_ids[t, j], w_j = topk_weights[t, j] (used as given; scoring and
+            renormalize are ignored; an id may repeat, each occurrence counts)
+        expert e, the mlp op without norm on stacked weights:
+            dense: h = act(W1[e] x_t + b1[e])                   W1: [E, hidden, d]
+            gated: h = act(gate) * up, [gate; up] = W1[e] x_t + b1[e]
+                                                  W1: [E, 2*hidden, d], gate rows then up rows
+            mlp_e(x_t) = W2[e] h + b2[e]                        W2: [E, d_out, hidden]
+        y_t = [residual_t +] sum_j w_j mlp_{e_j}(x_t)           (summed in j order)
+
+    Shapes: x [T, d] (T may be 0); w1 [E, hidden or 2*hidden, d]; w2 [E, d_out, hidden]; b1
+    [E, hidden or 2*hidden]; b2 [E, d_out]; router_w [E, d]; router_b [E]; topk_ids and
+    topk_weights [T, top_k], contiguous, where x is (ids: int32, other integer dtypes are cast;
+    weights: float32, other float dtypes are cast); residual and out [T, d_out]; out may be
+    residual itself (in-place add). 1 <= top_k <= E. A shared expert is an mlp() call whose
+    output is passed as residual.
+
+    x, residual and out share one dtype: float32, float16 or bfloat16; w1 and w2 one dtype
+    (float32, float16 or bfloat16; the cuda backend takes 16-bit experts only); router and
+    biases float32, float16 or bfloat16. Accumulation is float32 or wider. activation: "relu",
+    "gelu", "gelu_tanh" or "silu" (gated silu: SwiGLU, as in Mixtral). scoring: "softmax" or
+    "sigmoid". deterministic: bitwise-identical results on reruns (the cpu backend always is).
+    backend, workspace, stream: see the module docstring.
+
+    Expert ids outside [0, E): host ids raise ValueError naming the token and the value. Device
+    ids cannot be read without a synchronisation: the token's row of y is written as NaN and
+    the event is counted in the workspace (moe_device_errors reads the count).
+
+    Raises ValueError for bad arguments (the message names the argument), NotImplementedError
+    when the backend is unavailable or none of its kernels handles the request.
+    """
+    return _run_moe("run", x, w1, w2, router_w, router_b, topk_ids, topk_weights, top_k, b1,
+                    b2, residual, activation, gated, scoring, renormalize, deterministic, out,
+                    backend, workspace, stream)
+
+
+def moe_explain(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=None,
+                top_k, b1=None, b2=None, residual=None, activation="silu", gated=True,
+                scoring="softmax", renormalize=True, deterministic=False, out=None,
+                backend="auto"):
+    """Same arguments as moe(); runs nothing and returns the dispatch report."""
+    return _run_moe("explain", x, w1, w2, router_w, router_b, topk_ids, topk_weights, top_k,
+                    b1, b2, residual, activation, gated, scoring, renormalize, deterministic,
+                    out, backend, None, None)
+
+
+def moe_workspace_size(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None,
+                       topk_weights=None, top_k, b1=None, b2=None, residual=None,
+                       activation="silu", gated=True, scoring="softmax", renormalize=True,
+                       deterministic=False, out=None, backend="auto"):
+    """Bytes of workspace moe() needs for these arguments."""
+    return _run_moe("workspace_size", x, w1, w2, router_w, router_b, topk_ids, topk_weights,
+                    top_k, b1, b2, residual, activation, gated, scoring, renormalize,
+                    deterministic, out, backend, None, None)
+
+
+def moe_device_errors(workspace, *, stream=None):
+    """The number of out-of-range device expert ids met by the cuda moe() calls that used this
+    workspace (a device array passed as workspace=) since the last read; resets it to 0.
+    Synchronises `stream` (default: the framework's current stream), so call it outside CUDA
+    graph capture. For the workspaces fusedmlp caches itself, see
+    fusedmlp.torch.moe_device_errors."""
+    with _current(workspace):
+        return _ext.moe_device_errors(_export(workspace, "workspace")
+                                      if _library(workspace) in ("torch", "cupy") else workspace,
+                                      _stream(workspace, stream))
+
+
 def _linear(mode, x, w, bias, w_scale, out, backend, workspace, stream):
     y = _rows_out(x, w, out, "w")
     with _current(x):
@@ -420,7 +604,8 @@ def devices():
 
 
 def kernels(op="mlp"):
-    """Every kernel of an op's table ("mlp", "linear" or "softmax") as (name, backend) pairs, in
+    """Every kernel of an op's table ("mlp", "moe", "linear" or "softmax") as (name, backend)
+    pairs, in
     dispatch order."""
     return _ext.kernels(op)
 

@@ -107,6 +107,52 @@ class Views {
   fmlp_tensor_t input(const char* name) { return view(name, false); }
   fmlp_tensor_t output(const char* name) { return view(name, true); }
 
+  // The moe op's given routing (topk_ids int32, topk_weights float32), which the C ABI takes as
+  // bare pointers to [T, top_k] row-major arrays in x's memory: everything a pointer cannot
+  // say (dtype, shape, layout, device) is checked here. NULL when the name is absent.
+  const void* routing(const char* name, nb::dlpack::dtype want, const char* want_label,
+                      const fmlp_tensor_t& x, int64_t top_k) {
+    if (!tensors_.contains(name) || tensors_[name].is_none()) return nullptr;
+    nb::handle h = tensors_[name];
+    nb::ndarray<nb::ro> a;
+    if (!nb::try_cast(h, a, false))
+      raise(PyExc_ValueError, std::string(name) + " is a " + class_name(h) +
+                                  "; expected an array that supports DLPack or the buffer "
+                                  "protocol");
+    if (a.dtype() != want)
+      raise(PyExc_ValueError, std::string(name) + " has dtype " + dtype_label(a.dtype()) +
+                                  "; expected " + want_label + " (cast it first)");
+    const int64_t tokens = x.ndim == 2 ? x.shape[0] : -1;
+    const std::string expected = "[" + (tokens < 0 ? std::string("T") : std::to_string(tokens)) +
+                                 ", " + std::to_string(top_k) + "] (T = rows of x, top_k)";
+    std::string got = "[";
+    for (size_t i = 0; i < a.ndim(); ++i) got += (i ? ", " : "") + std::to_string(a.shape(i));
+    got += "]";
+    if (a.ndim() != 2 || (tokens >= 0 && int64_t(a.shape(0)) != tokens) ||
+        int64_t(a.shape(1)) != top_k)
+      raise(PyExc_ValueError, std::string(name) + " has shape " + got + "; expected " + expected);
+    if ((a.shape(1) > 1 && a.stride(1) != 1) ||
+        (a.shape(0) > 1 && a.stride(0) != int64_t(a.shape(1))))
+      raise(PyExc_ValueError, std::string(name) +
+                                  " is not contiguous (row-major); pass a contiguous array "
+                                  "(e.g. .contiguous() or np.ascontiguousarray)");
+    const int32_t type = a.device_type();
+    const bool on_x = x.device_type == FMLP_DEVICE_CUDA
+                          ? type == nb::device::cuda::value && int32_t(a.device_id()) == x.device_id
+                          : type == nb::device::cpu::value;
+    if (!on_x)
+      raise(PyExc_ValueError,
+            std::string(name) + " lives in " + device_label(type, a.device_id()) +
+                "; expected it where x is (" +
+                device_label(x.device_type == FMLP_DEVICE_CUDA ? nb::device::cuda::value
+                                                               : nb::device::cpu::value,
+                             x.device_id) +
+                ")");
+    const void* data = a.data();
+    keep_.push_back(nb::ndarray<>(a));
+    return data;
+  }
+
  private:
   fmlp_tensor_t view(const char* name, bool writable) {
     if (!tensors_.contains(name)) return fmlp_tensor_none();
@@ -392,6 +438,77 @@ class PackedMlp {
   int32_t device_id_ = 0;
 };
 
+// ---- moe ----
+
+// num_experts is w1's leading dimension (validation then checks w2, router_w and b1/b2 against
+// it); an absent or 0-d w1 leaves it 1 so that validation reports w1 itself.
+nb::object moe(const std::string& mode, nb::dict tensors, const Bits& bits, int top_k,
+               int activation, bool gated, int scoring, bool renormalize, bool deterministic,
+               int backend, nb::handle workspace, uintptr_t stream) {
+  Views v(tensors, bits);
+  fmlp_moe_args_t args{};
+  args.x = v.input("x");
+  args.y = v.output("out");
+  args.residual = v.input("residual");
+  args.router_w = v.input("router_w");
+  args.router_b = v.input("router_b");
+  args.w1 = v.input("w1");
+  args.b1 = v.input("b1");
+  args.w2 = v.input("w2");
+  args.b2 = v.input("b2");
+  args.topk_ids = static_cast<const int32_t*>(
+      v.routing("topk_ids", nb::dtype<int32_t>(), "int32", args.x, top_k));
+  args.topk_weights = static_cast<const float*>(
+      v.routing("topk_weights", nb::dtype<float>(), "float32", args.x, top_k));
+  args.config = fmlp_moe_config_default(args.w1.ndim > 0 ? int32_t(args.w1.shape[0]) : 1, top_k);
+  args.config.activation = fmlp_activation_t(activation);
+  args.config.gated = gated ? 1 : 0;
+  args.config.scoring = fmlp_moe_scoring_t(scoring);
+  args.config.renormalize = renormalize ? 1 : 0;
+  args.config.deterministic = deterministic ? 1 : 0;
+  if (mode == "explain") return nb::cast(explain_text(args, backend, fmlp_moe_explain));
+  DeviceGuard guard(args.x);
+  size_t bytes = 0;
+  check(fmlp_moe_workspace_size(&args, fmlp_backend_t(backend), &bytes));
+  if (mode == "workspace_size") return nb::int_(bytes);
+  Workspace ws(workspace, bytes, args.x);
+  fmlp_status_t st;
+  {
+    nb::gil_scoped_release release;
+    st = fmlp_moe(&args, fmlp_backend_t(backend), ws.data(), ws.bytes(), stream_ptr(stream));
+  }
+  check(st);
+  return nb::none();
+}
+
+// Reads and clears the out-of-range device expert id count of a cuda moe workspace
+// (synchronises `stream`).
+int moe_device_errors(nb::handle workspace, uintptr_t stream) {
+  nb::ndarray<> a;
+  if (!nb::try_cast(workspace, a, false))
+    raise(PyExc_ValueError, "workspace is a " + class_name(workspace) +
+                                "; expected the writable device array given to moe");
+  if (a.device_type() != nb::device::cuda::value)
+    raise(PyExc_ValueError, "workspace lives in " + device_label(a.device_type(), a.device_id()) +
+                                "; only cuda moe workspaces count bad expert ids (host ids are "
+                                "checked before the call)");
+  fmlp_tensor_t on = fmlp_tensor_none();
+  on.device_type = FMLP_DEVICE_CUDA;
+  on.device_id = int32_t(a.device_id());
+  DeviceGuard guard(on);
+  size_t elements = 1;
+  for (size_t i = 0; i < a.ndim(); ++i) elements *= a.shape(i);
+  int32_t count = 0;
+  fmlp_status_t st;
+  {
+    nb::gil_scoped_release release;
+    st = fmlp_moe_device_errors(a.data(), elements * ((a.dtype().bits + 7) / 8), stream_ptr(stream),
+                                &count);
+  }
+  check(st);
+  return count;
+}
+
 // ---- linear and softmax ----
 
 nb::object linear(const std::string& mode, nb::dict tensors, const Bits& bits, int backend,
@@ -475,8 +592,12 @@ std::vector<std::tuple<std::string, std::string>> kernels(const std::string& op)
     count = fmlp_softmax_kernel_count;
     name = fmlp_softmax_kernel_name;
     backend = fmlp_softmax_kernel_backend;
+  } else if (op == "moe") {
+    count = fmlp_moe_kernel_count;
+    name = fmlp_moe_kernel_name;
+    backend = fmlp_moe_kernel_backend;
   } else if (op != "mlp") {
-    raise(PyExc_ValueError, "op is '" + op + "'; expected 'mlp', 'linear' or 'softmax'");
+    raise(PyExc_ValueError, "op is '" + op + "'; expected 'mlp', 'moe', 'linear' or 'softmax'");
   }
   std::vector<std::tuple<std::string, std::string>> out;
   for (int i = 0; i < count(); ++i) out.emplace_back(name(i), fmlp_backend_name(backend(i)));
@@ -509,6 +630,10 @@ NB_MODULE(_ext, m) {
       .def_prop_ro("hidden", &PackedMlp::hidden)
       .def_prop_ro("d_out", &PackedMlp::d_out)
       .def_prop_ro("device", &PackedMlp::device);
+  m.def("moe", &moe, "mode"_a, "tensors"_a, "bits"_a, "top_k"_a, "activation"_a, "gated"_a,
+        "scoring"_a, "renormalize"_a, "deterministic"_a, "backend"_a, "workspace"_a.none(),
+        "stream"_a);
+  m.def("moe_device_errors", &moe_device_errors, "workspace"_a, "stream"_a);
   m.def("linear", &linear, "mode"_a, "tensors"_a, "bits"_a, "backend"_a, "workspace"_a.none(),
         "stream"_a);
   m.def("softmax", &softmax, "mode"_a, "tensors"_a, "bits"_a, "temperature"_a, "log"_a, "backend"_a,

@@ -4,8 +4,10 @@ Handled: GPT-2 style blocks (c_fc/act/c_proj, Conv1D weights transposed at pack 
 blocks (gate_proj/up_proj/down_proj/act_fn: Llama, Mistral, Qwen2, ... as SwiGLU with gate and
 up stacked by the pack), fc1/activation_fn/fc2 blocks, and BERT-style encoder layers
 (intermediate.dense + act, then output.dense + dropout + LayerNorm(h + input)): the two linears,
-the activation and the residual add are fused, the LayerNorm stays a torch op. Mixture-of-experts
-blocks are reported as skipped.
+the activation and the residual add are fused, the LayerNorm stays a torch op. Sparse
+mixture-of-experts blocks (Mixtral, Qwen3-MoE: router, top-k, experts and weighted sum) become
+FusedMoE modules (fusedmlp.torch.FusedMoE.from_module); other MoE blocks are skipped with the
+reason.
 
 With fuse_norm (default), the pre-MLP norm of decoder blocks whose wiring is known to be
 `h + mlp(norm(h))` (GPT2Block's ln_2; post_attention_layernorm of Llama, Mistral, Qwen2, Qwen3
@@ -18,13 +20,18 @@ import dataclasses
 import torch
 from torch import nn
 
-from .torch import FusedMLP, _activation, _describe, _linear_weight
+from .torch import FusedMLP, FusedMoE, _activation, _describe, _linear_weight
 
 # Probe tolerance per dtype of the model's weights: an output element passes when
 # |fused - original| <= rtol * (|original| + rms(original row)). Both sides carry their own
 # rounding: fp32 accumulation order (~1e-6); in 16-bit models torch also rounds every
 # intermediate (the activation is several elementwise ops) to the model dtype, while the fused
 # kernel keeps them in fp32, so the two differ by a few units of the dtype's rounding.
+# MoE blocks are probed on the full block output at the same tolerance, on rows whose routing
+# is unambiguous: a row whose top_k-th and next router logits are within PROBE_RTOL[dtype] *
+# max|logit| may pick another expert under the other side's rounding (torch rounds the logits
+# to the model dtype, the fused router keeps fp32), which no output tolerance covers; such rows
+# are left out (the default probe draws 64 rows so that enough remain).
 PROBE_RTOL = {torch.float32: 2.0**-12, torch.float16: 2.0**-7, torch.bfloat16: 2.0**-4}
 
 
@@ -79,9 +86,29 @@ class FusedBertOutput(nn.Module):
 
 
 def _is_moe(m):
+    """A mixture-of-experts block (by structure or class name; not the models and decoder
+    layers whose class names also say Moe)."""
     name = type(m).__name__.lower()
-    return "moe" in name or "mixtureofexperts" in name or (
+    return name.endswith(("moeblock", "moe", "mixtureofexperts")) or (
         hasattr(m, "experts") and (hasattr(m, "gate") or hasattr(m, "router")))
+
+
+def _first(out):
+    """A block's hidden states (transformers 4.x MoE blocks return (y, router_logits))."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _moe_plan(name, parent, child_name, block, backend):
+    fused = FusedMoE.from_module(block, backend=backend).train(block.training)
+    with torch.no_grad():  # NotImplementedError now (a skip with the reason), not at forward
+        fused.eval()(torch.zeros(1, fused.d, dtype=fused.w1.dtype, device=fused.w1.device))
+    fused.train(block.training)
+    return _Plan(name, parent, {child_name: fused},
+                 lambda x: _first(block(x.unsqueeze(0)))[0], lambda x: _first(fused(x)),
+                 fused.d, fused.w1,
+                 f"{type(block).__name__} -> FusedMoE ({fused.extra_repr()})",
+                 select=lambda x: fused.routing_margin(x) > PROBE_RTOL.get(x.dtype, 2.0**-4),
+                 probe_rows=64)
 
 
 def _is_bert_layer(m):
@@ -150,6 +177,8 @@ class _Plan:
     d_in: int
     weight: torch.Tensor
     detail: str
+    select: object = None  # callable(x) -> bool [rows]: the probe rows to compare
+    probe_rows: int = 8  # rows of the default probe
 
 
 def _bert_plan(name, layer, backend):
@@ -173,10 +202,12 @@ def _collect(module, prefix, backend, plans, report, skip=(), fuse_norm=True):
         if child_name in skip:
             continue
         name = f"{prefix}.{child_name}" if prefix else child_name
-        if _is_moe(child):
-            report.skipped.append((name, "moe op not available yet"))
+        if isinstance(child, (FusedMLP, FusedMoE)):  # patched before
             continue
         try:
+            if _is_moe(child):
+                plans.append(_moe_plan(name, module, child_name, child, backend))
+                continue
             if _is_bert_layer(child):
                 plans.append(_bert_plan(name, child, backend))
                 _collect(child, name, backend, plans, report, skip=("intermediate", "output"),
@@ -203,9 +234,17 @@ def _collect(module, prefix, backend, plans, report, skip=(), fuse_norm=True):
 def _probe_input(probe, plan):
     w = plan.weight
     if isinstance(probe, torch.Tensor) and probe.shape[-1] == plan.d_in:
-        return probe.detach().to(device=w.device, dtype=w.dtype)
-    gen = torch.Generator().manual_seed(0)
-    return torch.randn(8, plan.d_in, generator=gen).to(device=w.device, dtype=w.dtype)
+        x = probe.detach().to(device=w.device, dtype=w.dtype).reshape(-1, plan.d_in)
+    else:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(plan.probe_rows, plan.d_in, generator=gen).to(device=w.device,
+                                                                      dtype=w.dtype)
+    if plan.select is not None:
+        with torch.no_grad():
+            keep = plan.select(x).to(x.device)
+        if bool(keep.any()):  # else every row is compared (and a routing flip may show)
+            x = x[keep]
+    return x
 
 
 def _probe_error(plan, probe):
@@ -230,8 +269,10 @@ def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_gr
     probe: a tensor of hidden states [..., d_model] for that check (default: 8 random rows,
     seeded); given with strict=False, blocks that fail it are skipped instead of replaced.
     fuse_norm: also fuse the pre-MLP LayerNorm/RMSNorm of the decoder blocks listed in
-    _NORM_BEFORE_MLP (the norm module becomes a passthrough). Blocks that cannot be fused
-    (unknown activation, mixture of experts, ...) are skipped with the reason.
+    _NORM_BEFORE_MLP (the norm module becomes a passthrough). Sparse-MoE blocks of Mixtral and
+    Qwen3-MoE become FusedMoE modules (their probe compares the whole block's output on the
+    probe rows whose routing is unambiguous: see PROBE_RTOL). Blocks that cannot be fused
+    (unknown activation, other mixtures of experts, ...) are skipped with the reason.
     tp_group: a torch.distributed NCCL process group: each rank replaces the MLP blocks by its
     tensor-parallel shard (fusedmlp.tp.TPFusedMLP, all-reduce over the group); every rank must
     call it on an identical model; strict, probe and fuse_norm do not apply. Inference only: call model.eval() (dropout before a fused residual add raises).

@@ -3,15 +3,18 @@ DLPack and the nanobind extension, on the tensor's device and torch's current CU
 
 Custom ops (torch.library, each with a fake kernel for torch.compile / export and one kernel for
 CPU and CUDA): fusedmlp::mlp (all of mlp's arguments), fusedmlp::mlp_packed (packed weights, the
-FusedMLP module's op), fusedmlp::linear, fusedmlp::softmax. They are inference ops: no autograd
-formula is registered, so backward through them raises.
+FusedMLP module's op), fusedmlp::moe (mixture of experts), fusedmlp::linear, fusedmlp::softmax.
+They are inference ops: no autograd formula is registered, so backward through them raises.
 
 CUDA workspaces are allocated with torch.zeros once per (device, size) and reused, as the
 contract in fusedmlp.h allows for calls on one stream; calls that run concurrently on several
-streams need their own workspaces (use fusedmlp.mlp(..., workspace=...) for that).
+streams need their own workspaces (use fusedmlp.mlp(..., workspace=...) for that). The moe op's
+workspaces are cached apart from the others': they carry its count of out-of-range device
+expert ids (moe_device_errors reads it).
 
-FusedMLP is an nn.Module that packs its weights once (again after .to()/.half()); patch()
-swaps the MLP blocks of Hugging Face models for FusedMLPs.
+FusedMLP is an nn.Module that packs its weights once (again after .to()/.half()); FusedMoE runs
+a Mixtral-style sparse MoE block; patch() swaps the MLP and MoE blocks of Hugging Face models
+for them.
 """
 
 import contextlib
@@ -22,35 +25,53 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from . import _ACTIVATIONS, _BACKENDS, _NORMS, _ext, _lookup, _workspace_bytes
+from . import (_ACTIVATIONS, _BACKENDS, _NORMS, _SCORINGS, _ext, _lookup, _routing_ids,
+               _routing_weights, _workspace_bytes)
 
-__all__ = ["mlp", "linear", "softmax", "log_softmax", "FusedMLP", "patch", "PatchReport",
-           "PatchError", "PROBE_RTOL"]
+__all__ = ["mlp", "moe", "linear", "softmax", "log_softmax", "moe_device_errors", "FusedMLP",
+           "FusedMoE", "patch", "PatchReport", "PatchError", "PROBE_RTOL"]
 
 _WORKSPACES = {}
 
 
-def _cached_workspace(device, nbytes):
-    """A zero-filled uint8 workspace on device of at least nbytes, cached per (device, size).
-    One allocated during CUDA-graph capture is not cached: its zero fill is part of the graph
-    and outside the graph its memory is not zeroed."""
+def _cached_workspace(device, nbytes, kind="op"):
+    """A zero-filled uint8 workspace on device of at least nbytes, cached per (device, size,
+    kind). One allocated during CUDA-graph capture is not cached: its zero fill is part of the
+    graph and outside the graph its memory is not zeroed."""
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     size = _workspace_bytes(nbytes)
-    ws = _WORKSPACES.get((index, size))
+    ws = _WORKSPACES.get((index, size, kind))
     if ws is None:
         ws = torch.zeros(size, dtype=torch.uint8, device=device)
         if not torch.cuda.is_current_stream_capturing():
-            _WORKSPACES[(index, size)] = ws
+            _WORKSPACES[(index, size, kind)] = ws
     return ws
 
 
-def _workspace_for(x):
+def _workspace_for(x, kind="op"):
     if x.device.type != "cuda":
         return None
     device = x.device
-    return lambda nbytes, device_type, device_id: _cached_workspace(device, nbytes).__dlpack__(
-        stream=-1)
+    return lambda nbytes, device_type, device_id: _cached_workspace(
+        device, nbytes, kind).__dlpack__(stream=-1)
+
+
+def moe_device_errors(device=None):
+    """The number of out-of-range expert ids (given routing on a CUDA device) met by the moe op
+    on `device` (default: the current one) since the last read, summed over the workspaces
+    fusedmlp.torch caches; resets the counts. Such a token's output row is NaN. Synchronises
+    the current stream: call it outside CUDA-graph capture (e.g. once per step). Workspaces
+    allocated during a capture are the graph's own and are not counted here."""
+    device = torch.device("cuda" if device is None else device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = 0
+    with torch.cuda.device(index):
+        stream = torch.cuda.current_stream(index).cuda_stream
+        for (i, _, kind), ws in _WORKSPACES.items():
+            if i == index and kind == "moe":
+                total += _ext.moe_device_errors(ws.__dlpack__(stream=-1), stream)
+    return total
 
 
 def _stream_for(x):
@@ -163,6 +184,48 @@ def _mlp_packed_fake(x, residual, handle, d_out):
     return x.new_empty((*x.shape[:-1], d_out))
 
 
+@torch.library.custom_op("fusedmlp::moe", mutates_args=())
+def _moe_op(x: Tensor, w1: Tensor, w2: Tensor, top_k: int, router_w: Optional[Tensor] = None,
+            router_b: Optional[Tensor] = None, topk_ids: Optional[Tensor] = None,
+            topk_weights: Optional[Tensor] = None, b1: Optional[Tensor] = None,
+            b2: Optional[Tensor] = None, residual: Optional[Tensor] = None,
+            activation: str = "silu", gated: bool = True, scoring: str = "softmax",
+            renormalize: bool = True, deterministic: bool = False,
+            backend: str = "auto") -> Tensor:
+    x2 = _rows(x, "x")
+    if w2.dim() != 3:
+        raise ValueError(f"w2 has shape {tuple(w2.shape)}; expected [num_experts, d_out, "
+                         "hidden]")
+    d_out = w2.shape[1]
+    y = torch.empty((x2.shape[0], d_out), dtype=x.dtype, device=x.device)
+    r2 = None if residual is None else _rows(residual, "residual")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t is not None and (t.dim() == 0 or t.shape[-1] != top_k
+                              or t.numel() != x2.shape[0] * top_k):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [..., top_k] = "
+                             f"{(*x.shape[:-1], top_k)} (x's leading dims)")
+    if topk_ids is not None:
+        topk_ids = _routing_ids(topk_ids.reshape(-1, top_k), w1.shape[0]).contiguous()
+    if topk_weights is not None:
+        topk_weights = _routing_weights(topk_weights.reshape(-1, top_k)).contiguous()
+    with _device_of(x):
+        tensors, bits = _args(x.device, out=y, x=x2, residual=r2, router_w=router_w,
+                              router_b=router_b, topk_ids=topk_ids, topk_weights=topk_weights,
+                              w1=w1, b1=b1, w2=w2, b2=b2)
+        _ext.moe("run", tensors, bits, top_k, _lookup(_ACTIVATIONS, "activation", activation),
+                 gated, _lookup(_SCORINGS, "scoring", scoring), renormalize, deterministic,
+                 _lookup(_BACKENDS, "backend", backend), _workspace_for(x, "moe"),
+                 _stream_for(x))
+    return y.view(*x.shape[:-1], d_out)
+
+
+@_moe_op.register_fake
+def _moe_fake(x, w1, w2, top_k, router_w=None, router_b=None, topk_ids=None, topk_weights=None,
+              b1=None, b2=None, residual=None, activation="silu", gated=True, scoring="softmax",
+              renormalize=True, deterministic=False, backend="auto"):
+    return x.new_empty((*x.shape[:-1], w2.shape[1]))
+
+
 @torch.library.custom_op("fusedmlp::linear", mutates_args=())
 def _linear_op(x: Tensor, w: Tensor, bias: Optional[Tensor] = None,
                w_scale: Optional[Tensor] = None) -> Tensor:
@@ -203,6 +266,19 @@ def mlp(x, w1, w2, *, b1=None, w_up=None, b_up=None, b2=None, residual=None, nor
     return torch.ops.fusedmlp.mlp(x, w1, w2, b1, w_up, b_up, b2, residual, norm_weight,
                                   norm_bias, w1_scale, w_up_scale, w2_scale, activation,
                                   gated, "none" if norm is None else norm, eps)
+
+
+def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=None, top_k,
+        b1=None, b2=None, residual=None, activation="silu", gated=True, scoring="softmax",
+        renormalize=True, deterministic=False, backend="auto"):
+    """torch.ops.fusedmlp.moe: fusedmlp.moe for torch tensors of any leading dims (x [..., d]
+    -> [..., d_out]; topk_ids / topk_weights [..., top_k], any integer / float dtype); see
+    fusedmlp.moe for the math and arguments."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise ValueError(f"top_k is {top_k!r}; expected an int, the experts per token")
+    return torch.ops.fusedmlp.moe(x, w1, w2, top_k, router_w, router_b, topk_ids, topk_weights,
+                                  b1, b2, residual, activation, gated, scoring, renormalize,
+                                  deterministic, backend)
 
 
 def linear(x, w, bias=None, *, w_scale=None):
@@ -353,4 +429,5 @@ def _describe(m):
                               "Sequential(Linear, act, Linear))")
 
 
+from ._moe import FusedMoE  # noqa: E402
 from ._patch import PROBE_RTOL, PatchError, PatchReport, patch  # noqa: E402

@@ -173,3 +173,157 @@ def test_second_device():
     y = m(x.to(dev))
     assert y.device == dev and torch.cuda.current_device() == 0
     assert_close(y.cpu(), mlp_ref(x, activation="silu", **kw))
+
+
+# ---- mixture of experts (fusedmlp::moe on CUDA) ----
+# Against the float64 reference of test_moe.py at RTOL_GPU (the cuda experts round x and h to
+# the experts' 16-bit dtype, as the mlp kernels do). Router routing: rows whose top_k-th and
+# next logits are within 1e-4 * max|logit| are left out (the fp32 device router may pick either
+# expert; the C tests use the same rule).
+
+from test_moe import (clear_prefix, moe_logits_hooks, moe_ref, numpy_args,  # noqa: E402
+                      routing_clear, torch_moe_case)
+
+
+def moe_check(y, kw, rows_clear=None, **given):
+    """y (device, [T, d_out]) against moe_ref of the CPU copies of kw (+ given routing)."""
+    flat = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    ref = torch.from_numpy(moe_ref(**numpy_args(flat), **given))
+    y = y.cpu()
+    if rows_clear is None:
+        logits = torch.nn.functional.linear(flat["x"].double(), flat["router_w"].double(),
+                                            flat["router_b"].double())
+        rows_clear = routing_clear(torch, logits, kw["top_k"])
+    assert int(rows_clear.sum()) >= 0.8 * rows_clear.numel()
+    assert_close(y[rows_clear], ref[rows_clear], rtol=RTOL_GPU[y.dtype] * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("t", [1, 7, 300])
+def test_moe_cuda_router_and_given(dtype, t):
+    kw = torch_moe_case(torch, t=(t,), d=256, hidden=352, experts=8, top_k=2, dtype=dtype)
+    dkw = cuda(kw)
+    residual = torch.randn(t, 256).to(dtype)
+    y = ft.moe(**dkw, residual=residual.to(DEV))
+    assert y.device == DEV and y.dtype == dtype
+    flat = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    ref = torch.from_numpy(moe_ref(**numpy_args(flat), residual=residual.double().numpy()))
+    logits = torch.nn.functional.linear(kw["x"].double(), kw["router_w"].double(),
+                                        kw["router_b"].double())
+    keep = routing_clear(torch, logits, 2)
+    assert_close(y.cpu()[keep], ref[keep], rtol=RTOL_GPU[dtype] * 2)
+    # Given routing on the device (int64 ids and 16-bit weights, cast by the op).
+    ids = torch.randint(0, 8, (t, 2))
+    wts = torch.rand(t, 2).to(dtype)
+    given = {k: v for k, v in dkw.items() if k not in ("router_w", "router_b")}
+    y = ft.moe(**given, topk_ids=ids.to(DEV), topk_weights=wts.to(DEV))
+    moe_check(y, {k: v for k, v in kw.items() if k not in ("router_w", "router_b")},
+              rows_clear=torch.ones(t, dtype=torch.bool), topk_ids=ids.numpy(),
+              topk_weights=wts.double().numpy())
+    # The generic entry point on device tensors, deterministic reruns bitwise equal.
+    a = fusedmlp.moe(dkw["x"], dkw["w1"], dkw["w2"], router_w=dkw["router_w"], top_k=2,
+                     deterministic=True)
+    b = fusedmlp.moe(dkw["x"], dkw["w1"], dkw["w2"], router_w=dkw["router_w"], top_k=2,
+                     deterministic=True)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert "moe_sm80_chunked" in fusedmlp.moe_explain(dkw["x"], dkw["w1"], dkw["w2"],
+                                                      router_w=dkw["router_w"], top_k=2)
+
+
+def test_moe_cuda_f32_experts_not_supported():
+    kw = cuda(torch_moe_case(torch, t=(3,), d=64, hidden=64))
+    with pytest.raises(NotImplementedError, match="f32|bf16 or f16"):
+        ft.moe(**kw)
+
+
+def test_moe_cuda_graph_capture():
+    kw = torch_moe_case(torch, t=(4,), d=512, hidden=704, experts=8, top_k=2,
+                        dtype=torch.bfloat16)
+    m = ft.FusedMoE(kw["w1"], kw["w2"], kw["router_w"], router_b=kw["router_b"], b1=kw["b1"],
+                    b2=kw["b2"], top_k=2).to(DEV).eval()
+    static_x = torch.randn(4, 512, device=DEV, dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside capture: allocates the cached workspace
+        for _ in range(2):
+            m(static_x)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = m(static_x)
+    for seed in range(3):  # new inputs route to other experts: the graph replays them
+        x = torch.randn(4, 512, generator=torch.Generator().manual_seed(seed)).bfloat16()
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        moe_check(static_y, dict(kw, x=x))
+
+
+def test_moe_device_errors():
+    kw = cuda(torch_moe_case(torch, t=(5,), d=128, hidden=128, dtype=torch.bfloat16))
+    given = {k: v for k, v in kw.items() if k not in ("router_w", "router_b")}
+    ft.moe_device_errors(DEV)  # clear earlier counts
+    ids = torch.randint(0, 8, (5, 2), device=DEV)
+    ids[2, 1] = 99  # out of range on the device: not read on the host (no sync)
+    y = ft.moe(**given, topk_ids=ids, topk_weights=torch.rand(5, 2, device=DEV))
+    assert bool(y[2].isnan().all()) and bool(y[[0, 1, 3, 4]].isfinite().all())
+    assert ft.moe_device_errors(DEV) == 1
+    assert ft.moe_device_errors(DEV) == 0  # read and reset
+    # An explicit workspace: the count is read from it.
+    x = given.pop("x")
+    size = fusedmlp.moe_workspace_size(x, given.pop("w1"), given.pop("w2"), topk_ids=ids,
+                                       topk_weights=torch.rand(5, 2, device=DEV), **given)
+    ws = torch.zeros(size, dtype=torch.uint8, device=DEV)
+    fusedmlp.moe(x, kw["w1"], kw["w2"], topk_ids=ids, topk_weights=torch.rand(5, 2, device=DEV),
+                 workspace=ws, **given)
+    assert fusedmlp.moe_device_errors(ws) == 1
+    torch.cuda.synchronize()
+    assert not bool(ws.any()), "the count was reset; the rest stays zero-filled"
+
+
+def test_moe_compile_cuda_modes():
+    torch._dynamo.reset()
+    kw = torch_moe_case(torch, t=(2,), d=256, hidden=352, dtype=torch.bfloat16)
+    m = ft.FusedMoE(kw["w1"], kw["w2"], kw["router_w"], top_k=2).to(DEV).eval()
+    x = torch.randn(2, 256, device=DEV, dtype=torch.bfloat16)
+    ref = m(x)
+    for mode in (None, "reduce-overhead"):
+        compiled = torch.compile(lambda t: m(t) + 0, fullgraph=True, mode=mode)
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), ref)
+
+
+def test_patch_mixtral_bf16_on_cuda():
+    """Logits at the positions before the first routing within 2^-6 * max|logit| of a tie
+    (test_patch.py's rule) within 2^-4 of the unpatched model's; then greedy decoding with a
+    static cache (transformers compiles the step) runs through FusedMoE."""
+    transformers = pytest.importorskip("transformers")
+    from test_moe import _spread
+    cfg = transformers.MixtralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     num_local_experts=8, num_experts_per_tok=2, vocab_size=512)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg)
+    for blk in model.modules():
+        if type(blk).__name__ == "MixtralSparseMoeBlock":
+            _spread(torch, blk)
+    model = model.to(DEV, torch.bfloat16).eval()
+    ids = torch.randint(0, 512, (4, 9), device=DEV)
+    seen = []
+    hooks = moe_logits_hooks(torch, model, seen)
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+    for h in hooks:
+        h.remove()
+    keep = clear_prefix(torch, [s.cpu() for s in seen], (4, 9), 2, 2.0**-6).to(DEV)
+    assert int(keep.sum()) >= 4, keep
+    report = fusedmlp.patch(model, strict=True)
+    assert len(report.replaced) == 2 and "FusedMoE" in str(report), str(report)
+    with torch.no_grad():
+        got = model(ids).logits.float()
+    got, ref = got[keep], ref[keep]
+    rms = ref.pow(2).mean(-1, keepdim=True).sqrt()
+    assert bool(((got - ref).abs() <= 2.0**-4 * (ref.abs() + rms)).all())
+    out = model.generate(ids[:1], max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                         cache_implementation="static")
+    assert out.shape == (1, 17)

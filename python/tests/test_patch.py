@@ -1,5 +1,5 @@
 """fusedmlp.patch on tiny, randomly initialised Hugging Face models built from configs (nothing
-is downloaded): GPT-2, Llama, BERT, and a mixture-of-experts model that must be skipped.
+is downloaded): GPT-2, Llama, BERT and Mixtral (sparse-MoE blocks -> FusedMoE).
 Skipped when torch or transformers is not installed.
 
 Whole-model tolerance: the patched model's output against the unpatched one, both fp32 on CPU,
@@ -14,6 +14,7 @@ transformers = pytest.importorskip(
 
 import fusedmlp  # noqa: E402
 import fusedmlp.torch as ft  # noqa: E402
+from test_moe import _spread, clear_prefix, moe_logits_hooks  # noqa: E402
 
 
 def close(a, b, rtol=1e-3):
@@ -92,16 +93,57 @@ def test_patch_bf16_llama_generate():
     assert out.shape == (1, 9)
 
 
-def test_moe_is_skipped():
+def mixtral(dtype=torch.float32):
     cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2,
                                      num_local_experts=4, num_experts_per_tok=2, vocab_size=128,
                                      max_position_embeddings=64)
-    model = transformers.MixtralForCausalLM(cfg).eval()
-    report = fusedmlp.patch(model)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg)
+    for m in model.modules():
+        if type(m).__name__ == "MixtralSparseMoeBlock":
+            _spread(torch, m)  # unit-scale routing and experts instead of std 0.02
+    return model.to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_patch_mixtral(dtype):
+    """The sparse-MoE blocks become FusedMoE; the logits match the unpatched model's (fp32:
+    1e-3, bf16: 2^-4) at the positions before the first token whose routing is within
+    margin * max|logit| of a tie in some layer, where either side may pick either expert: bf16
+    2^-6 (torch rounds the logits to bf16, 2^-9 relative, and the upstream hidden states differ
+    by a few bf16 units), fp32 1e-4."""
+    model = mixtral(dtype)
+    x = ids(128, (8, 9))
+    seen = []
+    hooks = moe_logits_hooks(torch, model, seen)
+    ref = output(model, x).float()
+    for h in hooks:
+        h.remove()
+    keep = clear_prefix(torch, seen, (8, 9), 2, 2.0**-6 if dtype == torch.bfloat16 else 1e-4)
+    assert int(keep.sum()) >= 12, keep
+    report = fusedmlp.patch(model, strict=True)
+    assert report.replaced == ["model.layers.0.mlp", "model.layers.1.mlp"], str(report)
+    assert "MixtralSparseMoeBlock -> FusedMoE" in str(report)
+    assert all(0 <= report.errors[n] <= 1 for n in report.replaced)
+    assert sum(isinstance(m, ft.FusedMoE) for m in model.modules()) == 2
+    close(output(model, x).float()[keep], ref[keep],
+          rtol=2.0**-4 if dtype == torch.bfloat16 else 1e-3)
+    assert fusedmlp.patch(model).replaced == []  # idempotent
+    out = model.generate(x[:1, :5], max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 8)
+
+
+def test_unknown_moe_block_is_skipped():
+    class TinyMoe(torch.nn.Module):  # a block fusedmlp has no routing mapping for
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(8, 4)
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    report = fusedmlp.patch(torch.nn.Sequential(TinyMoe()))
     assert report.replaced == []
-    assert len(report.skipped) == 2, str(report)
-    assert all(reason == "moe op not available yet" for _, reason in report.skipped)
+    assert report.skipped[0][0] == "0" and "not a known sparse-MoE block" in report.skipped[0][1]
 
 
 def test_strict_refuses_and_leaves_model_unchanged(monkeypatch):

@@ -1,0 +1,191 @@
+"""fusedmlp.torch.FusedMoE: a sparse mixture-of-experts block (router, top-k, stacked expert
+MLPs, weighted sum) as one fusedmlp::moe op, built from stacked expert weights or from a
+Hugging Face block.
+
+Hugging Face blocks taken by from_module (their routing math, read from transformers 5.24):
+- MixtralSparseMoeBlock: logits = gate(x) (no bias); probs = softmax(logits in fp32); the top_k
+  largest; divided by their sum; experts SwiGLU (act_fn) on gate_up_proj [E, 2I, H] (gate rows,
+  then up rows: fusedmlp's stacked gated W1) and down_proj [E, H, I]. In training, x is first
+  scaled by uniform(1 - jitter_noise, 1 + jitter_noise) noise (FusedMoE does the same).
+- Qwen3MoeSparseMoeBlock: the same with the renormalisation only when norm_topk_prob.
+- The transformers 4.x layouts of both (gate an nn.Linear, experts an nn.ModuleList of
+  w1/w3/w2 or gate_proj/up_proj/down_proj MLPs, forward returning (y, router_logits)): the
+  expert weights are copied into stacked tensors once, and forward returns the router logits
+  too (computed by torch, as the 4.x block does, for the auxiliary loss).
+Other MoE blocks (shared experts, grouped or biased routers, transposed or biased experts) raise
+NotImplementedError naming what does not fit.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _ACTIVATIONS, _BACKENDS, _SCORINGS, _lookup
+from .torch import _activation, _param
+
+__all__ = ["FusedMoE"]
+
+
+class FusedMoE(nn.Module):
+    """y = moe(x) [+ residual]: the router (router_w [E, d], router_b [E]), softmax or sigmoid
+    scoring, the top_k experts per token (ties to the lower id), optionally renormalised, and
+    the weighted sum of those experts' MLPs (w1 [E, hidden | 2*hidden, d], w2 [E, d_out,
+    hidden]); math in fusedmlp.moe.
+
+    forward(x[, residual]): x [..., d] -> [..., d_out] on the weights' device, x's dtype;
+    (y, router_logits [rows, E]) when return_router_logits (the transformers 4.x block
+    interface). jitter_noise > 0 scales x by uniform(1 - j, 1 + j) noise in training mode only,
+    as Mixtral does. The weights are used as they are (nothing is packed), so .to() and in-place
+    edits need no extra step. Inference only: no backward.
+    """
+
+    def __init__(self, w1, w2, router_w, *, top_k, router_b=None, b1=None, b2=None,
+                 activation="silu", gated=True, scoring="softmax", renormalize=True,
+                 jitter_noise=0.0, return_router_logits=False, deterministic=False,
+                 backend="auto"):
+        super().__init__()
+        _lookup(_ACTIVATIONS, "activation", activation)
+        _lookup(_SCORINGS, "scoring", scoring)
+        _lookup(_BACKENDS, "backend", backend)
+        if w1.dim() != 3 or w2.dim() != 3:
+            raise ValueError(f"w1 has shape {tuple(w1.shape)} and w2 {tuple(w2.shape)}; expected "
+                             "[num_experts, hidden (2*hidden gated), d] and [num_experts, d_out, "
+                             "hidden]")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) \
+                or not 1 <= top_k <= w1.shape[0]:
+            raise ValueError(f"top_k is {top_k!r}; expected an int in [1, {w1.shape[0]}] "
+                             "(num_experts = w1.shape[0])")
+        for name, t in dict(w1=w1, w2=w2, router_w=router_w, router_b=router_b, b1=b1,
+                            b2=b2).items():
+            self.register_parameter(name, _param(t))
+        self.top_k, self.activation, self.gated = top_k, activation, bool(gated)
+        self.scoring, self.renormalize = scoring, bool(renormalize)
+        self.jitter_noise, self.return_router_logits = float(jitter_noise), return_router_logits
+        self.deterministic, self.backend = bool(deterministic), backend
+        self.num_experts, self.d = int(w1.shape[0]), int(w1.shape[2])
+        self.d_out, self.hidden = int(w2.shape[1]), int(w2.shape[2])
+
+    @classmethod
+    def from_module(cls, module, backend="auto"):
+        """A FusedMoE computing what the Hugging Face sparse-MoE block `module` computes (the
+        blocks listed in the module docstring); NotImplementedError naming what does not fit.
+        Stacked (transformers 5) expert weights are shared, not copied."""
+        return cls(**_describe_moe(module), backend=backend)
+
+    def forward(self, x, residual=None):
+        if self.training and self.jitter_noise > 0:
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise,
+                                                 1.0 + self.jitter_noise)
+        y = torch.ops.fusedmlp.moe(x, self.w1, self.w2, self.top_k, self.router_w, self.router_b,
+                                   None, None, self.b1, self.b2, residual, self.activation,
+                                   self.gated, self.scoring, self.renormalize,
+                                   self.deterministic, self.backend)
+        if self.return_router_logits:
+            return y, F.linear(x.reshape(-1, self.d), self.router_w, self.router_b)
+        return y
+
+    def routing_margin(self, x):
+        """Per row of x [..., d]: the gap between the top_k-th and the next largest router
+        logit over max |logit| (inf when top_k = E), in float64. Rows with a small margin may
+        pick other experts under another rounding of the router (a 16-bit model's torch
+        router rounds its logits to the model dtype, the fused router keeps fp32)."""
+        logits = F.linear(x.reshape(-1, self.d).double(), self.router_w.double(),
+                          None if self.router_b is None else self.router_b.double())
+        if self.top_k == self.num_experts:
+            return torch.full(logits.shape[:1], float("inf"), dtype=torch.float64)
+        top = logits.topk(self.top_k + 1, dim=-1).values
+        scale = logits.abs().amax(dim=-1).clamp_min(1e-30)
+        return (top[:, -2] - top[:, -1]) / scale
+
+    def extra_repr(self):
+        kind = "gated " if self.gated else ""
+        norm = ", renormalized" if self.renormalize else ""
+        return (f"{self.num_experts} experts, top {self.top_k}, {self.d} -> {self.hidden} -> "
+                f"{self.d_out}, {kind}{self.activation}, {self.scoring}{norm}, on "
+                f"{self.w1.device}")
+
+
+# Block class -> how its router renormalises the top-k weights.
+_RENORMALIZE = {
+    "MixtralSparseMoeBlock": lambda block: True,
+    "Qwen3MoeSparseMoeBlock": lambda block: bool(
+        getattr(block.gate, "norm_topk_prob", getattr(block, "norm_topk_prob", False))),
+}
+
+
+def _router(block):
+    gate = getattr(block, "gate", None)
+    weight = getattr(gate, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise NotImplementedError(f"{type(block).__name__}.gate has no [num_experts, d] weight")
+    extra = [n for n, _ in gate.named_parameters() if n not in ("weight", "bias")]
+    if extra:
+        raise NotImplementedError(f"{type(block).__name__}.gate has parameters {extra} that "
+                                  "fusedmlp's router does not use")
+    return weight, getattr(gate, "bias", None)
+
+
+def _stacked_experts(experts, owner):
+    """(w1, w2, activation) of transformers 5 experts (3-D gate_up_proj, down_proj)."""
+    if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False) \
+            or not getattr(experts, "has_gate", True):
+        raise NotImplementedError(f"{owner}.experts is transposed, biased or not gated; "
+                                  "fusedmlp takes gate_up_proj [E, 2I, H] and down_proj "
+                                  "[E, H, I] without biases")
+    names = sorted(n for n, _ in experts.named_parameters())
+    if names != ["down_proj", "gate_up_proj"]:
+        raise NotImplementedError(f"{owner}.experts has parameters {names}; expected "
+                                  "gate_up_proj and down_proj only")
+    w1, w2 = experts.gate_up_proj, experts.down_proj
+    if w1.dim() != 3 or w2.dim() != 3 or w1.shape[1] != 2 * w2.shape[2] \
+            or w1.shape[2] != w2.shape[1]:
+        raise NotImplementedError(f"{owner}.experts has gate_up_proj {tuple(w1.shape)} and "
+                                  f"down_proj {tuple(w2.shape)}; expected [E, 2I, H] and "
+                                  "[E, H, I]")
+    return w1, w2, _activation(experts.act_fn)
+
+
+def _listed_experts(experts, owner):
+    """(w1, w2, activation) stacked from a transformers 4.x nn.ModuleList of expert MLPs
+    (Mixtral's w1 gate / w3 up / w2 down, or gate_proj / up_proj / down_proj)."""
+    gates, ups, downs, acts = [], [], [], set()
+    for i, e in enumerate(experts):
+        names = (("w1", "w3", "w2") if all(hasattr(e, a) for a in ("w1", "w2", "w3"))
+                 else ("gate_proj", "up_proj", "down_proj"))
+        layers = [getattr(e, a, None) for a in names]
+        if not all(isinstance(la, nn.Linear) and la.bias is None for la in layers) \
+                or not hasattr(e, "act_fn"):
+            raise NotImplementedError(f"{owner}.experts[{i}] is a {type(e).__name__}; expected "
+                                      "bias-free w1/w3/w2 or gate_proj/up_proj/down_proj "
+                                      "nn.Linear layers and act_fn")
+        gates.append(layers[0].weight)
+        ups.append(layers[1].weight)
+        downs.append(layers[2].weight)
+        acts.add(_activation(e.act_fn))
+    if len(acts) != 1:
+        raise NotImplementedError(f"{owner}.experts use different activations {sorted(acts)}")
+    with torch.no_grad():
+        w1 = torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups)])
+        w2 = torch.stack(downs)
+    return w1, w2, acts.pop()
+
+
+def _describe_moe(block):
+    """FusedMoE keyword arguments for a supported Hugging Face sparse-MoE block."""
+    kind = type(block).__name__
+    if kind not in _RENORMALIZE:
+        raise NotImplementedError(f"{kind} is not a known sparse-MoE block (fusedmlp maps "
+                                  f"{', '.join(sorted(_RENORMALIZE))})")
+    router_w, router_b = _router(block)
+    experts = getattr(block, "experts", None)
+    legacy = isinstance(experts, nn.ModuleList)
+    w1, w2, activation = (_listed_experts if legacy else _stacked_experts)(experts, kind)
+    top_k = getattr(block, "top_k", getattr(block.gate, "top_k", None))
+    if not isinstance(top_k, int) or router_w.shape[0] != w1.shape[0]:
+        raise NotImplementedError(f"{kind}: top_k {top_k!r} or router {tuple(router_w.shape)} "
+                                  f"does not fit {w1.shape[0]} experts")
+    return dict(w1=w1, w2=w2, router_w=router_w, router_b=router_b, top_k=top_k,
+                activation=activation, gated=True, scoring="softmax",
+                renormalize=_RENORMALIZE[kind](block),
+                jitter_noise=float(getattr(block, "jitter_noise", 0.0) or 0.0),
+                return_router_logits=legacy)
