@@ -500,31 +500,39 @@ def moe_device_errors(workspace, *, stream=None):
                                       _stream(workspace, stream))
 
 
-def _linear(mode, x, w, bias, w_scale, out, backend, workspace, stream):
+def _linear(mode, x, w, bias, w_scale, x_scale, out, backend, workspace, stream):
+    if out is None and "float8" in str(getattr(x, "dtype", "")):
+        raise ValueError(f"x has dtype {x.dtype} (W8A8): pass out= an array of the result dtype "
+                         "(float32, float16 or bfloat16) on x's device")
     y = _rows_out(x, w, out, "w")
     with _current(x):
-        tensors, bits = _prepare(dict(out=y, x=x, w=w, w_scale=w_scale, bias=bias))
+        tensors, bits = _prepare(dict(out=y, x=x, w=w, w_scale=w_scale, x_scale=x_scale,
+                                      bias=bias))
         result = _ext.linear(mode, tensors, bits, _lookup(_BACKENDS, "backend", backend),
                              _workspace(x, workspace) if mode == "run" else None,
                              _stream(x, stream) if mode == "run" else 0)
     return y if mode == "run" else result
 
 
-def linear(x, w, bias=None, *, w_scale=None, out=None, backend="auto", workspace=None,
-           stream=None):
+def linear(x, w, bias=None, *, w_scale=None, x_scale=None, out=None, backend="auto",
+           workspace=None, stream=None):
     """y[M, N] = x[M, K] w^T + bias, w in nn.Linear layout [N, K] (float32, float16, bfloat16,
-    or float8_e4m3fn with w_scale [1] or [N]); x, y one dtype (float32, float16, bfloat16)."""
-    return _linear("run", x, w, bias, w_scale, out, backend, workspace, stream)
+    or float8_e4m3fn with w_scale [1] or [N]); x, y one dtype (float32, float16, bfloat16).
+    W8A8 (torch._scaled_mm semantics): x float8_e4m3fn with x_scale float32 [1] or [M], w
+    float8_e4m3fn with w_scale, out= given in float32/float16/bfloat16:
+    y[m, n] = (x_scale[m] * w_scale[n]) * sum_k x[m, k] w[n, k] + bias[n]."""
+    return _linear("run", x, w, bias, w_scale, x_scale, out, backend, workspace, stream)
 
 
-def linear_explain(x, w, bias=None, *, w_scale=None, out=None, backend="auto"):
+def linear_explain(x, w, bias=None, *, w_scale=None, x_scale=None, out=None, backend="auto"):
     """The dispatch report of linear() for these arguments."""
-    return _linear("explain", x, w, bias, w_scale, out, backend, None, None)
+    return _linear("explain", x, w, bias, w_scale, x_scale, out, backend, None, None)
 
 
-def linear_workspace_size(x, w, bias=None, *, w_scale=None, out=None, backend="auto"):
+def linear_workspace_size(x, w, bias=None, *, w_scale=None, x_scale=None, out=None,
+                          backend="auto"):
     """Bytes of workspace linear() needs for these arguments."""
-    return _linear("workspace_size", x, w, bias, w_scale, out, backend, None, None)
+    return _linear("workspace_size", x, w, bias, w_scale, x_scale, out, backend, None, None)
 
 
 def _softmax(mode, x, temperature, log, out, backend, workspace, stream):

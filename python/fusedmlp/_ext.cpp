@@ -519,6 +519,7 @@ nb::object linear(const std::string& mode, nb::dict tensors, const Bits& bits, i
   args.y = v.output("out");
   args.w = v.input("w");
   args.w_scale = v.input("w_scale");
+  args.x_scale = v.input("x_scale");
   args.bias = v.input("bias");
   if (mode == "explain") return nb::cast(explain_text(args, backend, fmlp_linear_explain));
   DeviceGuard guard(args.x);

@@ -87,6 +87,25 @@ def test_linear_fp8_weights():
     assert_close(y, linear_ref(x, _dequant(q, scale)), rtol=2.0**-7)
 
 
+@pytest.mark.parametrize("per_row", [True, False], ids=["x_scale_per_row", "x_scale_per_tensor"])
+def test_linear_w8a8(per_row):
+    """fp8 x and fp8 w with fp32 scales (torch._scaled_mm semantics) against the exact
+    dequantised fp64 product: only fp32 accumulation error is allowed."""
+    rng = np.random.default_rng(5)
+    x = rand(rng, (3, 64), np.float32)
+    w = rand(rng, (40, 64), np.float32, 0.125)
+    bias = rand(rng, (40,), np.float32, 0.1)
+    xq, xs, _ = fusedmlp.quantize_fp8(x, per_row=per_row)
+    wq, ws, _ = fusedmlp.quantize_fp8(w)
+    y = np.full((3, 40), np.nan, np.float32)
+    fusedmlp.linear(xq, wq, bias, w_scale=ws, x_scale=xs, out=y)
+    assert_close(y, linear_ref(_dequant(xq, xs), _dequant(wq, ws), bias))
+    with pytest.raises(ValueError, match="out="):
+        fusedmlp.linear(xq, wq, w_scale=ws, x_scale=xs)
+    with pytest.raises(ValueError, match="x_scale"):
+        fusedmlp.linear(xq, wq, w_scale=ws, out=y)
+
+
 def test_linear_rejects_mismatched_k():
     x = np.zeros((2, 8), np.float32)
     with pytest.raises(ValueError, match="w|x"):
