@@ -1,8 +1,9 @@
 """End-to-end decode with and without fusedmlp.patch: tokens/s of bs=1 greedy decode with a static
 KV cache on randomly initialised Hugging Face models built from configs (nothing is downloaded).
 
-Models: GPT-2 small (GPT2Config defaults) and a ~1B Llama (hidden 2048, intermediate 8192,
-16 layers, 32 heads, 8 KV heads), bf16 on one CUDA device.
+Models: GPT-2 small (GPT2Config defaults), a ~1B Llama (hidden 2048, intermediate 8192,
+16 layers, 32 heads, 8 KV heads) and a small Mixtral (hidden 2048, 8 experts of 4096, top-2,
+8 layers; --models mixtral-small), bf16 on one CUDA device.
 
 Modes, each run identically for the unpatched and the patched model:
   generate  model.generate(cache_implementation="static"): transformers compiles the decode step
@@ -37,12 +38,21 @@ def _configs(transformers):
             hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
             num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
             max_position_embeddings=4096),
+        # A small Mixtral: 8 experts, top-2, the ~1B Llama's attention and width.
+        "mixtral-small": lambda: transformers.MixtralConfig(
+            hidden_size=2048, intermediate_size=4096, num_hidden_layers=8,
+            num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+            num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=4096),
     }
+
+
+_MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama1b": "LlamaForCausalLM",
+                  "mixtral-small": "MixtralForCausalLM"}
 
 
 def build(transformers, torch, name, device):
     cfg = _configs(transformers)[name]()
-    cls = transformers.GPT2LMHeadModel if name == "gpt2" else transformers.LlamaForCausalLM
+    cls = getattr(transformers, _MODEL_CLASSES[name])
     torch.manual_seed(0)
     with torch.device(device):
         model = cls(cfg)
