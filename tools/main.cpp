@@ -1,4 +1,5 @@
-// fusedmlp: the command-line front end (bench, check, explain, info) over the public API.
+// fusedmlp: the command-line front end (bench, check, explain, info, quantize) over the public
+// API.
 #include <iostream>
 
 #include "commands.hpp"
@@ -18,6 +19,7 @@ int main(int argc, char** argv) {
   add_check_command(app, &selected);
   add_explain_command(app, &selected);
   add_info_command(app, &selected);
+  add_quantize_command(app, &selected);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
