@@ -355,25 +355,33 @@ std::string explain_text(const ARGS& args, int backend, EXPLAIN fn) {
   return report;
 }
 
-// mode "run" returns None, "explain" the report, "workspace_size" the byte count.
-nb::object mlp(const std::string& mode, nb::dict tensors, const Bits& bits, int activation,
-               bool gated, int norm, float eps, bool deterministic, int backend,
-               nb::handle workspace, uintptr_t stream) {
-  Views v(tensors, bits);
-  const fmlp_mlp_args_t args = mlp_args(v, mlp_config(activation, gated, norm, eps, deterministic));
-  if (mode == "explain") return nb::cast(explain_text(args, backend, fmlp_mlp_explain));
+// The three modes every op binding has: "explain" returns the dispatch report, "workspace_size"
+// the byte count, "run" None (the op runs with the GIL released, on the tensors' device).
+template <typename ARGS, typename EXPLAIN, typename SIZE, typename RUN>
+nb::object run_mode(const std::string& mode, const ARGS& args, int backend, nb::handle workspace,
+                    uintptr_t stream, EXPLAIN explain, SIZE workspace_size, RUN run) {
+  if (mode == "explain") return nb::cast(explain_text(args, backend, explain));
   DeviceGuard guard(args.x);
   size_t bytes = 0;
-  check(fmlp_mlp_workspace_size(&args, fmlp_backend_t(backend), &bytes));
+  check(workspace_size(&args, fmlp_backend_t(backend), &bytes));
   if (mode == "workspace_size") return nb::int_(bytes);
   Workspace ws(workspace, bytes, args.x);
   fmlp_status_t st;
   {
     nb::gil_scoped_release release;
-    st = fmlp_mlp(&args, fmlp_backend_t(backend), ws.data(), ws.bytes(), stream_ptr(stream));
+    st = run(&args, fmlp_backend_t(backend), ws.data(), ws.bytes(), stream_ptr(stream));
   }
   check(st);
   return nb::none();
+}
+
+nb::object mlp(const std::string& mode, nb::dict tensors, const Bits& bits, int activation,
+               bool gated, int norm, float eps, bool deterministic, int backend,
+               nb::handle workspace, uintptr_t stream) {
+  Views v(tensors, bits);
+  const fmlp_mlp_args_t args = mlp_args(v, mlp_config(activation, gated, norm, eps, deterministic));
+  return run_mode(mode, args, backend, workspace, stream, fmlp_mlp_explain, fmlp_mlp_workspace_size,
+                  fmlp_mlp);
 }
 
 // Weights validated and copied once into the backend's layout; run() then takes only x, out and
@@ -466,19 +474,8 @@ nb::object moe(const std::string& mode, nb::dict tensors, const Bits& bits, int 
   args.config.scoring = fmlp_moe_scoring_t(scoring);
   args.config.renormalize = renormalize ? 1 : 0;
   args.config.deterministic = deterministic ? 1 : 0;
-  if (mode == "explain") return nb::cast(explain_text(args, backend, fmlp_moe_explain));
-  DeviceGuard guard(args.x);
-  size_t bytes = 0;
-  check(fmlp_moe_workspace_size(&args, fmlp_backend_t(backend), &bytes));
-  if (mode == "workspace_size") return nb::int_(bytes);
-  Workspace ws(workspace, bytes, args.x);
-  fmlp_status_t st;
-  {
-    nb::gil_scoped_release release;
-    st = fmlp_moe(&args, fmlp_backend_t(backend), ws.data(), ws.bytes(), stream_ptr(stream));
-  }
-  check(st);
-  return nb::none();
+  return run_mode(mode, args, backend, workspace, stream, fmlp_moe_explain, fmlp_moe_workspace_size,
+                  fmlp_moe);
 }
 
 // Reads and clears the out-of-range device expert id count of a cuda moe workspace
@@ -521,19 +518,8 @@ nb::object linear(const std::string& mode, nb::dict tensors, const Bits& bits, i
   args.w_scale = v.input("w_scale");
   args.x_scale = v.input("x_scale");
   args.bias = v.input("bias");
-  if (mode == "explain") return nb::cast(explain_text(args, backend, fmlp_linear_explain));
-  DeviceGuard guard(args.x);
-  size_t bytes = 0;
-  check(fmlp_linear_workspace_size(&args, fmlp_backend_t(backend), &bytes));
-  if (mode == "workspace_size") return nb::int_(bytes);
-  Workspace ws(workspace, bytes, args.x);
-  fmlp_status_t st;
-  {
-    nb::gil_scoped_release release;
-    st = fmlp_linear(&args, fmlp_backend_t(backend), ws.data(), ws.bytes(), stream_ptr(stream));
-  }
-  check(st);
-  return nb::none();
+  return run_mode(mode, args, backend, workspace, stream, fmlp_linear_explain,
+                  fmlp_linear_workspace_size, fmlp_linear);
 }
 
 nb::object softmax(const std::string& mode, nb::dict tensors, const Bits& bits, float temperature,
@@ -544,19 +530,8 @@ nb::object softmax(const std::string& mode, nb::dict tensors, const Bits& bits, 
   args.y = v.output("out");
   args.temperature = temperature;
   args.log = log ? 1 : 0;
-  if (mode == "explain") return nb::cast(explain_text(args, backend, fmlp_softmax_explain));
-  DeviceGuard guard(args.x);
-  size_t bytes = 0;
-  check(fmlp_softmax_workspace_size(&args, fmlp_backend_t(backend), &bytes));
-  if (mode == "workspace_size") return nb::int_(bytes);
-  Workspace ws(workspace, bytes, args.x);
-  fmlp_status_t st;
-  {
-    nb::gil_scoped_release release;
-    st = fmlp_softmax(&args, fmlp_backend_t(backend), ws.data(), ws.bytes(), stream_ptr(stream));
-  }
-  check(st);
-  return nb::none();
+  return run_mode(mode, args, backend, workspace, stream, fmlp_softmax_explain,
+                  fmlp_softmax_workspace_size, fmlp_softmax);
 }
 
 float quantize_fp8(nb::dict tensors, const Bits& bits) {
