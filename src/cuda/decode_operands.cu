@@ -1,7 +1,10 @@
 // decode_operands: the one place where an mlp call's tensors become the decode kernels' operand
 // pointers (stacked gate/up split into two views, absent vectors as nullptr).
 #include "core/dtype.hpp"
+#include "core/error.hpp"
 #include "cuda/decode_common.cuh"
+#include "cuda/launch_util.hpp"
+#include "cuda/mlp_decode.cuh"
 
 namespace fmlp::cuda {
 
@@ -53,3 +56,42 @@ DecodeOperands decode_operands(const fmlp_mlp_args_t& a, const fmlp::detail::Mlp
 }
 
 }  // namespace fmlp::cuda
+
+namespace fmlp::detail {
+
+bool split_hidden_supports(const MlpDesc& d, int max_tokens, std::string* why) {
+  if (d.device != FMLP_DEVICE_CUDA) return (*why = "needs CUDA device memory", false);
+  if (d.deterministic)
+    return (*why = "deterministic mode: the splitk kernel reduces in a fixed order", false);
+  if (d.m > max_tokens)
+    return (*why = fmt::format("M={} > {}; the tensor-core decode kernels take larger M", d.m,
+                               max_tokens),
+            false);
+  if (d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16)
+    return (*why = fmt::format("{} weights: this kernel streams bf16/fp16 only",
+                               fmlp_dtype_name(d.w_dtype)),
+            false);
+  if (d.d_in % 8 != 0 || d.hidden % 8 != 0)
+    return (*why = fmt::format("d_in {} and hidden {} must be multiples of 8 for 16-byte loads; "
+                               "the splitk kernel handles other sizes",
+                               d.d_in, d.hidden),
+            false);
+  if (!d.weights_vec16)
+    return (*why =
+                "a weight matrix is not 16-byte aligned (base or row stride); pack the weights "
+                "with fmlp_mlp_pack",
+            false);
+  return true;
+}
+
+size_t split_hidden_workspace(const MlpDesc& d) {
+  return align_up(size_t(d.m) * size_t(d.d_out) * 4) + align_up(4);
+}
+
+void split_hidden_scratch(void* workspace, const MlpDesc& d, float** acc, unsigned** counter) {
+  char* base = static_cast<char*>(workspace);
+  *acc = reinterpret_cast<float*>(base);
+  *counter = reinterpret_cast<unsigned*>(base + align_up(size_t(d.m) * size_t(d.d_out) * 4));
+}
+
+}  // namespace fmlp::detail

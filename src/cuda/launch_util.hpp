@@ -1,6 +1,12 @@
 // Host helpers the CUDA launchers share.
 #pragma once
+#include <cuda_runtime.h>
+
+#include <array>
 #include <cstddef>
+#include <mutex>
+
+#include "core/error.hpp"
 
 namespace fmlp::detail {
 
@@ -12,5 +18,32 @@ inline size_t align_up(size_t n) {
 // Dynamic shared memory one block may opt into on `device`, less `static_bytes` of the kernel's
 // static shared memory (cached per device); 48 KiB, the no-opt-in limit, when it cannot be read.
 int cuda_max_dynamic_smem(int device, int static_bytes);
+
+// Lets KERNEL launch with `smem` bytes of dynamic shared memory on the current device. The opt-in
+// (cudaFuncSetAttribute) is a host call per kernel and device: it is made when a launch needs
+// more than the kernel was raised to before, not on every launch. `name` goes into the error.
+template <auto KERNEL>
+fmlp_status_t allow_dynamic_smem(size_t smem, const char* name) {
+  constexpr int kDevices = 64;
+  static std::mutex mu;
+  static std::array<size_t, kDevices> raised{};
+  if (smem <= 48 * 1024) return FMLP_SUCCESS;
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) {
+    cudaGetLastError();
+    return fail(FMLP_ERROR_CUDA, "{}: no usable current CUDA device (index {})", name, device);
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  if (raised[size_t(device)] >= smem) return FMLP_SUCCESS;
+  const cudaError_t e =
+      cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return fail(FMLP_ERROR_CUDA, "{}: cannot raise shared memory to {} bytes: {}", name, smem,
+                cudaGetErrorString(e));
+  }
+  raised[size_t(device)] = smem;
+  return FMLP_SUCCESS;
+}
 
 }  // namespace fmlp::detail

@@ -338,16 +338,10 @@ Config config_for(const LinearDesc& d) {
 
 template <int NT, typename WT, bool FP8>
 fmlp_status_t launch(const MmaParams& p, const Config& c, cudaStream_t s) {
-  auto* kernel = &linear_sm80_mma<NT, WT, FP8>;
-  if (c.smem > 48 * 1024) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem));
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      return fail(FMLP_ERROR_CUDA, "linear_sm80_mma: cannot raise shared memory to {} bytes: {}",
-                  c.smem, cudaGetErrorString(e));
-    }
-  }
+  constexpr auto kernel = &linear_sm80_mma<NT, WT, FP8>;
+  if (const fmlp_status_t st = allow_dynamic_smem<kernel>(c.smem, "linear_sm80_mma");
+      st != FMLP_SUCCESS)
+    return st;
   kernel<<<c.blocks, kThreads, c.smem, s>>>(p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)

@@ -21,6 +21,14 @@ size_t mlp_decode_sm90_cluster_workspace(const MlpDesc& d);
 fmlp_status_t mlp_decode_sm90_cluster_run(const fmlp_mlp_args_t& a, const MlpDesc& d,
                                           void* workspace, void* stream);
 
+// The CUDA-core split-hidden kernels (gemv, prefetch): their shared preconditions (CUDA memory,
+// not deterministic, M <= max_tokens, bf16/fp16 weights, d_in and hidden multiples of 8, 16-byte
+// aligned weight rows), and their workspace: fp32 accumulators [M, d_out] and a block counter,
+// both zero between calls (finish_last_block in decode_common.cuh leaves them so).
+bool split_hidden_supports(const MlpDesc& d, int max_tokens, std::string* why);
+size_t split_hidden_workspace(const MlpDesc& d);
+void split_hidden_scratch(void* workspace, const MlpDesc& d, float** acc, unsigned** counter);
+
 bool mlp_decode_sm80_prefetch_supports(const MlpDesc& d, std::string* why);
 size_t mlp_decode_sm80_prefetch_workspace(const MlpDesc& d);
 fmlp_status_t mlp_decode_sm80_prefetch_run(const fmlp_mlp_args_t& a, const MlpDesc& d,

@@ -190,15 +190,10 @@ int blocks_for(const MlpDesc& d) {
 
 template <int M, typename WT, bool GATED>
 fmlp_status_t launch(const GemvParams& p, int blocks, size_t smem, cudaStream_t stream) {
-  auto* kernel = &mlp_decode_sm80_gemv<M, WT, GATED>;
-  if (smem > 48 * 1024) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (e != cudaSuccess)
-      return fail(FMLP_ERROR_CUDA,
-                  "mlp_decode_sm80_gemv: cannot raise shared memory to {} bytes: {}", smem,
-                  cudaGetErrorString(e));
-  }
+  constexpr auto kernel = &mlp_decode_sm80_gemv<M, WT, GATED>;
+  if (const fmlp_status_t st = allow_dynamic_smem<kernel>(smem, "mlp_decode_sm80_gemv");
+      st != FMLP_SUCCESS)
+    return st;
   kernel<<<blocks, kThreads, smem, stream>>>(p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
@@ -216,27 +211,7 @@ fmlp_status_t dispatch(const GemvParams& p, const MlpDesc& d, int blocks, size_t
 }  // namespace
 
 bool mlp_decode_sm80_gemv_supports(const MlpDesc& d, std::string* why) {
-  if (d.device != FMLP_DEVICE_CUDA) return (*why = "needs CUDA device memory", false);
-  if (d.deterministic)
-    return (*why = "deterministic mode: the splitk kernel reduces in a fixed order", false);
-  if (d.m > kMaxTokens)
-    return (*why = fmt::format("M={} > {}; the tensor-core decode kernel takes larger M", d.m,
-                               kMaxTokens),
-            false);
-  if (d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16)
-    return (*why = fmt::format("{} weights: this kernel streams bf16/fp16 only",
-                               fmlp_dtype_name(d.w_dtype)),
-            false);
-  if (d.d_in % 8 != 0 || d.hidden % 8 != 0)
-    return (*why = fmt::format("d_in {} and hidden {} must be multiples of 8 for 16-byte loads; "
-                               "the splitk kernel handles other sizes",
-                               d.d_in, d.hidden),
-            false);
-  if (!d.weights_vec16)
-    return (*why =
-                "a weight matrix is not 16-byte aligned (base or row stride); pack the weights "
-                "with fmlp_mlp_pack",
-            false);
+  if (!split_hidden_supports(d, kMaxTokens, why)) return false;
   if (d.d_in > (int64_t(1) << 30) || d.hidden > (int64_t(1) << 30) || d.d_out > (int64_t(1) << 30))
     return (*why = "sizes above 2^30 need 64-bit indexing", false);
   const size_t smem = smem_bytes(d, blocks_for(d));
@@ -249,17 +224,14 @@ bool mlp_decode_sm80_gemv_supports(const MlpDesc& d, std::string* why) {
 }
 
 size_t mlp_decode_sm80_gemv_workspace(const MlpDesc& d) {
-  return align_up(size_t(d.m) * size_t(d.d_out) * 4) + align_up(4);
+  return split_hidden_workspace(d);
 }
 
 fmlp_status_t mlp_decode_sm80_gemv_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* ws,
                                        void* stream) {
   GemvParams p{};
   static_cast<fmlp::cuda::DecodeOperands&>(p) = fmlp::cuda::decode_operands(a, d);
-  char* base = static_cast<char*>(ws);
-  p.acc = reinterpret_cast<float*>(base);
-  base += align_up(size_t(d.m) * size_t(d.d_out) * 4);
-  p.counter = reinterpret_cast<unsigned*>(base);
+  split_hidden_scratch(ws, d, &p.acc, &p.counter);
 
   const DeviceScope scope(d.device_id);
   if (scope.status() != FMLP_SUCCESS) return scope.status();

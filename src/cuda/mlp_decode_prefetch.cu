@@ -14,8 +14,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
@@ -40,7 +38,6 @@ constexpr int kThreads = 512;  // one block per multiprocessor: shared memory is
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTokens = 4;  // the hidden slice is recomputed per token; beyond, tensor cores
 constexpr int kTile = 8;       // hidden units per tile: one 16-byte chunk of a W2 row
-constexpr int kMaxDevices = 64;
 
 struct PrefetchParams : fmlp::cuda::DecodeOperands {
   float* acc;         // [m, n] fp32 accumulators, zero between calls
@@ -169,23 +166,12 @@ size_t smem_bytes(const MlpDesc& d, int blocks) {
          size_t(d.m) * (size_t(d.d_in) + u) * sizeof(float);
 }
 
-// Raising a kernel's shared-memory limit is a host call per (instantiation, device); do it once.
 template <int M, typename WT, bool GATED>
-fmlp_status_t launch(const PrefetchParams& p, int device, int blocks, size_t smem,
-                     cudaStream_t stream) {
-  static std::array<std::atomic<int>, kMaxDevices> raised{};
-  auto* kernel = &mlp_decode_sm80_prefetch<M, WT, GATED>;
-  if (device < 0 || device >= kMaxDevices)
-    return fail(FMLP_ERROR_CUDA, "mlp_decode_sm80_prefetch: device index {} out of range", device);
-  if (smem > 48 * 1024 && raised[size_t(device)].load(std::memory_order_relaxed) < int(smem)) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (e != cudaSuccess)
-      return fail(FMLP_ERROR_CUDA,
-                  "mlp_decode_sm80_prefetch: cannot raise shared memory to {} bytes: {}", smem,
-                  cudaGetErrorString(e));
-    raised[size_t(device)].store(int(smem), std::memory_order_relaxed);
-  }
+fmlp_status_t launch(const PrefetchParams& p, int blocks, size_t smem, cudaStream_t stream) {
+  constexpr auto kernel = &mlp_decode_sm80_prefetch<M, WT, GATED>;
+  if (const fmlp_status_t st = allow_dynamic_smem<kernel>(smem, "mlp_decode_sm80_prefetch");
+      st != FMLP_SUCCESS)
+    return st;
   kernel<<<blocks, kThreads, smem, stream>>>(p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
@@ -197,8 +183,8 @@ fmlp_status_t launch(const PrefetchParams& p, int device, int blocks, size_t sme
 template <int M, typename WT>
 fmlp_status_t launch_m(const PrefetchParams& p, const MlpDesc& d, int blocks, size_t smem,
                        cudaStream_t s) {
-  return d.gated ? launch<M, WT, true>(p, d.device_id, blocks, smem, s)
-                 : launch<M, WT, false>(p, d.device_id, blocks, smem, s);
+  return d.gated ? launch<M, WT, true>(p, blocks, smem, s)
+                 : launch<M, WT, false>(p, blocks, smem, s);
 }
 
 template <typename WT>
@@ -215,27 +201,7 @@ fmlp_status_t dispatch(const PrefetchParams& p, const MlpDesc& d, int blocks, si
 }  // namespace
 
 bool mlp_decode_sm80_prefetch_supports(const MlpDesc& d, std::string* why) {
-  if (d.device != FMLP_DEVICE_CUDA) return (*why = "needs CUDA device memory", false);
-  if (d.deterministic)
-    return (*why = "deterministic mode: the splitk kernel reduces in a fixed order", false);
-  if (d.m > kMaxTokens)
-    return (*why = fmt::format("M={} > {}; the tensor-core decode kernels take larger M", d.m,
-                               kMaxTokens),
-            false);
-  if (d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16)
-    return (*why = fmt::format("{} weights: this kernel stages bf16/fp16 only",
-                               fmlp_dtype_name(d.w_dtype)),
-            false);
-  if (d.d_in % 8 != 0 || d.hidden % 8 != 0)
-    return (*why = fmt::format("d_in {} and hidden {} must be multiples of 8 for 16-byte copies; "
-                               "the splitk kernel handles other sizes",
-                               d.d_in, d.hidden),
-            false);
-  if (!d.weights_vec16)
-    return (*why =
-                "a weight matrix is not 16-byte aligned (base or row stride); pack the weights "
-                "with fmlp_mlp_pack",
-            false);
+  if (!split_hidden_supports(d, kMaxTokens, why)) return false;
   if (d.d_in > (int64_t(1) << 24) || d.hidden > (int64_t(1) << 24) || d.d_out > (int64_t(1) << 24))
     return (*why = "sizes above 2^24 do not fit in shared memory", false);
   const size_t smem = smem_bytes(d, blocks_for(d));
@@ -249,16 +215,14 @@ bool mlp_decode_sm80_prefetch_supports(const MlpDesc& d, std::string* why) {
 }
 
 size_t mlp_decode_sm80_prefetch_workspace(const MlpDesc& d) {
-  return align_up(size_t(d.m) * size_t(d.d_out) * 4) + align_up(4);
+  return split_hidden_workspace(d);
 }
 
 fmlp_status_t mlp_decode_sm80_prefetch_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* ws,
                                            void* stream) {
   PrefetchParams p{};
   static_cast<fmlp::cuda::DecodeOperands&>(p) = fmlp::cuda::decode_operands(a, d);
-  char* base = static_cast<char*>(ws);
-  p.acc = reinterpret_cast<float*>(base);
-  p.counter = reinterpret_cast<unsigned*>(base + align_up(size_t(d.m) * size_t(d.d_out) * 4));
+  split_hidden_scratch(ws, d, &p.acc, &p.counter);
 
   const DeviceScope scope(d.device_id);
   if (scope.status() != FMLP_SUCCESS) return scope.status();

@@ -22,6 +22,7 @@
 
 #include "core/error.hpp"
 #include "cuda/common.cuh"
+#include "cuda/launch_util.hpp"
 #include "cuda/mma_stream.cuh"
 #include "cuda/moe_cuda.hpp"
 #include "cuda/moe_device.cuh"
@@ -236,16 +237,10 @@ __global__ void __launch_bounds__(kThreads, Pipe<NT>::kMinBlocks)
 
 template <int NT, typename WT>
 fmlp_status_t launch(const MoeParams& p, cudaStream_t s) {
-  auto* kernel = &moe_sm80_chunked<NT, WT>;
-  if (p.experts_smem > 48 * 1024) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               int(p.experts_smem));
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      return fail(FMLP_ERROR_CUDA, "moe_sm80_chunked: cannot raise shared memory to {} bytes: {}",
-                  p.experts_smem, cudaGetErrorString(e));
-    }
-  }
+  constexpr auto kernel = &moe_sm80_chunked<NT, WT>;
+  if (const fmlp_status_t st = allow_dynamic_smem<kernel>(p.experts_smem, "moe_sm80_chunked");
+      st != FMLP_SUCCESS)
+    return st;
   const dim3 grid(unsigned(p.max_chunks), unsigned(p.slices));
   kernel<<<grid, kThreads, p.experts_smem, s>>>(p);
   const cudaError_t e = cudaGetLastError();

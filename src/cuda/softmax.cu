@@ -318,15 +318,10 @@ fmlp_status_t launch(const SoftmaxParams& p, const Config& c, cudaStream_t s) {
     softmax_sm80_split_write<T, VEC><<<c.blocks, kSplitThreads, 0, s>>>(p);
   } else {
     const size_t smem = size_t(c.cache_vecs) * 16;
-    auto* kernel = &softmax_sm80_fused<T, VEC>;
-    if (smem > 48 * 1024) {
-      const cudaError_t e =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-      if (e != cudaSuccess)
-        return fail(FMLP_ERROR_CUDA,
-                    "softmax_sm80_rows: cannot raise shared memory to {} bytes: {}", smem,
-                    cudaGetErrorString(e));
-    }
+    constexpr auto kernel = &softmax_sm80_fused<T, VEC>;
+    if (const fmlp_status_t st = allow_dynamic_smem<kernel>(smem, "softmax_sm80_rows");
+        st != FMLP_SUCCESS)
+      return st;
     kernel<<<c.blocks, c.threads, smem, s>>>(p);
   }
   const cudaError_t e = cudaGetLastError();
