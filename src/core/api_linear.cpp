@@ -1,8 +1,7 @@
 // C ABI of the linear op: the one place its arguments are validated, then dispatch through the
 // op table (op_table.hpp).
-#include <algorithm>
 #include <cmath>
-#include <cstring>
+#include <iterator>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
@@ -116,22 +115,12 @@ fmlp_status_t validate_linear(const fmlp_linear_args_t* a, LinearDesc* d) {
   }
   d->device = a->w.device_type;
   d->device_id = a->w.device_id;
-  const struct {
-    const fmlp_tensor_t* t;
-    const char* name;
-  } all[] = {{&a->x, "x"},
-             {&a->y, "y"},
-             {&a->w_scale, "w_scale"},
-             {&a->bias, "bias"},
-             {&a->x_scale, "x_scale"}};
-  for (const auto& n : all) {
-    if (tensor_absent(*n.t)) continue;
-    if (n.t->device_type != d->device || n.t->device_id != d->device_id)
-      return fail(FMLP_ERROR_DEVICE_MISMATCH,
-                  "{} is on {} but w is on {}; put every tensor on one device", n.name,
-                  device_string(n.t->device_type, n.t->device_id),
-                  device_string(d->device, d->device_id));
-  }
+  const NamedTensor all[] = {{&a->x, "x"},
+                             {&a->y, "y"},
+                             {&a->w_scale, "w_scale"},
+                             {&a->bias, "bias"},
+                             {&a->x_scale, "x_scale"}};
+  FMLP_TRY(check_one_device(std::begin(all), std::end(all), d->device, d->device_id, "w is"));
   const ByteRange yr = byte_range(a->y);
   for (const auto& n : all)
     if (n.t != &a->y && ranges_overlap(yr, byte_range(*n.t)))
@@ -164,66 +153,17 @@ struct LinearOp {
   static std::array<LinearKernelList, 3> lists() {
     return {cuda_linear_kernels(), cpu_linear_kernels(), ref_linear_kernels()};
   }
+  // The CUDA planner (cuda/linear_planner.hpp) picks between entries by shape.
+  static const LinearKernel* plan(const LinearDesc& d, fmlp_backend_t b, std::string* reason) {
+#if FMLP_WITH_CUDA
+    if (b == FMLP_BACKEND_CUDA) return cuda_linear_plan(d, reason);
+#else
+    (void)d, (void)b, (void)reason;
+#endif
+    return nullptr;
+  }
 };
 using Table = OpTable<LinearOp>;
-
-// The CUDA planner (cuda/linear_planner.hpp) picks between entries by shape; null elsewhere.
-const LinearKernel* planned(const LinearDesc& d, fmlp_backend_t b, std::string* reason) {
-#if FMLP_WITH_CUDA
-  if (b == FMLP_BACKEND_CUDA) return cuda_linear_plan(d, reason);
-#else
-  (void)d, (void)b, (void)reason;
-#endif
-  return nullptr;
-}
-
-fmlp_status_t select_linear(const LinearDesc& d, fmlp_backend_t requested,
-                            const LinearKernel** out) {
-  fmlp_backend_t b;
-  if (const fmlp_status_t s = Table::resolve(requested, d, &b); s != FMLP_SUCCESS) return s;
-  if (const LinearKernel* k = planned(d, b, nullptr)) {
-    *out = k;
-    return FMLP_SUCCESS;
-  }
-  return Table::select(d, b, out);
-}
-
-fmlp_status_t explain(const fmlp_linear_args_t* a, fmlp_backend_t backend, char* buf,
-                      size_t buf_size, size_t* needed) {
-  LinearDesc d;
-  if (const fmlp_status_t s = validate_linear(a, &d); s != FMLP_SUCCESS) return s;
-  fmlp_backend_t b;
-  if (const fmlp_status_t s = Table::resolve(backend, d, &b); s != FMLP_SUCCESS) return s;
-  std::string report = fmt::format("linear {}\nbackend {}\n", describe(d), fmlp_backend_name(b));
-  std::string plan;
-  const LinearKernel* chosen_k = planned(d, b, &plan);
-  if (!plan.empty()) report += fmt::format("  planner  {}\n", plan);
-  bool chosen = false;
-  for (const LinearKernel* k : Table::all()) {
-    if (k->backend != b) continue;
-    std::string why;
-    const bool ok = k->supports(d, &why);
-    if (ok && !chosen && (chosen_k == nullptr || k == chosen_k)) {
-      chosen = true;
-      report += fmt::format("  chosen   {} (workspace {} bytes)\n", k->name, k->workspace_bytes(d));
-    } else if (ok) {
-      report += fmt::format(
-          "  skipped  {}: {}\n", k->name,
-          chosen_k ? "the planner prefers another entry" : "an earlier entry is preferred");
-    } else {
-      report += fmt::format("  rejected {}: {}\n", k->name, why);
-    }
-  }
-  if (!chosen) report += "  no kernel of this backend handles the request\n";
-  if (needed) *needed = report.size() + 1;
-  if (buf && buf_size > 0) {
-    const size_t n = std::min(report.size(), buf_size - 1);
-    std::memcpy(buf, report.data(), n);
-    buf[n] = '\0';
-  }
-  clear_last_error();
-  return FMLP_SUCCESS;
-}
 
 }  // namespace
 
@@ -249,27 +189,16 @@ extern "C" {
 
 fmlp_status_t fmlp_linear_workspace_size(const fmlp_linear_args_t* args, fmlp_backend_t backend,
                                          size_t* bytes) {
-  if (bytes == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "bytes is NULL");
-  LinearDesc d;
-  const LinearKernel* k = nullptr;
-  if (const fmlp_status_t s = validate_linear(args, &d); s != FMLP_SUCCESS) return s;
-  if (const fmlp_status_t s = select_linear(d, backend, &k); s != FMLP_SUCCESS) return s;
-  *bytes = LinearOp::empty(d) ? 0 : k->workspace_bytes(d);
-  clear_last_error();
-  return FMLP_SUCCESS;
+  return Table::workspace_size(args, backend, bytes);
 }
 fmlp_status_t fmlp_linear(const fmlp_linear_args_t* args, fmlp_backend_t backend, void* workspace,
                           size_t workspace_bytes, void* stream) {
-  LinearDesc d;
-  const LinearKernel* k = nullptr;
-  if (const fmlp_status_t s = validate_linear(args, &d); s != FMLP_SUCCESS) return s;
-  if (const fmlp_status_t s = select_linear(d, backend, &k); s != FMLP_SUCCESS) return s;
-  return Table::run_kernel(*k, *args, d, workspace, workspace_bytes, stream,
-                           "fmlp_linear_workspace_size");
+  return Table::run(args, backend, workspace, workspace_bytes, stream,
+                    "fmlp_linear_workspace_size");
 }
 fmlp_status_t fmlp_linear_explain(const fmlp_linear_args_t* args, fmlp_backend_t backend, char* buf,
                                   size_t buf_size, size_t* needed) {
-  return fmlp::detail::explain(args, backend, buf, buf_size, needed);
+  return Table::explain(args, backend, buf, buf_size, needed);
 }
 int fmlp_linear_kernel_count(void) {
   return Table::count();

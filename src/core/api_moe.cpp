@@ -1,5 +1,7 @@
 // C ABI of the mixture-of-experts op: the one place its arguments are validated (host expert ids
 // included), then dispatch through the op table (op_table.hpp).
+#include <iterator>
+
 #include "core/error.hpp"
 #include "core/mlp_validate.hpp"
 #include "core/moe_desc.hpp"
@@ -198,25 +200,15 @@ fmlp_status_t validate_moe(const fmlp_moe_args_t* a, MoeDesc* d) {
   d->device_id = a->x.device_id;
   d->expert.device = d->device;
   d->expert.device_id = d->device_id;
-  const struct {
-    const fmlp_tensor_t* t;
-    const char* name;
-  } all[] = {{&a->y, "y"},
-             {&a->residual, "residual"},
-             {&a->router_w, "router_w"},
-             {&a->router_b, "router_b"},
-             {&a->w1, "w1"},
-             {&a->b1, "b1"},
-             {&a->w2, "w2"},
-             {&a->b2, "b2"}};
-  for (const auto& n : all) {
-    if (tensor_absent(*n.t)) continue;
-    if (n.t->device_type != d->device || n.t->device_id != d->device_id)
-      return fail(FMLP_ERROR_DEVICE_MISMATCH,
-                  "{} is on {} but x is on {}; put every tensor on one device", n.name,
-                  device_string(n.t->device_type, n.t->device_id),
-                  device_string(d->device, d->device_id));
-  }
+  const NamedTensor all[] = {{&a->y, "y"},
+                             {&a->residual, "residual"},
+                             {&a->router_w, "router_w"},
+                             {&a->router_b, "router_b"},
+                             {&a->w1, "w1"},
+                             {&a->b1, "b1"},
+                             {&a->w2, "w2"},
+                             {&a->b2, "b2"}};
+  FMLP_TRY(check_one_device(std::begin(all), std::end(all), d->device, d->device_id, "x is"));
   const ByteRange yr = byte_range(a->y);
   if (ranges_overlap(yr, byte_range(a->x)))
     return fail(FMLP_ERROR_ALIASING,
@@ -249,6 +241,7 @@ struct MoeOp {
   static std::array<MoeKernelList, 3> lists() {
     return {cuda_moe_kernels(), cpu_moe_kernels(), ref_moe_kernels()};
   }
+  static const MoeKernel* plan(const MoeDesc&, fmlp_backend_t, std::string*) { return nullptr; }
 };
 using Table = OpTable<MoeOp>;
 

@@ -73,6 +73,9 @@ struct SoftmaxOp {
   static std::array<SoftmaxKernelList, 3> lists() {
     return {cuda_softmax_kernels(), cpu_softmax_kernels(), ref_softmax_kernels()};
   }
+  static const SoftmaxKernel* plan(const SoftmaxDesc&, fmlp_backend_t, std::string*) {
+    return nullptr;
+  }
 };
 using Table = OpTable<SoftmaxOp>;
 

@@ -74,11 +74,6 @@ fmlp_status_t check_scale(const char* name, const char* weight_name, const fmlp_
   return FMLP_SUCCESS;
 }
 
-struct NamedTensor {
-  const fmlp_tensor_t* t;
-  const char* name;
-};
-
 // Every weight-side tensor of the op, with its name for messages.
 std::array<NamedTensor, 11> weight_tensors(const fmlp_mlp_weights_t& w) {
   return {{{&w.w1, "weights.w1"},
@@ -223,16 +218,9 @@ fmlp_status_t validate_mlp_weights(const fmlp_mlp_weights_t& w, const fmlp_mlp_c
     if (uintptr_t(m->data) % 16 != 0 || (m->shape[0] > 1 && row_bytes % 16 != 0))
       d->weights_vec16 = false;
   }
-  for (const NamedTensor& n : weight_tensors(w)) {
-    if (tensor_absent(*n.t)) continue;
-    if (n.t->device_type != d->device || n.t->device_id != d->device_id)
-      return fail(FMLP_ERROR_DEVICE_MISMATCH,
-                  "{} is on {} but weights.w1 is on {}; put every "
-                  "tensor on one device",
-                  n.name, device_string(n.t->device_type, n.t->device_id),
-                  device_string(d->device, d->device_id));
-  }
-  return FMLP_SUCCESS;
+  const auto all = weight_tensors(w);
+  return check_one_device(all.data(), all.data() + all.size(), d->device, d->device_id,
+                          "weights.w1 is");
 }
 
 fmlp_status_t validate_mlp_activations(const fmlp_tensor_t& y, const fmlp_tensor_t& x,
@@ -262,17 +250,9 @@ fmlp_status_t validate_mlp_activations(const fmlp_tensor_t& y, const fmlp_tensor
                   "dtype",
                   fmlp_dtype_name(residual->dtype), fmlp_dtype_name(x.dtype));
   }
-  const fmlp_tensor_t* acts[3] = {&x, &y, residual};
-  const char* act_names[3] = {"x", "y", "residual"};
-  for (int i = 0; i < 3; ++i) {
-    if (i == 2 && !d->has_residual) continue;
-    if (acts[i]->device_type != d->device || acts[i]->device_id != d->device_id)
-      return fail(FMLP_ERROR_DEVICE_MISMATCH,
-                  "{} is on {} but the weights are on {}; put every "
-                  "tensor on one device",
-                  act_names[i], device_string(acts[i]->device_type, acts[i]->device_id),
-                  device_string(d->device, d->device_id));
-  }
+  const NamedTensor acts[3] = {{&x, "x"}, {&y, "y"}, {residual, "residual"}};
+  FMLP_TRY(check_one_device(acts, acts + (d->has_residual ? 3 : 2), d->device, d->device_id,
+                            "the weights are"));
   // y may not overlap any input, except a residual given as the very same view (in-place add).
   const ByteRange yr = byte_range(y);
   if (ranges_overlap(yr, byte_range(x)))

@@ -7,6 +7,9 @@
 //   static std::string describe(const Desc&);
 //   static bool empty(const Desc&);            // nothing to compute: success without a kernel
 //   static std::array<OpKernelList<Args, Desc>, 3> lists();   // cuda, cpu, ref
+//   // A planner's pick for backend b (first-supporting order otherwise): null when there is no
+//   // planner or it has no opinion; `reason` (may be null) gets its explanation.
+//   static const OpKernel<Args, Desc>* plan(const Desc&, fmlp_backend_t b, std::string* reason);
 #pragma once
 #include <algorithm>
 #include <array>
@@ -58,6 +61,10 @@ struct OpTable {
   static fmlp_status_t select(const Desc& d, fmlp_backend_t requested, const Kernel** out) {
     fmlp_backend_t b;
     if (const fmlp_status_t s = resolve(requested, d, &b); s != FMLP_SUCCESS) return s;
+    if (const Kernel* k = OP::plan(d, b, nullptr)) {
+      *out = k;
+      return FMLP_SUCCESS;
+    }
     std::string why;
     for (const auto& l : OP::lists())
       for (size_t i = 0; i < l.count; ++i)
@@ -120,17 +127,22 @@ struct OpTable {
     if (const fmlp_status_t s = resolve(backend, d, &b); s != FMLP_SUCCESS) return s;
     std::string report =
         fmt::format("{} {}\nbackend {}\n", OP::kName, OP::describe(d), fmlp_backend_name(b));
+    std::string plan;
+    const Kernel* planned = OP::plan(d, b, &plan);
+    if (!plan.empty()) report += fmt::format("  planner  {}\n", plan);
     bool chosen = false;
     for (const Kernel* k : all()) {
       if (k->backend != b) continue;
       std::string why;
       const bool ok = k->supports(d, &why);
-      if (ok && !chosen) {
+      if (ok && !chosen && (planned == nullptr || k == planned)) {
         chosen = true;
         report +=
             fmt::format("  chosen   {} (workspace {} bytes)\n", k->name, k->workspace_bytes(d));
       } else if (ok) {
-        report += fmt::format("  skipped  {}: an earlier entry is preferred\n", k->name);
+        report += fmt::format(
+            "  skipped  {}: {}\n", k->name,
+            planned ? "the planner prefers another entry" : "an earlier entry is preferred");
       } else {
         report += fmt::format("  rejected {}: {}\n", k->name, why);
       }

@@ -114,4 +114,17 @@ bool same_view(const fmlp_tensor_t& a, const fmlp_tensor_t& b) {
   return true;
 }
 
+fmlp_status_t check_one_device(const NamedTensor* first, const NamedTensor* last,
+                               fmlp_device_type_t device, int32_t device_id, const char* owner) {
+  for (const NamedTensor* n = first; n != last; ++n) {
+    if (tensor_absent(*n->t)) continue;
+    if (n->t->device_type != device || n->t->device_id != device_id)
+      return fail(FMLP_ERROR_DEVICE_MISMATCH,
+                  "{} is on {} but {} on {}; put every tensor on one device", n->name,
+                  device_string(n->t->device_type, n->t->device_id), owner,
+                  device_string(device, device_id));
+  }
+  return FMLP_SUCCESS;
+}
+
 }  // namespace fmlp::detail

@@ -30,4 +30,15 @@ ByteRange byte_range(const fmlp_tensor_t& t);
 bool ranges_overlap(const ByteRange& a, const ByteRange& b);
 bool same_view(const fmlp_tensor_t& a, const fmlp_tensor_t& b);
 
+struct NamedTensor {
+  const fmlp_tensor_t* t;
+  const char* name;
+};
+
+// Every present tensor of [first, last) lives on (device, device_id), the device `owner` has
+// ("w is", "the weights are": it completes "<name> is on cuda:1 but <owner> on cpu"); else
+// DEVICE_MISMATCH naming the first tensor that does not.
+fmlp_status_t check_one_device(const NamedTensor* first, const NamedTensor* last,
+                               fmlp_device_type_t device, int32_t device_id, const char* owner);
+
 }  // namespace fmlp::detail
