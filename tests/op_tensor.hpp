@@ -3,6 +3,7 @@
 // byte outside the view 0xFF so stray writes and unwritten outputs show.
 #pragma once
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <functional>
 #include <string>
@@ -138,5 +139,36 @@ class OpKernelTest : public ::testing::TestWithParam<int> {
   const char* kernel_ = nullptr;
   bool device_ = false;
 };
+
+// How a suite's run_case runs one case: eagerly or captured in a CUDA graph and replayed, and
+// where to keep y's bytes (for comparing runs).
+struct RunMode {
+  bool graph = false;
+  std::vector<unsigned char>* y_bytes = nullptr;
+};
+
+// Host kernels give the same bits whatever the thread count: `run(case, mode)` (a suite's
+// run_case) with 1, 2 and 3 OpenMP threads, each result against the 1-thread bytes.
+template <typename CASE, typename RUN>
+void expect_thread_count_independent(const std::vector<CASE>& cases, RUN run) {
+  const int before = omp_get_max_threads();
+  for (const CASE& c : cases) {
+    std::vector<unsigned char> one, other;
+    for (int threads : {1, 2, 3}) {
+      omp_set_num_threads(threads);
+      RunMode mode;
+      mode.y_bytes = threads == 1 ? &one : &other;
+      const std::string err = run(c, mode);
+      if (skipped(err)) break;
+      EXPECT_TRUE(err.empty()) << "[" << c.name() << "]: " << err;
+      if (threads > 1) {
+        EXPECT_TRUE(one == other) << "[" << c.name() << "]: " << threads
+                                  << " threads differ from 1 (FMLP_TEST_SEED=" << test_seed()
+                                  << ")";
+      }
+    }
+  }
+  omp_set_num_threads(before);
+}
 
 }  // namespace fmlp_test

@@ -3,7 +3,6 @@
 // output and weight dtypes': f32 1e-4, f16 2^-9, bf16 and f8 2^-7), plus bad input. W8A8 cases
 // (fp8 x with per-row or per-tensor x_scale) follow torch._scaled_mm's semantics.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <cmath>
 #include <cstring>
@@ -47,11 +46,6 @@ HostMatrix matrix(fmlp_dtype_t t, int64_t rows, int64_t cols) {
 
 // How run_case calls the kernel: directly or captured in a CUDA graph (replayed after the inputs
 // are refreshed); `y_bytes` receives y's buffer.
-struct RunMode {
-  bool graph = false;
-  std::vector<unsigned char>* y_bytes = nullptr;
-};
-
 // Runs one case through `kernel`; returns "", the failure, or kSkipped + why when the kernel
 // does not take the case.
 std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t seed,
@@ -293,24 +287,9 @@ TEST_P(LinearKernelTest, ThreadCountIndependent) {
   v[1].m = 17, v[1].n = 127, v[1].k = 4095, v[1].xt = FMLP_DTYPE_BF16;
   v[1].wt = FMLP_DTYPE_F8_E4M3, v[1].per_row = true;
   v[2].m = 64, v[2].n = 264, v[2].k = 127, v[2].xt = v[2].wt = FMLP_DTYPE_F16;
-  const int before = omp_get_max_threads();
-  for (const LinCase& c : v) {
-    std::vector<unsigned char> one, other;
-    for (int threads : {1, 2, 3}) {
-      omp_set_num_threads(threads);
-      RunMode mode;
-      mode.y_bytes = threads == 1 ? &one : &other;
-      const std::string err = run_case(c, kernel_, false, mix_seed(test_seed(), 77), mode);
-      if (skipped(err)) break;
-      EXPECT_TRUE(err.empty()) << "[" << c.name() << "]: " << err;
-      if (threads > 1) {
-        EXPECT_TRUE(one == other) << "[" << c.name() << "]: " << threads
-                                  << " threads differ from 1 (FMLP_TEST_SEED=" << test_seed()
-                                  << ")";
-      }
-    }
-  }
-  omp_set_num_threads(before);
+  expect_thread_count_independent(v, [&](const LinCase& c, const RunMode& mode) {
+    return run_case(c, kernel_, false, mix_seed(test_seed(), 77), mode);
+  });
 }
 
 TEST_P(LinearKernelTest, ZeroRowsAndZeroKWork) {
@@ -439,6 +418,30 @@ TEST(LinearBadInput, W8A8) {
   k.a.x_scale = fmlp_tensor_1d(k.xs, FMLP_DTYPE_F32, 1);
   expect_rejected(k, FMLP_ERROR_BAD_SCALE, {"x_scale is given but x is f32"});
 }
+// explain (the op table's, with the planner's line where one has an opinion) names the entry
+// dispatch runs and accounts for every other entry of the backend.
+TEST(LinearExplain, NamesTheChosenEntryAndEveryOther) {
+  BadLinear f;
+  for (fmlp_backend_t b : {FMLP_BACKEND_REF, FMLP_BACKEND_CPU}) {
+    size_t need = 0;
+    ASSERT_EQ(fmlp_linear_explain(&f.a, b, nullptr, 0, &need), FMLP_SUCCESS) << fmlp_last_error();
+    std::string report(need, '\0');
+    ASSERT_EQ(fmlp_linear_explain(&f.a, b, report.data(), report.size(), &need), FMLP_SUCCESS);
+    EXPECT_NE(report.find("linear M=2 N=3 K=4"), std::string::npos) << report;
+    EXPECT_EQ(report.find("planner"), std::string::npos) << "no host planner: " << report;
+    int chosen = 0, listed = 0;
+    for (int i = 0; i < fmlp_linear_kernel_count(); ++i) {
+      if (fmlp_linear_kernel_backend(i) != b) continue;
+      const std::string name = fmlp_linear_kernel_name(i);
+      ++listed;
+      EXPECT_NE(report.find(name), std::string::npos) << name << " missing: " << report;
+      chosen += report.find("chosen   " + name) != std::string::npos;
+    }
+    EXPECT_GT(listed, 0);
+    EXPECT_EQ(chosen, 1) << report;
+  }
+}
+
 TEST(LinearBadInput, Scales) {
   BadLinear f;
   f.a.w = fmlp_tensor_2d(f.w8, FMLP_DTYPE_F8_E4M3, 3, 4, 4);

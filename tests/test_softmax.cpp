@@ -4,7 +4,6 @@
 // |out - ref| <= rtol * (1 + |z - max| + |log sum|); the |z - max| terms budget the fp32 rounding
 // of the exponent argument, which grows with it. Non-finite refs must be matched in class.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <cmath>
 #include <cstring>
@@ -33,11 +32,6 @@ struct SmCase {
 
 // How run_case calls the kernel: directly or captured in a CUDA graph (replayed after the input
 // is refreshed); `y_bytes` receives y's buffer.
-struct RunMode {
-  bool graph = false;
-  std::vector<unsigned char>* y_bytes = nullptr;
-};
-
 // Runs one case through `kernel`; returns "", the failure, or kSkipped + why when the kernel
 // does not take the case.
 std::string run_case(const SmCase& c, const char* kernel, bool device, uint64_t seed,
@@ -209,24 +203,9 @@ TEST_P(SoftmaxKernelTest, ThreadCountIndependent) {
   v[0].rows = 1, v[0].n = 128256;
   v[1].rows = 300, v[1].n = 769, v[1].t = FMLP_DTYPE_BF16, v[1].log = true;
   v[2].rows = 3, v[2].n = 8200, v[2].t = FMLP_DTYPE_F16, v[2].temperature = 0.7f;
-  const int before = omp_get_max_threads();
-  for (const SmCase& c : v) {
-    std::vector<unsigned char> one, other;
-    for (int threads : {1, 2, 3}) {
-      omp_set_num_threads(threads);
-      RunMode mode;
-      mode.y_bytes = threads == 1 ? &one : &other;
-      const std::string err = run_case(c, kernel_, false, mix_seed(test_seed(), 77), mode);
-      if (skipped(err)) break;
-      EXPECT_TRUE(err.empty()) << "[" << c.name() << "]: " << err;
-      if (threads > 1) {
-        EXPECT_TRUE(one == other) << "[" << c.name() << "]: " << threads
-                                  << " threads differ from 1 (FMLP_TEST_SEED=" << test_seed()
-                                  << ")";
-      }
-    }
-  }
-  omp_set_num_threads(before);
+  expect_thread_count_independent(v, [&](const SmCase& c, const RunMode& mode) {
+    return run_case(c, kernel_, false, mix_seed(test_seed(), 77), mode);
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, SoftmaxKernelTest,
