@@ -36,6 +36,29 @@ inline double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Median microseconds per call of graph `g`, which holds `calls` calls, over `reps` replays
+// timed with CUDA events, after `warmup` untimed replays.
+inline double graph_us_per_call(cudaGraphExec_t g, cudaStream_t s, int calls, int reps,
+                                int warmup = 3) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < warmup; ++i) CK(cudaGraphLaunch(g, s));
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaEventRecord(e0, s));
+    CK(cudaGraphLaunch(g, s));
+    CK(cudaEventRecord(e1, s));
+    CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    t.push_back(1e3 * double(ms) / calls);
+  }
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  return median(t);
+}
+
 // Bytes per second of a stream-ordered device-to-device cudaMemcpyAsync of 2 GiB (far beyond the
 // L2), read + write counted, median of 20 after 3 warm-ups. Not a graph memcpy node: in a graph
 // the copy engines do it, which is slower (2.7 vs 4.2 TB/s on an H200) and would put kernels

@@ -23,6 +23,7 @@
 namespace {
 
 using fmlp_bench::copy_bandwidth;
+using fmlp_bench::graph_us_per_call;
 
 struct Shape {
   const char* name;
@@ -140,28 +141,6 @@ fmlp_tensor_t dev2d(void* p, fmlp_dtype_t t, int64_t r, int64_t c) {
   return v;
 }
 
-// Median microseconds of one launch of `g` (which holds `calls` calls) over reps replays.
-double time_graph(cudaGraphExec_t g, cudaStream_t s, int calls, int reps) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(g, s));
-  std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaEventRecord(a, s));
-    CK(cudaGraphLaunch(g, s));
-    CK(cudaEventRecord(b, s));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
-  std::sort(t.begin(), t.end());
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  return 1e3 * t[t.size() / 2] / calls;
-}
-
 template <typename F>
 cudaGraphExec_t capture(cudaStream_t s, F body) {
   cudaGraph_t g;
@@ -271,7 +250,7 @@ Row bench_linear(const Shape& sh, int64_t m, fmlp_dtype_t wt, size_t l2, cudaStr
         0.0,
         double(wbytes + size_t(m * (sh.k + sh.n)) * esize(xt))};
   r.kernel = chosen_kernel(fmlp_linear_explain, a);
-  r.us = time_graph(g, s, copies, reps);
+  r.us = graph_us_per_call(g, s, copies, reps);
   CK(cudaGraphExecDestroy(g));
   for (void* w : wcopies) CK(cudaFree(w));
   CK(cudaFree(x));
@@ -336,7 +315,7 @@ Row bench_softmax(int64_t rows, int64_t n, fmlp_dtype_t t, bool log, size_t l2, 
         0.0,
         2.0 * double(bytes)};
   r.kernel = chosen_kernel(fmlp_softmax_explain, a);
-  r.us = time_graph(g, s, copies, reps);
+  r.us = graph_us_per_call(g, s, copies, reps);
   CK(cudaGraphExecDestroy(g));
   for (int c = 0; c < copies; ++c) {
     CK(cudaFree(xs[size_t(c)]));

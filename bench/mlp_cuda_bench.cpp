@@ -27,7 +27,7 @@
 namespace {
 
 using fmlp_bench::copy_bandwidth;
-using fmlp_bench::median;
+using fmlp_bench::graph_us_per_call;
 
 size_t esize(fmlp_dtype_t t) {
   return t == FMLP_DTYPE_F32 ? 4 : t == FMLP_DTYPE_F8_E4M3 ? 1 : 2;
@@ -582,9 +582,6 @@ int main(int argc, char** argv) {
   bool first = true;
   cudaStream_t s;
   CK(cudaStreamCreate(&s));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
   std::printf("%-11s %3s %9s %9s %9s %7s %s\n", "shape", "M", "us", "floor_us", "GB/s", "%floor",
               "check");
   for (const Shape& sh : all) {
@@ -644,19 +641,8 @@ int main(int argc, char** argv) {
       for (int i = 0; i < copies; ++i) FK(rs[i].run(cs[i], s));
       CK(cudaStreamEndCapture(s, &g));
       CK(cudaGraphInstantiate(&ge, g, 0));
-      for (int i = 0; i < 10; ++i) CK(cudaGraphLaunch(ge, s));
-      std::vector<double> t;
-      for (int i = 0; i < reps; ++i) {
-        CK(cudaEventRecord(e0, s));
-        CK(cudaGraphLaunch(ge, s));
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float msec;
-        CK(cudaEventElapsedTime(&msec, e0, e1));
-        t.push_back(msec * 1e3 / copies);
-      }
+      const double us = graph_us_per_call(ge, s, copies, reps, /*warmup=*/10);
       CK(cudaGetLastError());
-      const double us = median(t);
       const double bytes = wbytes + 4.0 * double(m * sh.d);
       const double floor_us = bytes / bw * 1e6;
       std::printf("%-11s %3lld %9.2f %9.2f %9.0f %6.1f%% %s %.2f units %s\n", sh.name, (long long)m,

@@ -27,7 +27,7 @@
 namespace {
 
 using fmlp_bench::copy_bandwidth;
-using fmlp_bench::median;
+using fmlp_bench::graph_us_per_call;
 
 struct Layer {
   const char* name;
@@ -184,26 +184,10 @@ Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int r
   cudaGraphExec_t ge;
   CK(cudaGraphInstantiateWithFlags(&ge, g, 0));
   CK(cudaGraphDestroy(g));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, s));
-  std::vector<double> t;
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaEventRecord(e0, s));
-    CK(cudaGraphLaunch(ge, s));
-    CK(cudaEventRecord(e1, s));
-    CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(1e3 * ms / copies);
-  }
-  r.us = median(t);
+  r.us = graph_us_per_call(ge, s, copies, reps);
   int32_t errors = 0;
   FK(fmlp_moe_device_errors(ws, wsb, s, &errors));
   if (errors != 0) r.check = "DEVICE-ERRORS";
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
   CK(cudaGraphExecDestroy(ge));
   for (int c = 0; c < copies; ++c) {
     CK(cudaFree(dw1[size_t(c)]));

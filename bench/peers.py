@@ -51,6 +51,23 @@ def mlp_fn(act, gated):
     return mlp
 
 
+def weight_copies(name, l2, dev="cuda"):
+    """(weight bytes, [(w1, b1, w2, b2)] * copies) for a bench shape, bf16 random weights of
+    nn.Linear scale (biases only for dense shapes), enough copies to span 3x the L2 so every call
+    reads HBM."""
+    d, h, _, gated = SHAPES[name]
+    n1 = 2 * h if gated else h
+    wbytes = (n1 * d + d * h) * 2
+    ws = []
+    for _ in range(max(1, math.ceil(3 * l2 / wbytes))):
+        w1 = torch.randn(n1, d, device=dev, dtype=torch.bfloat16) / math.sqrt(d)
+        w2 = torch.randn(d, h, device=dev, dtype=torch.bfloat16) / math.sqrt(h)
+        b1 = None if gated else torch.randn(n1, device=dev, dtype=torch.bfloat16) * 0.1
+        b2 = None if gated else torch.randn(d, device=dev, dtype=torch.bfloat16) * 0.1
+        ws.append((w1, b1, w2, b2))
+    return wbytes, ws
+
+
 def copy_bandwidth(dev="cuda"):
     """Device copy bandwidth in bytes/s (read + write of a 2 GiB buffer, median of 100): the
     floor every peer script reports against."""
@@ -74,16 +91,8 @@ def main():
     print(f"{res['gpu']} torch {res['torch']} copy {bw / 1e12:.3f} TB/s", flush=True)
     for name in a.shapes.split(","):
         d, h, act, gated = SHAPES[name]
-        n1 = 2 * h if gated else h
-        wbytes = (n1 * d + d * h) * 2
-        copies = max(1, math.ceil(3 * l2 / wbytes))
-        ws = []
-        for _ in range(copies):
-            w1 = torch.randn(n1, d, device=dev, dtype=torch.bfloat16) / math.sqrt(d)
-            w2 = torch.randn(d, h, device=dev, dtype=torch.bfloat16) / math.sqrt(h)
-            b1 = None if gated else torch.randn(n1, device=dev, dtype=torch.bfloat16) * 0.1
-            b2 = None if gated else torch.randn(d, device=dev, dtype=torch.bfloat16) * 0.1
-            ws.append((w1, b1, w2, b2))
+        wbytes, ws = weight_copies(name, l2, dev)
+        copies = len(ws)
         mlp = mlp_fn(act, gated)
         torch._dynamo.reset()
         cmlp = torch.compile(mlp, dynamic=False)

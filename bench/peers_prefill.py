@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from peers import SHAPES, graphed, median_us, mlp_fn
+from peers import SHAPES, graphed, median_us, mlp_fn, weight_copies
 
 MS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192"
 
@@ -34,16 +34,8 @@ def main():
     print(f"{res['gpu']} torch {res['torch']} bf16 matmul {rate:.1f} TFLOP/s", flush=True)
     for name in a.shapes.split(","):
         d, h, act, gated = SHAPES[name]
-        n1 = 2 * h if gated else h
-        wbytes = (n1 * d + d * h) * 2
-        copies = max(1, math.ceil(3 * l2 / wbytes))
-        ws = []
-        for _ in range(copies):
-            w1 = torch.randn(n1, d, device=dev, dtype=torch.bfloat16) / math.sqrt(d)
-            w2 = torch.randn(d, h, device=dev, dtype=torch.bfloat16) / math.sqrt(h)
-            b1 = None if gated else torch.randn(n1, device=dev, dtype=torch.bfloat16) * 0.1
-            b2 = None if gated else torch.randn(d, device=dev, dtype=torch.bfloat16) * 0.1
-            ws.append((w1, b1, w2, b2))
+        wbytes, ws = weight_copies(name, l2, dev)
+        copies = len(ws)
         mlp = mlp_fn(act, gated)
         torch._dynamo.reset()
         # dynamic=False: one specialised graph per M, as a serving stack with bucketed shapes.
