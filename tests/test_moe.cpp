@@ -698,14 +698,18 @@ TEST(MoeCuda, DeterministicModeIsBitwiseReproducible) {
   MoeCase c;
   c.t = 300, c.e = 64, c.k = 8, c.d = 256, c.hidden = 264, c.d_out = 264, c.gated = true;
   c.xt = c.wt = FMLP_DTYPE_BF16;
-  for (const char* kernel : cuda_moe_kernels()) {
-    std::vector<unsigned char> a, b;
-    DeviceRun ra, rb;
-    ra.y_bytes = &a, rb.y_bytes = &b;
-    EXPECT_EQ(run_device(c, kernel, 5, ra), "") << kernel;
-    EXPECT_EQ(run_device(c, kernel, 5, rb), "") << kernel;
-    EXPECT_TRUE(a == b) << kernel << ": two deterministic runs differ";
-  }
+  MoeCase few = c;  // few experts, narrow hidden slices: warps split K within a block
+  few.t = 7, few.e = 8, few.k = 2, few.hidden = 352, few.d_out = 256,
+  few.xt = few.wt = FMLP_DTYPE_F16;
+  for (const char* kernel : cuda_moe_kernels())
+    for (const MoeCase& cc : {c, few}) {
+      std::vector<unsigned char> a, b;
+      DeviceRun ra, rb;
+      ra.y_bytes = &a, rb.y_bytes = &b;
+      EXPECT_EQ(run_device(cc, kernel, 5, ra), "") << kernel;
+      EXPECT_EQ(run_device(cc, kernel, 5, rb), "") << kernel;
+      EXPECT_TRUE(a == b) << kernel << " [" << cc.name() << "]: two deterministic runs differ";
+    }
 }
 
 TEST(MoeCuda, DeviceIdsOutOfRangeGiveNanRowsAndACount) {

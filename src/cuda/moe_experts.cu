@@ -115,8 +115,6 @@ __global__ void __launch_bounds__(kThreads, Pipe<NT>::kMinBlocks)
     const int parts = G >= kWarps ? 1 : min(kWarps / G, steps1);
     for (int i = threadIdx.x; i < CH * (w32 - w); i += kThreads)
       hs[(i / (w32 - w)) * kMoeHsStride + w + i % (w32 - w)] = to_w<WT>(0.f);
-    if (parts > 1)
-      for (int i = threadIdx.x; i < 2 * w * CH; i += kThreads) res[i] = 0.f;
     __syncthreads();
 
     // Layer 1.
@@ -160,19 +158,35 @@ __global__ void __launch_bounds__(kThreads, Pipe<NT>::kMinBlocks)
       GateUpFrags<SP> ring[DEPTH];
       prime(batches, ring, load);
       pipelined<DEPTH>(batches, ring, load, body);
+      if (parts == 1) {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int lu = grp * 16 + g + (i >= 2 ? 8 : 0), m = nt * 8 + 2 * t + (i & 1);
-          if (parts == 1) {
+          for (int i = 0; i < 4; ++i) {
+            const int lu = grp * 16 + g + (i >= 2 ? 8 : 0), m = nt * 8 + 2 * t + (i & 1);
             hs[m * kMoeHsStride + lu] =
                 to_w<WT>(hidden_value(p, b1, cg[nt][i], cu[nt][i], u0 + lu));
-          } else {
-            atomicAdd(res + lu * CH + m, cg[nt][i]);
-            if (p.gated) atomicAdd(res + (w + lu) * CH + m, cu[nt][i]);
           }
+        continue;
+      }
+      // The K parts are summed in part order (part 0 stores, the others add after it), never
+      // with atomics, so reruns are bitwise equal. Here G * parts <= kWarps: every warp holds
+      // at most one item and warps 0 .. G * parts - 1 are exactly the ones meeting the barrier.
+      for (int pp = 0; pp < parts; ++pp) {
+        if (part == pp) {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int lu = grp * 16 + g + (i >= 2 ? 8 : 0), m = nt * 8 + 2 * t + (i & 1);
+              float* sg = res + lu * CH + m;
+              float* su = res + (w + lu) * CH + m;
+              *sg = pp ? *sg + cg[nt][i] : cg[nt][i];
+              if (p.gated) *su = pp ? *su + cu[nt][i] : cu[nt][i];
+            }
         }
+        asm volatile("bar.sync 1, %0;" ::"r"(G * parts * 32) : "memory");
+      }
     }
     if (parts > 1) {
       __syncthreads();

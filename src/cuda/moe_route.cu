@@ -166,6 +166,7 @@ __device__ void plan(const MoeParams& p, RouteShared& sh) {
     const int i = base + lane, id = i < s1 ? __ldcg(p.ids + i) : -1;
     const unsigned same = __match_any_sync(kFull, id);
     if (id >= 0 && (same & below) == 0) sh.run[warp][id] += __popc(same);
+    __syncwarp();  // the next group's leader may update the same counter
   }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += kThreads) {  // first position of each warp's run
