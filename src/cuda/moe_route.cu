@@ -60,6 +60,9 @@ __device__ void router_logits(const MoeParams& p, int t0, int tn, RouteShared& s
   for (int e = warp; e < p.experts; e += kWarps) {
     const void* wrow = static_cast<const char*>(p.rw) + int64_t(e) * p.rw_ld * rs;
     float acc[kMaxRouteTokens] = {};
+    // Unrolled so a lane has several router loads in flight: one block routes a decode step, and
+    // a loop of dependent round trips to memory would cost microseconds.
+#pragma unroll 8
     for (int c = lane * 8; c < p.d; c += 256) {
       float w[8];
       load8(wrow, p.rw_t, c, p.d, p.rw_vec16, w);
@@ -251,11 +254,20 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_combine(const MoeParams p, 
   float acc = 0.f;
   if (o < p.d_out)
     for (int j = 0; j < k; ++j) {
+      // Slices r, r + groups, ... in order; loaded kBatch at a time before they are re-zeroed,
+      // so a thread waits on memory once per batch rather than once per slice.
+      constexpr int kBatch = 8;
+      const int64_t step = int64_t(groups) * p.slots * p.d_out;
+      float* at = p.out + (int64_t(r) * p.slots + t * k + j) * p.d_out + o;
       float s = 0.f;
-      for (int q = r; q < p.out_slices; q += groups) {
-        float* at = p.out + (int64_t(q) * p.slots + t * k + j) * p.d_out + o;
-        s += __ldcg(at);
-        *at = 0.f;
+      for (int q = r; q < p.out_slices; q += kBatch * groups, at += kBatch * step) {
+        const int n = min(kBatch, (p.out_slices - q + groups - 1) / groups);
+        float v[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) v[u] = u < n ? __ldcg(at + u * step) : 0.f;
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u)
+          if (u < n) s += v[u], at[u * step] = 0.f;
       }
       acc = fmaf(wt[j], s, acc);
     }
