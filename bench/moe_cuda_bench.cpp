@@ -6,8 +6,10 @@
 // reads exceed 3x the L2), warm-up, median of --reps replays. Floor = bytes of the experts the
 // routing actually hits (counted on the host from an fp64 routing of the same inputs) + router +
 // x and y, at the copy bandwidth measured in this run. T <= 4 is checked against an fp64 host
-// reference of token 0 before timing.
+// reference of token 0 before timing. Every row names the cuda entry that ran: the default dispatch
+// picks, or --kernel NAME (fmlp_moe_with_kernel; rows it does not take are printed as skipped).
 // usage: fusedmlp_moe_bench [--json FILE] [--reps N] [--ts 1,4,16,64,512] [--deterministic]
+//                           [--kernel moe_sm80_grouped|moe_sm80_chunked]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -86,12 +88,24 @@ void route(const Layer& L, const uint16_t* wr, const uint16_t* x, int64_t* ids, 
 }
 
 struct Row {
-  std::string layer, check;
+  std::string layer, check, kernel;
   int64_t t;
   double us, floor_us, bytes, hit;
+  double tflops() const { return 2.0 * double(t * k) * 3.0 * double(d * h) / us * 1e-6; }
+  int64_t k, d, h;
 };
 
-Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int reps, bool det) {
+// The cuda entry the default dispatch picks for a (the first one of the table that takes it).
+std::string dispatched(const fmlp_moe_args_t& a) {
+  for (int i = 0; i < fmlp_moe_kernel_count(); ++i)
+    if (fmlp_moe_kernel_backend(i) == FMLP_BACKEND_CUDA &&
+        fmlp_moe_kernel_supports(&a, fmlp_moe_kernel_name(i)) == FMLP_SUCCESS)
+      return fmlp_moe_kernel_name(i);
+  return "none";
+}
+
+Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int reps, bool det,
+          const char* kernel) {
   const size_t w1n = size_t(L.e * 2 * L.h * L.d), w2n = size_t(L.e * L.d * L.h);
   const double expert_bytes = double(3 * L.h * L.d) * 2;
   // Copies so that the experts one call hits (at least k) exceed 3x the L2, within ~6 GB.
@@ -120,14 +134,34 @@ Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int r
   a.residual = a.router_b = a.b1 = a.b2 = fmlp_tensor_none();
   a.config = fmlp_moe_config_default(int32_t(L.e), int32_t(L.k));
   a.config.gated = 1, a.config.activation = FMLP_ACT_SILU, a.config.deterministic = det;
+  Row r{L.name, "-", kernel ? kernel : dispatched(a), T, 0, 0, 0, 0, L.k, L.d, L.h};
+  const auto release = [&] {
+    for (int c = 0; c < copies; ++c) {
+      CK(cudaFree(dw1[size_t(c)]));
+      CK(cudaFree(dw2[size_t(c)]));
+      CK(cudaFree(dx[size_t(c)]));
+    }
+    CK(cudaFree(dwr));
+    CK(cudaFree(dy));
+  };
+  if (kernel && fmlp_moe_kernel_supports(&a, kernel) != FMLP_SUCCESS) {
+    std::printf("%s T=%lld: %s skipped: %s\n", L.name, (long long)T, kernel, fmlp_last_error());
+    r.check = "UNSUPPORTED";
+    release();
+    return r;
+  }
   size_t wsb = 0;
-  FK(fmlp_moe_workspace_size(&a, FMLP_BACKEND_CUDA, &wsb));
+  FK(kernel ? fmlp_moe_kernel_workspace_size(&a, kernel, &wsb)
+            : fmlp_moe_workspace_size(&a, FMLP_BACKEND_CUDA, &wsb));
   void* ws = nullptr;
   CK(cudaMalloc(&ws, wsb));
   CK(cudaMemset(ws, 0, wsb));
-  Row r{L.name, "-", T, 0, 0, 0, 0};
+  const auto call = [&] {
+    return kernel ? fmlp_moe_with_kernel(&a, kernel, ws, wsb, s)
+                  : fmlp_moe(&a, FMLP_BACKEND_CUDA, ws, wsb, s);
+  };
   if (T <= 4) {  // token 0 of copy 0 against fp64
-    FK(fmlp_moe(&a, FMLP_BACKEND_CUDA, ws, wsb, s));
+    FK(call());
     CK(cudaStreamSynchronize(s));
     std::vector<uint16_t> y(size_t(T * L.d));
     CK(cudaMemcpy(y.data(), dy, y.size() * 2, cudaMemcpyDeviceToHost));
@@ -178,7 +212,7 @@ Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int r
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   for (int c = 0; c < copies; ++c) {
     a.x.data = dx[size_t(c)], a.w1.data = dw1[size_t(c)], a.w2.data = dw2[size_t(c)];
-    FK(fmlp_moe(&a, FMLP_BACKEND_CUDA, ws, wsb, s));
+    FK(call());
   }
   CK(cudaStreamEndCapture(s, &g));
   cudaGraphExec_t ge;
@@ -189,13 +223,7 @@ Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int r
   FK(fmlp_moe_device_errors(ws, wsb, s, &errors));
   if (errors != 0) r.check = "DEVICE-ERRORS";
   CK(cudaGraphExecDestroy(ge));
-  for (int c = 0; c < copies; ++c) {
-    CK(cudaFree(dw1[size_t(c)]));
-    CK(cudaFree(dw2[size_t(c)]));
-    CK(cudaFree(dx[size_t(c)]));
-  }
-  CK(cudaFree(dwr));
-  CK(cudaFree(dy));
+  release();
   CK(cudaFree(ws));
   return r;
 }
@@ -206,6 +234,7 @@ int main(int argc, char** argv) {
   std::string json = "moe.json", ts = "1,4,16,64,512";
   int reps = 30;
   bool det = false;
+  const char* kernel = nullptr;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc)
@@ -216,6 +245,8 @@ int main(int argc, char** argv) {
       ts = argv[++i];
     else if (a == "--deterministic")
       det = true;
+    else if (a == "--kernel" && i + 1 < argc)
+      kernel = argv[++i];
   }
   std::vector<int64_t> tv;
   for (const char* p = ts.c_str(); *p;) {
@@ -232,13 +263,14 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   for (const Layer& L : kLayers)
     for (int64_t T : tv) {
-      rows.push_back(bench(L, T, size_t(prop.l2CacheSize), bw, s, reps, det));
-      const Row& r = rows.back();
+      const Row r = bench(L, T, size_t(prop.l2CacheSize), bw, s, reps, det, kernel);
+      if (r.us <= 0) continue;  // the named kernel does not take the case
+      rows.push_back(r);
       std::printf(
           "%-8s T=%-4lld experts hit %6.2f  %9.2f us  floor %8.2f us  %5.1f%% of floor  "
-          "%7.1f GB/s  %s\n",
+          "%7.1f GB/s  %6.1f TFLOP/s  %s  %s\n",
           r.layer.c_str(), (long long)r.t, r.hit, r.us, r.floor_us, 100 * r.floor_us / r.us,
-          r.bytes / r.us * 1e-3, r.check.c_str());
+          r.bytes / r.us * 1e-3, r.tflops(), r.check.c_str(), r.kernel.c_str());
       std::fflush(stdout);
     }
   FILE* f = std::fopen(json.c_str(), "w");
@@ -250,9 +282,10 @@ int main(int argc, char** argv) {
     std::fprintf(f,
                  "  {\"layer\": \"%s\", \"T\": %lld, \"us\": %.3f, \"floor_us\": %.3f, "
                  "\"pct_of_floor\": %.1f, \"experts_hit\": %.3f, \"bytes\": %.0f, \"GBps\": %.1f, "
-                 "\"check\": \"%s\"}%s\n",
+                 "\"TFLOPs\": %.2f, \"check\": \"%s\", \"kernel\": \"%s\"}%s\n",
                  r.layer.c_str(), (long long)r.t, r.us, r.floor_us, 100 * r.floor_us / r.us, r.hit,
-                 r.bytes, r.bytes / r.us * 1e-3, r.check.c_str(), i + 1 < rows.size() ? "," : "");
+                 r.bytes, r.bytes / r.us * 1e-3, r.tflops(), r.check.c_str(), r.kernel.c_str(),
+                 i + 1 < rows.size() ? "," : "");
   }
   std::fprintf(f, "]}\n");
   std::fclose(f);

@@ -70,6 +70,10 @@ if has moe; then  # moe op: our bench (fast and deterministic mode), then the Py
   "$B/bench/fusedmlp_moe_bench" --json "$OUT/moe.json" 2>&1 | tee "$OUT/moe_bench.log" | tail -12
   "$B/bench/fusedmlp_moe_bench" --deterministic --ts 64,512 --json "$OUT/moe_det.json" 2>&1 |
     tee "$OUT/moe_bench_det.log" | tail -6
+  for k in moe_sm80_grouped moe_sm80_chunked; do  # both entries on the same shapes: the crossover
+    "$B/bench/fusedmlp_moe_bench" --kernel $k --ts 16,32,64,128,256,512 --json "$OUT/moe_$k.json" \
+      2>&1 | tee "$OUT/moe_bench_$k.log" | grep -v skipped | tail -12
+  done
   PYTHONUNBUFFERED=1 timeout ${PEERS_TIMEOUT:-420} python3 bench/peers_moe.py \
     --json "$OUT/peers_moe.json" --ours "$OUT/moe.json" 2>&1 | tee "$OUT/peers_moe.log" | tail -14
 fi

@@ -612,6 +612,38 @@ std::vector<const char*> cuda_moe_kernels() {
     if (!device_unavailable_reason().empty()) GTEST_SKIP() << device_unavailable_reason(); \
   } while (0)
 
+// Cases moe_sm80_grouped takes (>= 32 tokens per hit expert, x in the experts' dtype, d and hidden
+// multiples of 64): its 64- and 128-row tiles, partial chunks, partial N tiles (dense hidden and
+// d_out not multiples of 128), uneven groups, one expert, mostly empty experts.
+std::vector<MoeCase> grouped_cases() {
+  const auto mk = [](int64_t t, int64_t e, int64_t k, int64_t d, int64_t h, int64_t d_out,
+                     fmlp_dtype_t wt, bool gated, fmlp_activation_t act) {
+    MoeCase c;
+    c.t = t, c.e = e, c.k = k, c.d = d, c.hidden = h, c.d_out = d_out;
+    c.xt = c.wt = c.rt = wt, c.gated = gated, c.act = act;
+    return c;
+  };
+  const fmlp_dtype_t bf = FMLP_DTYPE_BF16, f16 = FMLP_DTYPE_F16;
+  std::vector<MoeCase> v;
+  v.push_back(mk(300, 8, 2, 256, 1408, 256, bf, true, FMLP_ACT_SILU));  // 64-row tiles, uneven
+  MoeCase c = mk(160, 8, 2, 128, 192, 136, bf, true, FMLP_ACT_SILU);
+  c.routing = 2, c.residual = 2, c.b1 = bf;  // 320 slots on one expert: 5 full chunks
+  v.push_back(c);
+  c = mk(160, 8, 2, 128, 192, 136, f16, false, FMLP_ACT_GELU);
+  c.routing = 3, c.residual = 1, c.b2 = FMLP_DTYPE_F32;  // experts 0 and 4 only
+  v.push_back(c);
+  c = mk(200, 4, 2, 192, 320, 64, f16, true, FMLP_ACT_GELU_TANH);  // 128-row tiles, partial
+  c.b1 = c.b2 = f16, c.rt = bf, c.rb = FMLP_DTYPE_F32, c.deterministic = false;
+  v.push_back(c);
+  c = mk(512, 8, 2, 64, 320, 200, bf, false, FMLP_ACT_RELU);  // partial N tiles in both GEMMs
+  c.routing = 1, c.b1 = FMLP_DTYPE_F32, c.residual = 2;
+  v.push_back(c);
+  c = mk(100, 2, 1, 64, 128, 8, bf, false, FMLP_ACT_GELU);
+  c.sigmoid = true, c.renorm = false;
+  v.push_back(c);
+  return v;
+}
+
 std::vector<MoeCase> device_cases() {
   std::vector<MoeCase> v;
   Rng rng(mix_seed(test_seed(), 6));
@@ -658,15 +690,17 @@ std::vector<MoeCase> device_cases() {
     c.xt = c.wt = FMLP_DTYPE_BF16, c.gated = true, c.deterministic = det;
     v.push_back(c);
   }
+  for (MoeCase c : grouped_cases()) v.push_back(c);
   return v;
 }
 
-TEST(MoeCuda, MatchesReference) {
-  SKIP_WITHOUT_GPU();
+// run(kernel, case, index) for every cuda entry and case: "" or a skip, and every entry takes one.
+void each_entry(const std::vector<MoeCase>& cs,
+                const std::function<std::string(const char*, const MoeCase&, int)>& run) {
   for (const char* kernel : cuda_moe_kernels()) {
     int ran = 0, n = 0;
-    for (const MoeCase& c : device_cases()) {
-      const std::string err = run_device(c, kernel, mix_seed(test_seed(), uint64_t(++n)));
+    for (const MoeCase& c : cs) {
+      const std::string err = run(kernel, c, n++);
       if (skipped(err)) continue;
       ++ran;
       EXPECT_EQ(err, "") << kernel << " [" << c.name() << "] (FMLP_TEST_SEED=" << test_seed()
@@ -674,6 +708,13 @@ TEST(MoeCuda, MatchesReference) {
     }
     EXPECT_GT(ran, 0) << kernel << " took none of the cases";
   }
+}
+
+TEST(MoeCuda, MatchesReference) {
+  SKIP_WITHOUT_GPU();
+  each_entry(device_cases(), [](const char* kernel, const MoeCase& c, int n) {
+    return run_device(c, kernel, mix_seed(test_seed(), uint64_t(n + 1)));
+  });
 }
 
 TEST(MoeCuda, GraphReplaysRouteTheNewInputs) {
@@ -685,12 +726,16 @@ TEST(MoeCuda, GraphReplaysRouteTheNewInputs) {
   given = router;
   given.t = 64, given.e = 64, given.k = 8, given.routing = 1, given.deterministic = false;
   given.xt = FMLP_DTYPE_F32, given.wt = FMLP_DTYPE_F16;
+  MoeCase many = router;  // 64 tokens per expert: the grouped GEMMs
+  many.t = 256, many.d = 128, many.hidden = 256, many.d_out = 136;
+  MoeCase many_given = many;
+  many_given.t = 128, many_given.e = 4, many_given.routing = 1, many_given.gated = false;
+  many_given.xt = many_given.wt = FMLP_DTYPE_F16;
   DeviceRun graph;
   graph.graph = true;
-  for (const char* kernel : cuda_moe_kernels())
-    for (const MoeCase& c : {router, given})
-      EXPECT_EQ(run_device(c, kernel, mix_seed(test_seed(), 21), graph), "")
-          << kernel << " [" << c.name() << "]";
+  each_entry({router, given, many, many_given}, [&](const char* kernel, const MoeCase& c, int) {
+    return run_device(c, kernel, mix_seed(test_seed(), 21), graph);
+  });
 }
 
 TEST(MoeCuda, DeterministicModeIsBitwiseReproducible) {
@@ -701,15 +746,16 @@ TEST(MoeCuda, DeterministicModeIsBitwiseReproducible) {
   MoeCase few = c;  // few experts, narrow hidden slices: warps split K within a block
   few.t = 7, few.e = 8, few.k = 2, few.hidden = 352, few.d_out = 256,
   few.xt = few.wt = FMLP_DTYPE_F16;
-  for (const char* kernel : cuda_moe_kernels())
-    for (const MoeCase& cc : {c, few}) {
-      std::vector<unsigned char> a, b;
-      DeviceRun ra, rb;
-      ra.y_bytes = &a, rb.y_bytes = &b;
-      EXPECT_EQ(run_device(cc, kernel, 5, ra), "") << kernel;
-      EXPECT_EQ(run_device(cc, kernel, 5, rb), "") << kernel;
-      EXPECT_TRUE(a == b) << kernel << " [" << cc.name() << "]: two deterministic runs differ";
-    }
+  MoeCase many = c;  // 75 tokens per expert: the grouped GEMMs
+  many.e = 8, many.k = 2, many.hidden = 512;
+  each_entry({c, few, many}, [](const char* kernel, const MoeCase& cc, int) {
+    std::vector<unsigned char> a, b;
+    DeviceRun ra, rb;
+    ra.y_bytes = &a, rb.y_bytes = &b;
+    std::string err = run_device(cc, kernel, 5, ra);
+    if (err.empty()) err = run_device(cc, kernel, 5, rb);
+    return err.empty() && a != b ? "two deterministic runs differ" : err;
+  });
 }
 
 TEST(MoeCuda, DeviceIdsOutOfRangeGiveNanRowsAndACount) {
@@ -717,10 +763,13 @@ TEST(MoeCuda, DeviceIdsOutOfRangeGiveNanRowsAndACount) {
   MoeCase c;
   c.t = 7, c.e = 8, c.k = 2, c.d = 64, c.hidden = 72, c.d_out = 40, c.routing = 1;
   c.xt = c.wt = FMLP_DTYPE_BF16, c.residual = 1;
+  MoeCase many = c;  // 32 tokens per expert: the grouped GEMMs
+  many.t = 128, many.hidden = 64;
   DeviceRun bad;
   bad.bad_ids = {{1 * 2 + 1, 8}, {3 * 2 + 0, -1}, {3 * 2 + 1, 1 << 30}};
-  for (const char* kernel : cuda_moe_kernels())
-    EXPECT_EQ(run_device(c, kernel, 9, bad), "") << kernel;
+  each_entry({c, many}, [&](const char* kernel, const MoeCase& cc, int) {
+    return run_device(cc, kernel, 9, bad);
+  });
 }
 
 TEST(MoeCuda, BadInputIsRejectedAndDeviceYUntouched) {

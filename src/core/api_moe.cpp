@@ -160,6 +160,8 @@ fmlp_status_t validate_moe(const fmlp_moe_args_t* a, MoeDesc* d) {
     return fail(FMLP_ERROR_DTYPE_MISMATCH, "y is {} but x is {}; y must have x's dtype",
                 fmlp_dtype_name(a->y.dtype), fmlp_dtype_name(a->x.dtype));
   d->act_dtype = a->x.dtype;
+  d->x_vec16 = uintptr_t(a->x.data) % 16 == 0 &&
+               (d->tokens <= 1 || (a->x.stride[0] * int64_t(dtype_size(d->act_dtype))) % 16 == 0);
   if (a->w1.dtype == FMLP_DTYPE_F8_E4M3 || a->w2.dtype == FMLP_DTYPE_F8_E4M3)
     return fail(FMLP_ERROR_NOT_SUPPORTED,
                 "fp8 e4m3 expert weights are not supported by the moe op yet; pass f32, f16 or "

@@ -22,6 +22,7 @@ struct MoeDesc {
   fmlp_moe_scoring_t scoring = FMLP_MOE_SCORING_SOFTMAX;
   bool gated = false, renormalize = false, deterministic = false;
   bool given_routing = false, has_residual = false, residual_is_y = false;
+  bool x_vec16 = false;  // x's base and row stride are multiples of 16 bytes
   fmlp_device_type_t device = FMLP_DEVICE_CPU;
   int32_t device_id = 0;
   // Expert 0 as the mlp kernels see it with fp32 x and y (m = 0); weights_vec16 holds for every

@@ -1,6 +1,7 @@
-// The cuda moe path (moe_sm80_chunked) as its host code and its three kernels share it: the plan
-// (chunk size, hidden slices, reduction mode, workspace layout; a function of the shapes and the
-// device only, so the launch grids never depend on the routing) and the kernel parameters.
+// The cuda moe entries (moe_sm80_chunked, moe_sm80_grouped) as their host code and kernels share
+// them: the plan (chunk size, hidden slices, reduction mode, workspace layout; a function of the
+// shapes and the device only, so the launch grids never depend on the routing) and the kernel
+// parameters.
 //
 //   moe_route   (moe_route.cu)    per token block: router logits, scores, top-k (or the given
 //                                 routing, bad ids counted and flagged), per-expert counts; the
@@ -8,8 +9,12 @@
 //                                 each group into chunks of <= chunk tokens.
 //   moe_experts (moe_experts.cu)  grid max_chunks x slices: one chunk's tokens through one hidden
 //                                 slice of its expert on the tensor cores, fp32 partial outputs.
+//   moe_grouped (moe_grouped.cu)  instead of moe_experts for many tokens per expert: two smem-tiled
+//                                 tensor-core GEMMs over the chunk list (gate/up + activation into
+//                                 a [slots, hidden] workspace in chunk order, then down into the
+//                                 per-slot fp32 outputs).
 //   moe_combine (moe_route.cu)    y = [residual +] sum_j w_j (expert output + b2), j in order;
-//                                 re-zeroes the workspace.
+//                                 re-zeroes the workspace (the grouped path's hidden buffer too).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -36,17 +41,21 @@ struct MoeHeader {
 };
 
 struct MoePlan {
-  int chunk = 8;           // tokens per chunk (8, 16, 32 or 64): the mma token tiles times 8
+  int chunk = 8;           // tokens per chunk: 8, 16, 32 or 64 (chunked), 64 or 128 (grouped)
   int64_t max_chunks = 0;  // bound on sum_e ceil(count_e / chunk) from T, k and E alone
   int slices = 1;          // hidden slices per chunk (grid y)
   int tiles = 0;           // 16-unit tiles of the hidden dimension
   bool partial = true;     // per-slice partials summed in order (deterministic), else red.add
   int route_tokens = 4;    // tokens per route block
   size_t counts = 0, ids = 0, wts = 0, perm = 0, chunk_expert = 0, chunk_start = 0, chunk_len = 0,
-         out = 0, total = 0;  // workspace layout in bytes
-  size_t experts_smem = 0;    // dynamic shared memory of the expert kernel
+         out = 0, hbuf = 0, total = 0;  // workspace layout in bytes (hbuf: grouped only)
+  size_t experts_smem = 0;              // dynamic shared memory of the expert kernel
 };
 MoePlan moe_plan(const MoeDesc& d);
+MoePlan moe_plan_grouped(const MoeDesc& d);
+
+// The grouped GEMMs' tiles: hidden (and d) must be multiples of kMoeGroupedK.
+constexpr int kMoeGroupedK = 64;
 
 struct MoeParams {
   int tokens, d, hidden, d_out, experts, top_k, slots, chunk, slices, tiles, out_slices;
@@ -77,13 +86,16 @@ struct MoeParams {
   fmlp_dtype_t b1_t, b2_t, w_t;
   MoeHeader* hdr;
   int32_t *counts, *ids, *perm, *chunk_expert, *chunk_start, *chunk_len;
-  float *wts, *out;  // out: [out_slices][slots][d_out] fp32
+  float *wts, *out;    // out: [out_slices][slots][d_out] fp32
+  uint4* hbuf;         // grouped: h [slots][hidden] in chunk order, in the weights' dtype
+  int64_t hbuf_words;  // its 16-byte words (0 for the chunked path), re-zeroed by combine
   int max_chunks;
   size_t experts_smem;
 };
 
 fmlp_status_t moe_launch_route(const MoeParams& p, cudaStream_t s);
 fmlp_status_t moe_launch_experts(const MoeParams& p, cudaStream_t s);
+fmlp_status_t moe_launch_grouped(const MoeParams& p, cudaStream_t s);
 fmlp_status_t moe_launch_combine(const MoeParams& p, cudaStream_t s);
 
 }  // namespace fmlp::detail

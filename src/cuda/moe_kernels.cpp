@@ -1,7 +1,10 @@
-// The cuda moe entry moe_sm80_chunked (kernels in moe_route.cu and moe_experts.cu, overview in
-// moe_cuda.hpp): what it takes, its plan and workspace, its launches, and the device error count.
+// The cuda moe entries (overview in moe_cuda.hpp): moe_sm80_grouped (route, grouped GEMMs in
+// moe_grouped.cu, combine) for many tokens per expert, moe_sm80_chunked (route, moe_experts.cu,
+// combine) otherwise; what they take, their plans and workspaces, their launches, and the device
+// error count.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
@@ -20,7 +23,8 @@ size_t align256(size_t n) {
   return (n + 255) / 256 * 256;
 }
 
-bool moe_cuda_supports(const MoeDesc& d, std::string* why) {
+// What both entries need: the device, 16-bit experts, the route kernel's expert limit.
+bool moe_common_supports(const MoeDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16)
     return (*why = fmt::format("{} experts: the tensor-core kernel takes bf16 or f16 experts",
@@ -31,6 +35,11 @@ bool moe_cuda_supports(const MoeDesc& d, std::string* why) {
                                "shared memory and takes at most {}",
                                d.experts, kMoeMaxExperts),
             false);
+  return true;
+}
+
+bool moe_cuda_supports(const MoeDesc& d, std::string* why) {
+  if (!moe_common_supports(d, why)) return false;
   if (d.d % 8 != 0 || d.hidden % 8 != 0)
     return (*why = fmt::format("d={} and hidden={} must be multiples of 8 (16-byte weight "
                                "loads); pad the experts",
@@ -44,6 +53,75 @@ bool moe_cuda_supports(const MoeDesc& d, std::string* why) {
   if (d.d >= (int64_t(1) << 28) || d.hidden >= (int64_t(1) << 28) || d.d_out > (int64_t(1) << 21))
     return (*why = "d and hidden must be below 2^28 and d_out at most 2^21", false);
   return true;
+}
+
+// The grouped GEMMs pay for a whole tile per chunk; below kGroupedMinRows expected tokens per hit
+// expert the weight-streaming kernel wins (the bench decides the value); from kGroupedWideRows the
+// grouped GEMMs use 128-row tiles. FMLP_MOE_GROUPED_MIN_ROWS / FMLP_MOE_GROUPED_WIDE_ROWS
+// override them (tuning knobs for the benchmarks, read once).
+double tuned(const char* env, double fallback) {
+  const char* e = std::getenv(env);
+  const double v = e ? std::atof(e) : 0.0;
+  return v > 0.0 ? v : fallback;
+}
+const double kGroupedMinRows = tuned("FMLP_MOE_GROUPED_MIN_ROWS", 32);
+const double kGroupedWideRows = tuned("FMLP_MOE_GROUPED_WIDE_ROWS", 96);
+
+// Tokens per expert with tokens if every hit expert got the same share.
+double tokens_per_hit_expert(const MoeDesc& d) {
+  const int64_t n = d.tokens * d.top_k;
+  return double(n) / double(std::max<int64_t>(1, std::min(d.experts, n)));
+}
+
+bool moe_grouped_supports(const MoeDesc& d, std::string* why) {
+  if (!moe_common_supports(d, why)) return false;
+  const double per = tokens_per_hit_expert(d);
+  if (per < kGroupedMinRows)
+    return (*why = fmt::format("T*k/min(E, T*k) = {:.1f} tokens per hit expert, below {}: the "
+                               "grouped GEMM's 64-row tiles would be mostly padding; "
+                               "moe_sm80_chunked streams the weights at decode sizes",
+                               per, kGroupedMinRows),
+            false);
+  if (d.act_dtype != d.w_dtype)
+    return (*why = fmt::format("x is {} but the experts are {}: the grouped GEMM copies x rows "
+                               "as they are (moe_sm80_chunked converts them); pass x in the "
+                               "experts' dtype",
+                               fmlp_dtype_name(d.act_dtype), fmlp_dtype_name(d.w_dtype)),
+            false);
+  if (d.d % kMoeGroupedK != 0 || d.hidden % kMoeGroupedK != 0 || d.d_out % 8 != 0)
+    return (*why = fmt::format("d={}, hidden={}, d_out={}: the grouped GEMM's tiles need d and "
+                               "hidden multiples of {} and d_out a multiple of 8",
+                               d.d, d.hidden, d.d_out, kMoeGroupedK),
+            false);
+  if (!d.x_vec16 || !d.expert.weights_vec16)
+    return (*why =
+                "x, W1 or W2 rows are not 16-byte aligned (base or row stride): the grouped "
+                "GEMM copies 16-byte pieces; store them with 16-byte aligned rows",
+            false);
+  if (d.hidden >= (int64_t(1) << 22) || d.d_out >= (int64_t(1) << 22) || d.d >= (int64_t(1) << 28))
+    return (*why = "hidden and d_out must be below 2^22 (grid rows) and d below 2^28", false);
+  return true;
+}
+
+// The workspace regions after the header, each on a 256-byte boundary.
+void lay_out(const MoeDesc& d, size_t out_bytes, size_t h_bytes, MoePlan* pl) {
+  const int64_t n = d.tokens * d.top_k;
+  size_t at = align256(sizeof(MoeHeader));
+  const auto take = [&](size_t bytes) {
+    const size_t here = at;
+    at += align256(bytes);
+    return here;
+  };
+  pl->counts = take(size_t(d.experts) * 4);
+  pl->ids = take(size_t(n) * 4);
+  pl->wts = take(size_t(n) * 4);
+  pl->perm = take(size_t(n) * 4);
+  pl->chunk_expert = take(size_t(pl->max_chunks) * 4);
+  pl->chunk_start = take(size_t(pl->max_chunks) * 4);
+  pl->chunk_len = take(size_t(pl->max_chunks) * 4);
+  pl->out = take(out_bytes);
+  pl->hbuf = take(h_bytes);
+  pl->total = at;
 }
 
 }  // namespace
@@ -68,22 +146,21 @@ MoePlan moe_plan(const MoeDesc& d) {
   if (d.deterministic)
     pl.slices = int(std::clamp<size_t>(kPartialCap / slice_bytes, 1, size_t(pl.slices)));
   pl.partial = d.deterministic || size_t(pl.slices) * slice_bytes <= kPartialCap;
-  size_t at = align256(sizeof(MoeHeader));
-  const auto take = [&](size_t bytes) {
-    const size_t here = at;
-    at += align256(bytes);
-    return here;
-  };
-  pl.counts = take(size_t(E) * 4);
-  pl.ids = take(size_t(n) * 4);
-  pl.wts = take(size_t(n) * 4);
-  pl.perm = take(size_t(n) * 4);
-  pl.chunk_expert = take(size_t(pl.max_chunks) * 4);
-  pl.chunk_start = take(size_t(pl.max_chunks) * 4);
-  pl.chunk_len = take(size_t(pl.max_chunks) * 4);
-  pl.out = take(size_t(pl.partial ? pl.slices : 1) * slice_bytes);
-  pl.total = at;
+  lay_out(d, size_t(pl.partial ? pl.slices : 1) * slice_bytes, 0, &pl);
   pl.experts_smem = size_t(pl.chunk) * kMoeHsStride * 2 + size_t(2 * kMoeResRows) * pl.chunk * 4;
+  return pl;
+}
+
+MoePlan moe_plan_grouped(const MoeDesc& d) {
+  MoePlan pl;
+  const int64_t n = d.tokens * d.top_k;
+  // 128-row tiles waste less of the tensor cores' time once the groups are that large.
+  pl.chunk = tokens_per_hit_expert(d) >= kGroupedWideRows ? 128 : 64;
+  const int64_t c = pl.chunk;
+  pl.max_chunks = std::min(n, (n + (c - 1) * std::min<int64_t>(d.experts, n)) / c);
+  pl.slices = 1;
+  pl.partial = true;
+  lay_out(d, size_t(n) * size_t(d.d_out) * 4, size_t(n) * size_t(d.hidden) * 2, &pl);
   return pl;
 }
 
@@ -93,8 +170,11 @@ size_t moe_cuda_workspace(const MoeDesc& d) {
   return moe_plan(d).total;
 }
 
-fmlp_status_t moe_cuda_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* ws, void* stream) {
-  const MoePlan pl = moe_plan(d);
+size_t moe_grouped_workspace(const MoeDesc& d) {
+  return moe_plan_grouped(d).total;
+}
+
+MoeParams moe_params(const fmlp_moe_args_t& a, const MoeDesc& d, const MoePlan& pl, void* ws) {
   const size_t xs = dtype_size(d.act_dtype);
   MoeParams p{};
   p.tokens = int(d.tokens), p.d = int(d.d), p.hidden = int(d.hidden), p.d_out = int(d.d_out);
@@ -136,18 +216,39 @@ fmlp_status_t moe_cuda_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* ws,
   p.chunk_start = reinterpret_cast<int32_t*>(base + pl.chunk_start);
   p.chunk_len = reinterpret_cast<int32_t*>(base + pl.chunk_len);
   p.out = reinterpret_cast<float*>(base + pl.out);
+  p.hbuf = reinterpret_cast<uint4*>(base + pl.hbuf);
+  p.hbuf_words = int64_t(pl.total - pl.hbuf) / 16;
   p.max_chunks = int(pl.max_chunks);
   p.experts_smem = pl.experts_smem;
+  return p;
+}
 
+// Route, the experts (launch_experts), combine.
+fmlp_status_t moe_run_with(const fmlp_moe_args_t& a, const MoeDesc& d, const MoePlan& pl, void* ws,
+                           void* stream,
+                           fmlp_status_t (*launch_experts)(const MoeParams&, cudaStream_t)) {
+  const MoeParams p = moe_params(a, d, pl, ws);
   const DeviceScope scope(d.device_id);
   if (scope.status() != FMLP_SUCCESS) return scope.status();
   const auto s = static_cast<cudaStream_t>(stream);
   if (const fmlp_status_t st = moe_launch_route(p, s); st != FMLP_SUCCESS) return st;
-  if (const fmlp_status_t st = moe_launch_experts(p, s); st != FMLP_SUCCESS) return st;
+  if (const fmlp_status_t st = launch_experts(p, s); st != FMLP_SUCCESS) return st;
   return moe_launch_combine(p, s);
 }
 
+fmlp_status_t moe_cuda_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* ws, void* stream) {
+  return moe_run_with(a, d, moe_plan(d), ws, stream, moe_launch_experts);
+}
+
+fmlp_status_t moe_grouped_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* ws, void* stream) {
+  return moe_run_with(a, d, moe_plan_grouped(d), ws, stream, moe_launch_grouped);
+}
+
+// Dispatch takes the first entry that supports a call: the grouped GEMMs at many tokens per
+// expert, the weight-streaming kernel otherwise.
 const MoeKernel kCudaMoeKernels[] = {
+    {"moe_sm80_grouped", FMLP_BACKEND_CUDA, moe_grouped_supports, moe_grouped_workspace,
+     moe_grouped_run},
     {"moe_sm80_chunked", FMLP_BACKEND_CUDA, moe_cuda_supports, moe_cuda_workspace, moe_cuda_run},
 };
 

@@ -13,8 +13,8 @@
 //
 // moe_sm80_combine: one (token, column tile) per block; the expert outputs of the token's k slots
 // summed over the hidden slices in a fixed order, weighted, + b2, + residual, stored as y's dtype.
-// Every value read is re-zeroed; the last block clears the routing, so the workspace is left
-// zero-filled (the error count aside).
+// Every value read is re-zeroed (and the grouped path's h buffer); the last block clears the
+// routing, so the workspace is left zero-filled (the error count aside).
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -296,6 +296,8 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_combine(const MoeParams p, 
   for (int64_t i = b * kThreads + threadIdx.x; i < p.slots; i += nb * kThreads) p.perm[i] = 0;
   for (int64_t i = b * kThreads + threadIdx.x; i < p.max_chunks; i += nb * kThreads)
     p.chunk_expert[i] = p.chunk_start[i] = p.chunk_len[i] = 0;
+  for (int64_t i = b * kThreads + threadIdx.x; i < p.hbuf_words; i += nb * kThreads)
+    p.hbuf[i] = make_uint4(0, 0, 0, 0);  // the grouped path's h, read by the kernel before
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(&p.hdr->combine_done, 1u) == unsigned(nb - 1);

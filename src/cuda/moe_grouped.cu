@@ -1,0 +1,342 @@
+// moe_sm80_grouped, the expert part for many tokens per expert: two smem-tiled tensor-core GEMMs
+// over the route kernel's chunk list (a chunk = up to BM slots of one expert, BM = 64 or 128).
+// Grids are max_chunks x N tiles (a bound from the shapes alone, so nothing depends on the
+// routing and the op stays capturable); blocks past the actual chunk count exit at once. Blocks
+// of one N tile and consecutive chunks are adjacent in the grid, so the chunks of one expert read
+// its weight tiles at about the same time (L2 hits after the first).
+//
+//   gate/up  A = the chunk's token rows of x (gathered through the slot permutation), B = W1[e]
+//            rows (nn.Linear layout: K-contiguous, a "TN" GEMM). Gated: the block's 128 B rows
+//            interleave 8 gate rows with the 8 up rows of the same units, so a thread holds the
+//            gate and up sums of its units and the epilogue forms h = act(gate + bg) * (up + bu)
+//            (dense: act(acc + b1)), rounds it to the weights' dtype (as PyTorch does) and stores
+//            it to the [slots, hidden] workspace buffer at the chunk's positions.
+//   down     A = those h rows (contiguous), B = W2[e] rows; fp32 results stored to the per-slot
+//            output rows (row = the slot id) that the combine kernel reads, adds b2 to, weights,
+//            sums in j order and re-zeroes (it re-zeroes h as well).
+// Each output element is one block's fixed-order sum: reruns are bitwise equal.
+//
+// Tiles: BM x 128 x 64, 8 warps (2 along M x 4 along N, warp tile BM/2 x 32), mma.sync
+// m16n8k16 with fp32 accumulators, ldmatrix.x4 for both operands, cp.async.cg 16-byte copies in
+// a 3-stage (BM = 128) or 4-stage (BM = 64) ring of 96 KiB: two blocks per multiprocessor. A
+// 128-byte smem row holds 8 pieces of 16 bytes stored at piece ^ (row % 8), so the 8 rows an
+// ldmatrix phase reads (and the rows a warp's copies write) fall in distinct banks. Rows past the
+// chunk's length load the chunk's last row (valid addresses, results dropped) and are never
+// stored; N tiles past the matrix load its last row the same way.
+#include <cuda_runtime.h>
+
+#include "core/error.hpp"
+#include "cuda/common.cuh"
+#include "cuda/launch_util.hpp"
+#include "cuda/mma_stream.cuh"
+#include "cuda/moe_cuda.hpp"
+#include "cuda/moe_device.cuh"
+
+namespace fmlp::detail {
+namespace {
+
+using fmlp::cuda::activate;
+using fmlp::cuda::load_scalar;
+using fmlp::cuda::mma;
+using fmlp::cuda::pack2;
+
+constexpr int kThreads = 256;
+constexpr int kBN = 128;            // B rows per block
+constexpr int kBK = kMoeGroupedK;   // K per stage: one 128-byte smem row
+constexpr int kRowBytes = kBK * 2;  // of 16-bit elements
+constexpr int kPieces = kRowBytes / 16;
+
+template <int BM>
+struct Tiles {
+  static constexpr int kStages = BM == 64 ? 4 : 3;
+  static constexpr int kWarpM = BM / 2;
+  static constexpr int kMI = kWarpM / 16;               // m16 tiles per warp
+  static constexpr int kNJ = 4;                         // n8 tiles per warp (32 columns)
+  static constexpr int kCopyRows = kThreads / kPieces;  // rows one pass of copies covers
+  static constexpr int kARows = BM / kCopyRows;         // A rows a thread copies per stage
+  static constexpr int kBRows = kBN / kCopyRows;
+  static constexpr int kAStage = BM * kRowBytes, kBStage = kBN * kRowBytes;
+  static constexpr int kSmem = kStages * (kAStage + kBStage);
+};
+
+// Tile row that copy i of this thread fills (its piece is threadIdx.x % kPieces).
+__device__ __forceinline__ int copy_row(int i) {
+  return int(threadIdx.x) / kPieces + i * (kThreads / kPieces);
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                        uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+// acc += A B^T over k_tiles * kBK columns. a[i] / b[i]: start of tile row copy_row(i) of A
+// (BM rows) / B (kBN rows), both K-contiguous; they are advanced as the stages are requested.
+template <int BM, typename WT>
+__device__ __forceinline__ void gemm_tile(float (&acc)[Tiles<BM>::kMI][Tiles<BM>::kNJ][4],
+                                          const WT* (&a)[Tiles<BM>::kARows],
+                                          const WT* (&b)[Tiles<BM>::kBRows], int k_tiles) {
+  using T = Tiles<BM>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t base = uint32_t(__cvta_generic_to_shared(smem));
+  const int tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  const int piece = tid % kPieces;
+#pragma unroll
+  for (int i = 0; i < T::kARows; ++i) a[i] += piece * 8;
+#pragma unroll
+  for (int i = 0; i < T::kBRows; ++i) b[i] += piece * 8;
+  // copy_row(i) % 8 is the same for every i: one swizzled offset serves all copies.
+  const int row0 = copy_row(0);
+  const uint32_t put = row0 * kRowBytes + ((piece ^ (row0 % 8)) << 4);
+  const uint32_t b_base = base + T::kStages * T::kAStage;
+  auto request = [&](int stage) {
+    const uint32_t sa = base + stage * T::kAStage + put, sb = b_base + stage * T::kBStage + put;
+#pragma unroll
+    for (int i = 0; i < T::kARows; ++i) {
+      cp_async16(sa + i * T::kCopyRows * kRowBytes, a[i]);
+      a[i] += kBK;
+    }
+#pragma unroll
+    for (int i = 0; i < T::kBRows; ++i) {
+      cp_async16(sb + i * T::kCopyRows * kRowBytes, b[i]);
+      b[i] += kBK;
+    }
+  };
+  // ldmatrix.x4 sources. A (m16 x k16): lanes 0-15 rows 0-15 at k 0-7, lanes 16-31 rows 0-15 at
+  // k 8-15, giving a0..a3 of mma.m16n8k16. B (two n8 tiles x k16, rows = n): lanes 0-7 n 0-7 k 0-7,
+  // 8-15 n 0-7 k 8-15, 16-23 n 8-15 k 0-7, 24-31 n 8-15 k 8-15: b0, b1 of both n tiles. Every
+  // source row is a multiple of 8 plus lane % 8, so its swizzle term is lane % 8; the piece of
+  // k16 step ks is 2 ks + (0 or 1), and 2 ks ^ x = 2 ks + x for x < 2.
+  const uint32_t a_src = base + (warp / 4 * T::kWarpM + lane % 16) * kRowBytes;
+  const uint32_t b_src = b_base + (warp % 4 * 32 + lane % 8 + lane / 16 * 8) * kRowBytes;
+  const uint32_t a_x = uint32_t((lane / 16) ^ (lane % 8)),
+                 b_x = uint32_t((lane / 8 % 2) ^ (lane % 8));
+
+#pragma unroll
+  for (int s = 0; s < T::kStages - 1; ++s) {
+    if (s < k_tiles) request(s);
+    cp_async_commit();
+  }
+  int rd = 0, wr = T::kStages - 1;
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    cp_async_wait<T::kStages - 2>();  // this thread's copies of stage kt landed ...
+    __syncthreads();  // ... everyone's too, and stage kt - 1 is no longer being read
+    if (kt + T::kStages - 1 < k_tiles) request(wr);
+    cp_async_commit();
+    wr = wr + 1 == T::kStages ? 0 : wr + 1;
+    const uint32_t sa = a_src + rd * T::kAStage, sb = b_src + rd * T::kBStage;
+    rd = rd + 1 == T::kStages ? 0 : rd + 1;
+#pragma unroll
+    for (int ks = 0; ks < kBK / 16; ++ks) {
+      const uint32_t ao = (a_x ^ uint32_t(2 * ks)) << 4, bo = (b_x ^ uint32_t(2 * ks)) << 4;
+      uint32_t af[T::kMI][4], bf[T::kNJ][2];
+#pragma unroll
+      for (int mi = 0; mi < T::kMI; ++mi)
+        ldsm_x4(sa + mi * 16 * kRowBytes + ao, af[mi][0], af[mi][1], af[mi][2], af[mi][3]);
+#pragma unroll
+      for (int nj = 0; nj < T::kNJ; nj += 2)
+        ldsm_x4(sb + nj * 8 * kRowBytes + bo, bf[nj][0], bf[nj][1], bf[nj + 1][0], bf[nj + 1][1]);
+#pragma unroll
+      for (int mi = 0; mi < T::kMI; ++mi)
+#pragma unroll
+        for (int nj = 0; nj < T::kNJ; ++nj)
+          mma<WT>(acc[mi][nj], af[mi][0], af[mi][1], af[mi][2], af[mi][3], bf[nj][0], bf[nj][1]);
+    }
+  }
+  cp_async_wait<0>();  // only empty groups are left; nothing may be in flight at exit
+}
+
+// The chunk of this block: its expert, first position in the permutation and length.
+struct Chunk {
+  int e, start, len;
+};
+
+__device__ __forceinline__ bool chunk_of_block(const MoeParams& p, Chunk* c) {
+  const int i = int(blockIdx.x);
+  if (i >= p.hdr->chunks) return false;
+  *c = Chunk{p.chunk_expert[i], p.chunk_start[i], p.chunk_len[i]};
+  return true;
+}
+
+__device__ __forceinline__ const void* expert_bias(const void* b, fmlp_dtype_t t, int64_t stride,
+                                                   int e) {
+  return b ? static_cast<const char*>(b) + int64_t(e) * stride * (t == FMLP_DTYPE_F32 ? 4 : 2)
+           : nullptr;
+}
+
+// Block (chunk, N tile): h of 64 units (gated) or 128 units (dense) for the chunk's tokens.
+template <int BM, typename WT, bool GATED>
+__global__ void __launch_bounds__(kThreads, 2) moe_sm80_grouped_gate_up(const MoeParams p) {
+  using T = Tiles<BM>;
+  Chunk c;
+  if (!chunk_of_block(p, &c)) return;
+  constexpr int kUnits = GATED ? kBN / 2 : kBN;
+  const int u0 = int(blockIdx.y) * kUnits;
+  const WT* x = static_cast<const WT*>(p.x);
+  const WT* w1 = static_cast<const WT*>(p.w1) + int64_t(c.e) * p.w1_e;
+  const WT* a[T::kARows];
+  const WT* b[T::kBRows];
+#pragma unroll
+  for (int i = 0; i < T::kARows; ++i) {
+    const int slot = p.perm[c.start + min(copy_row(i), c.len - 1)];
+    a[i] = x + int64_t(slot / p.top_k) * p.x_ld;
+  }
+#pragma unroll
+  for (int i = 0; i < T::kBRows; ++i) {
+    const int r = copy_row(i);
+    int row;
+    if constexpr (GATED) {  // rows 16 q .. 16 q + 7: gate of units u0 + 8 q + 0..7; then their up
+      const int unit = u0 + r / 16 * 8 + r % 8;
+      row = r / 8 % 2 ? p.hidden + unit : unit;
+    } else {
+      row = min(u0 + r, p.hidden - 1);
+    }
+    b[i] = w1 + int64_t(row) * p.w1_ld;
+  }
+  float acc[T::kMI][T::kNJ][4] = {};
+  gemm_tile<BM, WT>(acc, a, b, p.d / kBK);
+
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32, g = lane / 4, t = lane % 4;
+  const int m0 = warp / 4 * T::kWarpM + g;
+  const void* b1 = expert_bias(p.b1, p.b1_t, p.b1_e, c.e);
+  WT* h = reinterpret_cast<WT*>(p.hbuf);
+  // h of units u, u + 1 (v[mi][0..1]: row m0 + 16 mi, v[mi][2..3]: 8 rows below) as 4-byte stores.
+  auto store = [&](int u, const float(&v)[T::kMI][4]) {
+#pragma unroll
+    for (int mi = 0; mi < T::kMI; ++mi)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int m = m0 + mi * 16 + hr * 8;
+        if (m < c.len)
+          *reinterpret_cast<uint32_t*>(h + int64_t(c.start + m) * p.hidden + u) =
+              pack2<WT>(v[mi][2 * hr], v[mi][2 * hr + 1]);
+      }
+  };
+  if constexpr (GATED) {
+#pragma unroll
+    for (int q = 0; q < T::kNJ / 2; ++q) {  // n8 tile 2q: gate, 2q + 1: up of the same units
+      const int u = u0 + (warp % 4 * 2 + q) * 8 + 2 * t;
+      float bg0 = 0.f, bg1 = 0.f, bu0 = 0.f, bu1 = 0.f;
+      if (b1) {
+        bg0 = load_scalar(b1, p.b1_t, u), bg1 = load_scalar(b1, p.b1_t, u + 1);
+        bu0 = load_scalar(b1, p.b1_t, p.hidden + u),
+        bu1 = load_scalar(b1, p.b1_t, p.hidden + u + 1);
+      }
+      float v[T::kMI][4];
+#pragma unroll
+      for (int mi = 0; mi < T::kMI; ++mi)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          v[mi][i] = activate(p.act, acc[mi][2 * q][i] + (i % 2 ? bg1 : bg0)) *
+                     (acc[mi][2 * q + 1][i] + (i % 2 ? bu1 : bu0));
+      store(u, v);
+    }
+  } else {
+#pragma unroll
+    for (int nj = 0; nj < T::kNJ; ++nj) {
+      const int u = u0 + warp % 4 * 32 + nj * 8 + 2 * t;
+      if (u >= p.hidden) continue;  // hidden is a multiple of 64: u + 1 is inside too
+      const float b0 = b1 ? load_scalar(b1, p.b1_t, u) : 0.f;
+      const float b01 = b1 ? load_scalar(b1, p.b1_t, u + 1) : 0.f;
+      float v[T::kMI][4];
+#pragma unroll
+      for (int mi = 0; mi < T::kMI; ++mi)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[mi][i] = activate(p.act, acc[mi][nj][i] + (i % 2 ? b01 : b0));
+      store(u, v);
+    }
+  }
+}
+
+// Block (chunk, N tile): 128 outputs of the chunk's slots, fp32, into their per-slot rows.
+template <int BM, typename WT>
+__global__ void __launch_bounds__(kThreads, 2) moe_sm80_grouped_down(const MoeParams p) {
+  using T = Tiles<BM>;
+  Chunk c;
+  if (!chunk_of_block(p, &c)) return;
+  const int n0 = int(blockIdx.y) * kBN;
+  const WT* hrows = reinterpret_cast<const WT*>(p.hbuf);
+  const WT* w2 = static_cast<const WT*>(p.w2) + int64_t(c.e) * p.w2_e;
+  const WT* a[T::kARows];
+  const WT* b[T::kBRows];
+#pragma unroll
+  for (int i = 0; i < T::kARows; ++i)
+    a[i] = hrows + int64_t(c.start + min(copy_row(i), c.len - 1)) * p.hidden;
+#pragma unroll
+  for (int i = 0; i < T::kBRows; ++i)
+    b[i] = w2 + int64_t(min(n0 + copy_row(i), p.d_out - 1)) * p.w2_ld;
+  float acc[T::kMI][T::kNJ][4] = {};
+  gemm_tile<BM, WT>(acc, a, b, p.hidden / kBK);
+
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32, g = lane / 4, t = lane % 4;
+  const int m0 = warp / 4 * T::kWarpM + g, o0 = n0 + warp % 4 * 32 + 2 * t;
+#pragma unroll
+  for (int mi = 0; mi < T::kMI; ++mi)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int m = m0 + mi * 16 + hr * 8;
+      if (m >= c.len) continue;
+      float* row = p.out + int64_t(p.perm[c.start + m]) * p.d_out;
+#pragma unroll
+      for (int nj = 0; nj < T::kNJ; ++nj) {
+        const int o = o0 + nj * 8;  // d_out is a multiple of 8: o + 1 is inside too
+        if (o < p.d_out)
+          *reinterpret_cast<float2*>(row + o) =
+              make_float2(acc[mi][nj][2 * hr], acc[mi][nj][2 * hr + 1]);
+      }
+    }
+}
+
+template <auto KERNEL>
+fmlp_status_t start(const char* name, dim3 grid, size_t smem, const MoeParams& p, cudaStream_t s) {
+  if (const fmlp_status_t st = allow_dynamic_smem<KERNEL>(smem, name); st != FMLP_SUCCESS)
+    return st;
+  KERNEL<<<grid, kThreads, smem, s>>>(p);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return fail(FMLP_ERROR_CUDA, "{} launch ({} x {} blocks) failed: {}", name, grid.x, grid.y,
+                cudaGetErrorString(e));
+  return FMLP_SUCCESS;
+}
+
+template <int BM, typename WT>
+fmlp_status_t launch(const MoeParams& p, cudaStream_t s) {
+  constexpr size_t smem = Tiles<BM>::kSmem;
+  const unsigned chunks = unsigned(p.max_chunks);
+  const unsigned units = p.gated ? kBN / 2 : kBN;
+  const dim3 grid1(chunks, unsigned((p.hidden + units - 1) / units));
+  const fmlp_status_t st = p.gated ? start<&moe_sm80_grouped_gate_up<BM, WT, true>>(
+                                         "moe_sm80_grouped_gate_up", grid1, smem, p, s)
+                                   : start<&moe_sm80_grouped_gate_up<BM, WT, false>>(
+                                         "moe_sm80_grouped_gate_up", grid1, smem, p, s);
+  if (st != FMLP_SUCCESS) return st;
+  const dim3 grid2(chunks, unsigned((p.d_out + kBN - 1) / kBN));
+  return start<&moe_sm80_grouped_down<BM, WT>>("moe_sm80_grouped_down", grid2, smem, p, s);
+}
+
+template <typename WT>
+fmlp_status_t dispatch(const MoeParams& p, cudaStream_t s) {
+  return p.chunk == 128 ? launch<128, WT>(p, s) : launch<64, WT>(p, s);
+}
+
+}  // namespace
+
+fmlp_status_t moe_launch_grouped(const MoeParams& p, cudaStream_t s) {
+  return p.w_t == FMLP_DTYPE_F16 ? dispatch<__half>(p, s) : dispatch<__nv_bfloat16>(p, s);
+}
+
+}  // namespace fmlp::detail
