@@ -12,6 +12,9 @@
 //
 // options: --device D (default: rank) --seed S --reps N --json FILE (rank 0 writes it)
 //          --reduce all|scatter
+//          --allreduce both|p2p|nccl: time the all-reduce through the one-shot p2p kernel (the
+//          communicator's default registration), through NCCL (registration dropped), or both in
+//          the same run (default); each row names the all-reduce its message actually took.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -49,13 +52,14 @@ struct Options {
   std::string id_file, shape = "llama3-70b", json;
   std::vector<int64_t> ms{1};
   fmlp_tp_reduce_t reduce = FMLP_TP_ALL_REDUCE;
+  std::vector<bool> p2p{true, false};  // the all-reduce modes timed, in order
 };
 
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "%s\nusage: fusedmlp_tp_mlp --rank R --size N --id-file FILE [--shape NAME] "
                "[--m 1,4096] [--device D] [--seed S] [--reps N] [--json FILE] "
-               "[--reduce all|scatter]\n",
+               "[--reduce all|scatter] [--allreduce both|p2p|nccl]\n",
                why);
   std::exit(1);
 }
@@ -84,7 +88,11 @@ Options parse(int argc, char** argv) {
       o.json = v;
     else if (a == "--reduce")
       o.reduce = std::string(v) == "scatter" ? FMLP_TP_REDUCE_SCATTER : FMLP_TP_ALL_REDUCE;
-    else if (a == "--m") {
+    else if (a == "--allreduce") {
+      const std::string m = v;
+      if (m != "both" && m != "p2p" && m != "nccl") usage("--allreduce takes both, p2p or nccl");
+      o.p2p = m == "both" ? std::vector<bool>{true, false} : std::vector<bool>{m == "p2p"};
+    } else if (a == "--m") {
       o.ms.clear();
       for (const char* p = v; *p;) {
         char* end = nullptr;
@@ -254,82 +262,101 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&ws, std::max<size_t>(ws_bytes, 256)));
     CK(cudaMemset(ws, 0, std::max<size_t>(ws_bytes, 256)));  // the workspace contract: zeroed once
 
-    // Correctness on rank 0: single-GPU y into ys[1], tensor-parallel y into ys[0].
+    // The single-GPU y (rank 0), kept on the host: the timed graphs overwrite every y.
     const int64_t rows_here = my_rows(o, m);  // rank 0's rows are the first ones either way
-    double max_err = 0;
-    bool ok = true;
-    if (root) FK(fmlp_mlp_packed_run(pf[0], &yv[1], &xv[0], nullptr, ws, ws_bytes, s));
-    FK(fmlp_tp_mlp_packed(ps[0], &yv[0], &xv[0], nullptr, comm, o.rank, o.size, o.reduce, ws,
-                          ws_bytes, s));
-    CK(cudaStreamSynchronize(s));
+    const size_t n = size_t(rows_here * d);
+    std::vector<uint16_t> ref(root ? n : 0);
+    double rms = 0;
     if (root) {
-      // Both outputs are within the accuracy contract (tests/tolerance.hpp, bf16: 2^-7 of |y| +
-      // the row's error scale, about its rms) of the exact result, so they differ by at most
-      // twice that: 2^-6 of |y| + rms(y).
-      const size_t n = size_t(rows_here * d);
-      std::vector<uint16_t> a(n), r(n);
-      CK(cudaMemcpy(a.data(), ys[0], n * 2, cudaMemcpyDeviceToHost));
-      CK(cudaMemcpy(r.data(), ys[1], n * 2, cudaMemcpyDeviceToHost));
+      FK(fmlp_mlp_packed_run(pf[0], &yv[1], &xv[0], nullptr, ws, ws_bytes, s));
+      CK(cudaStreamSynchronize(s));
+      CK(cudaMemcpy(ref.data(), ys[1], n * 2, cudaMemcpyDeviceToHost));
       double ss = 0;
-      for (uint16_t v : r) ss += double(fmlp::bf16_to_float(v)) * fmlp::bf16_to_float(v);
-      const double rms = std::sqrt(ss / double(n));
-      for (size_t i = 0; i < n; ++i) {
-        const double ref = fmlp::bf16_to_float(r[i]), got = fmlp::bf16_to_float(a[i]);
-        const double err = std::fabs(got - ref) / (std::fabs(ref) + rms);
-        if (!(err <= 1.0 / 64)) ok = false;  // NaN fails too
-        if (std::isfinite(err))
-          max_err = std::max(max_err, err);
-        else
-          max_err = INFINITY;
-      }
+      for (uint16_t v : ref) ss += double(fmlp::bf16_to_float(v)) * fmlp::bf16_to_float(v);
+      rms = std::sqrt(ss / double(n));
     }
-
-    // Timing: one graph = one call per weight copy.
-    cudaGraph_t g;
-    cudaGraphExec_t tp_exec, one_exec = nullptr;
-    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < copies; ++i)
-      FK(fmlp_tp_mlp_packed(ps[size_t(i)], &yv[size_t(i)], &xv[size_t(i)], nullptr, comm, o.rank,
-                            o.size, o.reduce, ws, ws_bytes, s));
-    CK(cudaStreamEndCapture(s, &g));
-    CK(cudaGraphInstantiate(&tp_exec, g, 0));
-    CK(cudaGraphDestroy(g));
     double one_us = 0;
-    if (root) {  // the other ranks wait inside their first all-reduce meanwhile
+    for (size_t mode = 0; mode < o.p2p.size(); ++mode) {
+      // Every rank switches at the same point: (un)registering is collective.
+      if (o.p2p[mode])
+        FK(fmlp_tp_p2p_init(comm, o.rank, o.size, FMLP_TP_P2P_DEFAULT_MAX_BYTES));
+      else
+        FK(fmlp_tp_p2p_destroy(comm));
+      size_t cap = 0;
+      const char* about_c = "";
+      FK(fmlp_tp_p2p_query(comm, &cap, &about_c));
+      const std::string about = about_c;
+      const bool used_p2p = o.reduce == FMLP_TP_ALL_REDUCE && size_t(m * d) * 2 <= cap;
+      const char* path = used_p2p ? "p2p" : "nccl";
+
+      // Correctness on rank 0: the tensor-parallel y (ys[0]) against the single-GPU one.
+      double max_err = 0;
+      bool ok = true;
+      FK(fmlp_tp_mlp_packed(ps[0], &yv[0], &xv[0], nullptr, comm, o.rank, o.size, o.reduce, ws,
+                            ws_bytes, s));
+      CK(cudaStreamSynchronize(s));
+      if (root) {
+        // Both outputs are within the accuracy contract (tests/tolerance.hpp, bf16: 2^-7 of |y|
+        // + the row's error scale, about its rms) of the exact result, so they differ by at most
+        // twice that: 2^-6 of |y| + rms(y).
+        std::vector<uint16_t> a(n);
+        CK(cudaMemcpy(a.data(), ys[0], n * 2, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < n; ++i) {
+          const double r = fmlp::bf16_to_float(ref[i]), got = fmlp::bf16_to_float(a[i]);
+          const double err = std::fabs(got - r) / (std::fabs(r) + rms);
+          if (!(err <= 1.0 / 64)) ok = false;  // NaN fails too
+          max_err = std::isfinite(err) ? std::max(max_err, err) : INFINITY;
+        }
+      }
+
+      // Timing: one graph = one call per weight copy.
+      cudaGraph_t g;
+      cudaGraphExec_t tp_exec, one_exec = nullptr;
       CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      for (int i = 0; i < full_copies; ++i)
-        FK(fmlp_mlp_packed_run(pf[size_t(i)], &yv[size_t(i)], &xv[size_t(i)], nullptr, ws, ws_bytes,
-                               s));
+      for (int i = 0; i < copies; ++i)
+        FK(fmlp_tp_mlp_packed(ps[size_t(i)], &yv[size_t(i)], &xv[size_t(i)], nullptr, comm, o.rank,
+                              o.size, o.reduce, ws, ws_bytes, s));
       CK(cudaStreamEndCapture(s, &g));
-      CK(cudaGraphInstantiate(&one_exec, g, 0));
+      CK(cudaGraphInstantiate(&tp_exec, g, 0));
       CK(cudaGraphDestroy(g));
-      one_us = time_graph(one_exec, s, o.reps, full_copies);
+      if (root && mode == 0) {  // the other ranks wait inside their first all-reduce meanwhile
+        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+        for (int i = 0; i < full_copies; ++i)
+          FK(fmlp_mlp_packed_run(pf[size_t(i)], &yv[size_t(i)], &xv[size_t(i)], nullptr, ws,
+                                 ws_bytes, s));
+        CK(cudaStreamEndCapture(s, &g));
+        CK(cudaGraphInstantiate(&one_exec, g, 0));
+        CK(cudaGraphDestroy(g));
+        one_us = time_graph(one_exec, s, o.reps, full_copies);
+      }
+      const double tp_us = time_graph(tp_exec, s, o.reps, copies);
+      CK(cudaGetLastError());
+      if (root) {
+        const double flops = 2.0 * double(m) * 3.0 * double(d) * double(H);
+        const double floor_us = shard_bytes / bw * 1e6;
+        failures += !ok;
+        std::printf(
+            "M=%-5lld [%-4s] tp %9.2f us  single %9.2f us  tp/single %.3f  speedup %.2fx  "
+            "%.1f TFLOP/s  floor(shard bytes) %.2f us (%.1f%%)  check %s (max err %.2e of "
+            "|y|+rms, tol 2^-6)\n         all-reduce: %s\n",
+            (long long)m, path, tp_us, one_us, tp_us / one_us, one_us / tp_us, flops / tp_us * 1e-6,
+            floor_us, 100 * floor_us / tp_us, ok ? "ok" : "FAIL", max_err, about.c_str());
+        std::fflush(stdout);
+        char row[1024];
+        std::snprintf(row, sizeof row,
+                      "%s{\"M\": %lld, \"allreduce\": \"%s\", \"allreduce_requested\": \"%s\", "
+                      "\"allreduce_detail\": \"%s\", \"tp_us\": %.3f, \"single_us\": %.3f, "
+                      "\"tp_over_single\": %.4f, \"speedup\": %.4f, \"tp_tflops\": %.2f, "
+                      "\"shard_floor_us\": %.3f, \"copies\": %d, \"check_ok\": %s, "
+                      "\"max_err\": %.3e}",
+                      rows.empty() ? "" : ", ", (long long)m, path, o.p2p[mode] ? "p2p" : "nccl",
+                      about.c_str(), tp_us, one_us, tp_us / one_us, one_us / tp_us,
+                      flops / tp_us * 1e-6, floor_us, copies, ok ? "true" : "false", max_err);
+        rows += row;
+      }
+      CK(cudaGraphExecDestroy(tp_exec));
+      if (one_exec) CK(cudaGraphExecDestroy(one_exec));
     }
-    const double tp_us = time_graph(tp_exec, s, o.reps, copies);
-    CK(cudaGetLastError());
-    if (root) {
-      const double flops = 2.0 * double(m) * 3.0 * double(d) * double(H);
-      const double floor_us = shard_bytes / bw * 1e6;
-      failures += !ok;
-      std::printf(
-          "M=%-5lld tp %9.2f us  single %9.2f us  tp/single %.3f  speedup %.2fx  "
-          "%.1f TFLOP/s  floor(shard bytes) %.2f us (%.1f%%)  check %s (max err %.2e of "
-          "|y|+rms, tol 2^-6)\n",
-          (long long)m, tp_us, one_us, tp_us / one_us, one_us / tp_us, flops / tp_us * 1e-6,
-          floor_us, 100 * floor_us / tp_us, ok ? "ok" : "FAIL", max_err);
-      std::fflush(stdout);
-      char row[640];
-      std::snprintf(row, sizeof row,
-                    "%s{\"M\": %lld, \"tp_us\": %.3f, \"single_us\": %.3f, \"tp_over_single\": "
-                    "%.4f, \"speedup\": %.4f, \"tp_tflops\": %.2f, \"shard_floor_us\": %.3f, "
-                    "\"copies\": %d, \"check_ok\": %s, \"max_err\": %.3e}",
-                    rows.empty() ? "" : ", ", (long long)m, tp_us, one_us, tp_us / one_us,
-                    one_us / tp_us, flops / tp_us * 1e-6, floor_us, copies, ok ? "true" : "false",
-                    max_err);
-      rows += row;
-    }
-    CK(cudaGraphExecDestroy(tp_exec));
-    if (one_exec) CK(cudaGraphExecDestroy(one_exec));
     CK(cudaFree(ws));
     for (int i = 0; i < nx; ++i) {
       CK(cudaFree(xs[size_t(i)]));

@@ -96,6 +96,54 @@ FMLP_API fmlp_status_t fmlp_tp_comm_destroy(void* comm); /* NULL is a no-op */
 FMLP_API fmlp_status_t fmlp_tp_group_start(void);
 FMLP_API fmlp_status_t fmlp_tp_group_end(void);
 
+/* ---- one-shot all-reduce over peer memory (decode-sized messages) ----
+ * With a p2p registration, fmlp_tp_mlp / fmlp_tp_mlp_packed (FMLP_TP_ALL_REDUCE) and
+ * fmlp_tp_all_reduce sum messages of up to max_bytes with one kernel instead of ncclAllReduce:
+ * each rank stores its partial into every peer's buffer over NVLink, raises a flag per peer, waits
+ * for the peers' flags and sums the partials in fp32 in rank order, so every rank gets bitwise the
+ * same y (within one rounding of NCCL's sum, whose order is its own). About one
+ * NVLink round trip (a few us) against NCCL's ~10-15 us for a 16 KB message. Larger messages and
+ * FMLP_TP_REDUCE_SCATTER use NCCL. Asynchronous, no host synchronisation, capturable in a CUDA
+ * graph (state lives on the device, so replays advance it); the ranks must make the same sequence
+ * of calls (as with any collective), keep a communicator's calls in one stream order, and run
+ * them concurrently: a rank waits inside the kernel for its peers. A graph captured while
+ * registered holds the registration's buffers: do not replay it after fmlp_tp_p2p_destroy or a new
+ * registration of the communicator.
+ * Used only when every rank is on one host and every pair of GPUs has peer access; peers in other
+ * processes map each other's buffer through CUDA IPC. Environment, read at registration:
+ * FMLP_TP_P2P=0 turns it off (NCCL only), FMLP_TP_P2P=1 requires it (registration fails with the
+ * reason when it cannot be used); otherwise it is on where possible and off silently.
+ * fmlp_tp_comm_init_from_file and fmlp_tp_comm_init_all register their communicators with
+ * FMLP_TP_P2P_DEFAULT_MAX_BYTES; fmlp_tp_comm_destroy unregisters. */
+#define FMLP_TP_P2P_DEFAULT_MAX_BYTES ((size_t)1 << 20)
+
+/* Registers comm (rank `rank` of `size`, on its CUDA device) for messages up to max_bytes
+ * (1 .. 64 MiB; the buffer is 2 x size x max_bytes). Collective: every rank calls it, each from its
+ * own thread or process (a thread driving several ranks uses fmlp_tp_p2p_init_all). Replaces an
+ * earlier registration of comm. Synchronises; not while capturing. Returns FMLP_SUCCESS also when
+ * the path stays off (ranks on several hosts, no peer access, FMLP_TP_P2P=0, one rank, more than
+ * 8 ranks): fmlp_tp_p2p_query says which and why. */
+FMLP_API fmlp_status_t fmlp_tp_p2p_init(void* comm, int32_t rank, int32_t size, size_t max_bytes);
+/* The same for comms[0..size) (rank i = comms[i]) held by this one process and thread, e.g. from
+ * fmlp_tp_comm_init_all; no NCCL traffic. Replaces earlier registrations made this way; ones made
+ * by fmlp_tp_p2p_init must be destroyed by their ranks first (their teardown is a barrier). */
+FMLP_API fmlp_status_t fmlp_tp_p2p_init_all(int32_t size, void* const* comms, size_t max_bytes);
+/* Unregisters comm (no-op when not registered). Collective like the init (registrations of
+ * fmlp_tp_p2p_init_all: the whole group goes at once, later calls for its other comms are no-ops).
+ * Waits for the device's work; call before ncclCommDestroy. */
+FMLP_API fmlp_status_t fmlp_tp_p2p_destroy(void* comm);
+/* Which all-reduce comm gets: *max_bytes = the largest message the p2p path takes (0 when off or
+ * unregistered); *description (either may be NULL) = one line naming the path, or why it is off;
+ * valid until this thread's next query. */
+FMLP_API fmlp_status_t fmlp_tp_p2p_query(void* comm, size_t* max_bytes, const char** description);
+
+/* Sums y (f32, f16 or bf16; 1-D, or 2-D with contiguous rows; on comm's device) in place over the
+ * ranks on `stream`: p2p when registered and y fits, else ncclAllReduce. For the all-reduces
+ * around the mlp (e.g. the attention output projection's). A thread driving several ranks brackets
+ * the ranks' calls with fmlp_tp_group_start / fmlp_tp_group_end (for the NCCL path). */
+FMLP_API fmlp_status_t fmlp_tp_all_reduce(const fmlp_tensor_t* y, void* comm, int32_t rank,
+                                          int32_t size, void* stream);
+
 #ifdef __cplusplus
 }
 #endif

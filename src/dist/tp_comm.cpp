@@ -116,6 +116,12 @@ fmlp_status_t fmlp_tp_comm_init_from_file(const char* path, int32_t rank, int32_
   if (const ncclResult_t e = api->comm_init_rank(&c, size, id, rank); e != ncclSuccess)
     return fail(FMLP_ERROR_CUDA, "ncclCommInitRank (rank {} of {} on cuda:{}) failed: {}", rank,
                 size, device, nccl_error(*api, e));
+  if (const fmlp_status_t s = fmlp_tp_p2p_init(c, rank, size, FMLP_TP_P2P_DEFAULT_MAX_BYTES);
+      s != FMLP_SUCCESS) {
+    const std::string why = last_error();
+    api->comm_destroy(c);
+    return fail(s, "{}", why);
+  }
   *comm = c;
   clear_last_error();
   return FMLP_SUCCESS;
@@ -144,6 +150,13 @@ fmlp_status_t fmlp_tp_comm_init_all(int32_t size, const int32_t* devices, void**
   if (const ncclResult_t e = api->comm_init_all(c.data(), size, devices); e != ncclSuccess)
     return fail(FMLP_ERROR_CUDA, "ncclCommInitAll over {} devices failed: {}", size,
                 nccl_error(*api, e));
+  if (const fmlp_status_t s = fmlp_tp_p2p_init_all(size, reinterpret_cast<void* const*>(c.data()),
+                                                   FMLP_TP_P2P_DEFAULT_MAX_BYTES);
+      s != FMLP_SUCCESS) {
+    const std::string why = last_error();
+    for (ncclComm_t x : c) api->comm_destroy(x);
+    return fail(s, "{}", why);
+  }
   for (int32_t i = 0; i < size; ++i) comms[i] = c[size_t(i)];
   clear_last_error();
   return FMLP_SUCCESS;
@@ -158,6 +171,7 @@ fmlp_status_t fmlp_tp_comm_destroy(void* comm) {
   if (comm == nullptr) return FMLP_SUCCESS;
   const NcclApi* api = nullptr;
   FMLP_TP_TRY(tp_load_api(&api));
+  FMLP_TP_TRY(fmlp_tp_p2p_destroy(comm));
   if (const ncclResult_t e = api->comm_destroy(static_cast<ncclComm_t>(comm)); e != ncclSuccess)
     return fail(FMLP_ERROR_CUDA, "ncclCommDestroy failed: {}", nccl_error(*api, e));
   clear_last_error();

@@ -9,6 +9,7 @@
 #include "core/mlp_desc.hpp"
 #include "core/mlp_validate.hpp"
 #include "core/tensor_check.hpp"
+#include "dist/tp_allreduce_p2p.hpp"
 #include "dist/tp_common.hpp"
 #include "fusedmlp/fusedmlp_nccl.h"
 
@@ -95,17 +96,15 @@ fmlp_status_t reduce_y(const NcclApi& api, const fmlp_tensor_t& y, const MlpDesc
   const auto c = static_cast<ncclComm_t>(comm);
   const auto s = static_cast<cudaStream_t>(stream);
   const size_t count = size_t(d.m) * size_t(d.d_out);
-  ncclResult_t e;
-  if (reduce == FMLP_TP_ALL_REDUCE) {
-    e = api.all_reduce(y.data, y.data, count, t, ncclSum, c, s);
-  } else {  // in place: rank r's block of the send buffer is its receive buffer
-    const size_t chunk = count / size_t(size);
-    void* mine = static_cast<char*>(y.data) + size_t(rank) * chunk * dtype_size(d.act_dtype);
-    e = api.reduce_scatter(y.data, mine, chunk, t, ncclSum, c, s);
-  }
-  if (e != ncclSuccess)
-    return fail(FMLP_ERROR_CUDA, "{} of y ({} elements) failed after the mlp ran: {}",
-                reduce == FMLP_TP_ALL_REDUCE ? "ncclAllReduce" : "ncclReduceScatter", count,
+  // The one-shot p2p kernel when comm is registered for it and y fits, else ncclAllReduce.
+  if (reduce == FMLP_TP_ALL_REDUCE) return tp_all_reduce(api, comm, y.data, d.act_dtype, count, s);
+  // in place: rank r's block of the send buffer is its receive buffer
+  const size_t chunk = count / size_t(size);
+  void* mine = static_cast<char*>(y.data) + size_t(rank) * chunk * dtype_size(d.act_dtype);
+  if (const ncclResult_t e = api.reduce_scatter(y.data, mine, chunk, t, ncclSum, c, s);
+      e != ncclSuccess)
+    return fail(FMLP_ERROR_CUDA,
+                "ncclReduceScatter of y ({} elements) failed after the mlp ran: {}", count,
                 nccl_error(api, e));
   return FMLP_SUCCESS;
 }
