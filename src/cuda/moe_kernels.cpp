@@ -55,32 +55,41 @@ bool moe_cuda_supports(const MoeDesc& d, std::string* why) {
   return true;
 }
 
-// The grouped GEMMs pay for a whole tile per chunk; below kGroupedMinRows expected tokens per hit
-// expert the weight-streaming kernel wins (the bench decides the value); from kGroupedWideRows the
-// grouped GEMMs use 128-row tiles. FMLP_MOE_GROUPED_MIN_ROWS / FMLP_MOE_GROUPED_WIDE_ROWS
-// override them (tuning knobs for the benchmarks, read once).
+// Measured on an H200 (bench/results/moe_h200.*): the grouped GEMMs beat the weight-streaming
+// kernel from about one token per hit expert on big experts (Mixtral T=1: 348 vs 370 us) and from
+// 1.2 on small ones (E=64 top-8 2048->1408, T=4: 258 vs 324 us); at one token per expert on small
+// experts (same shape, T=1: 148 vs 131 us) streaming wins. Hence: grouped when the expected tokens
+// per hit expert reach kGroupedMinRows or one expert's weights reach kGroupedBigExpert bytes; from
+// kGroupedWideRows the GEMMs use 128-row tiles. FMLP_MOE_GROUPED_MIN_ROWS /
+// FMLP_MOE_GROUPED_WIDE_ROWS override the row thresholds (tuning knobs for the bench, read once).
 double tuned(const char* env, double fallback) {
   const char* e = std::getenv(env);
   const double v = e ? std::atof(e) : 0.0;
   return v > 0.0 ? v : fallback;
 }
-const double kGroupedMinRows = tuned("FMLP_MOE_GROUPED_MIN_ROWS", 32);
+const double kGroupedMinRows = tuned("FMLP_MOE_GROUPED_MIN_ROWS", 1.1);
 const double kGroupedWideRows = tuned("FMLP_MOE_GROUPED_WIDE_ROWS", 96);
+constexpr double kGroupedBigExpert = 64.0 * (1 << 20);
 
-// Tokens per expert with tokens if every hit expert got the same share.
+// Expected tokens per hit expert under uniform routing: T*k slots over the E(1 - (1 - k/E)^T)
+// experts expected to receive any.
 double tokens_per_hit_expert(const MoeDesc& d) {
-  const int64_t n = d.tokens * d.top_k;
-  return double(n) / double(std::max<int64_t>(1, std::min(d.experts, n)));
+  const double E = double(std::max<int64_t>(1, d.experts)), n = double(d.tokens * d.top_k);
+  const double hit = E * (1.0 - std::pow(1.0 - double(d.top_k) / E, double(d.tokens)));
+  return n / std::max(1.0, hit);
 }
 
 bool moe_grouped_supports(const MoeDesc& d, std::string* why) {
   if (!moe_common_supports(d, why)) return false;
   const double per = tokens_per_hit_expert(d);
-  if (per < kGroupedMinRows)
-    return (*why = fmt::format("T*k/min(E, T*k) = {:.1f} tokens per hit expert, below {}: the "
-                               "grouped GEMM's 64-row tiles would be mostly padding; "
-                               "moe_sm80_chunked streams the weights at decode sizes",
-                               per, kGroupedMinRows),
+  const double expert_bytes = double(d.hidden * (d.gated ? 2 : 1) * d.d + d.d_out * d.hidden) *
+                              double(dtype_size(d.w_dtype));
+  if (per < kGroupedMinRows && expert_bytes < kGroupedBigExpert)
+    return (*why = fmt::format("{:.2f} expected tokens per hit expert (below {}) on experts of "
+                               "{:.1f} MiB (below {:.0f}): moe_sm80_chunked streams such experts "
+                               "faster at decode sizes",
+                               per, kGroupedMinRows, expert_bytes / (1 << 20),
+                               kGroupedBigExpert / (1 << 20)),
             false);
   if (d.act_dtype != d.w_dtype)
     return (*why = fmt::format("x is {} but the experts are {}: the grouped GEMM copies x rows "
