@@ -309,16 +309,26 @@ FMLP_API fmlp_status_t fmlp_softmax_with_kernel(const fmlp_softmax_args_t* args,
  *     mlp_e(x_t) = W2[e] h + b2[e]                             W2: [E, d_out, hidden]
  *   y_t = [residual_t +] sum_j w_j mlp_{e_j}(x_t)               (j in order 1..k)
  * A shared expert is one fmlp_mlp call whose output is passed here as `residual`.
+ * Expert parallelism (a local expert range): w1/b1/w2/b2 may hold only the experts
+ * [first_expert, first_expert + num_experts) of config.global_experts (0: global_experts =
+ * num_experts, the whole op). Routing is then over all global experts (router_w is
+ * [global_experts, d], given ids are global ids in [0, global_experts)), and a slot whose expert is
+ * outside the local range contributes nothing here (not an error); the residual is added as
+ * usual, so when the partial outputs of several ranges are summed (fmlp_tp_moe in
+ * fusedmlp_nccl.h) pass it to one of them only. The sum over ranges covering [0, global_experts)
+ * is the whole op.
  * Types: x, y, residual: one activation dtype (f32, f16, bf16). W1, W2: one dtype, f32, f16 or bf16
  * (f8_e4m3 experts are not supported yet). Wr: f32, f16 or bf16; biases f32, f16 or bf16.
- * Shapes: E = config.num_experts = W1.shape[0] = W2.shape[0] (= Wr.shape[0]); 1 <= top_k <= E;
+ * Shapes: E = config.num_experts = W1.shape[0] = W2.shape[0]; Wr.shape[0] = the global expert
+ * count (E without a local range); 1 <= top_k <= global experts;
  * d, hidden, d_out > 0; T may be 0 (nothing is done). residual may be the very same view as y.
  * topk_ids: int32, topk_weights: fp32, both [T, top_k] contiguous row-major, in the memory x is in;
- * pass both (and no router) or neither. Host ids are checked in validation: one outside [0, E)
- * gives FMLP_ERROR_INDEX_OUT_OF_RANGE naming the token and the value, and y is untouched.
- * Device ids (cuda backend) are not read on the host, which would synchronise: an id outside
- * [0, E) is never used as an index, its slot is skipped, the token's whole row of y is written as
- * NaN, and the event is counted in the workspace; fmlp_moe_device_errors reads the count.
+ * pass both (and no router) or neither. Host ids are checked in validation: one outside [0, G)
+ * (G: the global expert count) gives FMLP_ERROR_INDEX_OUT_OF_RANGE naming the token and the
+ * value, and y is untouched. Device ids (cuda backend) are not read on the host, which would
+ * synchronise: an id outside [0, G) is never used as an index, its slot is skipped, the token's
+ * whole row of y is written as NaN, and the event is counted in the workspace;
+ * fmlp_moe_device_errors reads the count.
  * Workspaces follow the mlp contract (a cuda workspace is left zero-filled except for that count).
  * Accumulation is fp32 or wider. The cpu backend is deterministic (fixed summation order whatever
  * the thread count); the cuda backend is with config.deterministic set, and in practice at decode
@@ -330,13 +340,15 @@ typedef enum fmlp_moe_scoring_t {
 } fmlp_moe_scoring_t;
 
 typedef struct fmlp_moe_config_t {
-  int32_t num_experts; /* E >= 1 */
-  int32_t top_k;       /* k, 1 <= k <= E */
+  int32_t num_experts; /* E >= 1: the experts held in w1/w2 */
+  int32_t top_k;       /* k, 1 <= k <= global experts */
   fmlp_activation_t activation;
   int32_t gated; /* 0: dense, 1: gated (W1 stacked [gate; up]) */
   fmlp_moe_scoring_t scoring;
   int32_t renormalize; /* 1: the k router weights are divided by their sum */
   int32_t deterministic;
+  int32_t first_expert;   /* global id of local expert 0 (expert parallelism); 0 otherwise */
+  int32_t global_experts; /* experts routed over (router rows); 0 = num_experts (no range) */
 } fmlp_moe_config_t;
 
 typedef struct fmlp_moe_args_t {
@@ -354,7 +366,7 @@ typedef struct fmlp_moe_args_t {
   fmlp_moe_config_t config;
 } fmlp_moe_args_t;
 
-/* softmax scoring, renormalize on, deterministic, silu, dense. */
+/* softmax scoring, renormalize on, deterministic, silu, dense, all experts local. */
 FMLP_API fmlp_moe_config_t fmlp_moe_config_default(int32_t num_experts, int32_t top_k);
 FMLP_API fmlp_status_t fmlp_moe_workspace_size(const fmlp_moe_args_t* args, fmlp_backend_t backend,
                                                size_t* bytes);
@@ -370,7 +382,7 @@ FMLP_API fmlp_status_t fmlp_moe_kernel_workspace_size(const fmlp_moe_args_t* arg
                                                       const char* kernel, size_t* bytes);
 FMLP_API fmlp_status_t fmlp_moe_with_kernel(const fmlp_moe_args_t* args, const char* kernel,
                                             void* workspace, size_t workspace_bytes, void* stream);
-/* The number of device expert ids outside [0, num_experts) met by the cuda fmlp_moe calls that
+/* The number of device expert ids outside [0, global experts) met by the cuda fmlp_moe calls that
  * used this workspace since the last read, then reset to 0. Synchronises `stream` (the stream of
  * those calls): call it outside graph capture. FMLP_ERROR_INVALID_VALUE when workspace is not
  * device memory. */

@@ -1,4 +1,4 @@
-/* fusedmlp tensor-parallel mlp over NCCL (issue #9).
+/* fusedmlp tensor-parallel mlp and expert-parallel moe over NCCL (issue #9).
  *
  * The Megatron split of the mlp op over P ranks (one GPU each). Rank r holds the hidden units
  * [r*H/P, (r+1)*H/P): those rows of W1 (gate and up: the gated product stays local) and of b1,
@@ -143,6 +143,50 @@ FMLP_API fmlp_status_t fmlp_tp_p2p_query(void* comm, size_t* max_bytes, const ch
  * the ranks' calls with fmlp_tp_group_start / fmlp_tp_group_end (for the NCCL path). */
 FMLP_API fmlp_status_t fmlp_tp_all_reduce(const fmlp_tensor_t* y, void* comm, int32_t rank,
                                           int32_t size, void* stream);
+
+/* ==== expert-parallel moe ====
+ * For the serving case where every rank holds every token (x replicated, e.g. after a
+ * tensor-parallel attention block): rank r holds a contiguous range of the G experts, every rank
+ * routes every token over all G experts (the whole router, same result everywhere), runs only the
+ * slots whose expert it holds (fmlp_moe_config_t.first_expert / global_experts), and one
+ * ncclAllReduce (sum, in place on y, y's dtype) adds the partial outputs: y = sum over ranks,
+ * the residual added once (by rank 0). Tokens never move, so no all-to-all and no host-visible
+ * counts: asynchronous and capturable in a CUDA graph. Precision as for fmlp_tp_mlp: each rank's
+ * partial is rounded to y's dtype before the sum (bf16: about one more rounding than one GPU). */
+
+/* The balanced contiguous split of `global_experts` over `size` ranks: rank r holds
+ * [r*G/size, (r+1)*G/size) (integer division; counts differ by at most one). G >= size. */
+FMLP_API fmlp_status_t fmlp_tp_expert_range(int32_t global_experts, int32_t rank, int32_t size,
+                                            int32_t* first, int32_t* count);
+
+/* Rank `rank` of `size`'s args from whole-op moe args (every expert stacked in w1/b1/w2/b2, no
+ * range in full->config): views (no copy) of the rank's experts (fmlp_tp_expert_range of
+ * config.num_experts), config.first_expert / num_experts / global_experts set, router and
+ * activations as they are, the residual only on rank 0. Any memory, every build. When each rank
+ * loads only its own experts, set the three config fields yourself instead. */
+FMLP_API fmlp_status_t fmlp_tp_shard_moe(const fmlp_moe_args_t* full, int32_t rank, int32_t size,
+                                         fmlp_moe_args_t* local);
+
+/* Workspace bytes (cuda moe workspace contract: zeroed once, left zeroed) for fmlp_tp_moe. */
+FMLP_API fmlp_status_t fmlp_tp_moe_workspace_size(const fmlp_moe_args_t* local_args, int32_t rank,
+                                                  size_t* bytes);
+
+/* Runs rank `rank`'s experts on `stream` (a cudaStream_t on the communicator's device) and
+ * enqueues the all-reduce of y on the same stream. local_args: the rank's expert range (config
+ * first_expert, num_experts, global_experts; router_w the whole [G, d] or the same given routing
+ * on every rank), x replicated, y [T, d_out] contiguous. x (and the router) must be bitwise
+ * equal on every rank, as an all-reduce or broadcast leaves them: the routing is recomputed on
+ * each rank, and different bits could pick different experts at a near tie (a slot counted twice
+ * or never). The ranks' ranges must partition [0, G) (each expert on exactly one rank; not
+ * checked: that would need communication). The residual is
+ * ignored on ranks other than 0, so every rank may pass the same activations and residual; b2
+ * belongs to its expert and is added by the rank holding it. A rank that holds none of a token's
+ * experts contributes zeros and still takes part in the reduction. Checks as fmlp_tp_mlp's,
+ * before anything is enqueued (nothing written on error). Given device ids outside [0, G) give a
+ * NaN row (on every rank, so in the sum) and are counted in each rank's workspace. */
+FMLP_API fmlp_status_t fmlp_tp_moe(const fmlp_moe_args_t* local_args, void* comm, int32_t rank,
+                                   int32_t size, void* workspace, size_t workspace_bytes,
+                                   void* stream);
 
 #ifdef __cplusplus
 }

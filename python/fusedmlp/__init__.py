@@ -373,15 +373,23 @@ def _routing_weights(w):
     return w
 
 
+def _expert_range(first_expert, global_experts):
+    for name, v in (("first_expert", first_expert), ("global_experts", global_experts)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"{name} is {v!r}; expected an int")
+    return int(first_expert), int(global_experts)
+
+
 def _run_moe(mode, x, w1, w2, router_w, router_b, topk_ids, topk_weights, top_k, b1, b2,
              residual, activation, gated, scoring, renormalize, deterministic, out, backend,
-             workspace, stream):
+             workspace, stream, first_expert=0, global_experts=0):
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
         raise ValueError(f"top_k is {top_k!r}; expected an int, the experts per token")
     top_k = int(top_k)
+    first_expert, global_experts = _expert_range(first_expert, global_experts)
     config = (_lookup(_ACTIVATIONS, "activation", activation), bool(gated),
               _lookup(_SCORINGS, "scoring", scoring), bool(renormalize), bool(deterministic),
-              _lookup(_BACKENDS, "backend", backend))
+              first_expert, global_experts, _lookup(_BACKENDS, "backend", backend))
     w1_shape, w2_shape, x_shape = _shape(w1), _shape(w2), _shape(x)
     if w1_shape is None or len(w1_shape) != 3:
         raise ValueError(f"w1 has shape {w1_shape}; expected [num_experts, hidden, d] (gated: "
@@ -390,10 +398,11 @@ def _run_moe(mode, x, w1, w2, router_w, router_b, topk_ids, topk_weights, top_k,
         raise ValueError(f"w2 has shape {w2_shape}; expected [num_experts, d_out, hidden]")
     if x_shape is None or len(x_shape) != 2:
         raise ValueError(f"x has shape {x_shape}; expected [T, d] (flatten leading dims)")
-    num_experts = w1_shape[0]
+    num_experts = global_experts if global_experts > 0 else w1_shape[0]  # routed over; the
+    # library reports a negative global_experts
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k is {top_k}; expected 1 <= top_k <= num_experts = {num_experts} "
-                         "(w1.shape[0])")
+                         + ("(global_experts)" if global_experts > 0 else "(w1.shape[0])"))
     if (topk_ids is None) != (topk_weights is None):
         given, missing = (("topk_ids", "topk_weights") if topk_weights is None
                           else ("topk_weights", "topk_ids"))
@@ -423,7 +432,7 @@ def _run_moe(mode, x, w1, w2, router_w, router_b, topk_ids, topk_weights, top_k,
 def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=None, top_k,
         b1=None, b2=None, residual=None, activation="silu", gated=True, scoring="softmax",
         renormalize=True, deterministic=False, out=None, backend="auto", workspace=None,
-        stream=None):
+        stream=None, first_expert=0, global_experts=0):
     """Runs the mixture-of-experts op on x's device and returns y (out when given).
 
     For each token x_t (row of x [T, d]):
@@ -460,32 +469,39 @@ def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=
     ids cannot be read without a synchronisation: the token's row of y is written as NaN and
     the event is counted in the workspace (moe_device_errors reads the count).
 
+    Expert parallelism: w1/b1/w2/b2 may hold only the experts [first_expert, first_expert + E)
+    of global_experts (0: no range). Routing is then over all global_experts (router_w
+    [global_experts, d], ids in [0, global_experts)); slots of other experts add nothing, so
+    the outputs of ranges covering every expert sum to the whole op (pass residual to one only;
+    fusedmlp.tp does this over a process group).
+
     Raises ValueError for bad arguments (the message names the argument), NotImplementedError
     when the backend is unavailable or none of its kernels handles the request.
     """
     return _run_moe("run", x, w1, w2, router_w, router_b, topk_ids, topk_weights, top_k, b1,
                     b2, residual, activation, gated, scoring, renormalize, deterministic, out,
-                    backend, workspace, stream)
+                    backend, workspace, stream, first_expert, global_experts)
 
 
 def moe_explain(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=None,
                 top_k, b1=None, b2=None, residual=None, activation="silu", gated=True,
                 scoring="softmax", renormalize=True, deterministic=False, out=None,
-                backend="auto"):
+                backend="auto", first_expert=0, global_experts=0):
     """Same arguments as moe(); runs nothing and returns the dispatch report."""
     return _run_moe("explain", x, w1, w2, router_w, router_b, topk_ids, topk_weights, top_k,
                     b1, b2, residual, activation, gated, scoring, renormalize, deterministic,
-                    out, backend, None, None)
+                    out, backend, None, None, first_expert, global_experts)
 
 
 def moe_workspace_size(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None,
                        topk_weights=None, top_k, b1=None, b2=None, residual=None,
                        activation="silu", gated=True, scoring="softmax", renormalize=True,
-                       deterministic=False, out=None, backend="auto"):
+                       deterministic=False, out=None, backend="auto", first_expert=0,
+                       global_experts=0):
     """Bytes of workspace moe() needs for these arguments."""
     return _run_moe("workspace_size", x, w1, w2, router_w, router_b, topk_ids, topk_weights,
                     top_k, b1, b2, residual, activation, gated, scoring, renormalize,
-                    deterministic, out, backend, None, None)
+                    deterministic, out, backend, None, None, first_expert, global_experts)
 
 
 def moe_device_errors(workspace, *, stream=None):

@@ -449,10 +449,12 @@ class PackedMlp {
 // ---- moe ----
 
 // num_experts is w1's leading dimension (validation then checks w2, router_w and b1/b2 against
-// it); an absent or 0-d w1 leaves it 1 so that validation reports w1 itself.
+// it); an absent or 0-d w1 leaves it 1 so that validation reports w1 itself. first_expert and
+// global_experts: the local expert range (expert parallelism; 0 and 0 without one).
 nb::object moe(const std::string& mode, nb::dict tensors, const Bits& bits, int top_k,
                int activation, bool gated, int scoring, bool renormalize, bool deterministic,
-               int backend, nb::handle workspace, uintptr_t stream) {
+               int first_expert, int global_experts, int backend, nb::handle workspace,
+               uintptr_t stream) {
   Views v(tensors, bits);
   fmlp_moe_args_t args{};
   args.x = v.input("x");
@@ -474,6 +476,8 @@ nb::object moe(const std::string& mode, nb::dict tensors, const Bits& bits, int 
   args.config.scoring = fmlp_moe_scoring_t(scoring);
   args.config.renormalize = renormalize ? 1 : 0;
   args.config.deterministic = deterministic ? 1 : 0;
+  args.config.first_expert = first_expert;
+  args.config.global_experts = global_experts;
   return run_mode(mode, args, backend, workspace, stream, fmlp_moe_explain, fmlp_moe_workspace_size,
                   fmlp_moe);
 }
@@ -607,8 +611,8 @@ NB_MODULE(_ext, m) {
       .def_prop_ro("d_out", &PackedMlp::d_out)
       .def_prop_ro("device", &PackedMlp::device);
   m.def("moe", &moe, "mode"_a, "tensors"_a, "bits"_a, "top_k"_a, "activation"_a, "gated"_a,
-        "scoring"_a, "renormalize"_a, "deterministic"_a, "backend"_a, "workspace"_a.none(),
-        "stream"_a);
+        "scoring"_a, "renormalize"_a, "deterministic"_a, "first_expert"_a, "global_experts"_a,
+        "backend"_a, "workspace"_a.none(), "stream"_a);
   m.def("moe_device_errors", &moe_device_errors, "workspace"_a, "stream"_a);
   m.def("linear", &linear, "mode"_a, "tensors"_a, "bits"_a, "backend"_a, "workspace"_a.none(),
         "stream"_a);

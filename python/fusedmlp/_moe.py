@@ -35,14 +35,16 @@ class FusedMoE(nn.Module):
     forward(x[, residual]): x [..., d] -> [..., d_out] on the weights' device, x's dtype;
     (y, router_logits [rows, E]) when return_router_logits (the transformers 4.x block
     interface). jitter_noise > 0 scales x by uniform(1 - j, 1 + j) noise in training mode only,
-    as Mixtral does. The weights are used as they are (nothing is packed), so .to() and in-place
+    as Mixtral does. first_expert / global_experts: w1/w2 hold only experts [first_expert,
+    first_expert + E) of global_experts routed over (expert parallelism, fusedmlp.tp); 0, 0:
+    every expert. The weights are used as they are (nothing is packed), so .to() and in-place
     edits need no extra step. Inference only: no backward.
     """
 
     def __init__(self, w1, w2, router_w, *, top_k, router_b=None, b1=None, b2=None,
                  activation="silu", gated=True, scoring="softmax", renormalize=True,
                  jitter_noise=0.0, return_router_logits=False, deterministic=False,
-                 backend="auto"):
+                 backend="auto", first_expert=0, global_experts=0):
         super().__init__()
         _lookup(_ACTIVATIONS, "activation", activation)
         _lookup(_SCORINGS, "scoring", scoring)
@@ -51,10 +53,10 @@ class FusedMoE(nn.Module):
             raise ValueError(f"w1 has shape {tuple(w1.shape)} and w2 {tuple(w2.shape)}; expected "
                              "[num_experts, hidden (2*hidden gated), d] and [num_experts, d_out, "
                              "hidden]")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) \
-                or not 1 <= top_k <= w1.shape[0]:
-            raise ValueError(f"top_k is {top_k!r}; expected an int in [1, {w1.shape[0]}] "
-                             "(num_experts = w1.shape[0])")
+        routed = int(global_experts) if global_experts > 0 else int(w1.shape[0])
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= routed:
+            raise ValueError(f"top_k is {top_k!r}; expected an int in [1, {routed}] "
+                             "(the experts routed over)")
         for name, t in dict(w1=w1, w2=w2, router_w=router_w, router_b=router_b, b1=b1,
                             b2=b2).items():
             self.register_parameter(name, _param(t))
@@ -63,6 +65,7 @@ class FusedMoE(nn.Module):
         self.jitter_noise, self.return_router_logits = float(jitter_noise), return_router_logits
         self.deterministic, self.backend = bool(deterministic), backend
         self.num_experts, self.d = int(w1.shape[0]), int(w1.shape[2])
+        self.first_expert, self.global_experts = int(first_expert), int(global_experts)
         self.d_out, self.hidden = int(w2.shape[1]), int(w2.shape[2])
 
     @classmethod
@@ -79,7 +82,8 @@ class FusedMoE(nn.Module):
         y = torch.ops.fusedmlp.moe(x, self.w1, self.w2, self.top_k, self.router_w, self.router_b,
                                    None, None, self.b1, self.b2, residual, self.activation,
                                    self.gated, self.scoring, self.renormalize,
-                                   self.deterministic, self.backend)
+                                   self.deterministic, self.backend, self.first_expert,
+                                   self.global_experts)
         if self.return_router_logits:
             return y, F.linear(x.reshape(-1, self.d), self.router_w, self.router_b)
         return y
@@ -91,7 +95,7 @@ class FusedMoE(nn.Module):
         router rounds its logits to the model dtype, the fused router keeps fp32)."""
         logits = F.linear(x.reshape(-1, self.d).double(), self.router_w.double(),
                           None if self.router_b is None else self.router_b.double())
-        if self.top_k == self.num_experts:
+        if self.top_k == logits.shape[-1]:
             return torch.full(logits.shape[:1], float("inf"), dtype=torch.float64)
         top = logits.topk(self.top_k + 1, dim=-1).values
         scale = logits.abs().amax(dim=-1).clamp_min(1e-30)
@@ -100,7 +104,10 @@ class FusedMoE(nn.Module):
     def extra_repr(self):
         kind = "gated " if self.gated else ""
         norm = ", renormalized" if self.renormalize else ""
-        return (f"{self.num_experts} experts, top {self.top_k}, {self.d} -> {self.hidden} -> "
+        experts = (f"experts [{self.first_expert}, {self.first_expert + self.num_experts}) of "
+                   f"{self.global_experts}" if self.global_experts else
+                   f"{self.num_experts} experts")
+        return (f"{experts}, top {self.top_k}, {self.d} -> {self.hidden} -> "
                 f"{self.d_out}, {kind}{self.activation}, {self.scoring}{norm}, on "
                 f"{self.w1.device}")
 

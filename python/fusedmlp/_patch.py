@@ -274,7 +274,8 @@ def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_gr
     probe rows whose routing is unambiguous: see PROBE_RTOL). Blocks that cannot be fused
     (unknown activation, other mixtures of experts, ...) are skipped with the reason.
     tp_group: a torch.distributed NCCL process group: each rank replaces the MLP blocks by its
-    tensor-parallel shard (fusedmlp.tp.TPFusedMLP, all-reduce over the group); every rank must
+    tensor-parallel shard (fusedmlp.tp.TPFusedMLP, all-reduce over the group) and the sparse-MoE
+    blocks by its range of the experts (fusedmlp.tp.TPFusedMoE, likewise); every rank must
     call it on an identical model; strict, probe and fuse_norm do not apply. Inference only: call model.eval() (dropout before a fused residual add raises).
     """
     if tp_group is not None:  # tensor parallel: every rank keeps its shard (fusedmlp.tp)

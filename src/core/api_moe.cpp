@@ -31,11 +31,30 @@ fmlp_status_t check_config(const fmlp_moe_config_t& c) {
   if (c.num_experts < 1)
     return fail(FMLP_ERROR_INVALID_VALUE, "config.num_experts is {}; it must be >= 1",
                 c.num_experts);
-  if (c.top_k < 1 || c.top_k > c.num_experts)
+  if (c.first_expert < 0)
     return fail(FMLP_ERROR_INVALID_VALUE,
-                "config.top_k is {} but config.num_experts is {}; top_k must be in [1, "
-                "num_experts]",
-                c.top_k, c.num_experts);
+                "config.first_expert is {}; it is the global id of local expert 0 and must be >= "
+                "0 (0 without expert parallelism)",
+                c.first_expert);
+  if (c.global_experts < 0)
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "config.global_experts is {}; pass the number of experts routed over (the rows of "
+                "router_w), or 0 when w1/w2 hold every expert",
+                c.global_experts);
+  const bool range = c.global_experts != 0;
+  const int64_t global = range ? c.global_experts : c.num_experts;
+  if (int64_t(c.first_expert) + c.num_experts > global)
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "config.first_expert {} + config.num_experts {} exceeds the global expert count "
+                "{}{}; the local experts must be a range of the global ones (set global_experts "
+                "to the router's expert count, or first_expert to 0 without expert parallelism)",
+                c.first_expert, c.num_experts, global,
+                range ? " (config.global_experts)" : " (config.global_experts is 0: num_experts)");
+  if (c.top_k < 1 || c.top_k > global)
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "config.top_k is {} but config.{} is {}; top_k must be in [1, {}]", c.top_k,
+                range ? "global_experts" : "num_experts", global,
+                range ? "global_experts" : "num_experts");
   if (unsigned(c.scoring) > unsigned(FMLP_MOE_SCORING_SIGMOID))
     return fail(FMLP_ERROR_INVALID_VALUE,
                 "config.scoring is {}; expected FMLP_MOE_SCORING_SOFTMAX (0) or "
@@ -63,14 +82,18 @@ fmlp_status_t check_routing(const fmlp_moe_args_t& a, MoeDesc* d) {
                 "router_w is absent and topk_ids is NULL; pass the router [E, d] or the routing "
                 "(topk_ids and topk_weights [T, top_k])");
   d->given_routing = ids;
+  const bool range = a.config.global_experts != 0;
   if (router) {
-    const int64_t shape[2] = {d->experts, d->d};
-    FMLP_TRY(check_tensor("router_w", a.router_w, 2, shape, "[num_experts, d]"));
+    const int64_t shape[2] = {d->global_experts, d->d};
+    FMLP_TRY(check_tensor("router_w", a.router_w, 2, shape,
+                          range ? "[global_experts, d] (every expert, also with a local range)"
+                                : "[num_experts, d]"));
     FMLP_TRY(check_float_dtype("router_w", a.router_w));
     d->router_dtype = a.router_w.dtype;
     if (!tensor_absent(a.router_b)) {
-      const int64_t bs[1] = {d->experts};
-      FMLP_TRY(check_tensor("router_b", a.router_b, 1, bs, "[num_experts]"));
+      const int64_t bs[1] = {d->global_experts};
+      FMLP_TRY(check_tensor("router_b", a.router_b, 1, bs,
+                            range ? "[global_experts]" : "[num_experts]"));
       FMLP_TRY(check_float_dtype("router_b", a.router_b));
       d->router_bias_dtype = a.router_b.dtype;
     }
@@ -85,11 +108,12 @@ fmlp_status_t check_routing(const fmlp_moe_args_t& a, MoeDesc* d) {
     for (int64_t t = 0; t < d->tokens; ++t)
       for (int64_t j = 0; j < d->top_k; ++j) {
         const int32_t e = a.topk_ids[t * d->top_k + j];
-        if (e < 0 || e >= d->experts)
+        if (e < 0 || e >= d->global_experts)
           return fail(FMLP_ERROR_INDEX_OUT_OF_RANGE,
                       "topk_ids[{}][{}] (token {}) is {}; expert ids must be in [0, {}) "
-                      "(config.num_experts)",
-                      t, j, t, e, d->experts);
+                      "(config.{}; ids outside the local range are global ids of other ranks' "
+                      "experts and are fine)",
+                      t, j, t, e, d->global_experts, range ? "global_experts" : "num_experts");
       }
   return FMLP_SUCCESS;
 }
@@ -118,10 +142,14 @@ fmlp_status_t check_experts(const fmlp_moe_args_t& a, MoeDesc* d) {
   return FMLP_SUCCESS;
 }
 
+}  // namespace
+
 fmlp_status_t validate_moe(const fmlp_moe_args_t* a, MoeDesc* d) {
   if (a == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "args is NULL");
   FMLP_TRY(check_config(a->config));
   d->experts = a->config.num_experts;
+  d->first_expert = a->config.first_expert;
+  d->global_experts = a->config.global_experts != 0 ? a->config.global_experts : d->experts;
   d->top_k = a->config.top_k;
   d->activation = a->config.activation;
   d->gated = a->config.gated == 1;
@@ -233,6 +261,8 @@ fmlp_status_t validate_moe(const fmlp_moe_args_t* a, MoeDesc* d) {
   return FMLP_SUCCESS;
 }
 
+namespace {
+
 struct MoeOp {
   using Args = fmlp_moe_args_t;
   using Desc = MoeDesc;
@@ -250,15 +280,19 @@ using Table = OpTable<MoeOp>;
 }  // namespace
 
 std::string describe(const MoeDesc& d) {
-  return fmt::format("T={} d={} hidden={} d_out={} E={} k={} {} {} x={} w={} routing={}{}{} on {}",
-                     d.tokens, d.d, d.hidden, d.d_out, d.experts, d.top_k,
-                     d.gated ? "gated" : "dense", fmlp_activation_name(d.activation),
-                     fmlp_dtype_name(d.act_dtype), fmlp_dtype_name(d.w_dtype),
-                     d.given_routing                         ? "given"
-                     : d.scoring == FMLP_MOE_SCORING_SIGMOID ? "sigmoid"
-                                                             : "softmax",
-                     d.renormalize && !d.given_routing ? " renormalized" : "",
-                     d.has_residual ? " residual" : "", device_string(d.device, d.device_id));
+  const std::string range = d.global_experts != d.experts
+                                ? fmt::format(" experts [{}, {}) of {}", d.first_expert,
+                                              d.first_expert + d.experts, d.global_experts)
+                                : "";
+  return fmt::format(
+      "T={} d={} hidden={} d_out={} E={} k={}{} {} {} x={} w={} routing={}{}{} on {}", d.tokens,
+      d.d, d.hidden, d.d_out, d.experts, d.top_k, range, d.gated ? "gated" : "dense",
+      fmlp_activation_name(d.activation), fmlp_dtype_name(d.act_dtype), fmlp_dtype_name(d.w_dtype),
+      d.given_routing                         ? "given"
+      : d.scoring == FMLP_MOE_SCORING_SIGMOID ? "sigmoid"
+                                              : "softmax",
+      d.renormalize && !d.given_routing ? " renormalized" : "", d.has_residual ? " residual" : "",
+      device_string(d.device, d.device_id));
 }
 
 }  // namespace fmlp::detail
@@ -268,7 +302,14 @@ using fmlp::detail::Table;
 extern "C" {
 
 fmlp_moe_config_t fmlp_moe_config_default(int32_t num_experts, int32_t top_k) {
-  return fmlp_moe_config_t{num_experts, top_k, FMLP_ACT_SILU, 0, FMLP_MOE_SCORING_SOFTMAX, 1, 1};
+  fmlp_moe_config_t c{};  // no expert range: first_expert and global_experts 0
+  c.num_experts = num_experts;
+  c.top_k = top_k;
+  c.activation = FMLP_ACT_SILU;
+  c.scoring = FMLP_MOE_SCORING_SOFTMAX;
+  c.renormalize = 1;
+  c.deterministic = 1;
+  return c;
 }
 fmlp_status_t fmlp_moe_workspace_size(const fmlp_moe_args_t* args, fmlp_backend_t backend,
                                       size_t* bytes) {

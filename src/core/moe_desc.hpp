@@ -13,6 +13,10 @@ namespace fmlp::detail {
 
 struct MoeDesc {
   int64_t tokens = 0, d = 0, hidden = 0, d_out = 0, experts = 0, top_k = 0;
+  // Expert parallelism: the local experts are global ids [first_expert, first_expert + experts)
+  // of global_experts (= experts, first_expert 0 without a range). Routing is over the global
+  // ids; slots routed elsewhere contribute nothing.
+  int64_t first_expert = 0, global_experts = 0;
   fmlp_dtype_t act_dtype = FMLP_DTYPE_INVALID;          // x, y, residual
   fmlp_dtype_t w_dtype = FMLP_DTYPE_INVALID;            // W1 and W2
   fmlp_dtype_t router_dtype = FMLP_DTYPE_INVALID;       // INVALID when the routing is given
@@ -48,8 +52,17 @@ inline fmlp_tensor_t expert_slice(const fmlp_tensor_t& t, int64_t e) {
   return s;
 }
 
-// Host routing of token t in fp64, the spec both host backends share: fills ids[top_k] and
-// weights[top_k]; `scores` holds `experts` doubles of scratch.
+// Every argument checked (api_moe.cpp), the description filled in; also used by fmlp_tp_moe.
+fmlp_status_t validate_moe(const fmlp_moe_args_t* a, MoeDesc* d);
+
+// The local index of global expert id `e`, or -1 when another range holds it.
+inline int64_t local_expert(const MoeDesc& d, int64_t e) {
+  const int64_t l = e - d.first_expert;
+  return l >= 0 && l < d.experts ? l : -1;
+}
+
+// Host routing of token t in fp64, the spec both host backends share: fills ids[top_k] (global
+// ids) and weights[top_k]; `scores` holds `global_experts` doubles of scratch.
 void moe_route_token(const fmlp_moe_args_t& a, const MoeDesc& d, int64_t t, double* scores,
                      int32_t* ids, double* weights);
 

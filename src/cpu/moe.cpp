@@ -1,8 +1,9 @@
 // moe_cpu_avx2_grouped: mixture of experts on the host. Tokens are routed in fp64 (the ref routing,
 // so both host backends pick the same experts), their (token, expert) slots counting-sorted by
 // expert, each expert's rows gathered to fp32 and run through the cpu mlp kernels as one batch,
-// then every token's k expert outputs combined in slot order. Nothing depends on the thread
-// count, so results are bitwise reproducible.
+// then every token's k expert outputs combined in slot order. Slots routed to experts outside the
+// local range (expert parallelism) are left out of the groups and add nothing. Nothing depends on
+// the thread count, so results are bitwise reproducible.
 #include <omp.h>
 
 #include <algorithm>
@@ -49,7 +50,7 @@ Layout layout(const MoeDesc& d) {
   l.cursor = take(e * sizeof(int64_t));
   l.order = take(slots * sizeof(int32_t));
   l.pos = take(slots * sizeof(int32_t));
-  l.scores = take((e + size_t(d.top_k)) * sizeof(double));  // scores, then k weights
+  l.scores = take((size_t(d.global_experts) + size_t(d.top_k)) * sizeof(double));  // + k weights
   l.xg = take(slots * size_t(d.d) * sizeof(float));
   l.yg = take(slots * size_t(d.d_out) * sizeof(float));
   l.mlp = take(mlp_reserve(d));
@@ -118,24 +119,29 @@ fmlp_status_t cpu_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* ws, void
   const size_t es = dtype_size(d.act_dtype);
 
   // Routing costs E*d per token against k*3*hidden*d for the experts: serial fp64 is cheap.
-  double* w = scores + d.experts;
+  double* w = scores + d.global_experts;
   for (int64_t t = 0; t < d.tokens; ++t) {
     moe_route_token(a, d, t, scores, ids + t * k, w);
-    for (int64_t j = 0; j < k; ++j) wts[t * k + j] = float(w[j]);
+    for (int64_t j = 0; j < k; ++j) {
+      wts[t * k + j] = float(w[j]);
+      ids[t * k + j] = int32_t(local_expert(d, ids[t * k + j]));  // -1: another range's
+    }
   }
   std::fill(off, off + d.experts + 1, 0);
-  for (int64_t s = 0; s < slots; ++s) ++off[ids[s] + 1];
+  for (int64_t s = 0; s < slots; ++s)
+    if (ids[s] >= 0) ++off[ids[s] + 1];
   for (int64_t e = 0; e < d.experts; ++e) off[e + 1] += off[e];
   std::copy(off, off + d.experts, cursor);
   for (int64_t s = 0; s < slots; ++s) {
-    const int64_t p = cursor[ids[s]]++;
-    order[p] = int32_t(s);
+    const int64_t p = ids[s] >= 0 ? cursor[ids[s]]++ : -1;
+    if (p >= 0) order[p] = int32_t(s);
     pos[s] = int32_t(p);
   }
+  const int64_t local = off[d.experts];
 
   const int nt = cpu::thread_count(double(slots) * double(d.d + d.d_out));
 #pragma omp parallel for num_threads(nt) schedule(static)
-  for (int64_t p = 0; p < slots; ++p) {
+  for (int64_t p = 0; p < local; ++p) {
     const char* x = row_ptr(a.x, order[p] / k, es);
     float* o = const_cast<float*>(xg) + p * d.d;
     for (int64_t c = 0; c < d.d; ++c) o[c] = float(load_as_double(x, d.act_dtype, c));
@@ -148,7 +154,7 @@ fmlp_status_t cpu_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* ws, void
     for (int64_t o = 0; o < d.d_out; ++o) {
       float acc = r ? float(load_as_double(r, d.act_dtype, o)) : 0.f;
       for (int64_t j = 0; j < k; ++j)
-        acc += wts[t * k + j] * yg[int64_t(pos[t * k + j]) * d.d_out + o];
+        if (pos[t * k + j] >= 0) acc += wts[t * k + j] * yg[int64_t(pos[t * k + j]) * d.d_out + o];
       store_from_double(y, d.act_dtype, o, double(acc));
     }
   }

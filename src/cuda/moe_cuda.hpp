@@ -3,10 +3,13 @@
 // shapes and the device only, so the launch grids never depend on the routing) and the kernel
 // parameters.
 //
-//   moe_route   (moe_route.cu)    per token block: router logits, scores, top-k (or the given
-//                                 routing, bad ids counted and flagged), per-expert counts; the
-//                                 last block to finish groups the slots by expert (stable) and cuts
-//                                 each group into chunks of <= chunk tokens.
+//   moe_route   (moe_route.cu)    per token block: router logits, scores, top-k over the global
+//                                 experts (or the given routing, bad ids counted and flagged),
+//                                 per-expert counts of the local ones; the last block to finish
+//                                 groups the local slots by expert (stable) and cuts each group
+//                                 into chunks of <= chunk tokens.
+//                                 Slots of experts outside the local range (expert parallelism)
+//                                 are marked kMoeSlotRemote and add nothing.
 //   moe_experts (moe_experts.cu)  grid max_chunks x slices: one chunk's tokens through one hidden
 //                                 slice of its expert on the tensor cores, fp32 partial outputs.
 //   moe_grouped (moe_grouped.cu)  instead of moe_experts for many tokens per expert: two smem-tiled
@@ -26,11 +29,15 @@
 namespace fmlp::detail {
 
 constexpr int kMoeMaxExperts = 512;  // the route kernel keeps per-expert tables in shared memory
-constexpr int kMoeSubTiles = 16;     // 16-unit hidden tiles a block keeps on chip at a time
-constexpr int kMoeHsStride = 288;    // elements per row of h in shared memory: 256 + 32, so the
-                                     // 8 rows a fragment load touches fall in distinct banks
-constexpr int kMoeResRows = 64;      // layer-1 rows summed across warps in shared memory (<= 4
-                                     // tiles: column splits only happen below 8 tiles)
+                                     // (global experts: the router's scores are per global id)
+// Routed slot ids other than a local expert index: never used as an index.
+constexpr int32_t kMoeSlotBad = -1;     // a given id outside [0, global experts): NaN row
+constexpr int32_t kMoeSlotRemote = -2;  // an expert of another range: contributes nothing
+constexpr int kMoeSubTiles = 16;        // 16-unit hidden tiles a block keeps on chip at a time
+constexpr int kMoeHsStride = 288;       // elements per row of h in shared memory: 256 + 32, so the
+                                        // 8 rows a fragment load touches fall in distinct banks
+constexpr int kMoeResRows = 64;         // layer-1 rows summed across warps in shared memory (<= 4
+                                        // tiles: column splits only happen below 8 tiles)
 
 // At workspace offset 0, so fmlp_moe_device_errors can find the error count without the shapes.
 struct MoeHeader {
@@ -59,6 +66,7 @@ constexpr int kMoeGroupedK = 64;
 
 struct MoeParams {
   int tokens, d, hidden, d_out, experts, top_k, slots, chunk, slices, tiles, out_slices;
+  int first_expert, global_experts;  // local expert i is global id first_expert + i
   int route_tokens;
   bool gated, partial, renormalize, sigmoid, given;
   fmlp_activation_t act;
@@ -85,6 +93,7 @@ struct MoeParams {
   int64_t b1_e, b2_e;
   fmlp_dtype_t b1_t, b2_t, w_t;
   MoeHeader* hdr;
+  // ids: per slot, the local expert index or a kMoeSlot* value.
   int32_t *counts, *ids, *perm, *chunk_expert, *chunk_start, *chunk_len;
   float *wts, *out;    // out: [out_slices][slots][d_out] fp32
   uint4* hbuf;         // grouped: h [slots][hidden] in chunk order, in the weights' dtype

@@ -30,10 +30,10 @@ bool moe_common_supports(const MoeDesc& d, std::string* why) {
     return (*why = fmt::format("{} experts: the tensor-core kernel takes bf16 or f16 experts",
                                fmlp_dtype_name(d.w_dtype)),
             false);
-  if (d.experts > kMoeMaxExperts)
-    return (*why = fmt::format("E={} experts: the routing kernel keeps per-expert tables in "
-                               "shared memory and takes at most {}",
-                               d.experts, kMoeMaxExperts),
+  if (d.global_experts > kMoeMaxExperts)
+    return (*why = fmt::format("{} experts routed over: the routing kernel keeps per-expert "
+                               "tables in shared memory and takes at most {}",
+                               d.global_experts, kMoeMaxExperts),
             false);
   return true;
 }
@@ -139,16 +139,19 @@ MoePlan moe_plan(const MoeDesc& d) {
   MoePlan pl;
   const int64_t n = d.tokens * d.top_k, E = d.experts;
   const int sms = std::max(1, cuda_sm_count(d.device_id));
-  // Expected experts with tokens (each token picks k distinct ones) and tokens per such expert.
-  const double hit = std::max(
-      1.0, double(E) * (1.0 - std::pow(1.0 - double(d.top_k) / double(E), double(d.tokens))));
-  const double per = double(n) / hit;
+  // Expected local experts with tokens (each token picks k distinct ones of the global experts),
+  // expected local slots, and tokens per such expert. The bounds below hold for any routing.
+  const double G = double(d.global_experts);
+  const double hit =
+      std::max(1.0, double(E) * (1.0 - std::pow(1.0 - double(d.top_k) / G, double(d.tokens))));
+  const double local = double(n) * double(E) / G;
+  const double per = local / hit;
   pl.chunk = per <= 8 ? 8 : per <= 16 ? 16 : per <= 32 ? 32 : 64;
   const int64_t c = pl.chunk;
   pl.max_chunks = std::min(n, (n + (c - 1) * std::min(E, n)) / c);
   pl.tiles = int((d.hidden + 15) / 16);
   // Two blocks per multiprocessor for the chunks a typical routing gives.
-  const double chunks = std::clamp(std::floor(hit + 0.5 * double(n) / double(c)), 1.0,
+  const double chunks = std::clamp(std::floor(hit + 0.5 * local / double(c)), 1.0,
                                    double(std::max<int64_t>(1, pl.max_chunks)));
   pl.slices = int(std::clamp(std::llround(2.0 * sms / chunks), 1LL, (long long)pl.tiles));
   const size_t slice_bytes = std::max<size_t>(4, size_t(n) * size_t(d.d_out) * 4);
@@ -188,6 +191,7 @@ MoeParams moe_params(const fmlp_moe_args_t& a, const MoeDesc& d, const MoePlan& 
   MoeParams p{};
   p.tokens = int(d.tokens), p.d = int(d.d), p.hidden = int(d.hidden), p.d_out = int(d.d_out);
   p.experts = int(d.experts), p.top_k = int(d.top_k), p.slots = int(d.tokens * d.top_k);
+  p.first_expert = int(d.first_expert), p.global_experts = int(d.global_experts);
   p.chunk = pl.chunk, p.slices = pl.slices, p.tiles = pl.tiles;
   p.out_slices = pl.partial ? pl.slices : 1;
   p.route_tokens = pl.route_tokens;
@@ -202,7 +206,7 @@ MoeParams moe_params(const fmlp_moe_args_t& a, const MoeDesc& d, const MoePlan& 
   if (!d.given_routing) {
     p.rw = a.router_w.data, p.rw_ld = a.router_w.stride[0], p.rw_t = d.router_dtype;
     p.rw_vec16 = uintptr_t(p.rw) % 16 == 0 &&
-                 (d.experts == 1 || (p.rw_ld * int64_t(dtype_size(p.rw_t))) % 16 == 0);
+                 (d.global_experts == 1 || (p.rw_ld * int64_t(dtype_size(p.rw_t))) % 16 == 0);
     if (d.router_bias_dtype != FMLP_DTYPE_INVALID)
       p.rb = a.router_b.data, p.rb_t = d.router_bias_dtype;
   } else {

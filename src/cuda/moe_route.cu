@@ -4,17 +4,20 @@
 // each lane's 8-column piece of a router row serving every token of the block), softmax or sigmoid,
 // top-k by repeated arg-max with the ref's rule (strict >, so ties go to the lower id; a NaN score
 // never wins unless it is the lowest unpicked id), optional renormalisation. Given routing is read
-// as is; an id outside [0, E) is never used as an index: its slot is marked -1 (combine turns the
-// token's row into NaN) and counted in the workspace header. Per-expert counts by atomics.
+// as is; an id outside [0, global experts) is never used as an index: its slot is marked
+// kMoeSlotBad (combine turns the token's row into NaN) and counted in the workspace header.
+// Per-expert counts by atomics.
+// Expert parallelism: routing is over the global experts (router rows, given ids); a slot whose
+// expert is outside the local range is marked kMoeSlotRemote, counted nowhere and never run.
 // The last block to finish (a counter) plans: exclusive scan of the counts, a stable scatter of the
 // slot ids grouped by expert (each warp counts its contiguous run of slots per expert, runs are
 // ranked in warp order, lanes of one step are ranked with __match_any_sync), the chunk list, and
 // the counts re-zeroed.
 //
 // moe_sm80_combine: one (token, column tile) per block; the expert outputs of the token's k slots
-// summed over the hidden slices in a fixed order, weighted, + b2, + residual, stored as y's dtype.
-// Every value read is re-zeroed (and the grouped path's h buffer); the last block clears the
-// routing, so the workspace is left zero-filled (the error count aside).
+// summed over the hidden slices in a fixed order, weighted, + b2, + residual, stored as y's dtype;
+// remote slots add nothing. Every value read is re-zeroed (and the grouped path's h buffer); the
+// last block clears the routing, so the workspace is left zero-filled (the error count aside).
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -57,7 +60,7 @@ __device__ __forceinline__ float warp_max(float v) {
 __device__ void router_logits(const MoeParams& p, int t0, int tn, RouteShared& sh) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const size_t rs = p.rw_t == FMLP_DTYPE_F32 ? 4 : 2, xs = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
-  for (int e = warp; e < p.experts; e += kWarps) {
+  for (int e = warp; e < p.global_experts; e += kWarps) {
     const void* wrow = static_cast<const char*>(p.rw) + int64_t(e) * p.rw_ld * rs;
     float acc[kMaxRouteTokens] = {};
     // Unrolled so a lane has several router loads in flight: one block routes a decode step, and
@@ -87,7 +90,7 @@ __device__ void router_logits(const MoeParams& p, int t0, int tn, RouteShared& s
 
 // Scores, top-k and weights of token t (one warp; its logits in s).
 __device__ void select_topk(const MoeParams& p, int t, float* s, unsigned char* taken) {
-  const int lane = threadIdx.x % 32, E = p.experts;
+  const int lane = threadIdx.x % 32, E = p.global_experts;
   for (int e = lane; e < E; e += 32) taken[e] = 0;
   if (p.sigmoid) {
     for (int e = lane; e < E; e += 32) s[e] = 1.f / (1.f + expf(-s[e]));
@@ -124,10 +127,12 @@ __device__ void select_topk(const MoeParams& p, int t, float* s, unsigned char* 
     if (lane == 0) {
       taken[pick] = 1;
       const float w = s[pick];
-      p.ids[slot0 + j] = pick;
-      p.wts[slot0 + j] = w;
+      const int local = pick - p.first_expert;
+      const bool here = local >= 0 && local < p.experts;
+      p.ids[slot0 + j] = here ? local : kMoeSlotRemote;
+      p.wts[slot0 + j] = w;  // remote ones too: the renormalisation sums all k
       wsum += w;
-      atomicAdd(p.counts + pick, 1);
+      if (here) atomicAdd(p.counts + local, 1);
     }
     __syncwarp();
   }
@@ -210,13 +215,17 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_route(const MoeParams p) {
   if (p.given) {
     for (int i = threadIdx.x; i < tn * p.top_k; i += kThreads) {
       const int slot = t0 * p.top_k + i, id = p.given_ids[slot];
-      if (id < 0 || id >= p.experts) {
-        p.ids[slot] = -1;
+      const bool valid = id >= 0 && id < p.global_experts;
+      const int local = valid ? id - p.first_expert : -1;
+      if (!valid) {
+        p.ids[slot] = kMoeSlotBad;
         atomicAdd(&p.hdr->errors, 1);
+      } else if (local < 0 || local >= p.experts) {
+        p.ids[slot] = kMoeSlotRemote;
       } else {
-        p.ids[slot] = id;
+        p.ids[slot] = local;
         p.wts[slot] = p.given_wts[slot];
-        atomicAdd(p.counts + id, 1);
+        atomicAdd(p.counts + local, 1);
       }
     }
   } else {
@@ -247,13 +256,14 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_combine(const MoeParams p, 
   for (int j = threadIdx.x; j < k; j += kThreads) {
     eid[j] = p.ids[t * k + j];
     wt[j] = p.wts[t * k + j];
-    if (eid[j] < 0) bad = true;
+    if (eid[j] == kMoeSlotBad) bad = true;
   }
   __syncthreads();
   // Thread r of a column sums slices r, r + groups, ...; the groups are then added in order.
   float acc = 0.f;
   if (o < p.d_out)
     for (int j = 0; j < k; ++j) {
+      if (eid[j] < 0) continue;  // no expert ran: its partials were never written (still zero)
       // Slices r, r + groups, ... in order; loaded kBatch at a time before they are re-zeroed,
       // so a thread waits on memory once per batch rather than once per slice.
       constexpr int kBatch = 8;

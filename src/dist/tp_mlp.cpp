@@ -24,48 +24,6 @@ namespace {
 
 #if FMLP_WITH_NCCL
 
-// The communicator must be the one the caller describes: same size, same rank, y's device.
-fmlp_status_t check_comm(const NcclApi& api, void* comm, int32_t rank, int32_t size,
-                         const MlpDesc& d) {
-  if (comm == nullptr)
-    return fail(FMLP_ERROR_NULL_POINTER,
-                "comm is NULL; pass an ncclComm_t (fmlp_tp_comm_init_from_file or "
-                "fmlp_tp_comm_init_all create one)");
-  if (d.device != FMLP_DEVICE_CUDA)
-    return fail(FMLP_ERROR_DEVICE_MISMATCH,
-                "the tensors are on {}; the tensor-parallel mlp needs CUDA device memory",
-                device_string(d.device, d.device_id));
-  const auto c = static_cast<ncclComm_t>(comm);
-  int n = 0, r = 0, dev = 0;
-  ncclResult_t e = api.comm_count(c, &n);
-  if (e == ncclSuccess) e = api.comm_user_rank(c, &r);
-  if (e == ncclSuccess) e = api.comm_cu_device(c, &dev);
-  if (e != ncclSuccess)
-    return fail(FMLP_ERROR_INVALID_VALUE, "comm cannot be queried: {}", nccl_error(api, e));
-  if (n != size || r != rank)
-    return fail(FMLP_ERROR_INVALID_VALUE,
-                "rank {} of size {} given, but comm is rank {} of {}; pass the communicator's own "
-                "rank and size",
-                rank, size, r, n);
-  if (d.device_id != dev)
-    return fail(FMLP_ERROR_DEVICE_MISMATCH,
-                "the tensors are on {} but comm (rank {}) is on cuda:{}; give every rank's "
-                "tensors the communicator's device",
-                device_string(d.device, d.device_id), rank, dev);
-  return FMLP_SUCCESS;
-}
-
-fmlp_status_t nccl_dtype(fmlp_dtype_t t, ncclDataType_t* out) {
-  switch (t) {
-    case FMLP_DTYPE_F32: *out = ncclFloat32; return FMLP_SUCCESS;
-    case FMLP_DTYPE_F16: *out = ncclFloat16; return FMLP_SUCCESS;
-    case FMLP_DTYPE_BF16: *out = ncclBfloat16; return FMLP_SUCCESS;
-    default:
-      return fail(FMLP_ERROR_DTYPE_MISMATCH, "y is {}; the reduction takes f32, f16 or bf16",
-                  fmlp_dtype_name(t));
-  }
-}
-
 // What the collective needs of y, checked before anything runs.
 fmlp_status_t check_output(const fmlp_tensor_t& y, const MlpDesc& d, int32_t size,
                            fmlp_tp_reduce_t reduce) {
@@ -84,7 +42,7 @@ fmlp_status_t check_output(const fmlp_tensor_t& y, const MlpDesc& d, int32_t siz
                 "multiple of size (pad the tokens) or use FMLP_TP_ALL_REDUCE",
                 d.m, size);
   ncclDataType_t t;
-  return nccl_dtype(d.act_dtype, &t);
+  return tp_nccl_dtype(d.act_dtype, &t);
 }
 
 // Enqueues the sum of every rank's y on `stream` (y already holds this rank's partial).
@@ -92,7 +50,7 @@ fmlp_status_t reduce_y(const NcclApi& api, const fmlp_tensor_t& y, const MlpDesc
                        int32_t rank, int32_t size, fmlp_tp_reduce_t reduce, void* stream) {
   if (d.m == 0) return FMLP_SUCCESS;
   ncclDataType_t t;
-  FMLP_TP_TRY(nccl_dtype(d.act_dtype, &t));
+  FMLP_TP_TRY(tp_nccl_dtype(d.act_dtype, &t));
   const auto c = static_cast<ncclComm_t>(comm);
   const auto s = static_cast<cudaStream_t>(stream);
   const size_t count = size_t(d.m) * size_t(d.d_out);
@@ -157,7 +115,8 @@ fmlp_status_t fmlp_tp_mlp(const fmlp_mlp_args_t* shard_args, void* comm, int32_t
   const fmlp_mlp_args_t l = local_args(*shard_args, rank);
   MlpDesc d;
   FMLP_TP_TRY(validate_mlp(&l, &d));
-  FMLP_TP_TRY(check_comm(*api, comm, rank, size, d));
+  FMLP_TP_TRY(
+      tp_check_comm(*api, comm, rank, size, d.device, d.device_id, "the tensor-parallel mlp"));
   FMLP_TP_TRY(check_output(l.y, d, size, reduce));
   if (backend != FMLP_BACKEND_AUTO && backend != FMLP_BACKEND_CUDA)
     return fail(FMLP_ERROR_INVALID_VALUE,
@@ -195,7 +154,8 @@ fmlp_status_t fmlp_tp_mlp_packed(const fmlp_mlp_packed_t* shard, const fmlp_tens
   const fmlp_tensor_t* res = rank == 0 ? residual : nullptr;
   MlpDesc d = shard->desc;
   FMLP_TP_TRY(validate_mlp_activations(*y, *x, res, shard->weights, &d));
-  FMLP_TP_TRY(check_comm(*api, comm, rank, size, d));
+  FMLP_TP_TRY(
+      tp_check_comm(*api, comm, rank, size, d.device, d.device_id, "the tensor-parallel mlp"));
   FMLP_TP_TRY(check_output(*y, d, size, reduce));
   DeviceScope scope(d.device_id);
   FMLP_TP_TRY(scope.status());

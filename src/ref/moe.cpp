@@ -20,7 +20,7 @@ void moe_route_token(const fmlp_moe_args_t& a, const MoeDesc& d, int64_t t, doub
   }
   const char* x = row_ptr(a.x, t, dtype_size(d.act_dtype));
   double mx = -INFINITY;
-  for (int64_t e = 0; e < d.experts; ++e) {
+  for (int64_t e = 0; e < d.global_experts; ++e) {
     const char* w = row_ptr(a.router_w, e, dtype_size(d.router_dtype));
     double acc = 0.0;
     for (int64_t c = 0; c < d.d; ++c)
@@ -31,17 +31,17 @@ void moe_route_token(const fmlp_moe_args_t& a, const MoeDesc& d, int64_t t, doub
     mx = std::fmax(mx, acc);
   }
   if (d.scoring == FMLP_MOE_SCORING_SIGMOID) {
-    for (int64_t e = 0; e < d.experts; ++e) scores[e] = 1.0 / (1.0 + std::exp(-scores[e]));
+    for (int64_t e = 0; e < d.global_experts; ++e) scores[e] = 1.0 / (1.0 + std::exp(-scores[e]));
   } else {
     double sum = 0.0;
-    for (int64_t e = 0; e < d.experts; ++e) sum += (scores[e] = std::exp(scores[e] - mx));
-    for (int64_t e = 0; e < d.experts; ++e) scores[e] /= sum;
+    for (int64_t e = 0; e < d.global_experts; ++e) sum += (scores[e] = std::exp(scores[e] - mx));
+    for (int64_t e = 0; e < d.global_experts; ++e) scores[e] /= sum;
   }
   // Selection by repeated arg-max: strict > keeps the lower id on ties; a NaN score is never
   // larger, so NaN logits fall back to the lowest unpicked ids.
   for (int64_t j = 0; j < d.top_k; ++j) {
     int64_t best = -1;
-    for (int64_t e = 0; e < d.experts; ++e) {
+    for (int64_t e = 0; e < d.global_experts; ++e) {
       bool taken = false;
       for (int64_t i = 0; i < j; ++i) taken = taken || ids[i] == e;
       if (!taken && (best < 0 || scores[e] > scores[best])) best = e;
@@ -63,16 +63,16 @@ bool host_only(const MoeDesc& d, std::string* why) {
   return true;
 }
 
-// scores [E], ids [k], weights [k], h [rows1], out [d_out] in doubles.
+// scores [global experts], ids [k], weights [k], h [rows1], out [d_out] in doubles.
 size_t ref_workspace(const MoeDesc& d) {
   const int64_t rows1 = d.gated ? 2 * d.hidden : d.hidden;
-  return size_t(d.experts + 2 * d.top_k + rows1 + d.d_out) * sizeof(double);
+  return size_t(d.global_experts + 2 * d.top_k + rows1 + d.d_out) * sizeof(double);
 }
 
 fmlp_status_t ref_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* ws, void*) {
   const int64_t rows1 = d.gated ? 2 * d.hidden : d.hidden;
   double* scores = static_cast<double*>(ws);
-  double* weights = scores + d.experts;
+  double* weights = scores + d.global_experts;
   int32_t* ids = reinterpret_cast<int32_t*>(weights + d.top_k);
   double* h = weights + 2 * d.top_k;
   double* out = h + rows1;
@@ -83,8 +83,10 @@ fmlp_status_t ref_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* ws, void
     for (int64_t o = 0; o < d.d_out; ++o)
       out[o] = d.has_residual ? load_as_double(row_ptr(a.residual, t, xs), d.act_dtype, o) : 0.0;
     for (int64_t j = 0; j < d.top_k; ++j) {
-      const fmlp_tensor_t w1 = expert_slice(a.w1, ids[j]), w2 = expert_slice(a.w2, ids[j]);
-      const fmlp_tensor_t b1 = expert_slice(a.b1, ids[j]), b2 = expert_slice(a.b2, ids[j]);
+      const int64_t e = local_expert(d, ids[j]);
+      if (e < 0) continue;  // another expert range's slot
+      const fmlp_tensor_t w1 = expert_slice(a.w1, e), w2 = expert_slice(a.w2, e);
+      const fmlp_tensor_t b1 = expert_slice(a.b1, e), b2 = expert_slice(a.b2, e);
       for (int64_t r = 0; r < rows1; ++r) {
         const char* w = row_ptr(w1, r, es);
         double acc = 0.0;

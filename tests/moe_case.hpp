@@ -1,0 +1,341 @@
+// The moe test machinery shared by test_moe.cpp and test_moe_ep.cpp: host tensors with poisoned
+// guards, random cases, the fp64 reference written from the spec in fusedmlp.h (independent of
+// src/ref), the output check, and the same case copied to device memory.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "buffers.hpp"
+#include "mlp_case.hpp"
+#include "op_tensor.hpp"
+#include "ref/activation.hpp"
+#include "tolerance.hpp"
+
+namespace fmlp_test {
+
+using fmlp::detail::load_as_double;
+using fmlp::detail::store_from_double;
+
+constexpr size_t kGuard = 64;  // poisoned bytes after every tensor, checked for stray writes
+
+// A contiguous host tensor of up to 3 dims followed by poisoned guard bytes.
+struct HostTensor {
+  fmlp_dtype_t t = kAbsent;
+  std::vector<int64_t> shape;
+  std::vector<unsigned char> bytes;
+  fmlp_tensor_t view = fmlp_tensor_none();
+
+  HostTensor() = default;
+  HostTensor(fmlp_dtype_t dt, std::vector<int64_t> s) : t(dt), shape(std::move(s)) {
+    bytes.assign(size_t(numel()) * fmlp::dtype_size(t) + kGuard, 0xFF);
+    view.data = bytes.data();
+    view.dtype = t;
+    view.ndim = int32_t(shape.size());
+    int64_t stride = 1;
+    for (int i = view.ndim - 1; i >= 0; --i) {
+      view.shape[i] = shape[size_t(i)];
+      view.stride[i] = stride;
+      stride *= shape[size_t(i)];
+    }
+  }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    return n;
+  }
+  void set(int64_t i, double v) { store_from_double(bytes.data(), t, i, v); }
+  double get(int64_t i) const { return load_as_double(bytes.data(), t, i); }
+  bool guard_intact() const {
+    for (size_t i = bytes.size() - kGuard; i < bytes.size(); ++i)
+      if (bytes[i] != 0xFF) return false;
+    return true;
+  }
+};
+
+struct MoeCase {
+  int64_t t = 1, d = 7, hidden = 9, d_out = 7, e = 4, k = 2;
+  fmlp_dtype_t xt = FMLP_DTYPE_F32, wt = FMLP_DTYPE_F32, rt = FMLP_DTYPE_F32;
+  fmlp_dtype_t b1 = kAbsent, b2 = kAbsent, rb = kAbsent;
+  fmlp_activation_t act = FMLP_ACT_SILU;
+  bool gated = false, renorm = true, sigmoid = false, deterministic = true;
+  int residual = 0;  // 0 none, 1 separate, 2 in place (the very view of y)
+  int routing = 0;   // 0 router, 1 random given ids, 2 all to expert e-1, 3 only experts 0 and e/2
+  std::string name() const {
+    return "T=" + std::to_string(t) + " d=" + std::to_string(d) + " h=" + std::to_string(hidden) +
+           " d_out=" + std::to_string(d_out) + " E=" + std::to_string(e) +
+           " k=" + std::to_string(k) + " x=" + fmlp_dtype_name(xt) + " w=" + fmlp_dtype_name(wt) +
+           (gated ? " gated " : " dense ") + fmlp_activation_name(act) +
+           (routing ? " routing=" + std::to_string(routing)
+                    : std::string(sigmoid ? " sigmoid" : " softmax") + (renorm ? " renorm" : "")) +
+           (residual ? " residual=" + std::to_string(residual) : "") + (b1 ? " b1" : "") +
+           (b2 ? " b2" : "") + (rb ? " router_b" : "") + (deterministic ? "" : " nondet");
+  }
+};
+
+// Inputs of one case, filled with random data.
+struct MoeData {
+  HostTensor x, y, res, rw, rb, w1, b1, w2, b2;
+  std::vector<int32_t> ids;
+  std::vector<float> wts;
+  fmlp_moe_args_t args{};
+};
+
+inline void fill(HostTensor& h, Rng& rng, double scale) {
+  std::normal_distribution<double> nd;
+  for (int64_t i = 0; i < h.numel(); ++i) h.set(i, nd(rng) * scale);
+}
+
+inline void make(const MoeCase& c, uint64_t seed, MoeData* m) {
+  Rng rng(seed);
+  const int64_t rows1 = c.gated ? 2 * c.hidden : c.hidden;
+  m->x = HostTensor(c.xt, {c.t, c.d});
+  m->y = HostTensor(c.xt, {c.t, c.d_out});
+  m->w1 = HostTensor(c.wt, {c.e, rows1, c.d});
+  m->w2 = HostTensor(c.wt, {c.e, c.d_out, c.hidden});
+  fill(m->x, rng, 1.0);
+  fill(m->w1, rng, 1.0 / std::sqrt(double(c.d)));
+  fill(m->w2, rng, 1.0 / std::sqrt(double(c.hidden)));
+  fmlp_moe_args_t& a = m->args;
+  a = fmlp_moe_args_t{};
+  a.x = m->x.view, a.y = m->y.view, a.w1 = m->w1.view, a.w2 = m->w2.view;
+  if (c.b1) m->b1 = HostTensor(c.b1, {c.e, rows1}), fill(m->b1, rng, 0.1), a.b1 = m->b1.view;
+  if (c.b2) m->b2 = HostTensor(c.b2, {c.e, c.d_out}), fill(m->b2, rng, 0.1), a.b2 = m->b2.view;
+  if (c.residual == 1) m->res = HostTensor(c.xt, {c.t, c.d_out}), fill(m->res, rng, 1.0);
+  if (c.residual == 2) fill(m->y, rng, 1.0);  // y holds the residual
+  a.residual = c.residual == 1 ? m->res.view : c.residual == 2 ? m->y.view : fmlp_tensor_none();
+  if (c.routing == 0) {
+    m->rw = HostTensor(c.rt, {c.e, c.d});
+    fill(m->rw, rng, 1.0 / std::sqrt(double(c.d)));
+    a.router_w = m->rw.view;
+    if (c.rb) m->rb = HostTensor(c.rb, {c.e}), fill(m->rb, rng, 0.5), a.router_b = m->rb.view;
+  } else {
+    std::uniform_real_distribution<double> ud(0.1, 1.0);
+    m->ids.resize(size_t(c.t * c.k));
+    m->wts.resize(m->ids.size());
+    for (size_t i = 0; i < m->ids.size(); ++i) {
+      const int64_t j = int64_t(i) % c.k;
+      m->ids[i] = c.routing == 2   ? int32_t(c.e - 1)
+                  : c.routing == 3 ? int32_t(j % 2 ? c.e / 2 : 0)
+                                   : int32_t(rng() % uint64_t(c.e));
+      m->wts[i] = float(ud(rng));
+    }
+    a.topk_ids = m->ids.data();
+    a.topk_weights = m->wts.data();
+  }
+  a.config = fmlp_moe_config_default(int32_t(c.e), int32_t(c.k));
+  a.config.activation = c.act;
+  a.config.gated = c.gated;
+  a.config.scoring = c.sigmoid ? FMLP_MOE_SCORING_SIGMOID : FMLP_MOE_SCORING_SOFTMAX;
+  a.config.renormalize = c.renorm;
+  a.config.deterministic = c.deterministic;
+}
+
+// Experts [first, first + count) of the case's c.e (count < 0: all of them): what one rank holds
+// under expert parallelism; `residual`: this range's output carries the residual.
+struct ExpertRange {
+  int64_t first = 0, count = -1;
+  bool residual = true;
+  bool holds(int64_t e) const { return count < 0 || (e >= first && e < first + count); }
+};
+
+// The reference, written from the spec in fusedmlp.h: ref[t*d_out + o] and the l2 norm of the
+// terms summed into it (magnitudes of h propagated through both layers).
+// *near_tie (optional) marks tokens whose k-th and (k+1)-th router scores are within 1e-4 of each
+// other (relative): an fp32 router may pick either expert there, so device results skip them.
+// range (expert parallelism): only the slots of experts in it add, the residual only when it has
+// it; the routing is over all c.e experts as before.
+inline void reference(const MoeCase& c, const MoeData& m, const std::vector<double>& residual,
+                      std::vector<double>* ref, std::vector<double>* scale,
+                      std::vector<char>* near_tie = nullptr, const ExpertRange& range = {}) {
+  if (near_tie) near_tie->assign(size_t(c.t), 0);
+  ref->assign(size_t(c.t * c.d_out), 0.0);
+  scale->assign(ref->size(), 0.0);
+  std::vector<double> h(size_t(c.hidden)), hmag(size_t(c.hidden));
+  for (int64_t t = 0; t < c.t; ++t) {
+    std::vector<int64_t> ids(size_t(c.k));
+    std::vector<double> w(size_t(c.k));
+    if (c.routing) {
+      for (int64_t j = 0; j < c.k; ++j)
+        ids[size_t(j)] = m.ids[size_t(t * c.k + j)], w[size_t(j)] = m.wts[size_t(t * c.k + j)];
+    } else {
+      std::vector<double> s(size_t(c.e));
+      for (int64_t e = 0; e < c.e; ++e) {
+        double acc = c.rb ? m.rb.get(e) : 0.0;
+        for (int64_t i = 0; i < c.d; ++i) acc += m.rw.get(e * c.d + i) * m.x.get(t * c.d + i);
+        s[size_t(e)] = acc;
+      }
+      if (c.sigmoid) {
+        for (double& v : s) v = 1.0 / (1.0 + std::exp(-v));
+      } else {
+        const double mx = *std::max_element(s.begin(), s.end());
+        double sum = 0.0;
+        for (double& v : s) sum += (v = std::exp(v - mx));
+        for (double& v : s) v /= sum;
+      }
+      std::vector<int64_t> order(size_t(c.e));
+      for (int64_t e = 0; e < c.e; ++e) order[size_t(e)] = e;
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int64_t p, int64_t q) { return s[size_t(p)] > s[size_t(q)]; });
+      if (near_tie && c.k < c.e) {
+        const double a = s[size_t(order[size_t(c.k - 1)])], b = s[size_t(order[size_t(c.k)])];
+        (*near_tie)[size_t(t)] = a - b <= 1e-4 * std::fabs(a);
+      }
+      double sum = 0.0;
+      for (int64_t j = 0; j < c.k; ++j)
+        ids[size_t(j)] = order[size_t(j)], sum += (w[size_t(j)] = s[size_t(order[size_t(j)])]);
+      if (c.renorm)
+        for (double& v : w) v /= sum;
+    }
+    for (int64_t o = 0; o < c.d_out; ++o) {
+      const double r = c.residual && range.residual ? residual[size_t(t * c.d_out + o)] : 0.0;
+      (*ref)[size_t(t * c.d_out + o)] = r;
+      (*scale)[size_t(t * c.d_out + o)] = r * r;
+    }
+    const int64_t rows1 = c.gated ? 2 * c.hidden : c.hidden;
+    for (int64_t j = 0; j < c.k; ++j) {
+      const int64_t e = ids[size_t(j)];
+      if (!range.holds(e)) continue;
+      auto layer1 = [&](int64_t r, double* mag) {
+        double acc = c.b1 ? m.b1.get(e * rows1 + r) : 0.0, l2 = acc * acc;
+        for (int64_t i = 0; i < c.d; ++i) {
+          const double p = m.w1.get((e * rows1 + r) * c.d + i) * m.x.get(t * c.d + i);
+          acc += p, l2 += p * p;
+        }
+        *mag = std::sqrt(l2);
+        return acc;
+      };
+      for (int64_t r = 0; r < c.hidden; ++r) {
+        double gm, um = 0.0;
+        const double g = layer1(r, &gm), u = c.gated ? layer1(c.hidden + r, &um) : 1.0;
+        const double ag = fmlp::ref::activate(c.act, g);
+        h[size_t(r)] = c.gated ? ag * u : ag;
+        hmag[size_t(r)] = c.gated ? 1.2 * gm * std::fabs(u) + std::fabs(ag) * um + std::fabs(ag)
+                                  : 1.2 * gm + std::fabs(ag);
+      }
+      for (int64_t o = 0; o < c.d_out; ++o) {
+        double acc = c.b2 ? m.b2.get(e * c.d_out + o) : 0.0, l2 = acc * acc;
+        for (int64_t i = 0; i < c.hidden; ++i) {
+          const double wv = m.w2.get((e * c.d_out + o) * c.hidden + i);
+          acc += wv * h[size_t(i)];
+          l2 += wv * hmag[size_t(i)] * wv * hmag[size_t(i)];
+        }
+        const double wj = w[size_t(j)];
+        (*ref)[size_t(t * c.d_out + o)] += wj * acc;
+        (*scale)[size_t(t * c.d_out + o)] += wj * wj * l2;
+      }
+    }
+  }
+  for (double& s : *scale) s = std::sqrt(s);
+}
+
+// m.y against the reference; rows in nan_rows must be all NaN (device ids out of range) and are
+// left out of the reference, as are near-tie tokens when the router ran in fp32 (device).
+inline std::string check_y(const MoeCase& c, const MoeData& m, const std::vector<double>& residual,
+                           const std::vector<int64_t>& nan_rows, bool fp32_router = false,
+                           const ExpertRange& range = {}) {
+  std::vector<double> ref, scale;
+  std::vector<char> near_tie;
+  reference(c, m, residual, &ref, &scale, &near_tie, range);
+  const double rtol = mlp_rtol(c.xt, c.wt);
+  int bad = 0, ties = 0;
+  std::string first;
+  for (int64_t t = 0; t < c.t; ++t) {
+    const bool nan_row = std::find(nan_rows.begin(), nan_rows.end(), t) != nan_rows.end();
+    if (!nan_row && fp32_router && near_tie[size_t(t)]) {
+      ++ties;
+      continue;
+    }
+    for (int64_t o = 0; o < c.d_out; ++o) {
+      const size_t i = size_t(t * c.d_out + o);
+      const double out = m.y.get(int64_t(i));
+      const ElementCheck e = nan_row ? ElementCheck{std::isnan(out), 0, 0, "expected a NaN row"}
+                                     : check_element(out, ref[i], scale[i], rtol, c.xt);
+      if (!e.ok && bad++ == 0)
+        first = "y[" + std::to_string(t) + "][" + std::to_string(o) + "] = " + std::to_string(out) +
+                ", ref " + std::to_string(ref[i]) + ": " + e.why;
+    }
+  }
+  if (ties * 10 > c.t + 10)
+    return std::to_string(ties) + " near-tie tokens: the case checks little";
+  return bad ? std::to_string(bad) + " wrong outputs; first " + first : "";
+}
+
+// A case's tensors copied into device buffers (guard bytes included) and its args pointing there.
+class DeviceCase {
+ public:
+  DeviceCase(const MoeCase& c, const MoeData& m) {
+    const auto alloc = [](const HostTensor& h) {
+      return h.t == kAbsent ? Buffer() : Buffer(h.bytes.size(), true);
+    };
+    const auto view = [](const HostTensor& h, const Buffer& b) {
+      if (h.t == kAbsent) return fmlp_tensor_none();
+      fmlp_tensor_t v = h.view;
+      v.data = b.data();
+      v.device_type = FMLP_DEVICE_CUDA;
+      return v;
+    };
+    const HostTensor* host[] = {&m.x, &m.y, &m.res, &m.rw, &m.rb, &m.w1, &m.b1, &m.w2, &m.b2};
+    for (int i = 0; i < 9; ++i) buf_[i] = alloc(*host[i]);
+    args_ = m.args;
+    args_.x = view(m.x, buf_[0]), args_.y = view(m.y, buf_[1]);
+    args_.residual = c.residual == 1   ? view(m.res, buf_[2])
+                     : c.residual == 2 ? args_.y
+                                       : args_.residual;
+    args_.router_w = view(m.rw, buf_[3]), args_.router_b = view(m.rb, buf_[4]);
+    args_.w1 = view(m.w1, buf_[5]), args_.b1 = view(m.b1, buf_[6]);
+    args_.w2 = view(m.w2, buf_[7]), args_.b2 = view(m.b2, buf_[8]);
+    if (!m.ids.empty()) {
+      ids_ = Buffer(m.ids.size() * 4, true), wts_ = Buffer(m.wts.size() * 4, true);
+      args_.topk_ids = static_cast<const int32_t*>(ids_.data());
+      args_.topk_weights = static_cast<const float*>(wts_.data());
+    }
+    upload(m);
+  }
+  // Every input (and y) from m into the same buffers, ids optionally replaced.
+  void upload(const MoeData& m, const std::vector<int32_t>* ids = nullptr) {
+    const HostTensor* host[] = {&m.x, &m.y, &m.res, &m.rw, &m.rb, &m.w1, &m.b1, &m.w2, &m.b2};
+    for (int i = 0; i < 9; ++i)
+      if (host[i]->t != kAbsent) buf_[i].upload(host[i]->bytes);
+    if (m.ids.empty()) return;
+    const std::vector<int32_t>& id = ids ? *ids : m.ids;
+    std::vector<unsigned char> b(id.size() * 4), w(m.wts.size() * 4);
+    std::memcpy(b.data(), id.data(), b.size());
+    std::memcpy(w.data(), m.wts.data(), w.size());
+    ids_.upload(b), wts_.upload(w);
+  }
+  std::vector<unsigned char> y_bytes() const { return buf_[1].download(); }
+  const fmlp_moe_args_t& args() const { return args_; }
+
+ private:
+  Buffer buf_[9], ids_, wts_;
+  fmlp_moe_args_t args_{};
+};
+
+inline std::vector<double> residual_of(const MoeCase& c, const MoeData& m) {
+  std::vector<double> r;
+  const HostTensor& h = c.residual == 2 ? m.y : m.res;
+  for (int64_t i = 0; c.residual && i < c.t * c.d_out; ++i) r.push_back(h.get(i));
+  return r;
+}
+
+inline std::vector<const char*> cuda_moe_kernels() {
+  std::vector<const char*> v;
+  for (int i = 0; i < fmlp_moe_kernel_count(); ++i)
+    if (fmlp_moe_kernel_backend(i) == FMLP_BACKEND_CUDA) v.push_back(fmlp_moe_kernel_name(i));
+  return v;
+}
+
+#define SKIP_WITHOUT_GPU()                                                                 \
+  do {                                                                                     \
+    if (fmlp_backend_available(FMLP_BACKEND_CUDA) != FMLP_SUCCESS)                         \
+      GTEST_SKIP() << "cuda backend unavailable: " << fmlp_last_error();                   \
+    if (!device_unavailable_reason().empty()) GTEST_SKIP() << device_unavailable_reason(); \
+  } while (0)
+
+}  // namespace fmlp_test
