@@ -1,16 +1,19 @@
 // fusedmlp_cuda_bench_prefill: the cuda mlp kernels from one token to a long prompt, to place the
 // planner's crossover between the decode kernels and the cuBLASLt prefill path.
 //
-// For each model shape (bf16) and M in 1..8192, every CUDA op-table entry that supports the
-// request is checked (rows 0 and M-1 against a host double reference, relative to the row rms) and
-// timed: CUDA-graph replay of one call per weight copy, the copies rotated through > 3x the L2
-// (at large M the GEMMs are compute bound, so one copy is enough once the weights exceed it),
-// median of the replays. Reported: us per call and per token, TFLOP/s, % of the bf16 matmul rate
-// this GPU reaches in the same run (cuBLASLt, 8192^3), the kernel dispatch picks (the planner,
-// read from fmlp_mlp_explain) and the fastest. It ends with crossover rows to paste into
+// For each model shape (bf16 activations; bf16 weights, or with --wdtype f8 e4m3 weights with
+// per-row scales from fmlp_quantize_fp8, which the prefill path runs as W8A8) and M in 1..8192,
+// every CUDA op-table entry that supports the request is checked (rows 0 and M-1 against a host
+// double reference, relative to the row rms) and timed: CUDA-graph replay of one call per weight
+// copy, the copies rotated through > 3x the L2 (at large M the GEMMs are compute bound, so one copy
+// is enough once the weights exceed it), median of the replays. Reported: us per call and per
+// token, TFLOP/s, % of the bf16 matmul rate this GPU reaches in the same run (cuBLASLt, 8192^3;
+// e4m3 x e4m3 -> bf16 with --wdtype f8), the kernel dispatch picks (the planner, read from
+// fmlp_mlp_explain) and the fastest. It ends with crossover rows to paste into
 // src/cuda/planner.cpp.
 //
 // usage: fusedmlp_cuda_bench_prefill [--json FILE] [--shapes a,b] [--ms 1,2,...] [--kernels a,b]
+//                                    [--wdtype bf16|f8]
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -71,11 +74,35 @@ std::vector<uint16_t> random_bf16(size_t n, float rms, uint64_t seed) {
   return v;
 }
 
-void* upload(const std::vector<uint16_t>& h) {
+template <typename E>
+void* upload(const std::vector<E>& h) {
   void* d = nullptr;
-  CK(cudaMalloc(&d, h.size() * 2));
-  CK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&d, h.size() * sizeof(E)));
+  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(E), cudaMemcpyHostToDevice));
   return d;
+}
+
+// w (bf16 [rows, cols]) as e4m3 codes and per-row scales (fmlp_quantize_fp8, as served); *deq gets
+// the dequantised values, which the reference uses (the spec dequantises exactly).
+void quantize(const std::vector<uint16_t>& w, int64_t rows, int64_t cols, std::vector<uint8_t>* q,
+              std::vector<float>* scale, std::vector<float>* deq) {
+  std::vector<float> wf(w.size());
+  for (size_t i = 0; i < w.size(); ++i) wf[i] = fmlp::bf16_to_float(w[i]);
+  q->resize(w.size());
+  scale->resize(size_t(rows));
+  const fmlp_tensor_t wv = fmlp_tensor_2d(wf.data(), FMLP_DTYPE_F32, rows, cols, cols);
+  const fmlp_tensor_t qv = fmlp_tensor_2d(q->data(), FMLP_DTYPE_F8_E4M3, rows, cols, cols);
+  const fmlp_tensor_t sv = fmlp_tensor_1d(scale->data(), FMLP_DTYPE_F32, rows);
+  if (fmlp_quantize_fp8(&wv, &qv, &sv, nullptr) != FMLP_SUCCESS) {
+    std::fprintf(stderr, "fmlp_quantize_fp8: %s\n", fmlp_last_error());
+    std::exit(2);
+  }
+  deq->resize(w.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const size_t i = size_t(r * cols + c);
+      (*deq)[i] = fmlp::f8e4m3_to_float((*q)[i]) * (*scale)[size_t(r)];
+    }
 }
 
 double act_ref(fmlp_activation_t a, double x) {
@@ -91,23 +118,42 @@ double act_ref(fmlp_activation_t a, double x) {
 // The tensors of one shape: host copies for the reference, `copies` device copies of the weights.
 struct Model {
   Shape s;
+  fmlp_dtype_t wt;  // bf16 or f8_e4m3 (per-row scales)
   int64_t rows1;
-  std::vector<uint16_t> w1, w2, b1, b2, x;
-  std::vector<void*> dw1, dw2, db1, db2;
+  std::vector<uint16_t> b1, b2, x;
+  std::vector<float> r1, r2;  // the weights as the reference reads them (dequantised for fp8)
+  std::vector<void*> dw1, dw2, db1, db2, ds1, ds2;
   void *dx = nullptr, *dy = nullptr;
   std::vector<std::vector<double>> ref;  // host reference rows, computed on demand
 
-  Model(const Shape& sh, int64_t max_m, int copies) : s(sh), rows1(sh.gated ? 2 * sh.h : sh.h) {
-    w1 = random_bf16(size_t(rows1 * s.d), 1.f / std::sqrt(float(s.d)), 1);
-    w2 = random_bf16(size_t(s.d * s.h), 1.f / std::sqrt(float(s.h)), 2);
+  Model(const Shape& sh, fmlp_dtype_t w_dtype, int64_t max_m, int copies)
+      : s(sh), wt(w_dtype), rows1(sh.gated ? 2 * sh.h : sh.h) {
+    const std::vector<uint16_t> w1 =
+        random_bf16(size_t(rows1 * s.d), 1.f / std::sqrt(float(s.d)), 1);
+    const std::vector<uint16_t> w2 = random_bf16(size_t(s.d * s.h), 1.f / std::sqrt(float(s.h)), 2);
+    std::vector<uint8_t> q1, q2;
+    std::vector<float> s1, s2;
+    if (wt == FMLP_DTYPE_F8_E4M3) {
+      quantize(w1, rows1, s.d, &q1, &s1, &r1);
+      quantize(w2, s.d, s.h, &q2, &s2, &r2);
+    } else {
+      for (auto [src, dst] : {std::pair{&w1, &r1}, std::pair{&w2, &r2}}) {
+        dst->resize(src->size());
+        for (size_t i = 0; i < src->size(); ++i) (*dst)[i] = fmlp::bf16_to_float((*src)[i]);
+      }
+    }
     if (!s.gated) {
       b1 = random_bf16(size_t(rows1), 0.3f, 3);
       b2 = random_bf16(size_t(s.d), 0.3f, 4);
     }
     x = random_bf16(size_t(max_m * s.d), 1.f, 5);
     for (int i = 0; i < copies; ++i) {
-      dw1.push_back(upload(w1));
-      dw2.push_back(upload(w2));
+      if (wt == FMLP_DTYPE_F8_E4M3) {
+        dw1.push_back(upload(q1)), dw2.push_back(upload(q2));
+        ds1.push_back(upload(s1)), ds2.push_back(upload(s2));
+      } else {
+        dw1.push_back(upload(w1)), dw2.push_back(upload(w2));
+      }
       if (!s.gated) db1.push_back(upload(b1)), db2.push_back(upload(b2));
     }
     dx = upload(x);
@@ -115,19 +161,19 @@ struct Model {
     ref.resize(size_t(max_m));
   }
   ~Model() {
-    for (auto* v : {&dw1, &dw2, &db1, &db2})
+    for (auto* v : {&dw1, &dw2, &db1, &db2, &ds1, &ds2})
       for (void* p : *v) cudaFree(p);
     cudaFree(dx);
     cudaFree(dy);
   }
   fmlp_mlp_args_t args(int64_t m, int copy) const {
-    auto t2 = [](void* p, int64_t r, int64_t c) {
-      fmlp_tensor_t t = fmlp_tensor_2d(p, FMLP_DTYPE_BF16, r, c, c);
+    auto t2 = [](void* p, int64_t r, int64_t c, fmlp_dtype_t t_ = FMLP_DTYPE_BF16) {
+      fmlp_tensor_t t = fmlp_tensor_2d(p, t_, r, c, c);
       t.device_type = FMLP_DEVICE_CUDA;
       return t;
     };
-    auto t1 = [](void* p, int64_t n) {
-      fmlp_tensor_t t = fmlp_tensor_1d(p, FMLP_DTYPE_BF16, n);
+    auto t1 = [](void* p, int64_t n, fmlp_dtype_t t_ = FMLP_DTYPE_BF16) {
+      fmlp_tensor_t t = fmlp_tensor_1d(p, t_, n);
       t.device_type = FMLP_DEVICE_CUDA;
       return t;
     };
@@ -139,8 +185,12 @@ struct Model {
     for (fmlp_tensor_t* t : {&w.w1_scale, &w.b1, &w.w_up, &w.w_up_scale, &w.b_up, &w.w2_scale,
                              &w.b2, &w.norm_weight, &w.norm_bias})
       *t = fmlp_tensor_none();
-    w.w1 = t2(dw1[size_t(copy)], rows1, s.d);
-    w.w2 = t2(dw2[size_t(copy)], s.d, s.h);
+    w.w1 = t2(dw1[size_t(copy)], rows1, s.d, wt);
+    w.w2 = t2(dw2[size_t(copy)], s.d, s.h, wt);
+    if (wt == FMLP_DTYPE_F8_E4M3) {
+      w.w1_scale = t1(ds1[size_t(copy)], rows1, FMLP_DTYPE_F32);
+      w.w2_scale = t1(ds2[size_t(copy)], s.d, FMLP_DTYPE_F32);
+    }
     if (!s.gated) w.b1 = t1(db1[size_t(copy)], rows1), w.b2 = t1(db2[size_t(copy)], s.d);
     a.config = fmlp_mlp_config_default();
     a.config.activation = s.act;
@@ -152,18 +202,18 @@ struct Model {
     if (!y.empty()) return y;
     std::vector<double> xr(size_t(s.d)), h(size_t(s.h));
     for (int64_t k = 0; k < s.d; ++k) xr[size_t(k)] = fmlp::bf16_to_float(x[size_t(r * s.d + k)]);
-    auto dot = [&](const std::vector<uint16_t>& w, int64_t row, int64_t n, const double* v) {
+    auto dot = [&](const std::vector<float>& w, int64_t row, int64_t n, const double* v) {
       double acc = 0;
-      for (int64_t k = 0; k < n; ++k) acc += fmlp::bf16_to_float(w[size_t(row * n + k)]) * v[k];
+      for (int64_t k = 0; k < n; ++k) acc += double(w[size_t(row * n + k)]) * v[k];
       return acc;
     };
     for (int64_t j = 0; j < s.h; ++j) {
-      const double g = dot(w1, j, s.d, xr.data()) + (b1.empty() ? 0 : fmlp::bf16_to_float(b1[j]));
-      h[size_t(j)] = act_ref(s.act, g) * (s.gated ? dot(w1, s.h + j, s.d, xr.data()) : 1.0);
+      const double g = dot(r1, j, s.d, xr.data()) + (b1.empty() ? 0 : fmlp::bf16_to_float(b1[j]));
+      h[size_t(j)] = act_ref(s.act, g) * (s.gated ? dot(r1, s.h + j, s.d, xr.data()) : 1.0);
     }
     y.resize(size_t(s.d));
     for (int64_t o = 0; o < s.d; ++o)
-      y[size_t(o)] = dot(w2, o, s.h, h.data()) + (b2.empty() ? 0 : fmlp::bf16_to_float(b2[o]));
+      y[size_t(o)] = dot(r2, o, s.h, h.data()) + (b2.empty() ? 0 : fmlp::bf16_to_float(b2[o]));
     return y;
   }
   // Worst |y - ref| over rows {0, m-1}, relative to each row's rms.
@@ -186,30 +236,40 @@ struct Model {
   }
 };
 
-// bf16 GEMM rate of this GPU through cuBLASLt (n^3, bf16 in/out, fp32 accumulation), TFLOP/s.
-double matmul_rate(int64_t n) {
+// GEMM rate of this GPU through cuBLASLt (n^3, fp32 accumulation), TFLOP/s: bf16 in and out, or
+// (fp8) e4m3 in (unit scales) and bf16 out, the GEMMs of the W8A8 path.
+double matmul_rate(int64_t n, bool fp8) {
   cublasLtHandle_t h;
   LK(cublasLtCreate(&h));
   void *a, *b, *c, *ws;
   const size_t bytes = size_t(n * n) * 2, ws_bytes = size_t(32) << 20;
   for (void** p : {&a, &b, &c}) CK(cudaMalloc(p, bytes));
   CK(cudaMalloc(&ws, ws_bytes));
-  const std::vector<uint16_t> init = random_bf16(size_t(n * n), 1.f, 9);
+  std::vector<uint16_t> init = random_bf16(size_t(n * n), 1.f, 9);
+  if (fp8)  // two e4m3 codes per 16 bits; clearing bit 3 of each leaves no NaN code (0x7f, 0xff)
+    for (uint16_t& v : init) v = uint16_t(v & 0xF7F7u);
   CK(cudaMemcpy(a, init.data(), bytes, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(b, init.data(), bytes, cudaMemcpyHostToDevice));
   cublasLtMatmulDesc_t op;
   LK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t t = CUBLAS_OP_T;
   LK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
-  cublasLtMatrixLayout_t l;
+  cublasLtMatrixLayout_t l, lab;
   LK(cublasLtMatrixLayoutCreate(&l, CUDA_R_16BF, uint64_t(n), uint64_t(n), n));
+  LK(cublasLtMatrixLayoutCreate(&lab, fp8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF, uint64_t(n), uint64_t(n),
+                                n));
   cublasLtMatmulPreference_t pref;
   LK(cublasLtMatmulPreferenceCreate(&pref));
   LK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
                                           sizeof(ws_bytes)));
   cublasLtMatmulHeuristicResult_t r{};
   int count = 0;
-  LK(cublasLtMatmulAlgoGetHeuristic(h, op, l, l, l, l, pref, 1, &r, &count));
+  LK(cublasLtMatmulAlgoGetHeuristic(h, op, lab, lab, l, l, pref, 1, &r, &count));
+  if (count == 0) {
+    std::fprintf(stderr, "cuBLASLt has no %s algorithm for the %lld^3 rate GEMM\n",
+                 fp8 ? "fp8" : "bf16", (long long)n);
+    std::exit(2);
+  }
   const float alpha = 1, beta = 0;
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
@@ -217,7 +277,7 @@ double matmul_rate(int64_t n) {
   std::vector<double> ts;
   for (int i = 0; i < 25; ++i) {
     CK(cudaEventRecord(e0));
-    LK(cublasLtMatmul(h, op, &alpha, a, l, b, l, &beta, c, l, c, l, &r.algo, ws, ws_bytes, 0));
+    LK(cublasLtMatmul(h, op, &alpha, a, lab, b, lab, &beta, c, l, c, l, &r.algo, ws, ws_bytes, 0));
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     float ms;
@@ -226,6 +286,7 @@ double matmul_rate(int64_t n) {
   }
   cublasLtMatmulPreferenceDestroy(pref);
   cublasLtMatrixLayoutDestroy(l);
+  cublasLtMatrixLayoutDestroy(lab);
   cublasLtMatmulDescDestroy(op);
   cublasLtDestroy(h);
   for (void* p : {a, b, c, ws}) CK(cudaFree(p));
@@ -300,6 +361,7 @@ int main(int argc, char** argv) {
   const char* json = nullptr;
   std::string shapes_arg = "gpt2-small,seed-4096,llama3-8b,llama3-70b";
   std::string ms_arg = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192", kernels_arg;
+  fmlp_dtype_t wt = FMLP_DTYPE_BF16;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc)
@@ -310,6 +372,8 @@ int main(int argc, char** argv) {
       ms_arg = argv[++i];
     else if (a == "--kernels" && i + 1 < argc)
       kernels_arg = argv[++i];
+    else if (a == "--wdtype" && i + 1 < argc)
+      wt = std::string(argv[++i]) == "f8" ? FMLP_DTYPE_F8_E4M3 : FMLP_DTYPE_BF16;
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       return 1;
@@ -330,12 +394,16 @@ int main(int argc, char** argv) {
 
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
-  const double peak = matmul_rate(8192);
-  std::printf("%s (sm_%d%d), %d SMs, L2 %d MiB, cuBLASLt bf16 8192^3: %.1f TFLOP/s\n", prop.name,
-              prop.major, prop.minor, prop.multiProcessorCount, prop.l2CacheSize >> 20, peak);
+  const bool f8 = wt == FMLP_DTYPE_F8_E4M3;
+  // The % of matmul column is against the GEMM rate of the weight dtype (fp8 for the W8A8 path).
+  const double peak = matmul_rate(8192, f8);
+  std::printf("%s (sm_%d%d), %d SMs, L2 %d MiB, cuBLASLt %s 8192^3: %.1f TFLOP/s\n", prop.name,
+              prop.major, prop.minor, prop.multiProcessorCount, prop.l2CacheSize >> 20,
+              f8 ? "e4m3->bf16" : "bf16", peak);
   std::string out = "{\"gpu\": \"" + std::string(prop.name) +
                     "\", \"sm\": " + std::to_string(prop.major * 10 + prop.minor) +
-                    ", \"matmul_TFLOPs\": " + std::to_string(peak) + ", \"prefill\": [";
+                    ", \"wdtype\": \"" + fmlp_dtype_name(wt) +
+                    "\", \"matmul_TFLOPs\": " + std::to_string(peak) + ", \"prefill\": [";
   std::string rows_out;
   bool first = true;
   int failures = 0;
@@ -349,12 +417,13 @@ int main(int argc, char** argv) {
                        {"llama3-70b", 8192, 28672, FMLP_ACT_SILU, true}};
   for (const Shape& sh : all) {
     if (shapes_arg.find(sh.name) == std::string::npos) continue;
-    const double wbytes = double((sh.gated ? 3 : 2) * sh.d * sh.h) * 2;
+    const double params = double((sh.gated ? 3 : 2) * sh.d * sh.h);
+    const double wbytes = params * (f8 ? 1 : 2);
     const int copies = std::max(1, int(std::ceil(3.0 * prop.l2CacheSize / wbytes)));
-    Model md(sh, max_m, copies);
+    Model md(sh, wt, max_m, copies);
     int64_t crossover = -1;  // smallest M from which the prefill path is the fastest
     for (const int64_t m : ms) {
-      const double flops = 2.0 * double(m) * wbytes / 2;
+      const double flops = 2.0 * double(m) * params;
       const fmlp_mlp_args_t a0 = md.args(m, 0);
       const std::string pick = planner_pick(a0);
       std::string best;
@@ -367,7 +436,10 @@ int main(int argc, char** argv) {
           continue;
         }
         const double err = md.check(m);
-        const bool ok = err < 1.0 / 32;  // bf16 sanity bound; exact tolerances live in tests/
+        // Sanity bounds (exact tolerances live in tests/): bf16, and W8A8 for the fp8 prefill path
+        // (x and h quantised to e4m3: ~2-3 % rms of the row, tests/tolerance.hpp).
+        const bool w8a8 = f8 && k.find("prefill") != std::string::npos;
+        const bool ok = err < (w8a8 ? 1.0 / 4 : 1.0 / 32);
         failures += !ok;
         if (us < best_us) best_us = us, best = k;
         const double tf = flops / us * 1e-6;
@@ -397,9 +469,10 @@ int main(int argc, char** argv) {
     if (crossover > 0) {
       char row[512];
       std::snprintf(row, sizeof row,
-                    "    {%lld, %lld, %s, FMLP_DTYPE_BF16, %lld, \"measured on %s (sm_%d%d)\"},\n",
+                    "    {%lld, %lld, %s, %s, %lld, \"measured on %s (sm_%d%d)\"},\n",
                     (long long)sh.d, (long long)sh.h, sh.gated ? "true" : "false",
-                    (long long)crossover, prop.name, prop.major, prop.minor);
+                    f8 ? "FMLP_DTYPE_F8_E4M3" : "FMLP_DTYPE_BF16", (long long)crossover, prop.name,
+                    prop.major, prop.minor);
       rows_out += row;
     }
   }

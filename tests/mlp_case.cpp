@@ -493,10 +493,17 @@ RunOutcome run_kernel(const PlacedCase& p, const char* kernel) {
 CompareOutcome compare(const MlpCase& c, const std::vector<double>& out, const Reference& ref,
                        bool gemm_composed) {
   CompareOutcome r;
-  const double rtol = mlp_rtol(c.x_dtype, c.w_dtype, gemm_composed);
-  double worst_bad = -1.0;
+  const bool w8a8 = gemm_composed && c.w_dtype == FMLP_DTYPE_F8_E4M3;
+  const double rtol = w8a8 ? kW8A8Rtol : mlp_rtol(c.x_dtype, c.w_dtype, gemm_composed);
+  double worst_bad = -1.0, sq = 0.0;
+  int64_t finite = 0;
   for (size_t e = 0; e < out.size(); ++e) {
     const ElementCheck chk = check_element(out[e], ref.y[e], ref.scale[e], rtol, c.x_dtype);
+    if (w8a8 && std::isfinite(out[e]) && std::isfinite(ref.y[e])) {
+      const double rel = std::fabs(out[e] - ref.y[e]) / (std::fabs(ref.y[e]) + ref.scale[e]);
+      sq += rel * rel;
+      ++finite;
+    }
     if (std::isfinite(chk.err)) {
       r.max_err = std::max(r.max_err, chk.err);
       if (chk.tol > 0) r.worst_ratio = std::max(r.worst_ratio, chk.err / chk.tol);
@@ -515,6 +522,14 @@ CompareOutcome compare(const MlpCase& c, const std::vector<double>& out, const R
                   static_cast<long long>(int64_t(e) % c.d_out), out[e], ref.y[e],
                   std::fabs(out[e] - ref.y[e]), chk.tol, rtol, ref.scale[e], chk.why);
     r.detail = buf;
+  }
+  const double rms = finite ? std::sqrt(sq / double(finite)) : 0.0;
+  if (w8a8 && rms > kW8A8RmsBound) {
+    r.ok = false;
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "%sW8A8 rms relative error %.4f > %.4f (tolerance.hpp)",
+                  r.detail.empty() ? "" : "; ", rms, kW8A8RmsBound);
+    r.detail += buf;
   }
   return r;
 }

@@ -120,7 +120,8 @@ struct CompareOutcome {
   double max_err = 0.0;
   std::string detail;  // the worst failing element, when !ok
 };
-// gemm_composed: the kernel stores intermediates in the 16-bit dtype (tolerance.hpp).
+// gemm_composed: the kernel stores intermediates in the 16-bit dtype (tolerance.hpp); with fp8
+// weights such a kernel is W8A8 (the prefill path): kW8A8Rtol per element plus kW8A8RmsBound.
 CompareOutcome compare(const MlpCase& c, const std::vector<double>& out, const Reference& ref,
                        bool gemm_composed = false);
 

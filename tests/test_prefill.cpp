@@ -8,6 +8,8 @@
 // of a layer-1 magnitude, so y picks up about sqrt(3) u * scale (u = 2^-8 bf16, 2^-11 f16),
 // inside the 2^-7 / 2^-9 rtol of the activation dtype that budgets "intermediates rounded before
 // a tensor-core GEMM". fp32 keeps fp32 intermediates and non-TF32 GEMMs (1e-4 budget).
+// fp8 weights run W8A8 (x and h quantised per token to e4m3): their budget is tolerance.hpp's
+// kW8A8Rtol per element plus kW8A8RmsBound over each case, from the error model stated there.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -170,10 +172,16 @@ TEST(Prefill, RejectsWithReasons) {
   SKIP_WITHOUT_GPU();
   MlpCase mixed = base_case(300, 64, 64, 64, FMLP_DTYPE_F32);
   mixed.w_dtype = FMLP_DTYPE_BF16;
-  MlpCase fp8 = base_case(300, 64, 64, 64, FMLP_DTYPE_BF16);
-  fp8.w_dtype = FMLP_DTYPE_F8_E4M3;
+  MlpCase fp8_f32 = base_case(300, 64, 64, 64, FMLP_DTYPE_F32);
+  fp8_f32.w_dtype = FMLP_DTYPE_F8_E4M3;
+  MlpCase fp8_odd = base_case(300, 72, 200, 64, FMLP_DTYPE_BF16);  // d_in 72: not a multiple of 16
+  fp8_odd.w_dtype = FMLP_DTYPE_F8_E4M3;
+  MlpCase fp8_mis = base_case(300, 64, 64, 64, FMLP_DTYPE_BF16);
+  fp8_mis.w_dtype = FMLP_DTYPE_F8_E4M3, fp8_mis.misaligned = true;
   const std::pair<MlpCase, const char*> cases[] = {{mixed, "cast x to"},
-                                                   {fp8, "dequantise the weights"}};
+                                                   {fp8_f32, "cast x to bf16"},
+                                                   {fp8_odd, "multiples of 16"},
+                                                   {fp8_mis, "16-byte aligned"}};
   for (const auto& [c, hint] : cases) {
     PlacedCase p(c, true);
     EXPECT_EQ(fmlp_mlp_kernel_supports(&p.args(), kPrefill), FMLP_ERROR_NOT_SUPPORTED);
@@ -273,6 +281,210 @@ TEST(Planner, DecodeAtOneTokenPrefillAtManyTokens) {
     const CompareOutcome cmp =
         compare(c, p.download_y(&stray), reference(c, data), /*gemm_composed=*/true);
     EXPECT_TRUE(cmp.ok) << "M=" << m << ": " << cmp.detail;
+  }
+}
+
+// ---- fp8 e4m3 weights: the W8A8 path ----
+
+MlpCase fp8_case(int64_t m, int64_t d_in, int64_t hidden, int64_t d_out, fmlp_dtype_t t) {
+  MlpCase c = base_case(m, d_in, hidden, d_out, t);
+  c.w_dtype = FMLP_DTYPE_F8_E4M3;
+  return c;
+}
+
+// tolerance.hpp's W8A8 budget (compare() applies it to gemm-composed kernels with fp8 weights):
+// every element within kW8A8Rtol and the non-finite classes of the reference, and the case's rms
+// of |out - ref| / (|ref| + scale) within kW8A8RmsBound.
+std::string compare_w8a8(const MlpCase& c, const std::vector<double>& out, const Reference& ref) {
+  const CompareOutcome cmp = compare(c, out, ref, /*gemm_composed=*/true);
+  return cmp.ok ? std::string()
+                : std::to_string(cmp.bad) + " of " + std::to_string(out.size()) +
+                      " outputs wrong; " + cmp.detail;
+}
+
+std::string check_fp8_case(const MlpCase& c, uint64_t salt) {
+  PlacedCase p(c, /*device=*/true);
+  const CaseData data = make_data(c, mix_seed(test_seed(), salt));
+  p.upload(data);
+  const RunOutcome run = run_kernel(p, kPrefill);
+  if (run.status != FMLP_SUCCESS)
+    return std::string(fmlp_status_name(run.status)) + ": " + run.error;
+  std::string stray;
+  const std::vector<double> out = p.download_y(&stray);
+  if (!stray.empty()) return stray;
+  return compare_w8a8(c, out, reference(c, data));
+}
+
+std::vector<MlpCase> fp8_cases() {
+  std::vector<MlpCase> v;
+  const fmlp_activation_t acts[] = {FMLP_ACT_RELU, FMLP_ACT_GELU, FMLP_ACT_GELU_TANH,
+                                    FMLP_ACT_SILU};
+  uint64_t k = 0;
+  // M x gate x activation, alternating dtype, scale kind, norm, biases and residual form.
+  for (const int64_t m : {1, 127, 769})
+    for (const Gate g : {Gate::kDense, Gate::kStacked, Gate::kSeparate})
+      for (const fmlp_activation_t act : acts) {
+        ++k;
+        MlpCase c = fp8_case(m, 256, 512, 128, k % 3 == 0 ? FMLP_DTYPE_F16 : FMLP_DTYPE_BF16);
+        c.gate = g, c.act = act;
+        c.per_row_scale = k % 2 == 0;
+        c.norm = k % 3 == 0 ? FMLP_NORM_LAYERNORM : k % 3 == 1 ? FMLP_NORM_RMSNORM : FMLP_NORM_NONE;
+        c.gamma = c.norm != FMLP_NORM_NONE ? FMLP_DTYPE_F32 : kAbsent;
+        c.beta = c.norm == FMLP_NORM_LAYERNORM ? c.x_dtype : kAbsent;
+        c.b1 = k % 4 == 0 ? kAbsent : FMLP_DTYPE_F32;
+        if (g == Gate::kSeparate) c.b_up = FMLP_DTYPE_BF16;
+        c.b2 = k % 5 < 2 ? kAbsent : k % 2 ? FMLP_DTYPE_BF16 : c.x_dtype;
+        c.residual = k % 3 == 0   ? Residual::kInPlace
+                     : k % 3 == 1 ? Residual::kSeparate
+                                  : Residual::kNone;
+        c.fp8_all_codes = k % 7 == 0;
+        v.push_back(c);
+      }
+  // A realistic ratio, and a hidden whose h row needs more than 48 KiB of shared memory.
+  MlpCase big = fp8_case(300, 1024, 2816, 1024, FMLP_DTYPE_BF16);
+  big.gate = Gate::kStacked, big.act = FMLP_ACT_SILU, big.residual = Residual::kInPlace;
+  big.per_row_scale = true, big.norm = FMLP_NORM_RMSNORM, big.gamma = FMLP_DTYPE_BF16;
+  v.push_back(big);
+  MlpCase wide = fp8_case(33, 64, 28672, 64, FMLP_DTYPE_BF16);
+  wide.gate = Gate::kStacked, wide.act = FMLP_ACT_SILU, wide.per_row_scale = true;
+  v.push_back(wide);
+  // Deterministic mode, and NaN codes in W2 (rows 0 and d_out - 1 of y are NaN in every token).
+  MlpCase det = fp8_case(200, 128, 256, 128, FMLP_DTYPE_BF16);
+  det.gate = Gate::kStacked, det.act = FMLP_ACT_GELU, det.deterministic = true;
+  det.nan_weights = true, det.b2 = FMLP_DTYPE_F32;
+  v.push_back(det);
+  for (MlpCase& c : v) normalize(&c);
+  return v;
+}
+
+TEST(PrefillFp8, MatchesReferenceWithinW8A8Budget) {
+  SKIP_WITHOUT_GPU();
+  int i = 600;
+  for (const MlpCase& c : fp8_cases()) {
+    const std::string err = check_fp8_case(c, uint64_t(++i));
+    EXPECT_TRUE(err.empty()) << "[" << c.name() << "]: " << err
+                             << " (FMLP_TEST_SEED=" << test_seed() << ")";
+  }
+}
+
+// A NaN row and an +Inf row (rows 0 and 1): their scales become NaN, so those tokens' outputs are
+// NaN wherever the reference is non-finite; the other tokens stay exact to the budget.
+TEST(PrefillFp8, NonFiniteRowsPropagate) {
+  SKIP_WITHOUT_GPU();
+  int i = 700;
+  for (const fmlp_activation_t act :
+       {FMLP_ACT_RELU, FMLP_ACT_GELU, FMLP_ACT_GELU_TANH, FMLP_ACT_SILU})
+    for (const Gate g : {Gate::kDense, Gate::kStacked})
+      for (const fmlp_norm_t norm : {FMLP_NORM_NONE, FMLP_NORM_LAYERNORM}) {
+        MlpCase c = fp8_case(5, 64, 96, 64, FMLP_DTYPE_BF16);
+        c.gate = g, c.act = act, c.nonfinite = true, c.b1 = FMLP_DTYPE_BF16, c.norm = norm;
+        c.per_row_scale = act == FMLP_ACT_SILU;
+        c.residual = g == Gate::kDense ? Residual::kInPlace : Residual::kNone;
+        normalize(&c);
+        const std::string err = check_fp8_case(c, uint64_t(++i));
+        EXPECT_TRUE(err.empty()) << "[" << c.name() << "]: " << err;
+      }
+}
+
+TEST(PrefillFp8, LeavesWorkspaceZeroed) {
+  SKIP_WITHOUT_GPU();
+  for (const bool b2 : {false, true}) {  // b2: GEMM2's D goes through scratch
+    MlpCase c = fp8_case(333, 128, 384, 128, FMLP_DTYPE_BF16);
+    c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.norm = FMLP_NORM_RMSNORM;
+    c.residual = Residual::kInPlace, c.b2 = b2 ? FMLP_DTYPE_F32 : kAbsent;
+    normalize(&c);
+    PlacedCase p(c, true);
+    p.upload(make_data(c, mix_seed(test_seed(), 800 + b2)));
+    size_t bytes = 0;
+    ASSERT_EQ(fmlp_mlp_kernel_workspace_size(&p.args(), kPrefill, &bytes), FMLP_SUCCESS)
+        << fmlp_last_error();
+    Buffer ws(bytes, true);
+    ws.fill(0);
+    ASSERT_EQ(fmlp_mlp_with_kernel(&p.args(), kPrefill, ws.data(), bytes, nullptr), FMLP_SUCCESS)
+        << fmlp_last_error();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<unsigned char> after = ws.download();
+    size_t nonzero = 0;
+    for (unsigned char v : after) nonzero += v != 0;
+    EXPECT_EQ(nonzero, 0u) << "b2=" << b2 << ": the workspace contract wants it left zero-filled";
+  }
+}
+
+// Through dispatch (the planner picks the path at M = 300): a warm call, then a captured graph
+// replayed on new inputs, with the in-place residual (GEMM2's C when cuBLASLt offers it).
+TEST(PrefillFp8, GraphCaptureAfterWarmCall) {
+  SKIP_WITHOUT_GPU();
+  MlpCase c = fp8_case(300, 256, 704, 256, FMLP_DTYPE_BF16);
+  c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.residual = Residual::kInPlace;
+  c.norm = FMLP_NORM_RMSNORM, c.gamma = FMLP_DTYPE_BF16;
+  normalize(&c);
+  PlacedCase p(c, true);
+  size_t bytes = 0;
+  ASSERT_EQ(fmlp_mlp_workspace_size(&p.args(), FMLP_BACKEND_CUDA, &bytes), FMLP_SUCCESS)
+      << fmlp_last_error();
+  Buffer ws(bytes, true);
+  ws.fill(0);
+  p.upload(make_data(c, mix_seed(test_seed(), 900)));
+  ASSERT_EQ(fmlp_mlp(&p.args(), FMLP_BACKEND_CUDA, ws.data(), bytes, nullptr), FMLP_SUCCESS)
+      << fmlp_last_error();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  MlpGraph graph(p.args(), FMLP_BACKEND_CUDA, ws.data(), bytes);
+  ASSERT_TRUE(graph.ready()) << fmlp_status_name(graph.status()) << ": " << graph.error();
+  for (uint64_t replay = 1; replay <= 3; ++replay) {
+    const CaseData data = make_data(c, mix_seed(test_seed(), 900 + replay));
+    p.upload(data);  // y holds the new residual again
+    ASSERT_TRUE(graph.replay()) << graph.error();
+    std::string stray;
+    const std::vector<double> out = p.download_y(&stray);
+    EXPECT_TRUE(stray.empty()) << stray;
+    const std::string err = compare_w8a8(c, out, reference(c, data));
+    EXPECT_TRUE(err.empty()) << "replay " << replay << ": " << err;
+  }
+}
+
+// A scale vector of the wrong length never reaches the kernel: validation names it.
+TEST(PrefillFp8, WrongScaleLengthRejected) {
+  SKIP_WITHOUT_GPU();
+  MlpCase c = fp8_case(64, 64, 64, 64, FMLP_DTYPE_BF16);
+  c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.per_row_scale = true;
+  normalize(&c);
+  PlacedCase p(c, true);
+  fmlp_mlp_args_t args = p.args();
+  args.weights.w1_scale.shape[0] = c.hidden;  // stacked gated weights need 2 * hidden
+  EXPECT_EQ(fmlp_mlp_kernel_supports(&args, kPrefill), FMLP_ERROR_BAD_SCALE);
+  EXPECT_NE(std::string(fmlp_last_error()).find("w1_scale"), std::string::npos)
+      << fmlp_last_error();
+}
+
+TEST(Planner, Fp8DecodeAtFewTokensW8A8AtMany) {
+  SKIP_WITHOUT_GPU();
+  for (const int64_t m : {1, 300}) {
+    MlpCase c = fp8_case(m, 512, 1024, 512, FMLP_DTYPE_BF16);
+    c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.per_row_scale = true;
+    normalize(&c);
+    PlacedCase p(c, true);
+    const std::string report = explain(p.args());
+    const bool prefill = report.find(std::string("chosen   ") + kPrefill) != std::string::npos;
+    EXPECT_EQ(prefill, m > 1) << report;
+    EXPECT_NE(report.find(m > 1 ? "W8A8" : "weight-only fp8"), std::string::npos) << report;
+    const CaseData data = make_data(c, mix_seed(test_seed(), 950 + uint64_t(m)));
+    p.upload(data);
+    size_t bytes = 0;
+    ASSERT_EQ(fmlp_mlp_workspace_size(&p.args(), FMLP_BACKEND_CUDA, &bytes), FMLP_SUCCESS);
+    Buffer ws(bytes, true);
+    ws.fill(0);
+    ASSERT_EQ(fmlp_mlp(&p.args(), FMLP_BACKEND_CUDA, ws.data(), bytes, nullptr), FMLP_SUCCESS)
+        << fmlp_last_error();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::string stray;
+    const std::vector<double> out = p.download_y(&stray);
+    if (prefill) {
+      const std::string err = compare_w8a8(c, out, reference(c, data));
+      EXPECT_TRUE(err.empty()) << "M=" << m << ": " << err;
+    } else {
+      const CompareOutcome cmp = compare(c, out, reference(c, data));
+      EXPECT_TRUE(cmp.ok) << "M=" << m << ": " << cmp.detail;
+    }
   }
 }
 

@@ -149,9 +149,14 @@ int run_check(const CheckOptions& o) {
                    fmlp_last_error());
         continue;
       }
-      const ErrorStats e = compare(problem.output_rows(rows), ref, tol);
+      // fp8 weights on the prefill path run W8A8 (x and h quantised per token to e4m3,
+      // docs/cuda-prefill.md): a few % of the row's scale, not the exact weight-only result.
+      const bool w8a8 =
+          cases[ci].w_dtype == FMLP_DTYPE_F8_E4M3 && k.name.find("prefill") != std::string::npos;
+      const double ktol = w8a8 ? 0.25 : tol;
+      const ErrorStats e = compare(problem.output_rows(rows), ref, ktol);
       (e.pass ? passed : failed)++;
-      fmt::print("{}  {}  {}  {}\n", e.pass ? "PASS" : "FAIL", k.name, label, summarize(e, tol));
+      fmt::print("{}  {}  {}  {}\n", e.pass ? "PASS" : "FAIL", k.name, label, summarize(e, ktol));
     }
     std::fflush(stdout);
   }

@@ -1,7 +1,8 @@
 // mlp_prefill_sm90_cublaslt: the mlp op for many tokens as two cuBLASLt GEMMs around small
 // memory-bound kernels (pre-norm, bias + activation (+ gate product)). At large M the GEMMs are
 // compute bound and the tensor-core GEMMs of cuBLASLt are the floor; what this path adds is
-// keeping the passes over the [M, hidden] intermediate to one write and one read of it.
+// keeping the passes over the [M, hidden] intermediate to one write and one read of it. fp8 e4m3
+// weights run as W8A8 in mlp_prefill_fp8.cu (the entry points below hand them over).
 //
 // Per pass of `chunk` tokens (chunks bound the workspace; at 128 MiB of hidden per pass the GEMMs
 // still fill the GPU many times over):
@@ -24,23 +25,25 @@
 #include "cuda/common.cuh"
 #include "cuda/device_scope.hpp"
 #include "cuda/mlp_prefill.cuh"
+#include "cuda/mlp_prefill_common.cuh"
 #include "cuda/mlp_prefill_cublaslt.cuh"
 
 namespace fmlp::detail {
 namespace {
 
-using fmlp::cuda::activate;
 using fmlp::cuda::load_scalar;
+using prefill::ActParams;
+using prefill::bias_act;
+using prefill::block_reduce;
+using prefill::from_f;
+using prefill::offset;
+using prefill::round256;
+using prefill::round8;
+using prefill::to_f;
+using prefill::Vec8;
 
 constexpr int64_t kHiddenBudgetBytes = int64_t(128) << 20;
 constexpr int kThreads = 256;
-
-int64_t round8(int64_t n) {
-  return (n + 7) / 8 * 8;
-}
-size_t round256(size_t n) {
-  return (n + 255) / 256 * 256;
-}
 
 // cuBLASLt's GELU epilogue is the tanh form (torch._addmm_activation relies on it for
 // gelu(approximate='tanh')), evaluated with a fast tanh: accurate enough for a 16-bit hidden,
@@ -84,55 +87,6 @@ Layout layout(const MlpDesc& d) {
   return l;
 }
 
-template <typename T>
-__device__ __forceinline__ float to_f(T v);
-template <>
-__device__ __forceinline__ float to_f(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ float to_f(__half v) {
-  return __half2float(v);
-}
-template <>
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_f<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-// Eight consecutive elements in one (16-bit) or two (fp32) 16-byte accesses.
-template <typename T>
-struct alignas(8 * sizeof(T)) Vec8 {
-  T v[8];
-};
-
-// Block-wide sum over kThreads threads, the same order on every run (deterministic).
-__device__ float block_sum(float v, float* red) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // red may still be read by the previous call
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < kThreads / 32; ++i) s += red[i];
-  return s;
-}
-
 struct NormParams {
   const void* x;
   int64_t ldx;
@@ -157,39 +111,20 @@ __global__ void __launch_bounds__(kThreads) prefill_norm(NormParams p) {
     if (p.norm == FMLP_NORM_LAYERNORM) {
       float s = 0.f;
       for (int64_t i = threadIdx.x; i < p.k; i += kThreads) s += to_f(x[i]);
-      mean = block_sum(s, red) / float(p.k);
+      mean = block_reduce<kThreads>(s, red) / float(p.k);
     }
     float s2 = 0.f;
     for (int64_t i = threadIdx.x; i < p.k; i += kThreads) {
       const float c = to_f(x[i]) - mean;
       s2 += c * c;
     }
-    const float inv = 1.f / sqrtf(block_sum(s2, red) / float(p.k) + p.eps);
+    const float inv = 1.f / sqrtf(block_reduce<kThreads>(s2, red) / float(p.k) + p.eps);
     for (int64_t i = threadIdx.x; i < p.k; i += kThreads) {
       const float gm = p.gamma ? load_scalar(p.gamma, p.gamma_t, i) : 1.f;
       const float bt = p.beta ? load_scalar(p.beta, p.beta_t, i) : 0.f;
       out[i] = from_f<T>((to_f(x[i]) - mean) * inv * gm + bt);
     }
   }
-}
-
-struct ActParams {
-  void* g;      // [rows, ldg]: gate (or dense pre-activation) at column 0, up at column `up`
-  int64_t ldg;  // elements
-  int64_t up;
-  int64_t rows, cols;
-  const void *bg, *bu;
-  fmlp_dtype_t bg_t, bu_t;
-  fmlp_activation_t act;
-};
-
-template <bool GATED>
-__device__ __forceinline__ float bias_act(const ActParams& p, float g, float u, int64_t j) {
-  if (p.bg) g += load_scalar(p.bg, p.bg_t, j);
-  const float a = activate(p.act, g);
-  if (!GATED) return a;
-  if (p.bu) u += load_scalar(p.bu, p.bu_t, j);
-  return a * u;
 }
 
 // h = act(gate + bg) * (up + bu) (GATED) or act(g + b1), in place over the gate columns; each
@@ -227,10 +162,6 @@ __global__ void prefill_convert(T* d1, const void* s1, fmlp_dtype_t t1, int64_t 
     else
       d2[i - n1] = from_f<T>(load_scalar(s2, t2, i - n1));
   }
-}
-
-const char* offset(const void* p, int64_t elements, size_t es) {
-  return static_cast<const char*>(p) + elements * int64_t(es);
 }
 
 template <typename T>
@@ -392,12 +323,7 @@ fmlp_status_t run_typed(const fmlp_mlp_args_t& a, const MlpDesc& d, void* worksp
 
 bool mlp_prefill_sm90_cublaslt_supports(const MlpDesc& d, std::string* why) {
   if (d.device != FMLP_DEVICE_CUDA) return (*why = "needs CUDA device memory", false);
-  if (d.w_dtype == FMLP_DTYPE_F8_E4M3)
-    return (*why =
-                "fp8 e4m3 weights: the prefill path has no fp8 GEMM yet (cuBLASLt's fp8 kernels "
-                "also quantise the activations, which the accuracy contract forbids); dequantise "
-                "the weights to bf16",
-            false);
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) return mlp_prefill_fp8_supports(d, why);
   if (d.act_dtype != d.w_dtype)
     return (*why = fmt::format(
                 "x is {} but the weights are {}: the cuBLASLt GEMMs take one dtype for both; cast "
@@ -413,11 +339,13 @@ size_t mlp_prefill_sm90_cublaslt_workspace(const MlpDesc& d) {
   // The size query comes before any capture of the run: the place to create the handle. A failure
   // here resurfaces with its message from the run.
   lt_prepare(d.device_id);
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) return mlp_prefill_fp8_workspace(d);
   return layout(d).end + 256;  // + 256: the base is aligned up inside the caller's buffer
 }
 
 fmlp_status_t mlp_prefill_sm90_cublaslt_run(const fmlp_mlp_args_t& a, const MlpDesc& d,
                                             void* workspace, void* stream) {
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) return mlp_prefill_fp8_run(a, d, workspace, stream);
   const DeviceScope scope(d.device_id);
   if (scope.status() != FMLP_SUCCESS) return scope.status();
   const cudaStream_t s = static_cast<cudaStream_t>(stream);

@@ -15,4 +15,11 @@ size_t mlp_prefill_sm90_cublaslt_workspace(const MlpDesc& d);
 fmlp_status_t mlp_prefill_sm90_cublaslt_run(const fmlp_mlp_args_t& a, const MlpDesc& d,
                                             void* workspace, void* stream);
 
+// The same entry for fp8 e4m3 weights (mlp_prefill_fp8.cu: W8A8 with per-token activation
+// scales); the three functions above hand fp8 requests to these.
+bool mlp_prefill_fp8_supports(const MlpDesc& d, std::string* why);
+size_t mlp_prefill_fp8_workspace(const MlpDesc& d);
+fmlp_status_t mlp_prefill_fp8_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* workspace,
+                                  void* stream);
+
 }  // namespace fmlp::detail

@@ -51,8 +51,9 @@ cublasLtEpilogue_t lt_epilogue(LtEpilogue e) {
   }
 }
 
-using Key = std::array<int64_t, 18>;
+using Key = std::array<int64_t, 19>;
 struct Choice {
+  bool ok;  // false: the heuristic had no algorithm (cached too, so supports() asks once)
   cublasLtMatmulAlgo_t algo;
   size_t workspace;
 };
@@ -80,21 +81,29 @@ cublasStatus_t describe(const LtGemm& g, int64_t ldb, int64_t ldc, int64_t ldd, 
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
   const cublasLtEpilogue_t epi = lt_epilogue(g.epilogue);
   const cudaDataType_t t = cuda_type(g.dtype);
+  const cudaDataType_t ab = g.fp8 ? CUDA_R_8F_E4M3 : t;
   auto set = [&](cublasLtMatmulDescAttributes_t attr, const void* v, size_t n) {
     if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulDescSetAttribute(ds->op, attr, v, n);
   };
-  set(CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
+  set(CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));  // TN: the layout fp8 kernels require
   set(CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
   set(CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi));
+  if (g.fp8) {
+    const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof(mode));
+    set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof(mode));
+    set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &g.a_scale, sizeof(g.a_scale));
+    set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g.b_scale, sizeof(g.b_scale));
+  }
   if (g.bias != nullptr) {
     const int32_t bt = int32_t(t);
     set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias));
     set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt));
   }
   if (s == CUBLAS_STATUS_SUCCESS)
-    s = cublasLtMatrixLayoutInit(ds->a, t, uint64_t(g.k), uint64_t(g.m), g.lda);
+    s = cublasLtMatrixLayoutInit(ds->a, ab, uint64_t(g.k), uint64_t(g.m), g.lda);
   if (s == CUBLAS_STATUS_SUCCESS)
-    s = cublasLtMatrixLayoutInit(ds->b, t, uint64_t(g.k), uint64_t(g.n), ldb);
+    s = cublasLtMatrixLayoutInit(ds->b, ab, uint64_t(g.k), uint64_t(g.n), ldb);
   if (s == CUBLAS_STATUS_SUCCESS)
     s = cublasLtMatrixLayoutInit(ds->c, t, uint64_t(g.m), uint64_t(g.n), ldc);
   if (s == CUBLAS_STATUS_SUCCESS)
@@ -109,94 +118,119 @@ fmlp_status_t lt_prepare(int device) {
   return cublaslt_handle(device, &h);
 }
 
-fmlp_status_t lt_matmul(const LtGemm& g, void* ws, size_t ws_bytes, size_t* ws_used,
-                        cudaStream_t stream) {
-  cublasLtHandle_t h;
-  if (const fmlp_status_t st = cublaslt_handle(g.device, &h); st != FMLP_SUCCESS) return st;
+namespace {
+
+// One GEMM's descriptors, leading dimensions and cached heuristic answer.
+struct Prepared {
+  Descriptors ds;
+  int64_t ldb = 0, ldc = 0, ldd = 0;
+  const void* c = nullptr;
+  uint32_t al[4] = {};  // alignments of A, B, C, D in bytes
+  Choice choice{};
+};
+
+cublasStatus_t prepare(const LtGemm& g, cublasLtHandle_t h, size_t ws_bytes, Prepared* p) {
   // With one column (one token) the leading dimension is never used; cuBLASLt still wants it to
   // cover the rows.
   const bool one = g.n == 1;
-  const int64_t ldb = one ? std::max(g.ldb, g.k) : g.ldb;
-  const void* c = g.c ? g.c : g.d;
-  const int64_t ldd = one ? std::max(g.ldd, g.m) : g.ldd;
-  const int64_t ldc = g.c ? (one ? std::max(g.ldc, g.m) : g.ldc) : ldd;
-  Descriptors ds;
-  cublasStatus_t s = describe(g, ldb, ldc, ldd, &ds);
-  if (s != CUBLAS_STATUS_SUCCESS)
-    return fail(FMLP_ERROR_INTERNAL, "cuBLASLt descriptor setup failed: {}",
-                cublasLtGetStatusString(s));
-
+  p->ldb = one ? std::max(g.ldb, g.k) : g.ldb;
+  p->c = g.c ? g.c : g.d;
+  p->ldd = one ? std::max(g.ldd, g.m) : g.ldd;
+  p->ldc = g.c ? (one ? std::max(g.ldc, g.m) : g.ldc) : p->ldd;
+  cublasStatus_t s = describe(g, p->ldb, p->ldc, p->ldd, &p->ds);
+  if (s != CUBLAS_STATUS_SUCCESS) return s;
+  const fmlp_dtype_t ab = g.fp8 ? FMLP_DTYPE_F8_E4M3 : g.dtype;
+  p->al[0] = alignment(g.a, g.lda, ab);
+  p->al[1] = alignment(g.b, p->ldb, ab);
+  p->al[2] = alignment(p->c, p->ldc, g.dtype);
+  p->al[3] = alignment(g.d, p->ldd, g.dtype);
   const Key key{g.device,
                 int64_t(g.dtype),
                 g.m,
                 g.n,
                 g.k,
                 g.lda,
-                ldb,
-                ldc,
-                ldd,
+                p->ldb,
+                p->ldc,
+                p->ldd,
                 int64_t(g.c != nullptr) + 2 * int64_t(g.c == g.d),
                 int64_t(g.epilogue),
-                alignment(g.a, g.lda, g.dtype),
-                alignment(g.b, ldb, g.dtype),
-                alignment(c, ldc, g.dtype),
-                alignment(g.d, ldd, g.dtype),
+                p->al[0],
+                p->al[1],
+                p->al[2],
+                p->al[3],
                 g.bias ? alignment(g.bias) : 0,
                 int64_t(g.deterministic),
-                int64_t(ws_bytes)};
-  Choice choice{};
-  bool found = false;
+                int64_t(ws_bytes),
+                int64_t(g.fp8)};
   {
     std::lock_guard<std::mutex> lock(cache_mutex());
     const auto it = cache().find(key);
-    if (it != cache().end()) choice = it->second, found = true;
+    if (it != cache().end()) return p->choice = it->second, CUBLAS_STATUS_SUCCESS;
   }
-  if (!found) {
-    cublasLtMatmulPreferenceOpaque_t pref_s;
-    cublasLtMatmulPreference_t pref = &pref_s;
-    s = cublasLtMatmulPreferenceInit(pref);
-    auto set = [&](cublasLtMatmulPreferenceAttributes_t attr, const void* v, size_t n) {
-      if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulPreferenceSetAttribute(pref, attr, v, n);
-    };
-    const uint64_t max_ws = ws_bytes;
-    const uint32_t al[4] = {uint32_t(key[11]), uint32_t(key[12]), uint32_t(key[13]),
-                            uint32_t(key[14])};
-    set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_ws, sizeof(max_ws));
-    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al[0], sizeof(al[0]));
-    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al[1], sizeof(al[1]));
-    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al[2], sizeof(al[2]));
-    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al[3], sizeof(al[3]));
-    if (g.deterministic) {
-      // Split-K reductions are the only place where the summation order could depend on the
-      // algorithm's scheduling; without them every output is one fixed-order dot product.
-      const uint32_t none = CUBLASLT_REDUCTION_SCHEME_NONE;
-      set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &none, sizeof(none));
-    }
-    cublasLtMatmulHeuristicResult_t result{};
-    int count = 0;
-    if (s == CUBLAS_STATUS_SUCCESS)
-      s = cublasLtMatmulAlgoGetHeuristic(h, ds.op, ds.a, ds.b, ds.c, ds.d, pref, 1, &result,
-                                         &count);
-    if (s != CUBLAS_STATUS_SUCCESS || count == 0)
-      return fail(FMLP_ERROR_NOT_SUPPORTED,
-                  "cuBLASLt has no algorithm for the {} GEMM m={} n={} k={} (lda {} ldb {} ldc "
-                  "{} ldd {}, pointer alignments A {} B {} C {} D {} bytes): {}; align the "
-                  "tensors to 16 bytes or use fmlp_mlp_with_kernel with mlp_decode_sm90_splitk",
-                  fmlp_dtype_name(g.dtype), g.m, g.n, g.k, g.lda, ldb, ldc, ldd, al[0], al[1],
-                  al[2], al[3],
-                  s != CUBLAS_STATUS_SUCCESS ? cublasLtGetStatusString(s) : "no result");
-    choice = {result.algo, result.workspaceSize};
-    std::lock_guard<std::mutex> lock(cache_mutex());
-    cache().emplace(key, choice);
+  cublasLtMatmulPreferenceOpaque_t pref_s;
+  cublasLtMatmulPreference_t pref = &pref_s;
+  s = cublasLtMatmulPreferenceInit(pref);
+  auto set = [&](cublasLtMatmulPreferenceAttributes_t attr, const void* v, size_t n) {
+    if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulPreferenceSetAttribute(pref, attr, v, n);
+  };
+  const uint64_t max_ws = ws_bytes;
+  set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_ws, sizeof(max_ws));
+  set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &p->al[0], sizeof(p->al[0]));
+  set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &p->al[1], sizeof(p->al[1]));
+  set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &p->al[2], sizeof(p->al[2]));
+  set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &p->al[3], sizeof(p->al[3]));
+  if (g.deterministic) {
+    // Split-K reductions are the only place where the summation order could depend on the
+    // algorithm's scheduling; without them every output is one fixed-order dot product.
+    const uint32_t none = CUBLASLT_REDUCTION_SCHEME_NONE;
+    set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &none, sizeof(none));
   }
+  cublasLtMatmulHeuristicResult_t result{};
+  int count = 0;
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = cublasLtMatmulAlgoGetHeuristic(h, p->ds.op, p->ds.a, p->ds.b, p->ds.c, p->ds.d, pref, 1,
+                                       &result, &count);
+  // A refusal (NOT_SUPPORTED or no result) is an answer worth caching; other failures are not.
+  if (s != CUBLAS_STATUS_SUCCESS && s != CUBLAS_STATUS_NOT_SUPPORTED) return s;
+  p->choice = {s == CUBLAS_STATUS_SUCCESS && count > 0, result.algo, result.workspaceSize};
+  std::lock_guard<std::mutex> lock(cache_mutex());
+  cache().emplace(key, p->choice);
+  return CUBLAS_STATUS_SUCCESS;
+}
 
+}  // namespace
+
+bool lt_available(const LtGemm& g, size_t ws_bytes) {
+  cublasLtHandle_t h;
+  Prepared p;
+  return cublaslt_handle(g.device, &h) == FMLP_SUCCESS &&
+         prepare(g, h, ws_bytes, &p) == CUBLAS_STATUS_SUCCESS && p.choice.ok;
+}
+
+fmlp_status_t lt_matmul(const LtGemm& g, void* ws, size_t ws_bytes, size_t* ws_used,
+                        cudaStream_t stream) {
+  cublasLtHandle_t h;
+  if (const fmlp_status_t st = cublaslt_handle(g.device, &h); st != FMLP_SUCCESS) return st;
+  Prepared p;
+  const cublasStatus_t s = prepare(g, h, ws_bytes, &p);
+  if (s != CUBLAS_STATUS_SUCCESS || !p.choice.ok)
+    return fail(FMLP_ERROR_NOT_SUPPORTED,
+                "cuBLASLt has no algorithm for the {}{} GEMM m={} n={} k={} (lda {} ldb {} ldc "
+                "{} ldd {}, pointer alignments A {} B {} C {} D {} bytes): {}; align the "
+                "tensors to 16 bytes or use fmlp_mlp_with_kernel with mlp_decode_sm90_splitk",
+                g.fp8 ? "fp8 e4m3 -> " : "", fmlp_dtype_name(g.dtype), g.m, g.n, g.k, g.lda, p.ldb,
+                p.ldc, p.ldd, p.al[0], p.al[1], p.al[2], p.al[3],
+                s != CUBLAS_STATUS_SUCCESS ? cublasLtGetStatusString(s) : "no result");
   const float alpha = 1.f, beta = g.c ? 1.f : 0.f;
-  s = cublasLtMatmul(h, ds.op, &alpha, g.a, ds.a, g.b, ds.b, &beta, c, ds.c, g.d, ds.d,
-                     &choice.algo, ws, choice.workspace, stream);
-  if (s != CUBLAS_STATUS_SUCCESS)
-    return fail(FMLP_ERROR_CUDA, "cublasLtMatmul ({} m={} n={} k={}) failed: {}",
-                fmlp_dtype_name(g.dtype), g.m, g.n, g.k, cublasLtGetStatusString(s));
-  *ws_used = choice.workspace;
+  const cublasStatus_t r =
+      cublasLtMatmul(h, p.ds.op, &alpha, g.a, p.ds.a, g.b, p.ds.b, &beta, p.c, p.ds.c, g.d, p.ds.d,
+                     &p.choice.algo, ws, p.choice.workspace, stream);
+  if (r != CUBLAS_STATUS_SUCCESS)
+    return fail(FMLP_ERROR_CUDA, "cublasLtMatmul ({}{} m={} n={} k={}) failed: {}",
+                g.fp8 ? "fp8 e4m3 -> " : "", fmlp_dtype_name(g.dtype), g.m, g.n, g.k,
+                cublasLtGetStatusString(r));
+  *ws_used = p.choice.workspace;
   return FMLP_SUCCESS;
 }
 

@@ -14,7 +14,9 @@ enum class LtEpilogue : uint8_t { kNone, kBias, kGeluTanhBias, kGeluTanh };
 
 // D[m, n] = A^T B (+ C) (+ epilogue) in cuBLASLt's column-major terms, which for row-major
 // nn.Linear operands reads: rows of D are tokens, A is the [m, k] weight (row stride lda), B the
-// [n, k] activations (row stride ldb). A, B, C, D and the bias share `dtype`.
+// [n, k] activations (row stride ldb). A, B, C, D and the bias share `dtype`, except with fp8:
+// then A and B are e4m3 and D = (a_scale[i] * b_scale[j]) A^T B (+ C), cuBLASLt's outer-vector
+// scale mode (the semantics of torch._scaled_mm with rowwise scales), C and D in `dtype`.
 struct LtGemm {
   int device = 0;
   fmlp_dtype_t dtype = FMLP_DTYPE_INVALID;
@@ -30,6 +32,9 @@ struct LtGemm {
   LtEpilogue epilogue = LtEpilogue::kNone;
   const void* bias = nullptr;  // [m], for the *Bias epilogues
   bool deterministic = false;  // restricts the heuristic to algorithms without split-K
+  bool fp8 = false;
+  const float* a_scale = nullptr;  // fp8: [m], per weight row
+  const float* b_scale = nullptr;  // fp8: [n], per token
 };
 
 // Bytes of cuBLASLt workspace the prefill path offers each GEMM (32 MiB: the size NVIDIA
@@ -45,5 +50,9 @@ fmlp_status_t lt_prepare(int device);
 // strides, alignments, epilogue) and cached, so later calls (and graph captures) only launch.
 fmlp_status_t lt_matmul(const LtGemm& g, void* ws, size_t ws_bytes, size_t* ws_used,
                         cudaStream_t stream);
+
+// Whether the heuristic offers an algorithm for g (pointers are read for their alignment only;
+// the answer is cached like lt_matmul's, so asking first costs nothing later). Sets no error.
+bool lt_available(const LtGemm& g, size_t ws_bytes);
 
 }  // namespace fmlp::detail

@@ -33,8 +33,24 @@ constexpr CrossoverEntry kDefaultLarge{
     false, FMLP_DTYPE_INVALID,
     1,     "default for weights of 16 MiB or more: the cuBLASLt path, as measured for 4096 and up"};
 
-fmlp_dtype_t table_dtype(fmlp_dtype_t t) {
-  return t == FMLP_DTYPE_F16 ? FMLP_DTYPE_BF16 : t;
+// fp8 weights on the prefill path are W8A8 (activations quantised per token): below the crossover
+// the decode kernels keep the exact weight-only dequantisation, and they stream the same fp8
+// bytes, so the few-token range where they are close in speed stays with them. Unmeasured: the
+// prefill bench (--wdtype f8) prints the rows that replace this default.
+constexpr CrossoverEntry kDefaultFp8{
+    0,
+    0,
+    false,
+    FMLP_DTYPE_F8_E4M3,
+    16,
+    "default for fp8 weights: weight-only decode kernels (exact dequantisation) below, W8A8 "
+    "GEMMs from here; not measured yet"};
+
+// Table key of a request: fp8 rows (dtype F8_E4M3) serve fp8 weights with 16-bit x; 16-bit rows
+// serve bf16 and fp16 alike.
+fmlp_dtype_t table_dtype(const MlpDesc& d) {
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) return FMLP_DTYPE_F8_E4M3;
+  return d.act_dtype == FMLP_DTYPE_F16 ? FMLP_DTYPE_BF16 : d.act_dtype;
 }
 
 const MlpKernel* find(const char* name) {
@@ -45,17 +61,29 @@ const MlpKernel* find(const char* name) {
 }
 
 std::string shape_text(const MlpDesc& d) {
-  return fmt::format("d_in={} hidden={} {} {}", d.d_in, d.hidden, d.gated ? "gated" : "dense",
-                     fmlp_dtype_name(d.act_dtype));
+  const std::string w = d.w_dtype == d.act_dtype
+                            ? std::string()
+                            : fmt::format(" with {} weights", fmlp_dtype_name(d.w_dtype));
+  return fmt::format("d_in={} hidden={} {} {}{}", d.d_in, d.hidden, d.gated ? "gated" : "dense",
+                     fmlp_dtype_name(d.act_dtype), w);
+}
+
+// What the prefill path does differently for fp8 weights, for explain.
+const char* fp8_note(const MlpDesc& d, bool prefill) {
+  if (d.w_dtype != FMLP_DTYPE_F8_E4M3) return "";
+  return prefill ? " (W8A8: x and h quantised per token to e4m3 with dynamic scales, fp8 GEMMs)"
+                 : " (weight-only fp8: weights dequantised exactly, activations unquantised)";
 }
 
 }  // namespace
 
 const CrossoverEntry& cuda_crossover(const MlpDesc& d) {
+  const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
   for (const CrossoverEntry& e : kTable)
     if (e.d_in == d.d_in && e.hidden == d.hidden && e.gated == d.gated &&
-        e.dtype == table_dtype(d.act_dtype) && d.w_dtype == d.act_dtype)
+        e.dtype == table_dtype(d) && (fp8 || d.w_dtype == d.act_dtype))
       return e;
+  if (fp8) return kDefaultFp8;
   const int64_t rows1 = d.gated ? 2 * d.hidden : d.hidden;
   const int64_t bytes =
       (rows1 * d.d_in + d.d_out * d.hidden) * int64_t(fmlp::dtype_size(d.w_dtype));
@@ -69,8 +97,8 @@ const MlpKernel* cuda_plan(const MlpDesc& d, std::string* reason) {
   if (d.m >= c.m && prefill != nullptr) {
     if (prefill->supports(d, &why)) {
       if (reason)
-        *reason = fmt::format("M={} >= crossover {} ({}) for {}: prefill path", d.m, c.m, c.source,
-                              shape_text(d));
+        *reason = fmt::format("M={} >= crossover {} ({}) for {}: prefill path{}", d.m, c.m,
+                              c.source, shape_text(d), fp8_note(d, true));
       return prefill;
     }
   }
@@ -85,8 +113,8 @@ const MlpKernel* cuda_plan(const MlpDesc& d, std::string* reason) {
                                  "M={} >= crossover {} ({}) for {}, but {} cannot run it; "
                                  "first supporting entry",
                                  d.m, c.m, c.source, shape_text(d), kPrefillKernelName)
-                           : fmt::format("M={} < crossover {} ({}) for {}: decode kernels first",
-                                         d.m, c.m, c.source, shape_text(d));
+                           : fmt::format("M={} < crossover {} ({}) for {}: decode kernels first{}",
+                                         d.m, c.m, c.source, shape_text(d), fp8_note(d, false));
     return &k;
   }
   if (reason) *reason = "no CUDA kernel handles the request";

@@ -14,7 +14,7 @@ namespace fmlp::detail {
 struct CrossoverEntry {
   int64_t d_in, hidden;
   bool gated;
-  fmlp_dtype_t dtype;  // activations (= weights on the prefill path)
+  fmlp_dtype_t dtype;  // activations (= weights), or F8_E4M3: fp8 weights with 16-bit x
   int64_t m;           // smallest M at which the prefill path is faster
   const char* source;  // where the number comes from, e.g. "measured on H200 (sm_90)"
 };

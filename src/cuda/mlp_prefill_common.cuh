@@ -1,0 +1,99 @@
+// Device helpers shared by the prefill path's kernels (mlp_prefill.cu: 16-bit and fp32 weights;
+// mlp_prefill_fp8.cu: fp8 weights, W8A8): dtype conversion, 8-element vectors, block reductions.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/common.cuh"
+
+namespace fmlp::detail::prefill {
+
+inline int64_t round8(int64_t n) {
+  return (n + 7) / 8 * 8;
+}
+inline size_t round256(size_t n) {
+  return (n + 255) / 256 * 256;
+}
+inline const char* offset(const void* p, int64_t elements, size_t es) {
+  return static_cast<const char*>(p) + elements * int64_t(es);
+}
+
+template <typename T>
+__device__ __forceinline__ float to_f(T v);
+template <>
+__device__ __forceinline__ float to_f(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ float to_f(__half v) {
+  return __half2float(v);
+}
+template <>
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <typename T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ float from_f<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_f<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// Eight consecutive elements in one (16-bit) or two (fp32) 16-byte accesses.
+template <typename T>
+struct alignas(8 * sizeof(T)) Vec8 {
+  T v[8];
+};
+
+// Block-wide sum (MAX = false) or max over THREADS threads, the same order on every run
+// (deterministic). red holds THREADS / 32 floats.
+template <int THREADS, bool MAX = false>
+__device__ __forceinline__ float block_reduce(float v, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = MAX ? fmaxf(v, w) : v + w;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // red may still be read by the previous call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float s = red[0];
+#pragma unroll
+  for (int i = 1; i < THREADS / 32; ++i) s = MAX ? fmaxf(s, red[i]) : s + red[i];
+  return s;
+}
+
+// The bias + activation (+ gate product) pass over GEMM1's output G.
+struct ActParams {
+  void* g;      // [rows, ldg]: gate (or dense pre-activation) at column 0, up at column `up`
+  int64_t ldg;  // elements
+  int64_t up;
+  int64_t rows, cols;
+  const void *bg, *bu;
+  fmlp_dtype_t bg_t, bu_t;
+  fmlp_activation_t act;
+};
+
+template <bool GATED>
+__device__ __forceinline__ float bias_act(const ActParams& p, float g, float u, int64_t j) {
+  if (p.bg) g += fmlp::cuda::load_scalar(p.bg, p.bg_t, j);
+  const float a = fmlp::cuda::activate(p.act, g);
+  if (!GATED) return a;
+  if (p.bu) u += fmlp::cuda::load_scalar(p.bu, p.bu_t, j);
+  return a * u;
+}
+
+}  // namespace fmlp::detail::prefill
