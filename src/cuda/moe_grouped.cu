@@ -16,9 +16,11 @@
 //            sums in j order and re-zeroes (it re-zeroes h as well).
 // Each output element is one block's fixed-order sum: reruns are bitwise equal.
 //
-// Tiles: BM x 128 x 64, 8 warps (2 along M x 4 along N, warp tile BM/2 x 32), mma.sync
-// m16n8k16 with fp32 accumulators, ldmatrix.x4 for both operands, cp.async.cg 16-byte copies in
-// a 3-stage (BM = 128) or 4-stage (BM = 64) ring of 96 KiB: two blocks per multiprocessor. A
+// Tiles: BM x 128 x 64, 4 warps (2 along M x 2 along N, warp tile BM/2 x 64: 8 ldmatrix.x4 feed
+// 32 mma at BM = 128), mma.sync m16n8k16 with fp32 accumulators, ldmatrix.x4 for both operands
+// (double-buffered in registers across the k16 steps), cp.async.cg 16-byte copies in a 3-stage
+// (BM = 128) or 4-stage (BM = 64) ring of 96 KiB: two blocks per multiprocessor (up to 255
+// registers a thread, which the 64 x 64 warp tile needs: 128 accumulators + 2 x 32 fragments). A
 // 128-byte smem row holds 8 pieces of 16 bytes stored at piece ^ (row % 8), so the 8 rows an
 // ldmatrix phase reads (and the rows a warp's copies write) fall in distinct banks. Rows past the
 // chunk's length load the chunk's last row (valid addresses, results dropped) and are never
@@ -40,18 +42,19 @@ using fmlp::cuda::load_scalar;
 using fmlp::cuda::mma;
 using fmlp::cuda::pack2;
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 128;       // 4 warps: 2 along M x 2 along N
 constexpr int kBN = 128;            // B rows per block
 constexpr int kBK = kMoeGroupedK;   // K per stage: one 128-byte smem row
 constexpr int kRowBytes = kBK * 2;  // of 16-bit elements
 constexpr int kPieces = kRowBytes / 16;
+constexpr int kSteps = kBK / 16;  // k16 mma steps per stage
 
 template <int BM>
 struct Tiles {
   static constexpr int kStages = BM == 64 ? 4 : 3;
-  static constexpr int kWarpM = BM / 2;
+  static constexpr int kWarpM = BM / 2, kWarpN = kBN / 2;
   static constexpr int kMI = kWarpM / 16;               // m16 tiles per warp
-  static constexpr int kNJ = 4;                         // n8 tiles per warp (32 columns)
+  static constexpr int kNJ = kWarpN / 8;                // n8 tiles per warp
   static constexpr int kCopyRows = kThreads / kPieces;  // rows one pass of copies covers
   static constexpr int kARows = BM / kCopyRows;         // A rows a thread copies per stage
   static constexpr int kBRows = kBN / kCopyRows;
@@ -84,8 +87,18 @@ __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r
                : "r"(addr));
 }
 
+// The A and B fragments of one k16 step of a warp tile.
+template <int BM>
+struct Frags {
+  uint32_t a[Tiles<BM>::kMI][4];
+  uint32_t b[Tiles<BM>::kNJ][2];
+};
+
 // acc += A B^T over k_tiles * kBK columns. a[i] / b[i]: start of tile row copy_row(i) of A
 // (BM rows) / B (kBN rows), both K-contiguous; they are advanced as the stages are requested.
+// Software pipeline (one __syncthreads per stage): the fragments of step ks + 1 are loaded into
+// the other register buffer before step ks's mmas, the last step's loads read the next stage, and
+// the copies of stage kt + kStages - 1 are issued at step 0 of stage kt.
 template <int BM, typename WT>
 __device__ __forceinline__ void gemm_tile(float (&acc)[Tiles<BM>::kMI][Tiles<BM>::kNJ][4],
                                           const WT* (&a)[Tiles<BM>::kARows],
@@ -121,40 +134,57 @@ __device__ __forceinline__ void gemm_tile(float (&acc)[Tiles<BM>::kMI][Tiles<BM>
   // 8-15 n 0-7 k 8-15, 16-23 n 8-15 k 0-7, 24-31 n 8-15 k 8-15: b0, b1 of both n tiles. Every
   // source row is a multiple of 8 plus lane % 8, so its swizzle term is lane % 8; the piece of
   // k16 step ks is 2 ks + (0 or 1), and 2 ks ^ x = 2 ks + x for x < 2.
-  const uint32_t a_src = base + (warp / 4 * T::kWarpM + lane % 16) * kRowBytes;
-  const uint32_t b_src = b_base + (warp % 4 * 32 + lane % 8 + lane / 16 * 8) * kRowBytes;
+  const uint32_t a_src = base + (warp / 2 * T::kWarpM + lane % 16) * kRowBytes;
+  const uint32_t b_src = b_base + (warp % 2 * T::kWarpN + lane % 8 + lane / 16 * 8) * kRowBytes;
   const uint32_t a_x = uint32_t((lane / 16) ^ (lane % 8)),
                  b_x = uint32_t((lane / 8 % 2) ^ (lane % 8));
+  auto load = [&](Frags<BM>& f, uint32_t sa, uint32_t sb, int ks) {
+    const uint32_t ao = (a_x ^ uint32_t(2 * ks)) << 4, bo = (b_x ^ uint32_t(2 * ks)) << 4;
+#pragma unroll
+    for (int mi = 0; mi < T::kMI; ++mi)
+      ldsm_x4(sa + mi * 16 * kRowBytes + ao, f.a[mi][0], f.a[mi][1], f.a[mi][2], f.a[mi][3]);
+#pragma unroll
+    for (int nj = 0; nj < T::kNJ; nj += 2)
+      ldsm_x4(sb + nj * 8 * kRowBytes + bo, f.b[nj][0], f.b[nj][1], f.b[nj + 1][0], f.b[nj + 1][1]);
+  };
 
 #pragma unroll
   for (int s = 0; s < T::kStages - 1; ++s) {
     if (s < k_tiles) request(s);
     cp_async_commit();
   }
+  cp_async_wait<T::kStages - 2>();  // this thread's copies of stage 0 landed ...
+  __syncthreads();                  // ... everyone's too
+  Frags<BM> f[2];
+  uint32_t sa = a_src, sb = b_src;
+  load(f[0], sa, sb, 0);
   int rd = 0, wr = T::kStages - 1;
   for (int kt = 0; kt < k_tiles; ++kt) {
-    cp_async_wait<T::kStages - 2>();  // this thread's copies of stage kt landed ...
-    __syncthreads();  // ... everyone's too, and stage kt - 1 is no longer being read
-    if (kt + T::kStages - 1 < k_tiles) request(wr);
-    cp_async_commit();
-    wr = wr + 1 == T::kStages ? 0 : wr + 1;
-    const uint32_t sa = a_src + rd * T::kAStage, sb = b_src + rd * T::kBStage;
-    rd = rd + 1 == T::kStages ? 0 : rd + 1;
 #pragma unroll
-    for (int ks = 0; ks < kBK / 16; ++ks) {
-      const uint32_t ao = (a_x ^ uint32_t(2 * ks)) << 4, bo = (b_x ^ uint32_t(2 * ks)) << 4;
-      uint32_t af[T::kMI][4], bf[T::kNJ][2];
-#pragma unroll
-      for (int mi = 0; mi < T::kMI; ++mi)
-        ldsm_x4(sa + mi * 16 * kRowBytes + ao, af[mi][0], af[mi][1], af[mi][2], af[mi][3]);
-#pragma unroll
-      for (int nj = 0; nj < T::kNJ; nj += 2)
-        ldsm_x4(sb + nj * 8 * kRowBytes + bo, bf[nj][0], bf[nj][1], bf[nj + 1][0], bf[nj + 1][1]);
+    for (int ks = 0; ks < kSteps; ++ks) {
+      // Step ks + 1's fragments; after the barrier of step kSteps - 2 these are the next stage's.
+      if (ks + 1 < kSteps || kt + 1 < k_tiles) load(f[(ks + 1) % 2], sa, sb, (ks + 1) % kSteps);
+      if (ks == 0) {
+        // The slot of stage kt - 1: every warp finished reading it before the last barrier.
+        if (kt + T::kStages - 1 < k_tiles) request(wr);
+        cp_async_commit();
+        wr = wr + 1 == T::kStages ? 0 : wr + 1;
+      }
+      const Frags<BM>& c = f[ks % 2];
 #pragma unroll
       for (int mi = 0; mi < T::kMI; ++mi)
 #pragma unroll
-        for (int nj = 0; nj < T::kNJ; ++nj)
-          mma<WT>(acc[mi][nj], af[mi][0], af[mi][1], af[mi][2], af[mi][3], bf[nj][0], bf[nj][1]);
+        for (int j = 0; j < T::kNJ; ++j) {
+          const int nj = mi % 2 ? T::kNJ - 1 - j : j;  // serpentine: reuse the last B fragment
+          mma<WT>(acc[mi][nj], c.a[mi][0], c.a[mi][1], c.a[mi][2], c.a[mi][3], c.b[nj][0],
+                  c.b[nj][1]);
+        }
+      if (ks == kSteps - 2 && kt + 1 < k_tiles) {
+        cp_async_wait<T::kStages - 2>();  // stage kt + 1 landed for this thread ...
+        __syncthreads();  // ... and everyone; all reads of stage kt are issued by now
+        rd = rd + 1 == T::kStages ? 0 : rd + 1;
+        sa = a_src + rd * T::kAStage, sb = b_src + rd * T::kBStage;
+      }
     }
   }
   cp_async_wait<0>();  // only empty groups are left; nothing may be in flight at exit
@@ -211,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_sm80_grouped_gate_up(const Mo
   gemm_tile<BM, WT>(acc, a, b, p.d / kBK);
 
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32, g = lane / 4, t = lane % 4;
-  const int m0 = warp / 4 * T::kWarpM + g;
+  const int m0 = warp / 2 * T::kWarpM + g;
   const void* b1 = expert_bias(p.b1, p.b1_t, p.b1_e, c.e);
   WT* h = reinterpret_cast<WT*>(p.hbuf);
   // h of units u, u + 1 (v[mi][0..1]: row m0 + 16 mi, v[mi][2..3]: 8 rows below) as 4-byte stores.
@@ -229,7 +259,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_sm80_grouped_gate_up(const Mo
   if constexpr (GATED) {
 #pragma unroll
     for (int q = 0; q < T::kNJ / 2; ++q) {  // n8 tile 2q: gate, 2q + 1: up of the same units
-      const int u = u0 + (warp % 4 * 2 + q) * 8 + 2 * t;
+      const int u = u0 + (warp % 2 * T::kNJ / 2 + q) * 8 + 2 * t;
       float bg0 = 0.f, bg1 = 0.f, bu0 = 0.f, bu1 = 0.f;
       if (b1) {
         bg0 = load_scalar(b1, p.b1_t, u), bg1 = load_scalar(b1, p.b1_t, u + 1);
@@ -248,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_sm80_grouped_gate_up(const Mo
   } else {
 #pragma unroll
     for (int nj = 0; nj < T::kNJ; ++nj) {
-      const int u = u0 + warp % 4 * 32 + nj * 8 + 2 * t;
+      const int u = u0 + warp % 2 * T::kWarpN + nj * 8 + 2 * t;
       if (u >= p.hidden) continue;  // hidden is a multiple of 64: u + 1 is inside too
       const float b0 = b1 ? load_scalar(b1, p.b1_t, u) : 0.f;
       const float b01 = b1 ? load_scalar(b1, p.b1_t, u + 1) : 0.f;
@@ -283,7 +313,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_sm80_grouped_down(const MoePa
   gemm_tile<BM, WT>(acc, a, b, p.hidden / kBK);
 
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32, g = lane / 4, t = lane % 4;
-  const int m0 = warp / 4 * T::kWarpM + g, o0 = n0 + warp % 4 * 32 + 2 * t;
+  const int m0 = warp / 2 * T::kWarpM + g, o0 = n0 + warp % 2 * T::kWarpN + 2 * t;
 #pragma unroll
   for (int mi = 0; mi < T::kMI; ++mi)
 #pragma unroll
