@@ -125,8 +125,8 @@ fmlp_status_t fmlp_tp_moe(const fmlp_moe_args_t* local_args, void* comm, int32_t
   FMLP_TP_TRY(fmlp_moe(&l, FMLP_BACKEND_CUDA, workspace, workspace_bytes, stream));
   if (d.tokens > 0) {  // the one-shot p2p kernel when comm is registered and y fits, else NCCL
     const size_t count = size_t(d.tokens) * size_t(d.d_out);
-    FMLP_TP_TRY(tp_all_reduce(*api, comm, l.y.data, d.act_dtype, count,
-                              static_cast<cudaStream_t>(stream)));
+    FMLP_TP_TRY(
+        tp_all_reduce(*api, comm, l.y.data, d.act_dtype, count, static_cast<cudaStream_t>(stream)));
   }
   clear_last_error();
   return FMLP_SUCCESS;
