@@ -64,8 +64,9 @@ struct MoeCase {
   fmlp_dtype_t b1 = kAbsent, b2 = kAbsent, rb = kAbsent;
   fmlp_activation_t act = FMLP_ACT_SILU;
   bool gated = false, renorm = true, sigmoid = false, deterministic = true;
-  int residual = 0;  // 0 none, 1 separate, 2 in place (the very view of y)
-  int routing = 0;   // 0 router, 1 random given ids, 2 all to expert e-1, 3 only experts 0 and e/2
+  bool round = false;  // config.round_router_logits (takes effect with 16-bit x)
+  int residual = 0;    // 0 none, 1 separate, 2 in place (the very view of y)
+  int routing = 0;  // 0 router, 1 random given ids, 2 all to expert e-1, 3 only experts 0 and e/2
   std::string name() const {
     return "T=" + std::to_string(t) + " d=" + std::to_string(d) + " h=" + std::to_string(hidden) +
            " d_out=" + std::to_string(d_out) + " E=" + std::to_string(e) +
@@ -74,7 +75,8 @@ struct MoeCase {
            (routing ? " routing=" + std::to_string(routing)
                     : std::string(sigmoid ? " sigmoid" : " softmax") + (renorm ? " renorm" : "")) +
            (residual ? " residual=" + std::to_string(residual) : "") + (b1 ? " b1" : "") +
-           (b2 ? " b2" : "") + (rb ? " router_b" : "") + (deterministic ? "" : " nondet");
+           (b2 ? " b2" : "") + (rb ? " router_b" : "") + (deterministic ? "" : " nondet") +
+           (round ? " round-logits" : "");
   }
 };
 
@@ -134,6 +136,7 @@ inline void make(const MoeCase& c, uint64_t seed, MoeData* m) {
   a.config.scoring = c.sigmoid ? FMLP_MOE_SCORING_SIGMOID : FMLP_MOE_SCORING_SOFTMAX;
   a.config.renormalize = c.renorm;
   a.config.deterministic = c.deterministic;
+  a.config.round_router_logits = c.round;
 }
 
 // Experts [first, first + count) of the case's c.e (count < 0: all of them): what one rank holds
@@ -143,6 +146,10 @@ struct ExpertRange {
   bool residual = true;
   bool holds(int64_t e) const { return count < 0 || (e >= first && e < first + count); }
 };
+
+inline bool rounds_logits(const MoeCase& c) {
+  return c.round && !c.routing && (c.xt == FMLP_DTYPE_BF16 || c.xt == FMLP_DTYPE_F16);
+}
 
 // The reference, written from the spec in fusedmlp.h: ref[t*d_out + o] and the l2 norm of the
 // terms summed into it (magnitudes of h propagated through both layers).
@@ -168,7 +175,8 @@ inline void reference(const MoeCase& c, const MoeData& m, const std::vector<doub
       for (int64_t e = 0; e < c.e; ++e) {
         double acc = c.rb ? m.rb.get(e) : 0.0;
         for (int64_t i = 0; i < c.d; ++i) acc += m.rw.get(e * c.d + i) * m.x.get(t * c.d + i);
-        s[size_t(e)] = acc;
+        // round_router_logits: the logit as a 16-bit nn.Linear router stores it
+        s[size_t(e)] = rounds_logits(c) ? fmlp::detail::round_to_dtype(acc, c.xt) : acc;
       }
       if (c.sigmoid) {
         for (double& v : s) v = 1.0 / (1.0 + std::exp(-v));
@@ -184,7 +192,9 @@ inline void reference(const MoeCase& c, const MoeData& m, const std::vector<doub
                        [&](int64_t p, int64_t q) { return s[size_t(p)] > s[size_t(q)]; });
       if (near_tie && c.k < c.e) {
         const double a = s[size_t(order[size_t(c.k - 1)])], b = s[size_t(order[size_t(c.k)])];
-        (*near_tie)[size_t(t)] = a - b <= 1e-4 * std::fabs(a);
+        // Rounded logits: an fp32 sum may round to the neighbouring 16-bit value, moving a
+        // score by about one ulp of its logit (2^-8 |logit| for bf16), so the margin widens.
+        (*near_tie)[size_t(t)] = a - b <= (rounds_logits(c) ? 3e-2 : 1e-4) * std::fabs(a);
       }
       double sum = 0.0;
       for (int64_t j = 0; j < c.k; ++j)

@@ -64,6 +64,7 @@ std::vector<MoeCase> cases() {
         c.sigmoid = rng() % 3 == 0;
         c.residual = int(rng() % 3);
         c.routing = rng() % 3 == 0 ? 1 : 0;
+        c.round = rng() % 2;
         v.push_back(c);
       }
   for (int routing : {2, 3})  // every slot on one expert; most experts without tokens
@@ -251,6 +252,40 @@ TEST(Moe, ZeroTokensIsANoOp) {
   EXPECT_EQ(fmlp_moe(&m.args, FMLP_BACKEND_AUTO, nullptr, 0, nullptr), FMLP_SUCCESS);
 }
 
+// round_router_logits: logits 1 and 1 + 2^-9 (an f32 router row, bf16 x) are distinct in fp32
+// but one bf16 value: rounded, the tie goes to expert 0; kept wide, expert 1 wins. Each host
+// backend's y must then equal the y of the given routing to that expert (k = 1, weight 1).
+TEST(Moe, RoundedRouterLogitsRouteLikeA16BitRouter) {
+  MoeCase c;
+  c.t = 1, c.e = 2, c.k = 1, c.d = 8, c.hidden = 8, c.d_out = 8;
+  c.xt = c.wt = FMLP_DTYPE_BF16, c.rt = FMLP_DTYPE_F32;
+  for (fmlp_backend_t b : {FMLP_BACKEND_REF, FMLP_BACKEND_CPU}) {
+    if (fmlp_backend_available(b) != FMLP_SUCCESS) continue;
+    const auto run = [&](bool round, int32_t given) {
+      MoeCase cc = c;
+      cc.round = round;
+      MoeData m;
+      make(cc, 9, &m);
+      for (int64_t i = 0; i < c.d; ++i) m.x.set(i, i == 0 ? 1.0 : 0.0);
+      for (int64_t e = 0; e < c.e; ++e)
+        for (int64_t i = 0; i < c.d; ++i) m.rw.set(e * c.d + i, i ? 0.0 : e ? 1.0 + 0x1p-9 : 1.0);
+      int32_t id = given;
+      float w = 1.f;
+      if (given >= 0) m.args.router_w = fmlp_tensor_none(), m.args.topk_ids = &id;
+      if (given >= 0) m.args.topk_weights = &w;
+      size_t bytes = 0;
+      EXPECT_EQ(fmlp_moe_workspace_size(&m.args, b, &bytes), FMLP_SUCCESS) << fmlp_last_error();
+      std::vector<unsigned char> ws(bytes);
+      EXPECT_EQ(fmlp_moe(&m.args, b, ws.data(), bytes, nullptr), FMLP_SUCCESS) << fmlp_last_error();
+      return std::vector<unsigned char>(m.y.bytes.begin(), m.y.bytes.end() - kGuard);
+    };
+    const auto to0 = run(false, 0), to1 = run(false, 1);
+    ASSERT_NE(to0, to1) << "the two experts must give different outputs";
+    EXPECT_EQ(run(true, -1), to0) << fmlp_backend_name(b) << ": rounded logits tie -> expert 0";
+    EXPECT_EQ(run(false, -1), to1) << fmlp_backend_name(b) << ": fp32 logits -> expert 1";
+  }
+}
+
 // ---- cuda backend: the cases on device memory ----
 // Tolerances: those of tolerance.hpp (rtol of the output dtype, or of the weight dtype when larger:
 // x and h are rounded to the bf16/f16 weights for the tensor cores); tokens whose k-th and
@@ -361,6 +396,7 @@ std::vector<MoeCase> device_cases() {
         c.deterministic = rng() % 2;
         c.residual = int(rng() % 3);
         c.routing = rng() % 3 == 0 ? 1 : 0;
+        c.round = rng() % 2;
         v.push_back(c);
       }
   for (int routing : {2, 3})  // every slot on one expert; most experts without tokens

@@ -170,12 +170,15 @@ std::vector<RangeCase> range_cases(bool device) {
     v.push_back({c, partition({1, 1, 1, 1}), {}});
   }
   if (device) {
+    bool same = true;  // every other case with x in the experts' dtype: moe_sm80_grouped takes it
     for (RangeCase& rc : v) {
-      rc.c.d = 64, rc.c.hidden = 72, rc.c.d_out = 40;
+      rc.c.d = 64, rc.c.hidden = 128, rc.c.d_out = 40;
       if (rc.c.wt == FMLP_DTYPE_F32) rc.c.wt = FMLP_DTYPE_BF16;
+      if (same) rc.c.xt = rc.c.wt;
+      same = !same;
     }
     MoeCase big = ep_case(300, 64, 8, 0);  // many chunks per range, atomic partial sums
-    big.d = 256, big.hidden = 264, big.d_out = 264, big.gated = true, big.deterministic = false;
+    big.d = 256, big.hidden = 320, big.d_out = 264, big.gated = true, big.deterministic = false;
     big.xt = big.wt = FMLP_DTYPE_BF16, big.residual = 1;
     v.push_back({big, partition({8, 8, 8, 8, 8, 8, 8, 8}), {}});
     MoeCase wide = ep_case(16, 64, 8, 1);  // given routing, f16 experts, f32 activations
@@ -224,8 +227,8 @@ TEST(MoeExpertRange, CudaEntriesMatchTheRestrictedReferenceAndSumToTheWholeOp) {
 TEST(MoeExpertRange, GraphReplayOfARangeRoutesTheNewInputs) {
   SKIP_WITHOUT_GPU();
   MoeCase c = ep_case(16, 8, 2, 0);
-  c.d = 256, c.hidden = 264, c.d_out = 40, c.gated = true, c.residual = 1;
-  c.xt = c.wt = FMLP_DTYPE_BF16;
+  c.d = 256, c.hidden = 320, c.d_out = 40, c.gated = true, c.residual = 1;
+  c.xt = c.wt = FMLP_DTYPE_BF16;  // a shape both cuda entries take
   const ExpertRange r{2, 3, true};
   for (const char* kernel : cuda_moe_kernels()) {
     MoeData m, fresh;

@@ -37,6 +37,12 @@ using fmlp_test::PlacedCase;
 using fmlp_test::Reference;
 using fmlp_test::Residual;
 
+// The sharded op composes like the prefill path: each rank's partial y is rounded to y's dtype
+// before the reduction (one more 16-bit rounding of a partial that may exceed |y|), and ranks
+// may run the prefill path itself at large M; so the 16-bit budget is the composed one
+// (tolerance.hpp: 1.5x). A single element at 1.003x the plain budget was seen on an H200.
+constexpr bool kTpComposed = true;
+
 MlpCase tp_case(Gate gate, fmlp_dtype_t x, fmlp_dtype_t w, int64_t m) {
   MlpCase c;
   c.m = m;
@@ -473,7 +479,8 @@ TEST_F(TpDevices, AllReduceMatchesReference) {
         const Reference ref = fmlp_test::reference(c, fmlp_test::make_data(c, c.data_seed));
         const std::vector<std::vector<double>> ys = run(c, FMLP_TP_ALL_REDUCE);
         for (int r = 0; r < kRanks; ++r) {
-          const fmlp_test::CompareOutcome out = fmlp_test::compare(c, ys[size_t(r)], ref);
+          const fmlp_test::CompareOutcome out =
+              fmlp_test::compare(c, ys[size_t(r)], ref, kTpComposed);
           EXPECT_TRUE(out.ok) << "rank " << r << ": " << out.bad << " bad; " << out.detail;
         }
       }
@@ -490,7 +497,7 @@ TEST_F(TpDevices, ReduceScatterGivesEachRankItsRows) {
     for (int64_t i = 0; i < c.m; ++i)
       for (int64_t o = 0; o < c.d_out; ++o)
         owned[size_t(i * c.d_out + o)] = ys[size_t(i / rows)][size_t(i * c.d_out + o)];
-    const fmlp_test::CompareOutcome out = fmlp_test::compare(c, owned, ref);
+    const fmlp_test::CompareOutcome out = fmlp_test::compare(c, owned, ref, kTpComposed);
     EXPECT_TRUE(out.ok) << out.bad << " bad; " << out.detail;
   }
 }

@@ -349,6 +349,12 @@ typedef struct fmlp_moe_config_t {
   int32_t deterministic;
   int32_t first_expert;   /* global id of local expert 0 (expert parallelism); 0 otherwise */
   int32_t global_experts; /* experts routed over (router rows); 0 = num_experts (no range) */
+  /* 1: the router's logits are rounded to x's dtype (f16/bf16) before scoring, as a 16-bit
+   * nn.Linear router produces them (Hugging Face Mixtral, Qwen-MoE): the routing then matches
+   * such a model's, exact ties aside (which expert wins a tie of rounded logits is the
+   * framework's choice; here the lower id). 0: logits kept in fp32 or wider (the default). No
+   * effect with f32 x or given routing. */
+  int32_t round_router_logits;
 } fmlp_moe_config_t;
 
 typedef struct fmlp_moe_args_t {

@@ -382,14 +382,15 @@ def _expert_range(first_expert, global_experts):
 
 def _run_moe(mode, x, w1, w2, router_w, router_b, topk_ids, topk_weights, top_k, b1, b2,
              residual, activation, gated, scoring, renormalize, deterministic, out, backend,
-             workspace, stream, first_expert=0, global_experts=0):
+             workspace, stream, first_expert=0, global_experts=0, round_router_logits=False):
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
         raise ValueError(f"top_k is {top_k!r}; expected an int, the experts per token")
     top_k = int(top_k)
     first_expert, global_experts = _expert_range(first_expert, global_experts)
     config = (_lookup(_ACTIVATIONS, "activation", activation), bool(gated),
               _lookup(_SCORINGS, "scoring", scoring), bool(renormalize), bool(deterministic),
-              first_expert, global_experts, _lookup(_BACKENDS, "backend", backend))
+              first_expert, global_experts, bool(round_router_logits),
+              _lookup(_BACKENDS, "backend", backend))
     w1_shape, w2_shape, x_shape = _shape(w1), _shape(w2), _shape(x)
     if w1_shape is None or len(w1_shape) != 3:
         raise ValueError(f"w1 has shape {w1_shape}; expected [num_experts, hidden, d] (gated: "
@@ -432,7 +433,7 @@ def _run_moe(mode, x, w1, w2, router_w, router_b, topk_ids, topk_weights, top_k,
 def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=None, top_k,
         b1=None, b2=None, residual=None, activation="silu", gated=True, scoring="softmax",
         renormalize=True, deterministic=False, out=None, backend="auto", workspace=None,
-        stream=None, first_expert=0, global_experts=0):
+        stream=None, first_expert=0, global_experts=0, round_router_logits=False):
     """Runs the mixture-of-experts op on x's device and returns y (out when given).
 
     For each token x_t (row of x [T, d]):
@@ -442,6 +443,9 @@ def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=
             scores = softmax(logits) | sigmoid(logits)                          (scoring)
             e_1..e_k = the top_k largest scores, ties to the lower expert id; w_j = scores[e_j]
             renormalize: w_j /= sum_j w_j
+            round_router_logits: the logits are first rounded to x's dtype (f16/bf16), as a
+            16-bit nn.Linear router (Hugging Face Mixtral, Qwen-MoE) stores them, so the
+            routing matches such a model's (exact ties of rounded logits aside)
         or given: e_j = topk_ids[t, j], w_j = topk_weights[t, j] (used as given; scoring and
             renormalize are ignored; an id may repeat, each occurrence counts)
         expert e, the mlp op without norm on stacked weights:
@@ -480,28 +484,30 @@ def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=
     """
     return _run_moe("run", x, w1, w2, router_w, router_b, topk_ids, topk_weights, top_k, b1,
                     b2, residual, activation, gated, scoring, renormalize, deterministic, out,
-                    backend, workspace, stream, first_expert, global_experts)
+                    backend, workspace, stream, first_expert, global_experts,
+                    round_router_logits)
 
 
 def moe_explain(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=None,
                 top_k, b1=None, b2=None, residual=None, activation="silu", gated=True,
                 scoring="softmax", renormalize=True, deterministic=False, out=None,
-                backend="auto", first_expert=0, global_experts=0):
+                backend="auto", first_expert=0, global_experts=0, round_router_logits=False):
     """Same arguments as moe(); runs nothing and returns the dispatch report."""
     return _run_moe("explain", x, w1, w2, router_w, router_b, topk_ids, topk_weights, top_k,
                     b1, b2, residual, activation, gated, scoring, renormalize, deterministic,
-                    out, backend, None, None, first_expert, global_experts)
+                    out, backend, None, None, first_expert, global_experts, round_router_logits)
 
 
 def moe_workspace_size(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None,
                        topk_weights=None, top_k, b1=None, b2=None, residual=None,
                        activation="silu", gated=True, scoring="softmax", renormalize=True,
                        deterministic=False, out=None, backend="auto", first_expert=0,
-                       global_experts=0):
+                       global_experts=0, round_router_logits=False):
     """Bytes of workspace moe() needs for these arguments."""
     return _run_moe("workspace_size", x, w1, w2, router_w, router_b, topk_ids, topk_weights,
                     top_k, b1, b2, residual, activation, gated, scoring, renormalize,
-                    deterministic, out, backend, None, None, first_expert, global_experts)
+                    deterministic, out, backend, None, None, first_expert, global_experts,
+                    round_router_logits)
 
 
 def moe_device_errors(workspace, *, stream=None):

@@ -451,9 +451,11 @@ class PackedMlp {
 // num_experts is w1's leading dimension (validation then checks w2, router_w and b1/b2 against
 // it); an absent or 0-d w1 leaves it 1 so that validation reports w1 itself. first_expert and
 // global_experts: the local expert range (expert parallelism; 0 and 0 without one).
+// round_logits: config.round_router_logits.
 nb::object moe(const std::string& mode, nb::dict tensors, const Bits& bits, int top_k,
                int activation, bool gated, int scoring, bool renormalize, bool deterministic,
-               int first_expert, int global_experts, int backend, nb::handle workspace,
+               int first_expert, int global_experts, bool round_logits, int backend,
+               nb::handle workspace,
                uintptr_t stream) {
   Views v(tensors, bits);
   fmlp_moe_args_t args{};
@@ -478,6 +480,7 @@ nb::object moe(const std::string& mode, nb::dict tensors, const Bits& bits, int 
   args.config.deterministic = deterministic ? 1 : 0;
   args.config.first_expert = first_expert;
   args.config.global_experts = global_experts;
+  args.config.round_router_logits = round_logits ? 1 : 0;
   return run_mode(mode, args, backend, workspace, stream, fmlp_moe_explain, fmlp_moe_workspace_size,
                   fmlp_moe);
 }
@@ -612,7 +615,7 @@ NB_MODULE(_ext, m) {
       .def_prop_ro("device", &PackedMlp::device);
   m.def("moe", &moe, "mode"_a, "tensors"_a, "bits"_a, "top_k"_a, "activation"_a, "gated"_a,
         "scoring"_a, "renormalize"_a, "deterministic"_a, "first_expert"_a, "global_experts"_a,
-        "backend"_a, "workspace"_a.none(), "stream"_a);
+        "round_logits"_a, "backend"_a, "workspace"_a.none(), "stream"_a);
   m.def("moe_device_errors", &moe_device_errors, "workspace"_a, "stream"_a);
   m.def("linear", &linear, "mode"_a, "tensors"_a, "bits"_a, "backend"_a, "workspace"_a.none(),
         "stream"_a);

@@ -37,14 +37,16 @@ class FusedMoE(nn.Module):
     interface). jitter_noise > 0 scales x by uniform(1 - j, 1 + j) noise in training mode only,
     as Mixtral does. first_expert / global_experts: w1/w2 hold only experts [first_expert,
     first_expert + E) of global_experts routed over (expert parallelism, fusedmlp.tp); 0, 0:
-    every expert. The weights are used as they are (nothing is packed), so .to() and in-place
+    every expert. round_router_logits: round the router's logits to x's dtype before scoring,
+    as a 16-bit nn.Linear router does (from_module sets it, so routing follows the Hugging Face
+    block's). The weights are used as they are (nothing is packed), so .to() and in-place
     edits need no extra step. Inference only: no backward.
     """
 
     def __init__(self, w1, w2, router_w, *, top_k, router_b=None, b1=None, b2=None,
                  activation="silu", gated=True, scoring="softmax", renormalize=True,
                  jitter_noise=0.0, return_router_logits=False, deterministic=False,
-                 backend="auto", first_expert=0, global_experts=0):
+                 backend="auto", first_expert=0, global_experts=0, round_router_logits=False):
         super().__init__()
         _lookup(_ACTIVATIONS, "activation", activation)
         _lookup(_SCORINGS, "scoring", scoring)
@@ -66,6 +68,7 @@ class FusedMoE(nn.Module):
         self.deterministic, self.backend = bool(deterministic), backend
         self.num_experts, self.d = int(w1.shape[0]), int(w1.shape[2])
         self.first_expert, self.global_experts = int(first_expert), int(global_experts)
+        self.round_router_logits = bool(round_router_logits)
         self.d_out, self.hidden = int(w2.shape[1]), int(w2.shape[2])
 
     @classmethod
@@ -83,7 +86,7 @@ class FusedMoE(nn.Module):
                                    None, None, self.b1, self.b2, residual, self.activation,
                                    self.gated, self.scoring, self.renormalize,
                                    self.deterministic, self.backend, self.first_expert,
-                                   self.global_experts)
+                                   self.global_experts, self.round_router_logits)
         if self.return_router_logits:
             return y, F.linear(x.reshape(-1, self.d), self.router_w, self.router_b)
         return y
@@ -92,7 +95,8 @@ class FusedMoE(nn.Module):
         """Per row of x [..., d]: the gap between the top_k-th and the next largest router
         logit over max |logit| (inf when top_k = E), in float64. Rows with a small margin may
         pick other experts under another rounding of the router (a 16-bit model's torch
-        router rounds its logits to the model dtype, the fused router keeps fp32)."""
+        router rounds its logits to the model dtype; round_router_logits does the same, but the
+        sums before that rounding differ)."""
         logits = F.linear(x.reshape(-1, self.d).double(), self.router_w.double(),
                           None if self.router_b is None else self.router_b.double())
         if self.top_k == logits.shape[-1]:
@@ -195,4 +199,7 @@ def _describe_moe(block):
                 activation=activation, gated=True, scoring="softmax",
                 renormalize=_RENORMALIZE[kind](block),
                 jitter_noise=float(getattr(block, "jitter_noise", 0.0) or 0.0),
-                return_router_logits=legacy)
+                return_router_logits=legacy,
+                # The block's router is an nn.Linear in the model dtype: its logits are rounded
+                # to it before the softmax, and routing near a tie follows that rounding.
+                round_router_logits=True)

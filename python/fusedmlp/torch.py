@@ -191,7 +191,8 @@ def _moe_op(x: Tensor, w1: Tensor, w2: Tensor, top_k: int, router_w: Optional[Te
             b2: Optional[Tensor] = None, residual: Optional[Tensor] = None,
             activation: str = "silu", gated: bool = True, scoring: str = "softmax",
             renormalize: bool = True, deterministic: bool = False,
-            backend: str = "auto", first_expert: int = 0, global_experts: int = 0) -> Tensor:
+            backend: str = "auto", first_expert: int = 0, global_experts: int = 0,
+            round_router_logits: bool = False) -> Tensor:
     x2 = _rows(x, "x")
     if w2.dim() != 3:
         raise ValueError(f"w2 has shape {tuple(w2.shape)}; expected [num_experts, d_out, "
@@ -216,7 +217,8 @@ def _moe_op(x: Tensor, w1: Tensor, w2: Tensor, top_k: int, router_w: Optional[Te
                               w1=w1, b1=b1, w2=w2, b2=b2)
         _ext.moe("run", tensors, bits, top_k, _lookup(_ACTIVATIONS, "activation", activation),
                  gated, _lookup(_SCORINGS, "scoring", scoring), renormalize, deterministic,
-                 first_expert, global_experts, _lookup(_BACKENDS, "backend", backend),
+                 first_expert, global_experts, round_router_logits,
+                 _lookup(_BACKENDS, "backend", backend),
                  _workspace_for(x, "moe"),
                  _stream_for(x))
     return y.view(*x.shape[:-1], d_out)
@@ -226,7 +228,7 @@ def _moe_op(x: Tensor, w1: Tensor, w2: Tensor, top_k: int, router_w: Optional[Te
 def _moe_fake(x, w1, w2, top_k, router_w=None, router_b=None, topk_ids=None, topk_weights=None,
               b1=None, b2=None, residual=None, activation="silu", gated=True, scoring="softmax",
               renormalize=True, deterministic=False, backend="auto", first_expert=0,
-              global_experts=0):
+              global_experts=0, round_router_logits=False):
     return x.new_empty((*x.shape[:-1], w2.shape[1]))
 
 
@@ -275,7 +277,7 @@ def mlp(x, w1, w2, *, b1=None, w_up=None, b_up=None, b2=None, residual=None, nor
 def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=None, top_k,
         b1=None, b2=None, residual=None, activation="silu", gated=True, scoring="softmax",
         renormalize=True, deterministic=False, backend="auto", first_expert=0,
-        global_experts=0):
+        global_experts=0, round_router_logits=False):
     """torch.ops.fusedmlp.moe: fusedmlp.moe for torch tensors of any leading dims (x [..., d]
     -> [..., d_out]; topk_ids / topk_weights [..., top_k], any integer / float dtype); see
     fusedmlp.moe for the math and arguments (first_expert / global_experts: a local expert
@@ -287,7 +289,8 @@ def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=
             raise ValueError(f"{name} is {v!r}; expected an int")
     return torch.ops.fusedmlp.moe(x, w1, w2, top_k, router_w, router_b, topk_ids, topk_weights,
                                   b1, b2, residual, activation, gated, scoring, renormalize,
-                                  deterministic, backend, first_expert, global_experts)
+                                  deterministic, backend, first_expert, global_experts,
+                                  bool(round_router_logits))
 
 
 def linear(x, w, bias=None, *, w_scale=None):

@@ -436,3 +436,31 @@ def test_fused_moe_jitter_only_in_training():
         keep = routing_clear(torch, torch.nn.functional.linear(x, fused.router_w), 2)
         torch.testing.assert_close(fused(x).reshape(-1, 32)[keep],
                                    block(x.clone()).reshape(-1, 32)[keep], rtol=1e-4, atol=1e-5)
+
+
+def test_round_router_logits_routes_like_a_bf16_router():
+    # Logits 1 and 1 + 2^-9 (bf16 x = [1, 2^-9], router rows [1, 0] and [1, 1]): distinct in
+    # fp32, one value once rounded to bf16 as a bf16 nn.Linear router stores them. Rounded, the
+    # tie goes to expert 0; kept in fp32, expert 1 wins. from_module rounds (HF semantics).
+    torch = _torch()
+    import fusedmlp.torch as ft
+    bf = torch.bfloat16
+    torch.manual_seed(3)
+    d, hidden = 8, 16
+    w1 = (torch.randn(2, 2 * hidden, d) / 3).to(bf)
+    w2 = (torch.randn(2, d, hidden) / 4).to(bf)
+    router = torch.zeros(2, d, dtype=bf)
+    router[0, 0] = router[1, 0] = router[1, 1] = 1.0
+    x = torch.zeros(1, d, dtype=bf)
+    x[0, 0], x[0, 1] = 1.0, 2.0**-9
+    assert float(torch.nn.functional.linear(x, router)[0, 1]) == 1.0  # the bf16 router ties
+
+    def via(expert):
+        return ft.moe(x, w1, w2, topk_ids=torch.tensor([[expert]]),
+                      topk_weights=torch.ones(1, 1), top_k=1)
+
+    to0, to1 = via(0), via(1)
+    assert not torch.equal(to0, to1)
+    for rounded, want in ((True, to0), (False, to1)):
+        fused = ft.FusedMoE(w1, w2, router, top_k=1, round_router_logits=rounded)
+        torch.testing.assert_close(fused(x), want, rtol=0, atol=0)

@@ -60,6 +60,9 @@ fmlp_status_t check_config(const fmlp_moe_config_t& c) {
                 "config.scoring is {}; expected FMLP_MOE_SCORING_SOFTMAX (0) or "
                 "FMLP_MOE_SCORING_SIGMOID (1)",
                 int(c.scoring));
+  if (c.round_router_logits != 0 && c.round_router_logits != 1)
+    return fail(FMLP_ERROR_INVALID_VALUE, "config.round_router_logits is {}; expected 0 or 1",
+                c.round_router_logits);
   if (c.renormalize != 0 && c.renormalize != 1)
     return fail(FMLP_ERROR_INVALID_VALUE, "config.renormalize is {}; expected 0 or 1",
                 c.renormalize);
@@ -188,6 +191,8 @@ fmlp_status_t validate_moe(const fmlp_moe_args_t* a, MoeDesc* d) {
     return fail(FMLP_ERROR_DTYPE_MISMATCH, "y is {} but x is {}; y must have x's dtype",
                 fmlp_dtype_name(a->y.dtype), fmlp_dtype_name(a->x.dtype));
   d->act_dtype = a->x.dtype;
+  d->round_logits = a->config.round_router_logits == 1 && !d->given_routing &&
+                    (d->act_dtype == FMLP_DTYPE_BF16 || d->act_dtype == FMLP_DTYPE_F16);
   d->x_vec16 = uintptr_t(a->x.data) % 16 == 0 &&
                (d->tokens <= 1 || (a->x.stride[0] * int64_t(dtype_size(d->act_dtype))) % 16 == 0);
   if (a->w1.dtype == FMLP_DTYPE_F8_E4M3 || a->w2.dtype == FMLP_DTYPE_F8_E4M3)
@@ -285,13 +290,14 @@ std::string describe(const MoeDesc& d) {
                                               d.first_expert + d.experts, d.global_experts)
                                 : "";
   return fmt::format(
-      "T={} d={} hidden={} d_out={} E={} k={}{} {} {} x={} w={} routing={}{}{} on {}", d.tokens,
+      "T={} d={} hidden={} d_out={} E={} k={}{} {} {} x={} w={} routing={}{}{}{} on {}", d.tokens,
       d.d, d.hidden, d.d_out, d.experts, d.top_k, range, d.gated ? "gated" : "dense",
       fmlp_activation_name(d.activation), fmlp_dtype_name(d.act_dtype), fmlp_dtype_name(d.w_dtype),
       d.given_routing                         ? "given"
       : d.scoring == FMLP_MOE_SCORING_SIGMOID ? "sigmoid"
                                               : "softmax",
-      d.renormalize && !d.given_routing ? " renormalized" : "", d.has_residual ? " residual" : "",
+      d.renormalize && !d.given_routing ? " renormalized" : "",
+      d.round_logits ? " (logits rounded to x's dtype)" : "", d.has_residual ? " residual" : "",
       device_string(d.device, d.device_id));
 }
 

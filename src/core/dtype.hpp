@@ -38,4 +38,15 @@ inline void store_from_double(void* base, fmlp_dtype_t t, int64_t index, double 
   }
 }
 
+// v as stored in t and read back (f32, f16, bf16; other dtypes leave v as it is).
+inline double round_to_dtype(double v, fmlp_dtype_t t) {
+  uint16_t h = 0;
+  switch (t) {
+    case FMLP_DTYPE_F32: return double(float(v));
+    case FMLP_DTYPE_F16: store_from_double(&h, t, 0, v); return load_as_double(&h, t, 0);
+    case FMLP_DTYPE_BF16: store_from_double(&h, t, 0, v); return load_as_double(&h, t, 0);
+    default: return v;
+  }
+}
+
 }  // namespace fmlp::detail

@@ -25,6 +25,7 @@ struct MoeDesc {
   fmlp_activation_t activation = FMLP_ACT_RELU;
   fmlp_moe_scoring_t scoring = FMLP_MOE_SCORING_SOFTMAX;
   bool gated = false, renormalize = false, deterministic = false;
+  bool round_logits = false;  // router logits rounded to act_dtype (16-bit x, router running)
   bool given_routing = false, has_residual = false, residual_is_y = false;
   bool x_vec16 = false;  // x's base and row stride are multiples of 16 bytes
   fmlp_device_type_t device = FMLP_DEVICE_CPU;

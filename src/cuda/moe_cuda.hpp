@@ -69,6 +69,7 @@ struct MoeParams {
   int first_expert, global_experts;  // local expert i is global id first_expert + i
   int route_tokens;
   bool gated, partial, renormalize, sigmoid, given;
+  bool round_logits;  // router logits rounded to x's dtype (x_t is f16 or bf16 then)
   fmlp_activation_t act;
   const void* x;
   int64_t x_ld;

@@ -197,6 +197,7 @@ MoeParams moe_params(const fmlp_moe_args_t& a, const MoeDesc& d, const MoePlan& 
   p.route_tokens = pl.route_tokens;
   p.gated = d.gated, p.partial = pl.partial, p.renormalize = d.renormalize;
   p.sigmoid = d.scoring == FMLP_MOE_SCORING_SIGMOID, p.given = d.given_routing;
+  p.round_logits = d.round_logits;
   p.act = d.activation;
   p.x = a.x.data, p.x_ld = a.x.stride[0], p.x_t = d.act_dtype;
   p.x_vec16 = uintptr_t(p.x) % 16 == 0 && (d.tokens == 1 || (p.x_ld * int64_t(xs)) % 16 == 0);

@@ -83,7 +83,13 @@ __device__ void router_logits(const MoeParams& p, int t0, int tn, RouteShared& s
 #pragma unroll
     for (int tk = 0; tk < kMaxRouteTokens; ++tk) {
       const float v = warp_sum(acc[tk]);
-      if (lane == 0 && tk < tn) sh.scores[tk][e] = v + bias;
+      if (lane == 0 && tk < tn) {
+        float l = v + bias;
+        if (p.round_logits)  // what a 16-bit nn.Linear router would have stored
+          l = p.x_t == FMLP_DTYPE_BF16 ? __bfloat162float(__float2bfloat16_rn(l))
+                                       : __half2float(__float2half_rn(l));
+        sh.scores[tk][e] = l;
+      }
     }
   }
 }

@@ -27,6 +27,7 @@ void moe_route_token(const fmlp_moe_args_t& a, const MoeDesc& d, int64_t t, doub
       acc += load_as_double(w, d.router_dtype, c) * load_as_double(x, d.act_dtype, c);
     if (d.router_bias_dtype != FMLP_DTYPE_INVALID)
       acc += load_as_double(a.router_b.data, d.router_bias_dtype, e);
+    if (d.round_logits) acc = round_to_dtype(acc, d.act_dtype);  // a 16-bit nn.Linear's output
     scores[e] = acc;
     mx = std::fmax(mx, acc);
   }
