@@ -35,19 +35,19 @@ def graphed(fn):
     return g.replay
 
 
+def activation(h, act, gated):
+    """The hidden activation of the bench shapes: act(gate) * up when gated (h = [gate, up])."""
+    if gated:
+        g, u = h.chunk(2, dim=-1)
+        return F.silu(g) * u if act == "silu" else F.gelu(g, approximate="tanh") * u
+    if act == "gelu_tanh":
+        return F.gelu(h, approximate="tanh")
+    return F.gelu(h) if act == "gelu" else F.relu(h)
+
+
 def mlp_fn(act, gated):
     def mlp(x, w1, b1, w2, b2):
-        h = F.linear(x, w1, b1)
-        if gated:
-            g, u = h.chunk(2, dim=-1)
-            h = F.silu(g) * u if act == "silu" else F.gelu(g, approximate="tanh") * u
-        elif act == "gelu_tanh":
-            h = F.gelu(h, approximate="tanh")
-        elif act == "gelu":
-            h = F.gelu(h)
-        else:
-            h = F.relu(h)
-        return F.linear(h, w2, b2)
+        return F.linear(activation(F.linear(x, w1, b1), act, gated), w2, b2)
     return mlp
 
 

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from peers import SHAPES, graphed, median_us, mlp_fn, weight_copies
+from peers import SHAPES, activation, graphed, median_us, mlp_fn, weight_copies
 
 MS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192"
 F8 = torch.float8_e4m3fn
@@ -34,16 +34,7 @@ def fp8_mlp_fn(act, gated):
     def mlp(x, w1, s1, w2, s2):
         xq, sx = quant_rows(x)
         h = torch._scaled_mm(xq, w1.t(), scale_a=sx, scale_b=s1, out_dtype=torch.bfloat16)
-        if gated:
-            g, u = h.chunk(2, dim=-1)
-            h = F.silu(g) * u if act == "silu" else F.gelu(g, approximate="tanh") * u
-        elif act == "gelu_tanh":
-            h = F.gelu(h, approximate="tanh")
-        elif act == "gelu":
-            h = F.gelu(h)
-        else:
-            h = F.relu(h)
-        hq, sh = quant_rows(h)
+        hq, sh = quant_rows(activation(h, act, gated))
         return torch._scaled_mm(hq, w2.t(), scale_a=sh, scale_b=s2, out_dtype=torch.bfloat16)
     return mlp
 

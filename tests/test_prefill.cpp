@@ -12,6 +12,7 @@
 // kW8A8Rtol per element plus kW8A8RmsBound over each case, from the error model stated there.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -209,36 +210,47 @@ TEST(Prefill, LeavesWorkspaceZeroed) {
   EXPECT_EQ(nonzero, 0u) << "the workspace contract (fusedmlp.h) wants it left zero-filled";
 }
 
-// A warm call creates the handle and caches the heuristic answers; the captured graph then holds
-// only launches, and replays on new inputs match the reference.
-TEST(Prefill, GraphCaptureAfterWarmCall) {
-  SKIP_WITHOUT_GPU();
-  MlpCase c = base_case(300, 256, 704, 256, FMLP_DTYPE_BF16);
-  c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.residual = Residual::kSeparate;
-  c.norm = FMLP_NORM_RMSNORM, c.gamma = FMLP_DTYPE_BF16, c.b2 = FMLP_DTYPE_F32;
-  normalize(&c);
+// A warm call through dispatch (it creates the cuBLASLt handle and caches the heuristic answers,
+// so the captured graph holds only launches), then a graph replayed on three new inputs;
+// check(out, ref) judges each replay ("" when right).
+void expect_graph_replays_after_warm_call(
+    const MlpCase& c, uint64_t seed,
+    const std::function<std::string(const std::vector<double>&, const Reference&)>& check) {
   PlacedCase p(c, true);
   size_t bytes = 0;
   ASSERT_EQ(fmlp_mlp_workspace_size(&p.args(), FMLP_BACKEND_CUDA, &bytes), FMLP_SUCCESS)
       << fmlp_last_error();
   Buffer ws(bytes, true);
   ws.fill(0);
-  p.upload(make_data(c, mix_seed(test_seed(), 400)));
+  p.upload(make_data(c, mix_seed(test_seed(), seed)));
   ASSERT_EQ(fmlp_mlp(&p.args(), FMLP_BACKEND_CUDA, ws.data(), bytes, nullptr), FMLP_SUCCESS)
       << fmlp_last_error();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   MlpGraph graph(p.args(), FMLP_BACKEND_CUDA, ws.data(), bytes);
   ASSERT_TRUE(graph.ready()) << fmlp_status_name(graph.status()) << ": " << graph.error();
   for (uint64_t replay = 1; replay <= 3; ++replay) {
-    const CaseData data = make_data(c, mix_seed(test_seed(), 400 + replay));
-    p.upload(data);
+    const CaseData data = make_data(c, mix_seed(test_seed(), seed + replay));
+    p.upload(data);  // an in-place residual: y holds the new residual again
     ASSERT_TRUE(graph.replay()) << graph.error();
     std::string stray;
     const std::vector<double> out = p.download_y(&stray);
     EXPECT_TRUE(stray.empty()) << stray;
-    const CompareOutcome cmp = compare(c, out, reference(c, data), /*gemm_composed=*/true);
-    EXPECT_TRUE(cmp.ok) << "replay " << replay << ": " << cmp.bad << " wrong; " << cmp.detail;
+    const std::string err = check(out, reference(c, data));
+    EXPECT_TRUE(err.empty()) << "replay " << replay << ": " << err;
   }
+}
+
+TEST(Prefill, GraphCaptureAfterWarmCall) {
+  SKIP_WITHOUT_GPU();
+  MlpCase c = base_case(300, 256, 704, 256, FMLP_DTYPE_BF16);
+  c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.residual = Residual::kSeparate;
+  c.norm = FMLP_NORM_RMSNORM, c.gamma = FMLP_DTYPE_BF16, c.b2 = FMLP_DTYPE_F32;
+  normalize(&c);
+  expect_graph_replays_after_warm_call(
+      c, 400, [&](const std::vector<double>& out, const Reference& ref) {
+        const CompareOutcome cmp = compare(c, out, ref, /*gemm_composed=*/true);
+        return cmp.ok ? std::string() : std::to_string(cmp.bad) + " wrong; " + cmp.detail;
+      });
 }
 
 std::string explain(const fmlp_mlp_args_t& args) {
@@ -418,28 +430,10 @@ TEST(PrefillFp8, GraphCaptureAfterWarmCall) {
   c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.residual = Residual::kInPlace;
   c.norm = FMLP_NORM_RMSNORM, c.gamma = FMLP_DTYPE_BF16;
   normalize(&c);
-  PlacedCase p(c, true);
-  size_t bytes = 0;
-  ASSERT_EQ(fmlp_mlp_workspace_size(&p.args(), FMLP_BACKEND_CUDA, &bytes), FMLP_SUCCESS)
-      << fmlp_last_error();
-  Buffer ws(bytes, true);
-  ws.fill(0);
-  p.upload(make_data(c, mix_seed(test_seed(), 900)));
-  ASSERT_EQ(fmlp_mlp(&p.args(), FMLP_BACKEND_CUDA, ws.data(), bytes, nullptr), FMLP_SUCCESS)
-      << fmlp_last_error();
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  MlpGraph graph(p.args(), FMLP_BACKEND_CUDA, ws.data(), bytes);
-  ASSERT_TRUE(graph.ready()) << fmlp_status_name(graph.status()) << ": " << graph.error();
-  for (uint64_t replay = 1; replay <= 3; ++replay) {
-    const CaseData data = make_data(c, mix_seed(test_seed(), 900 + replay));
-    p.upload(data);  // y holds the new residual again
-    ASSERT_TRUE(graph.replay()) << graph.error();
-    std::string stray;
-    const std::vector<double> out = p.download_y(&stray);
-    EXPECT_TRUE(stray.empty()) << stray;
-    const std::string err = compare_w8a8(c, out, reference(c, data));
-    EXPECT_TRUE(err.empty()) << "replay " << replay << ": " << err;
-  }
+  expect_graph_replays_after_warm_call(c, 900,
+                                       [&](const std::vector<double>& out, const Reference& ref) {
+                                         return compare_w8a8(c, out, ref);
+                                       });
 }
 
 // A scale vector of the wrong length never reaches the kernel: validation names it.

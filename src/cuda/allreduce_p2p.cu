@@ -25,6 +25,7 @@
 
 #include "core/error.hpp"
 #include "cuda/allreduce_p2p.hpp"
+#include "cuda/common.cuh"
 
 namespace fmlp::detail {
 namespace {
@@ -54,35 +55,8 @@ __device__ __forceinline__ void wait_flag(const uint64_t* p, uint64_t epoch) {
   }
 }
 
-template <typename T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ float to_float(__half v) {
-  return __half2float(v);
-}
-template <>
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_float(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float(float v) {
-  return __float2bfloat16_rn(v);
-}
+using fmlp::cuda::from_f;
+using fmlp::cuda::to_f;
 
 // 16 bytes of elements; the part of the last group past n is zero (pushed, never stored back).
 template <typename T>
@@ -183,11 +157,11 @@ __global__ void __launch_bounds__(kThreads)
         v.raw = __ldcg(group_at(p, own, set, q, g));
 #pragma unroll
       for (int i = 0; i < Group<T>::kElems; ++i)  // from the first partial on: -0 + -0 stays -0
-        acc[i] = q == 0 ? to_float(v.e[i]) : acc[i] + to_float(v.e[i]);
+        acc[i] = q == 0 ? to_f(v.e[i]) : acc[i] + to_f(v.e[i]);
     }
     Group<T> out;
 #pragma unroll
-    for (int i = 0; i < Group<T>::kElems; ++i) out.e[i] = from_float<T>(acc[i]);
+    for (int i = 0; i < Group<T>::kElems; ++i) out.e[i] = from_f<T>(acc[i]);
     store_group(y, g, n, vec, out);
   }
 }

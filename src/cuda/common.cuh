@@ -79,4 +79,34 @@ __device__ __forceinline__ float activate(fmlp_activation_t act, float x) {
   }
 }
 
+// A scalar of T (float, __half, __nv_bfloat16) to fp32 and back (round to nearest even).
+template <typename T>
+__device__ __forceinline__ float to_f(T v);
+template <>
+__device__ __forceinline__ float to_f(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ float to_f(__half v) {
+  return __half2float(v);
+}
+template <>
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <typename T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ float from_f<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_f<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
 }  // namespace fmlp::cuda

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/error.hpp"
 #include "cuda/common.cuh"
 
 namespace fmlp::detail::prefill {
@@ -22,34 +23,8 @@ inline const char* offset(const void* p, int64_t elements, size_t es) {
   return static_cast<const char*>(p) + elements * int64_t(es);
 }
 
-template <typename T>
-__device__ __forceinline__ float to_f(T v);
-template <>
-__device__ __forceinline__ float to_f(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ float to_f(__half v) {
-  return __half2float(v);
-}
-template <>
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_f<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
+using fmlp::cuda::from_f;
+using fmlp::cuda::to_f;
 
 // Eight consecutive elements in one (16-bit) or two (fp32) 16-byte accesses.
 template <typename T>
@@ -94,6 +69,24 @@ __device__ __forceinline__ float bias_act(const ActParams& p, float g, float u, 
   if (!GATED) return a;
   if (p.bu) u += fmlp::cuda::load_scalar(p.bu, p.bu_t, j);
   return a * u;
+}
+
+// Runs run(base, &lt_used) on the 256-byte aligned workspace, then zeroes what a call may have
+// touched (its scratch up to lt bytes, plus the cuBLASLt workspace bytes the algorithms used)
+// even after a failure, so the next call finds the zero-filled workspace the contract of
+// fusedmlp.h promises.
+template <typename RUN>
+fmlp_status_t run_then_rezero(void* workspace, size_t lt, cudaStream_t s, RUN run) {
+  const uintptr_t raw = reinterpret_cast<uintptr_t>(workspace);
+  char* base = reinterpret_cast<char*>((raw + 255) / 256 * 256);
+  size_t lt_used = 0;
+  const fmlp_status_t st = run(base, &lt_used);
+  const cudaError_t err = cudaMemsetAsync(base, 0, lt + lt_used, s);
+  if (st != FMLP_SUCCESS) return st;
+  if (err != cudaSuccess)
+    return fail(FMLP_ERROR_CUDA, "clearing the prefill workspace failed: {}",
+                cudaGetErrorString(err));
+  return FMLP_SUCCESS;
 }
 
 }  // namespace fmlp::detail::prefill

@@ -498,17 +498,9 @@ template <typename T>
 fmlp_status_t run_typed(const fmlp_mlp_args_t& a, const MlpDesc& d, void* workspace,
                         cudaStream_t s) {
   const Layout l = layout(d, sizeof(T));
-  const uintptr_t raw = reinterpret_cast<uintptr_t>(workspace);
-  char* base = reinterpret_cast<char*>((raw + 255) / 256 * 256);
-  size_t lt_used = 0;
-  const fmlp_status_t st = run_passes<T>(a, d, base, l, s, &lt_used);
-  // As the 16-bit path: the contract of fusedmlp.h (left zero-filled), even after a failure.
-  const cudaError_t err = cudaMemsetAsync(base, 0, l.lt + lt_used, s);
-  if (st != FMLP_SUCCESS) return st;
-  if (err != cudaSuccess)
-    return fail(FMLP_ERROR_CUDA, "clearing the prefill workspace failed: {}",
-                cudaGetErrorString(err));
-  return FMLP_SUCCESS;
+  return prefill::run_then_rezero(workspace, l.lt, s, [&](char* base, size_t* lt_used) {
+    return run_passes<T>(a, d, base, l, s, lt_used);
+  });
 }
 
 }  // namespace

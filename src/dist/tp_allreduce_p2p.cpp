@@ -116,19 +116,7 @@ fmlp_status_t cuda_fail(cudaError_t e, const char* what) {
 fmlp_status_t comm_device(const NcclApi& api, void* comm, int32_t rank, int32_t size, int* device) {
   if (comm == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "comm is NULL; pass an ncclComm_t");
   FMLP_TP_TRY(tp_check_rank(rank, size));
-  const auto c = static_cast<ncclComm_t>(comm);
-  int n = 0, r = 0;
-  ncclResult_t e = api.comm_count(c, &n);
-  if (e == ncclSuccess) e = api.comm_user_rank(c, &r);
-  if (e == ncclSuccess) e = api.comm_cu_device(c, device);
-  if (e != ncclSuccess)
-    return fail(FMLP_ERROR_INVALID_VALUE, "comm cannot be queried: {}", nccl_error(api, e));
-  if (n != size || r != rank)
-    return fail(FMLP_ERROR_INVALID_VALUE,
-                "rank {} of size {} given, but comm is rank {} of {}; pass the communicator's own "
-                "rank and size",
-                rank, size, r, n);
-  return FMLP_SUCCESS;
+  return tp_comm_device(api, comm, rank, size, device);
 }
 
 // Collective exchange on one communicator (the rank's device current, `stream` on it).

@@ -39,6 +39,25 @@ inline fmlp_status_t tp_load_api(const NcclApi** api) {
   return FMLP_SUCCESS;
 }
 
+// comm's CUDA device into *device, after checking that comm is rank `rank` of `size` as the
+// caller says.
+inline fmlp_status_t tp_comm_device(const NcclApi& api, void* comm, int32_t rank, int32_t size,
+                                    int* device) {
+  const auto c = static_cast<ncclComm_t>(comm);
+  int n = 0, r = 0;
+  ncclResult_t e = api.comm_count(c, &n);
+  if (e == ncclSuccess) e = api.comm_user_rank(c, &r);
+  if (e == ncclSuccess) e = api.comm_cu_device(c, device);
+  if (e != ncclSuccess)
+    return fail(FMLP_ERROR_INVALID_VALUE, "comm cannot be queried: {}", nccl_error(api, e));
+  if (n != size || r != rank)
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "rank {} of size {} given, but comm is rank {} of {}; pass the communicator's own "
+                "rank and size",
+                rank, size, r, n);
+  return FMLP_SUCCESS;
+}
+
 // The communicator must be the one the caller describes: same size, same rank, the tensors'
 // device. `op` names the operation in messages ("the tensor-parallel mlp").
 inline fmlp_status_t tp_check_comm(const NcclApi& api, void* comm, int32_t rank, int32_t size,
@@ -50,18 +69,9 @@ inline fmlp_status_t tp_check_comm(const NcclApi& api, void* comm, int32_t rank,
   if (device != FMLP_DEVICE_CUDA)
     return fail(FMLP_ERROR_DEVICE_MISMATCH, "the tensors are on {}; {} needs CUDA device memory",
                 device_string(device, device_id), op);
-  const auto c = static_cast<ncclComm_t>(comm);
-  int n = 0, r = 0, dev = 0;
-  ncclResult_t e = api.comm_count(c, &n);
-  if (e == ncclSuccess) e = api.comm_user_rank(c, &r);
-  if (e == ncclSuccess) e = api.comm_cu_device(c, &dev);
-  if (e != ncclSuccess)
-    return fail(FMLP_ERROR_INVALID_VALUE, "comm cannot be queried: {}", nccl_error(api, e));
-  if (n != size || r != rank)
-    return fail(FMLP_ERROR_INVALID_VALUE,
-                "rank {} of size {} given, but comm is rank {} of {}; pass the communicator's own "
-                "rank and size",
-                rank, size, r, n);
+  int dev = 0;
+  if (const fmlp_status_t st = tp_comm_device(api, comm, rank, size, &dev); st != FMLP_SUCCESS)
+    return st;
   if (device_id != dev)
     return fail(FMLP_ERROR_DEVICE_MISMATCH,
                 "the tensors are on {} but comm (rank {}) is on cuda:{}; give every rank's "
