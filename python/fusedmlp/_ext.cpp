@@ -455,8 +455,7 @@ class PackedMlp {
 nb::object moe(const std::string& mode, nb::dict tensors, const Bits& bits, int top_k,
                int activation, bool gated, int scoring, bool renormalize, bool deterministic,
                int first_expert, int global_experts, bool round_logits, int backend,
-               nb::handle workspace,
-               uintptr_t stream) {
+               nb::handle workspace, uintptr_t stream) {
   Views v(tensors, bits);
   fmlp_moe_args_t args{};
   args.x = v.input("x");
