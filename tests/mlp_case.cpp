@@ -469,16 +469,21 @@ std::vector<double> PlacedCase::download_y(std::string* stray) const {
   return out;
 }
 
-RunOutcome run_kernel(const PlacedCase& p, const char* kernel) {
+RunOutcome run_kernel(const PlacedCase& p, const char* kernel, Buffer* ws_out) {
+  const fmlp_backend_t backend = p.device() ? FMLP_BACKEND_CUDA : FMLP_BACKEND_AUTO;
   size_t bytes = 0;
-  fmlp_status_t s = fmlp_mlp_kernel_workspace_size(&p.args(), kernel, &bytes);
+  fmlp_status_t s = kernel ? fmlp_mlp_kernel_workspace_size(&p.args(), kernel, &bytes)
+                           : fmlp_mlp_workspace_size(&p.args(), backend, &bytes);
   if (s != FMLP_SUCCESS) return {s, fmlp_last_error()};
-  Buffer ws;
+  Buffer local;
+  Buffer& ws = ws_out ? *ws_out : local;
+  ws = Buffer();
   if (bytes > 0) {
     ws = Buffer(bytes, p.device());
     ws.fill(0);  // the documented contract: a CUDA workspace starts zeroed
   }
-  s = fmlp_mlp_with_kernel(&p.args(), kernel, ws.data(), bytes, nullptr);
+  s = kernel ? fmlp_mlp_with_kernel(&p.args(), kernel, ws.data(), bytes, nullptr)
+             : fmlp_mlp(&p.args(), backend, ws.data(), bytes, nullptr);
   RunOutcome out{s, fmlp_last_error()};
 #ifdef FMLP_TEST_WITH_CUDA
   if (p.device() && s == FMLP_SUCCESS) {

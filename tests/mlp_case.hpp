@@ -111,7 +111,9 @@ struct RunOutcome {
   std::string error;
 };
 // Runs one op-table entry (workspace sized by the library, on the tensors' device) and waits.
-RunOutcome run_kernel(const PlacedCase& p, const char* kernel);
+// kernel nullptr: dispatch (the cuda backend for device cases); ws (optional) keeps the
+// workspace the call used, e.g. to check it was left zero-filled or to capture a graph on it.
+RunOutcome run_kernel(const PlacedCase& p, const char* kernel, Buffer* ws = nullptr);
 
 struct CompareOutcome {
   bool ok = true;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -347,5 +348,32 @@ inline std::vector<const char*> cuda_moe_kernels() {
       GTEST_SKIP() << "cuda backend unavailable: " << fmlp_last_error();                   \
     if (!device_unavailable_reason().empty()) GTEST_SKIP() << device_unavailable_reason(); \
   } while (0)
+
+// A bad-input case: spoil(m) breaks valid args; the call must fail with `status`, its message
+// must hold every one of `words`, and y must keep its poison.
+struct BadCase {
+  const char* what;
+  std::function<void(MoeData&)> spoil;
+  fmlp_status_t status;
+  std::vector<std::string> words;
+};
+
+// Makes c's data, spoils it as b says and checks the rejection on the ref backend and through
+// dispatch.
+inline void expect_rejected(const MoeCase& c, const BadCase& b) {
+  for (fmlp_backend_t backend : {FMLP_BACKEND_REF, FMLP_BACKEND_AUTO}) {
+    MoeData m;
+    make(c, 11, &m);
+    b.spoil(m);
+    const std::vector<unsigned char> before = m.y.bytes;
+    std::vector<unsigned char> ws(1 << 20);
+    const fmlp_status_t s = fmlp_moe(&m.args, backend, ws.data(), ws.size(), nullptr);
+    EXPECT_EQ(s, b.status) << b.what << ": " << fmlp_last_error();
+    const std::string msg = fmlp_last_error();
+    for (const std::string& w : b.words)
+      EXPECT_NE(msg.find(w), std::string::npos) << b.what << ": '" << w << "' not in: " << msg;
+    EXPECT_EQ(m.y.bytes, before) << b.what << ": y was written";
+  }
+}
 
 }  // namespace fmlp_test

@@ -197,13 +197,9 @@ TEST(Prefill, LeavesWorkspaceZeroed) {
   normalize(&c);
   PlacedCase p(c, true);
   p.upload(make_data(c, mix_seed(test_seed(), 300)));
-  size_t bytes = 0;
-  ASSERT_EQ(fmlp_mlp_kernel_workspace_size(&p.args(), kPrefill, &bytes), FMLP_SUCCESS);
-  Buffer ws(bytes, true);
-  ws.fill(0);
-  ASSERT_EQ(fmlp_mlp_with_kernel(&p.args(), kPrefill, ws.data(), bytes, nullptr), FMLP_SUCCESS)
-      << fmlp_last_error();
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  Buffer ws;
+  const RunOutcome run = run_kernel(p, kPrefill, &ws);
+  ASSERT_EQ(run.status, FMLP_SUCCESS) << run.error;
   const std::vector<unsigned char> after = ws.download();
   size_t nonzero = 0;
   for (unsigned char b : after) nonzero += b != 0;
@@ -217,16 +213,11 @@ void expect_graph_replays_after_warm_call(
     const MlpCase& c, uint64_t seed,
     const std::function<std::string(const std::vector<double>&, const Reference&)>& check) {
   PlacedCase p(c, true);
-  size_t bytes = 0;
-  ASSERT_EQ(fmlp_mlp_workspace_size(&p.args(), FMLP_BACKEND_CUDA, &bytes), FMLP_SUCCESS)
-      << fmlp_last_error();
-  Buffer ws(bytes, true);
-  ws.fill(0);
   p.upload(make_data(c, mix_seed(test_seed(), seed)));
-  ASSERT_EQ(fmlp_mlp(&p.args(), FMLP_BACKEND_CUDA, ws.data(), bytes, nullptr), FMLP_SUCCESS)
-      << fmlp_last_error();
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  MlpGraph graph(p.args(), FMLP_BACKEND_CUDA, ws.data(), bytes);
+  Buffer ws;
+  const RunOutcome run = run_kernel(p, nullptr, &ws);
+  ASSERT_EQ(run.status, FMLP_SUCCESS) << run.error;
+  MlpGraph graph(p.args(), FMLP_BACKEND_CUDA, ws.data(), ws.size());
   ASSERT_TRUE(graph.ready()) << fmlp_status_name(graph.status()) << ": " << graph.error();
   for (uint64_t replay = 1; replay <= 3; ++replay) {
     const CaseData data = make_data(c, mix_seed(test_seed(), seed + replay));
@@ -282,13 +273,9 @@ TEST(Planner, DecodeAtOneTokenPrefillAtManyTokens) {
     // Dispatch runs what explain reports.
     const CaseData data = make_data(c, mix_seed(test_seed(), 500 + uint64_t(m)));
     p.upload(data);
-    size_t bytes = 0;
-    ASSERT_EQ(fmlp_mlp_workspace_size(&p.args(), FMLP_BACKEND_CUDA, &bytes), FMLP_SUCCESS);
-    Buffer ws(bytes, true);
-    ws.fill(0);
-    ASSERT_EQ(fmlp_mlp(&p.args(), FMLP_BACKEND_CUDA, ws.data(), bytes, nullptr), FMLP_SUCCESS)
-        << fmlp_last_error();
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    Buffer ws;
+    const RunOutcome run = run_kernel(p, nullptr, &ws);
+    ASSERT_EQ(run.status, FMLP_SUCCESS) << run.error;
     std::string stray;
     const CompareOutcome cmp =
         compare(c, p.download_y(&stray), reference(c, data), /*gemm_composed=*/true);
@@ -407,14 +394,9 @@ TEST(PrefillFp8, LeavesWorkspaceZeroed) {
     normalize(&c);
     PlacedCase p(c, true);
     p.upload(make_data(c, mix_seed(test_seed(), 800 + b2)));
-    size_t bytes = 0;
-    ASSERT_EQ(fmlp_mlp_kernel_workspace_size(&p.args(), kPrefill, &bytes), FMLP_SUCCESS)
-        << fmlp_last_error();
-    Buffer ws(bytes, true);
-    ws.fill(0);
-    ASSERT_EQ(fmlp_mlp_with_kernel(&p.args(), kPrefill, ws.data(), bytes, nullptr), FMLP_SUCCESS)
-        << fmlp_last_error();
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    Buffer ws;
+    const RunOutcome run = run_kernel(p, kPrefill, &ws);
+    ASSERT_EQ(run.status, FMLP_SUCCESS) << run.error;
     const std::vector<unsigned char> after = ws.download();
     size_t nonzero = 0;
     for (unsigned char v : after) nonzero += v != 0;
@@ -463,13 +445,9 @@ TEST(Planner, Fp8DecodeAtFewTokensW8A8AtMany) {
     EXPECT_NE(report.find(m > 1 ? "W8A8" : "weight-only fp8"), std::string::npos) << report;
     const CaseData data = make_data(c, mix_seed(test_seed(), 950 + uint64_t(m)));
     p.upload(data);
-    size_t bytes = 0;
-    ASSERT_EQ(fmlp_mlp_workspace_size(&p.args(), FMLP_BACKEND_CUDA, &bytes), FMLP_SUCCESS);
-    Buffer ws(bytes, true);
-    ws.fill(0);
-    ASSERT_EQ(fmlp_mlp(&p.args(), FMLP_BACKEND_CUDA, ws.data(), bytes, nullptr), FMLP_SUCCESS)
-        << fmlp_last_error();
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    Buffer ws;
+    const RunOutcome run = run_kernel(p, nullptr, &ws);
+    ASSERT_EQ(run.status, FMLP_SUCCESS) << run.error;
     std::string stray;
     const std::vector<double> out = p.download_y(&stray);
     if (prefill) {

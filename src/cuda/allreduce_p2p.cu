@@ -26,6 +26,7 @@
 #include "core/error.hpp"
 #include "cuda/allreduce_p2p.hpp"
 #include "cuda/common.cuh"
+#include "cuda/launch_util.hpp"
 
 namespace fmlp::detail {
 namespace {
@@ -176,10 +177,7 @@ fmlp_status_t launch(const P2pPeers& p, void* y, int64_t n, cudaStream_t stream)
   const bool vec = reinterpret_cast<uintptr_t>(y) % 16 == 0;
   allreduce_sm80_p2p_oneshot<T>
       <<<unsigned(blocks), kThreads, 0, stream>>>(p, static_cast<T*>(y), n, vec, per_block);
-  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess)
-    return fail(FMLP_ERROR_CUDA, "allreduce_sm80_p2p_oneshot launch ({} blocks) failed: {}", blocks,
-                cudaGetErrorString(e));
-  return FMLP_SUCCESS;
+  return launch_status("allreduce_sm80_p2p_oneshot", fmt::format("{} blocks", blocks));
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <array>
 #include <cstddef>
 #include <mutex>
+#include <string>
 
 #include "core/error.hpp"
 
@@ -13,6 +14,15 @@ namespace fmlp::detail {
 // Workspace parts start on 256-byte boundaries, the alignment cudaMalloc itself gives.
 inline size_t align_up(size_t n) {
   return (n + 255) / 256 * 256;
+}
+
+// The status of the launch just enqueued: FMLP_ERROR_CUDA naming `name` (and `detail`, e.g. the
+// grid) when it failed.
+inline fmlp_status_t launch_status(const char* name, const std::string& detail = "") {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return FMLP_SUCCESS;
+  return fail(FMLP_ERROR_CUDA, "{} launch{} failed: {}", name,
+              detail.empty() ? "" : " (" + detail + ")", cudaGetErrorString(e));
 }
 
 // Dynamic shared memory one block may opt into on `device`, less `static_bytes` of the kernel's

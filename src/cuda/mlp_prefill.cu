@@ -24,6 +24,7 @@
 #include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/device_scope.hpp"
+#include "cuda/launch_util.hpp"
 #include "cuda/mlp_prefill.cuh"
 #include "cuda/mlp_prefill_common.cuh"
 #include "cuda/mlp_prefill_cublaslt.cuh"
@@ -170,13 +171,6 @@ fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base,
   const fmlp_mlp_weights_t& w = a.weights;
   const size_t es = sizeof(T);
   const int64_t H = d.hidden;
-  cudaError_t err = cudaSuccess;
-  auto launched = [&](const char* what) {
-    err = cudaGetLastError();
-    return err == cudaSuccess
-               ? FMLP_SUCCESS
-               : fail(FMLP_ERROR_CUDA, "{} launch failed: {}", what, cudaGetErrorString(err));
-  };
 
   // Epilogue biases in the activation dtype: the caller's vector when it already is, else a copy.
   const bool gelu_epi = gelu_in_epilogue(d);
@@ -191,7 +185,7 @@ fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base,
     const int blocks = int(std::min<int64_t>((n1 + n2 + kThreads - 1) / kThreads, 1024));
     prefill_convert<T>
         <<<blocks, kThreads, 0, s>>>(d1, w.b1.data, w.b1.dtype, n1, d2, w.b2.data, w.b2.dtype, n2);
-    if (const fmlp_status_t st = launched("prefill_convert"); st != FMLP_SUCCESS) return st;
+    if (const fmlp_status_t st = launch_status("prefill_convert"); st != FMLP_SUCCESS) return st;
     if (conv1) b1_lt = d1;
     if (conv2) b2_lt = d2;
   }
@@ -227,7 +221,7 @@ fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base,
                     d.norm,
                     d.norm_eps};
       prefill_norm<T><<<int(std::min<int64_t>(mc, 1 << 30)), kThreads, 0, s>>>(np);
-      if (const fmlp_status_t st = launched("prefill_norm"); st != FMLP_SUCCESS) return st;
+      if (const fmlp_status_t st = launch_status("prefill_norm"); st != FMLP_SUCCESS) return st;
       xin = xn;
       ldx = l.ldn;
     }
@@ -274,7 +268,7 @@ fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base,
         prefill_bias_act<T, true, true><<<grid, kThreads, 0, s>>>(ap);
       else
         prefill_bias_act<T, true, false><<<grid, kThreads, 0, s>>>(ap);
-      if (const fmlp_status_t st = launched("prefill_bias_act"); st != FMLP_SUCCESS) return st;
+      if (const fmlp_status_t st = launch_status("prefill_bias_act"); st != FMLP_SUCCESS) return st;
     }
 
     // GEMM2: y = h W2^T (+ b2) (+ residual).

@@ -31,6 +31,7 @@
 #include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/device_scope.hpp"
+#include "cuda/launch_util.hpp"
 #include "cuda/mlp_prefill.cuh"
 #include "cuda/mlp_prefill_common.cuh"
 #include "cuda/mlp_prefill_cublaslt.cuh"
@@ -52,7 +53,6 @@ using prefill::Vec8;
 
 constexpr int kThreads = 512;  // one block per token row
 constexpr int64_t kHiddenBudgetBytes = int64_t(128) << 20;
-constexpr size_t kStaticSmemLimit = 48 * 1024;  // above it, dynamic shared memory needs opt-in
 
 // Byte offsets of the scratch regions from the 256-aligned workspace base.
 struct Layout {
@@ -378,13 +378,6 @@ fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base,
   const fmlp_mlp_weights_t& w = a.weights;
   const size_t es = sizeof(T);
   const int64_t H = d.hidden;
-  cudaError_t err = cudaSuccess;
-  auto launched = [&](const char* what) {
-    err = cudaGetLastError();
-    return err == cudaSuccess
-               ? FMLP_SUCCESS
-               : fail(FMLP_ERROR_CUDA, "{} launch failed: {}", what, cudaGetErrorString(err));
-  };
   // Every distinct pass size is checked before the first launch: a refusal leaves y untouched.
   const int64_t passes = (d.m + l.chunk - 1) / l.chunk;
   PassGemms pg;
@@ -408,18 +401,17 @@ fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base,
       d.d_out};
   prefill_fp8_scales<<<int(std::min<int64_t>((l.ldg + d.d_out + 255) / 256, 1024)), 256, 0, s>>>(
       sp);
-  if (const fmlp_status_t st = launched("prefill_fp8_scales"); st != FMLP_SUCCESS) return st;
+  if (const fmlp_status_t st = launch_status("prefill_fp8_scales"); st != FMLP_SUCCESS) return st;
 
   // h is staged in shared memory, one row per block (supports() bounds H by the opt-in limit).
   const size_t smem = size_t(H) * es;
   auto* act_kernel =
       d.gated ? prefill_fp8_bias_act_quant<T, true> : prefill_fp8_bias_act_quant<T, false>;
-  if (smem > kStaticSmemLimit) {
-    err = cudaFuncSetAttribute(act_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (err != cudaSuccess)
-      return fail(FMLP_ERROR_CUDA, "allowing {} bytes of shared memory for h failed: {}", smem,
-                  cudaGetErrorString(err));
-  }
+  if (const fmlp_status_t st =
+          d.gated ? allow_dynamic_smem<prefill_fp8_bias_act_quant<T, true>>(smem, "h row")
+                  : allow_dynamic_smem<prefill_fp8_bias_act_quant<T, false>>(smem, "h row");
+      st != FMLP_SUCCESS)
+    return st;
   const bool x_vec =
       reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0 && (a.x.stride[0] * int64_t(es)) % 16 == 0;
   auto gemm = [&](const LtGemm& g) {
@@ -451,7 +443,8 @@ fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base,
       prefill_fp8_quant_x<T, true><<<rows_grid, kThreads, 0, s>>>(qp);
     else
       prefill_fp8_quant_x<T, false><<<rows_grid, kThreads, 0, s>>>(qp);
-    if (const fmlp_status_t st = launched("prefill_fp8_quant_x"); st != FMLP_SUCCESS) return st;
+    if (const fmlp_status_t st = launch_status("prefill_fp8_quant_x"); st != FMLP_SUCCESS)
+      return st;
 
     if (const fmlp_status_t st = gemm(pg.g1); st != FMLP_SUCCESS) return st;
     if (pg.separate_up)
@@ -469,7 +462,7 @@ fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base,
     const ActQuantParams aq{ap, reinterpret_cast<uint8_t*>(base + l.hq),
                             reinterpret_cast<float*>(base + l.sh)};
     act_kernel<<<rows_grid, kThreads, smem, s>>>(aq);
-    if (const fmlp_status_t st = launched("prefill_fp8_bias_act_quant"); st != FMLP_SUCCESS)
+    if (const fmlp_status_t st = launch_status("prefill_fp8_bias_act_quant"); st != FMLP_SUCCESS)
       return st;
 
     if (const fmlp_status_t st = gemm(pg.g2); st != FMLP_SUCCESS) return st;
@@ -488,7 +481,7 @@ fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base,
       const dim3 grid(unsigned((d.d_out + kThreads - 1) / kThreads),
                       unsigned(std::min<int64_t>(mc, 65535)));
       prefill_fp8_out<T><<<grid, kThreads, 0, s>>>(op);
-      if (const fmlp_status_t st = launched("prefill_fp8_out"); st != FMLP_SUCCESS) return st;
+      if (const fmlp_status_t st = launch_status("prefill_fp8_out"); st != FMLP_SUCCESS) return st;
     }
   }
   return FMLP_SUCCESS;

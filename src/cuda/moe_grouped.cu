@@ -336,11 +336,7 @@ fmlp_status_t start(const char* name, dim3 grid, size_t smem, const MoeParams& p
   if (const fmlp_status_t st = allow_dynamic_smem<KERNEL>(smem, name); st != FMLP_SUCCESS)
     return st;
   KERNEL<<<grid, kThreads, smem, s>>>(p);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return fail(FMLP_ERROR_CUDA, "{} launch ({} x {} blocks) failed: {}", name, grid.x, grid.y,
-                cudaGetErrorString(e));
-  return FMLP_SUCCESS;
+  return launch_status(name, fmt::format("{} x {} blocks", grid.x, grid.y));
 }
 
 template <int BM, typename WT>

@@ -25,6 +25,7 @@
 #include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
+#include "cuda/launch_util.hpp"
 #include "cuda/moe_cuda.hpp"
 #include "cuda/moe_device.cuh"
 
@@ -323,19 +324,12 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_combine(const MoeParams p, 
   if (threadIdx.x == 0) p.hdr->chunks = 0, p.hdr->combine_done = 0;
 }
 
-fmlp_status_t launched(const char* name) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return fail(FMLP_ERROR_CUDA, "{} launch failed: {}", name, cudaGetErrorString(e));
-  return FMLP_SUCCESS;
-}
-
 }  // namespace
 
 fmlp_status_t moe_launch_route(const MoeParams& p, cudaStream_t s) {
   const int blocks = (p.tokens + p.route_tokens - 1) / p.route_tokens;
   moe_sm80_route<<<blocks, kThreads, 0, s>>>(p);
-  return launched("moe_sm80_route");
+  return launch_status("moe_sm80_route");
 }
 
 fmlp_status_t moe_launch_combine(const MoeParams& p, cudaStream_t s) {
@@ -344,7 +338,7 @@ fmlp_status_t moe_launch_combine(const MoeParams& p, cudaStream_t s) {
   const int cols = kThreads / groups;
   const dim3 grid(unsigned(p.tokens), unsigned((p.d_out + cols - 1) / cols));
   moe_sm80_combine<<<grid, kThreads, 0, s>>>(p, groups);
-  return launched("moe_sm80_combine");
+  return launch_status("moe_sm80_combine");
 }
 
 }  // namespace fmlp::detail
