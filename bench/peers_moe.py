@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from peers import copy_bandwidth, graphed, median_us
+from peers import graphed, median_us, session
 
 LAYERS = {"mixtral": (8, 2, 4096, 14336), "e64k8": (64, 8, 2048, 1408)}  # E, k, d, hidden
 
@@ -65,11 +65,7 @@ def main():
     ap.add_argument("--ts", default="1,4,16,64,512")
     a = ap.parse_args()
     dev = "cuda"
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    bw = copy_bandwidth(dev)
-    res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12,
-           "rows": []}
-    print(f"{res['gpu']} torch {res['torch']} copy {bw / 1e12:.3f} TB/s", flush=True)
+    l2, _, res = session("rows", dev)
     has_grouped = hasattr(torch, "_grouped_mm")
     if not has_grouped:
         print("torch._grouped_mm is not available in this torch: grouped_mm peer skipped")

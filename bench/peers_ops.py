@@ -11,7 +11,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-from peers import copy_bandwidth, graphed, median_us
+from peers import graphed, median_us, session
 
 
 def bench_shapes():
@@ -26,11 +26,7 @@ def main():
     ap.add_argument("--ours", default=None)
     a = ap.parse_args()
     dev = "cuda"
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    bw = copy_bandwidth(dev)
-    res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12,
-           "rows": []}
-    print(f"{res['gpu']} torch {res['torch']} copy {bw / 1e12:.3f} TB/s", flush=True)
+    l2, bw, res = session("rows", dev)
     # Semantics check for the docs: torch's answer for a +Inf in a row.
     t = torch.tensor([[float("inf"), 1.0]], device=dev)
     res["softmax_inf_row"] = torch.softmax(t, -1).tolist()

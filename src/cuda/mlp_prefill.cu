@@ -33,17 +33,8 @@ namespace fmlp::detail {
 namespace {
 
 using fmlp::cuda::load_scalar;
-using prefill::ActParams;
-using prefill::bias_act;
-using prefill::block_reduce;
-using prefill::from_f;
-using prefill::offset;
-using prefill::round256;
-using prefill::round8;
-using prefill::to_f;
-using prefill::Vec8;
+using namespace prefill;  // the helpers both prefill paths share
 
-constexpr int64_t kHiddenBudgetBytes = int64_t(128) << 20;
 constexpr int kThreads = 256;
 
 // cuBLASLt's GELU epilogue is the tanh form (torch._addmm_activation relies on it for
@@ -68,21 +59,16 @@ Layout layout(const MlpDesc& d) {
   l.ldg = round8(d.gated ? 2 * d.hidden : d.hidden);
   l.ldn = d.norm != FMLP_NORM_NONE ? round8(d.d_in) : 0;
   const int64_t row_bytes = (l.ldg + l.ldn) * es;
-  const int64_t max_rows = std::max<int64_t>(64, kHiddenBudgetBytes / row_bytes / 64 * 64);
-  if (d.m > 0) {
-    // Equal passes: a short last pass would run its GEMMs on a mostly idle GPU.
-    const int64_t passes = (d.m + max_rows - 1) / max_rows;
-    l.chunk = std::min(d.m, round8((d.m + passes - 1) / passes));
-  }
+  l.chunk = prefill::pass_rows(d.m, row_bytes);
   size_t off = 0;
   l.xn = off;
-  off += round256(size_t(l.chunk * l.ldn * es));
+  off += align_up(size_t(l.chunk * l.ldn * es));
   l.b1 = off;
-  off += gelu_in_epilogue(d) && d.has_b1 ? round256(size_t(d.hidden * es)) : 0;
+  off += gelu_in_epilogue(d) && d.has_b1 ? align_up(size_t(d.hidden * es)) : 0;
   l.b2 = off;
-  off += d.has_b2 ? round256(size_t(d.d_out * es)) : 0;
+  off += d.has_b2 ? align_up(size_t(d.d_out * es)) : 0;
   l.g = off;
-  off += round256(size_t(l.chunk * l.ldg * es));
+  off += align_up(size_t(l.chunk * l.ldg * es));
   l.lt = off;
   l.end = off + kLtWorkspaceBytes;
   return l;

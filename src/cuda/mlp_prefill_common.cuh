@@ -5,19 +5,27 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
 #include "core/error.hpp"
 #include "cuda/common.cuh"
+#include "cuda/launch_util.hpp"
 
 namespace fmlp::detail::prefill {
 
 inline int64_t round8(int64_t n) {
   return (n + 7) / 8 * 8;
 }
-inline size_t round256(size_t n) {
-  return (n + 255) / 256 * 256;
+// Rows per pass: passes of equal size (a short last pass would run its GEMMs on a mostly idle
+// GPU) whose scratch, row_bytes a row, stays within 128 MiB (ample to fill the GPU many times).
+inline int64_t pass_rows(int64_t m, int64_t row_bytes) {
+  constexpr int64_t kScratchBudgetBytes = int64_t(128) << 20;
+  const int64_t max_rows = std::max<int64_t>(64, kScratchBudgetBytes / row_bytes / 64 * 64);
+  if (m <= 0) return 0;
+  const int64_t passes = (m + max_rows - 1) / max_rows;
+  return std::min(m, round8((m + passes - 1) / passes));
 }
 inline const char* offset(const void* p, int64_t elements, size_t es) {
   return static_cast<const char*>(p) + elements * int64_t(es);
@@ -77,8 +85,7 @@ __device__ __forceinline__ float bias_act(const ActParams& p, float g, float u, 
 // fusedmlp.h promises.
 template <typename RUN>
 fmlp_status_t run_then_rezero(void* workspace, size_t lt, cudaStream_t s, RUN run) {
-  const uintptr_t raw = reinterpret_cast<uintptr_t>(workspace);
-  char* base = reinterpret_cast<char*>((raw + 255) / 256 * 256);
+  char* base = reinterpret_cast<char*>(align_up(reinterpret_cast<uintptr_t>(workspace)));
   size_t lt_used = 0;
   const fmlp_status_t st = run(base, &lt_used);
   const cudaError_t err = cudaMemsetAsync(base, 0, lt + lt_used, s);

@@ -41,18 +41,9 @@ namespace fmlp::detail {
 namespace {
 
 using fmlp::cuda::load_scalar;
-using prefill::ActParams;
-using prefill::bias_act;
-using prefill::block_reduce;
-using prefill::from_f;
-using prefill::offset;
-using prefill::round256;
-using prefill::round8;
-using prefill::to_f;
-using prefill::Vec8;
+using namespace prefill;  // the helpers both prefill paths share
 
 constexpr int kThreads = 512;  // one block per token row
-constexpr int64_t kHiddenBudgetBytes = int64_t(128) << 20;
 
 // Byte offsets of the scratch regions from the 256-aligned workspace base.
 struct Layout {
@@ -72,16 +63,11 @@ Layout layout(const MlpDesc& d, size_t es) {
   l.ld_out = round8(d.d_out);
   const int64_t g_cols = std::max(l.ldg, l.ld_out);
   const int64_t row_bytes = g_cols * int64_t(es) + d.d_in + d.hidden + 8;
-  const int64_t max_rows = std::max<int64_t>(64, kHiddenBudgetBytes / row_bytes / 64 * 64);
-  if (d.m > 0) {
-    // Equal passes: a short last pass would run its GEMMs on a mostly idle GPU.
-    const int64_t passes = (d.m + max_rows - 1) / max_rows;
-    l.chunk = std::min(d.m, round8((d.m + passes - 1) / passes));
-  }
+  l.chunk = prefill::pass_rows(d.m, row_bytes);
   size_t off = 0;
   auto take = [&](size_t bytes) {
     const size_t at = off;
-    off += round256(bytes);
+    off += align_up(bytes);
     return at;
   };
   l.s1 = take(size_t(l.ldg) * 4);
