@@ -517,5 +517,31 @@ TEST(MoeCuda, BadInputIsRejectedAndDeviceYUntouched) {
   EXPECT_EQ(dc.y_bytes(), before);
 }
 
+// moe_sm80_grouped names why it declines a valid call (and moe_sm80_chunked then takes it).
+TEST(MoeCuda, GroupedEntrySaysWhyItDeclines) {
+  SKIP_WITHOUT_GPU();
+  MoeCase base;
+  base.t = 64, base.e = 8, base.k = 2, base.d = 128, base.hidden = 128, base.d_out = 40;
+  base.xt = base.wt = FMLP_DTYPE_BF16;
+  MoeCase f32_x = base, odd_hidden = base, one_token = base;
+  f32_x.xt = FMLP_DTYPE_F32;
+  odd_hidden.hidden = 72;
+  one_token.t = 1;  // one token per hit expert on 0.1 MiB experts: streaming wins
+  const std::pair<MoeCase, const char*> cases[] = {{f32_x, "experts' dtype"},
+                                                   {odd_hidden, "multiples of"},
+                                                   {one_token, "expected tokens per hit expert"}};
+  for (const auto& [c, hint] : cases) {
+    MoeData m;
+    make(c, 17, &m);
+    DeviceCase dc(c, m);
+    const fmlp_moe_args_t a = dc.args();
+    EXPECT_EQ(fmlp_moe_kernel_supports(&a, "moe_sm80_grouped"), FMLP_ERROR_NOT_SUPPORTED)
+        << c.name();
+    EXPECT_NE(std::string(fmlp_last_error()).find(hint), std::string::npos) << fmlp_last_error();
+    EXPECT_EQ(fmlp_moe_kernel_supports(&a, "moe_sm80_chunked"), FMLP_SUCCESS)
+        << c.name() << ": " << fmlp_last_error();
+  }
+}
+
 }  // namespace
 }  // namespace fmlp_test
