@@ -173,11 +173,24 @@ inline void reference(const MoeCase& c, const MoeData& m, const std::vector<doub
         ids[size_t(j)] = m.ids[size_t(t * c.k + j)], w[size_t(j)] = m.wts[size_t(t * c.k + j)];
     } else {
       std::vector<double> s(size_t(c.e));
+      std::vector<double> logit(size_t(c.e));
+      std::vector<char> at_midpoint(size_t(c.e), 0);  // the device may round to the neighbour
       for (int64_t e = 0; e < c.e; ++e) {
-        double acc = c.rb ? m.rb.get(e) : 0.0;
-        for (int64_t i = 0; i < c.d; ++i) acc += m.rw.get(e * c.d + i) * m.x.get(t * c.d + i);
+        double acc = c.rb ? m.rb.get(e) : 0.0, mag = std::fabs(acc);
+        for (int64_t i = 0; i < c.d; ++i) {
+          const double term = m.rw.get(e * c.d + i) * m.x.get(t * c.d + i);
+          acc += term, mag += std::fabs(term);
+        }
         // round_router_logits: the logit as a 16-bit nn.Linear router stores it
-        s[size_t(e)] = rounds_logits(c) ? fmlp::detail::round_to_dtype(acc, c.xt) : acc;
+        s[size_t(e)] = logit[size_t(e)] =
+            rounds_logits(c) ? fmlp::detail::round_to_dtype(acc, c.xt) : acc;
+        if (rounds_logits(c)) {
+          // fp32 summation error stays far below 2^-22 of the sum of |terms| (about 48x margin
+          // at d = 256); within that of a rounding midpoint the device may store the neighbour.
+          const double slack = std::ldexp(mag, -22);
+          at_midpoint[size_t(e)] = fmlp::detail::round_to_dtype(acc - slack, c.xt) !=
+                                   fmlp::detail::round_to_dtype(acc + slack, c.xt);
+        }
       }
       if (c.sigmoid) {
         for (double& v : s) v = 1.0 / (1.0 + std::exp(-v));
@@ -193,9 +206,19 @@ inline void reference(const MoeCase& c, const MoeData& m, const std::vector<doub
                        [&](int64_t p, int64_t q) { return s[size_t(p)] > s[size_t(q)]; });
       if (near_tie && c.k < c.e) {
         const double a = s[size_t(order[size_t(c.k - 1)])], b = s[size_t(order[size_t(c.k)])];
-        // Rounded logits: an fp32 sum may round to the neighbouring 16-bit value, moving a
-        // score by about one ulp of its logit (2^-8 |logit| for bf16), so the margin widens.
-        (*near_tie)[size_t(t)] = a - b <= (rounds_logits(c) ? 3e-2 : 1e-4) * std::fabs(a);
+        bool tie = a - b <= 1e-4 * std::fabs(a);
+        if (rounds_logits(c)) {
+          // The device rounds the same logits unless one sits at a rounding midpoint, where it
+          // may store the neighbour, one ulp away: that matters for the selected experts (their
+          // weights) and for any that one ulp could lift into the top k. Equal rounded logits
+          // give equal scores and both sides send the tie to the lower id: checked, not skipped.
+          const double kth = logit[size_t(order[size_t(c.k - 1)])];
+          const double ulp = std::ldexp(std::fabs(kth), c.xt == FMLP_DTYPE_BF16 ? -7 : -10);
+          tie = false;
+          for (int64_t e = 0; e < c.e; ++e)
+            tie |= at_midpoint[size_t(e)] && logit[size_t(e)] >= kth - 2 * ulp;
+        }
+        (*near_tie)[size_t(t)] = tie;
       }
       double sum = 0.0;
       for (int64_t j = 0; j < c.k; ++j)

@@ -22,9 +22,19 @@
 // (BM = 128) or 4-stage (BM = 64) ring of 96 KiB: two blocks per multiprocessor (up to 255
 // registers a thread, which the 64 x 64 warp tile needs: 128 accumulators + 2 x 32 fragments). A
 // 128-byte smem row holds 8 pieces of 16 bytes stored at piece ^ (row % 8), so the 8 rows an
-// ldmatrix phase reads (and the rows a warp's copies write) fall in distinct banks. Rows past the
-// chunk's length load the chunk's last row (valid addresses, results dropped) and are never
-// stored; N tiles past the matrix load its last row the same way.
+// ldmatrix phase reads (and the rows a warp's copies write) fall in distinct banks. N tiles past
+// the matrix load its last row (valid addresses, results dropped, never stored).
+//
+// Short chunks (an expert's last one, or a whole expert below BM slots) would otherwise multiply
+// BM rows: about a third of the MMA work at Mixtral T=512. So the GEMM works in whole m16 tiles
+// of the chunk: tile i (rows 16 i .. 16 i + 15) is both copy i of every thread's A copies and m16
+// tile i % kMI of warp row i / kMI, and it is live while 16 i < len. Dead tiles are neither
+// copied, read by ldmatrix nor multiplied (a warp with none skips its B fragments as well), so
+// their smem rows stay stale with no reader. Rows past len inside a live tile load the chunk's
+// last row as before (finite data, results dropped, never stored). Live tiles run the same mmas
+// in the same k order as without the skip: valid rows are bitwise unchanged. Every warp still
+// takes part in every copy, commit, wait and barrier, so the pipeline stays in lockstep; the tests
+// are block- or warp-uniform, so no mma or ldmatrix runs with part of a warp.
 #include <cuda_runtime.h>
 
 #include "core/error.hpp"
@@ -56,7 +66,8 @@ struct Tiles {
   static constexpr int kMI = kWarpM / 16;               // m16 tiles per warp
   static constexpr int kNJ = kWarpN / 8;                // n8 tiles per warp
   static constexpr int kCopyRows = kThreads / kPieces;  // rows one pass of copies covers
-  static constexpr int kARows = BM / kCopyRows;         // A rows a thread copies per stage
+  static_assert(kCopyRows == 16, "copy i of A must be exactly block m16 tile i (live-tile test)");
+  static constexpr int kARows = BM / kCopyRows;  // A rows a thread copies per stage
   static constexpr int kBRows = kBN / kCopyRows;
   static constexpr int kAStage = BM * kRowBytes, kBStage = kBN * kRowBytes;
   static constexpr int kSmem = kStages * (kAStage + kBStage);
@@ -67,8 +78,12 @@ __device__ __forceinline__ int copy_row(int i) {
   return int(threadIdx.x) / kPieces + i * (kThreads / kPieces);
 }
 
+// The L2 128-byte prefetch hint is what ptxas chose by itself for these copies (8 threads fill
+// one 128-byte row) until the kernels also held the trimmed loop; stated here, it no longer
+// depends on that heuristic.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dst), "l"(src)
+               : "memory");
 }
 
 __device__ __forceinline__ void cp_async_commit() {
@@ -94,15 +109,18 @@ struct Frags {
   uint32_t b[Tiles<BM>::kNJ][2];
 };
 
-// acc += A B^T over k_tiles * kBK columns. a[i] / b[i]: start of tile row copy_row(i) of A
-// (BM rows) / B (kBN rows), both K-contiguous; they are advanced as the stages are requested.
+// acc += A B^T over k_tiles * kBK columns; with TRIM only for the m16 tiles of A that hold one of
+// its first `rows` rows (1 <= rows <= BM; acc of the other tiles is left as it was). a[i] / b[i]:
+// start of tile row copy_row(i) of A (BM rows) / B (kBN rows), both K-contiguous; they are
+// advanced as the stages are requested.
 // Software pipeline (one __syncthreads per stage): the fragments of step ks + 1 are loaded into
 // the other register buffer before step ks's mmas, the last step's loads read the next stage, and
 // the copies of stage kt + kStages - 1 are issued at step 0 of stage kt.
-template <int BM, typename WT>
+template <int BM, typename WT, bool TRIM>
 __device__ __forceinline__ void gemm_tile(float (&acc)[Tiles<BM>::kMI][Tiles<BM>::kNJ][4],
                                           const WT* (&a)[Tiles<BM>::kARows],
-                                          const WT* (&b)[Tiles<BM>::kBRows], int k_tiles) {
+                                          const WT* (&b)[Tiles<BM>::kBRows], int k_tiles,
+                                          int rows) {
   using T = Tiles<BM>;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t base = uint32_t(__cvta_generic_to_shared(smem));
@@ -116,11 +134,19 @@ __device__ __forceinline__ void gemm_tile(float (&acc)[Tiles<BM>::kMI][Tiles<BM>
   const int row0 = copy_row(0);
   const uint32_t put = row0 * kRowBytes + ((piece ^ (row0 % 8)) << 4);
   const uint32_t b_base = base + T::kStages * T::kAStage;
+  // This warp's live m16 tiles (a prefix of its kMI): block tile warp / 2 * kMI + mi is live while
+  // its first row is below `rows`. The broadcast tells the compiler that the count is warp-uniform:
+  // it then branches around the mmas and predicates the ldmatrix instead of putting a WARPSYNC in
+  // front of each (which also split the schedule).
+  const int live =
+      TRIM ? __shfl_sync(~0u, min(T::kMI, max(0, (rows - warp / 2 * T::kWarpM + 15) / 16)), 0)
+           : T::kMI;
   auto request = [&](int stage) {
     const uint32_t sa = base + stage * T::kAStage + put, sb = b_base + stage * T::kBStage + put;
 #pragma unroll
     for (int i = 0; i < T::kARows; ++i) {
-      cp_async16(sa + i * T::kCopyRows * kRowBytes, a[i]);
+      if (!TRIM || i * T::kCopyRows < rows)  // block tile i live (block-uniform)
+        cp_async16(sa + i * T::kCopyRows * kRowBytes, a[i]);
       a[i] += kBK;
     }
 #pragma unroll
@@ -142,7 +168,9 @@ __device__ __forceinline__ void gemm_tile(float (&acc)[Tiles<BM>::kMI][Tiles<BM>
     const uint32_t ao = (a_x ^ uint32_t(2 * ks)) << 4, bo = (b_x ^ uint32_t(2 * ks)) << 4;
 #pragma unroll
     for (int mi = 0; mi < T::kMI; ++mi)
-      ldsm_x4(sa + mi * 16 * kRowBytes + ao, f.a[mi][0], f.a[mi][1], f.a[mi][2], f.a[mi][3]);
+      if (mi < live)
+        ldsm_x4(sa + mi * 16 * kRowBytes + ao, f.a[mi][0], f.a[mi][1], f.a[mi][2], f.a[mi][3]);
+    if (live == 0) return;
 #pragma unroll
     for (int nj = 0; nj < T::kNJ; nj += 2)
       ldsm_x4(sb + nj * 8 * kRowBytes + bo, f.b[nj][0], f.b[nj][1], f.b[nj + 1][0], f.b[nj + 1][1]);
@@ -173,12 +201,13 @@ __device__ __forceinline__ void gemm_tile(float (&acc)[Tiles<BM>::kMI][Tiles<BM>
       const Frags<BM>& c = f[ks % 2];
 #pragma unroll
       for (int mi = 0; mi < T::kMI; ++mi)
+        if (mi < live)
 #pragma unroll
-        for (int j = 0; j < T::kNJ; ++j) {
-          const int nj = mi % 2 ? T::kNJ - 1 - j : j;  // serpentine: reuse the last B fragment
-          mma<WT>(acc[mi][nj], c.a[mi][0], c.a[mi][1], c.a[mi][2], c.a[mi][3], c.b[nj][0],
-                  c.b[nj][1]);
-        }
+          for (int j = 0; j < T::kNJ; ++j) {
+            const int nj = mi % 2 ? T::kNJ - 1 - j : j;  // serpentine: reuse the last B fragment
+            mma<WT>(acc[mi][nj], c.a[mi][0], c.a[mi][1], c.a[mi][2], c.a[mi][3], c.b[nj][0],
+                    c.b[nj][1]);
+          }
       if (ks == kSteps - 2 && kt + 1 < k_tiles) {
         cp_async_wait<T::kStages - 2>();  // stage kt + 1 landed for this thread ...
         __syncthreads();  // ... and everyone; all reads of stage kt are issued by now
@@ -188,6 +217,21 @@ __device__ __forceinline__ void gemm_tile(float (&acc)[Tiles<BM>::kMI][Tiles<BM>
     }
   }
   cp_async_wait<0>();  // only empty groups are left; nothing may be in flight at exit
+}
+
+// gemm_tile for a chunk of `rows` rows. Chunks that fill every m16 tile (the full ones, which do
+// most of the work) take the untrimmed copy of the loop: its live tests would all pass, and that
+// copy keeps straight-line mma runs with the ldmatrix interleaved, where the trimmed one branches
+// around each tile's mmas.
+template <int BM, typename WT>
+__device__ __forceinline__ void gemm_chunk(float (&acc)[Tiles<BM>::kMI][Tiles<BM>::kNJ][4],
+                                           const WT* (&a)[Tiles<BM>::kARows],
+                                           const WT* (&b)[Tiles<BM>::kBRows], int k_tiles,
+                                           int rows) {
+  if (rows > BM - 16)
+    gemm_tile<BM, WT, false>(acc, a, b, k_tiles, rows);
+  else
+    gemm_tile<BM, WT, true>(acc, a, b, k_tiles, rows);
 }
 
 // The chunk of this block: its expert, first position in the permutation and length.
@@ -238,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_sm80_grouped_gate_up(const Mo
     b[i] = w1 + int64_t(row) * p.w1_ld;
   }
   float acc[T::kMI][T::kNJ][4] = {};
-  gemm_tile<BM, WT>(acc, a, b, p.d / kBK);
+  gemm_chunk<BM, WT>(acc, a, b, p.d / kBK, c.len);
 
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32, g = lane / 4, t = lane % 4;
   const int m0 = warp / 2 * T::kWarpM + g;
@@ -310,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_sm80_grouped_down(const MoePa
   for (int i = 0; i < T::kBRows; ++i)
     b[i] = w2 + int64_t(min(n0 + copy_row(i), p.d_out - 1)) * p.w2_ld;
   float acc[T::kMI][T::kNJ][4] = {};
-  gemm_tile<BM, WT>(acc, a, b, p.hidden / kBK);
+  gemm_chunk<BM, WT>(acc, a, b, p.hidden / kBK, c.len);
 
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32, g = lane / 4, t = lane % 4;
   const int m0 = warp / 2 * T::kWarpM + g, o0 = n0 + warp % 2 * T::kWarpN + 2 * t;
