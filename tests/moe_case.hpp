@@ -67,7 +67,9 @@ struct MoeCase {
   bool gated = false, renorm = true, sigmoid = false, deterministic = true;
   bool round = false;  // config.round_router_logits (takes effect with 16-bit x)
   int residual = 0;    // 0 none, 1 separate, 2 in place (the very view of y)
-  int routing = 0;  // 0 router, 1 random given ids, 2 all to expert e-1, 3 only experts 0 and e/2
+  int routing = 0;  // 0 router, 1 random given ids, 2 all to expert e-1, 3 only experts 0 and e/2,
+                    // 4 expert i gets exactly slots[i] of the t*k slots (given ids, shuffled)
+  std::vector<int64_t> slots;  // routing 4: sums to t*k
   std::string name() const {
     return "T=" + std::to_string(t) + " d=" + std::to_string(d) + " h=" + std::to_string(hidden) +
            " d_out=" + std::to_string(d_out) + " E=" + std::to_string(e) +
@@ -119,11 +121,16 @@ inline void make(const MoeCase& c, uint64_t seed, MoeData* m) {
     if (c.rb) m->rb = HostTensor(c.rb, {c.e}), fill(m->rb, rng, 0.5), a.router_b = m->rb.view;
   } else {
     std::uniform_real_distribution<double> ud(0.1, 1.0);
+    std::vector<int32_t> dealt;  // routing 4: the ids in some order
+    for (size_t e = 0; c.routing == 4 && e < c.slots.size(); ++e)
+      dealt.insert(dealt.end(), size_t(c.slots[e]), int32_t(e));
+    std::shuffle(dealt.begin(), dealt.end(), rng);
     m->ids.resize(size_t(c.t * c.k));
     m->wts.resize(m->ids.size());
     for (size_t i = 0; i < m->ids.size(); ++i) {
       const int64_t j = int64_t(i) % c.k;
-      m->ids[i] = c.routing == 2   ? int32_t(c.e - 1)
+      m->ids[i] = c.routing == 4   ? dealt.at(i)
+                  : c.routing == 2 ? int32_t(c.e - 1)
                   : c.routing == 3 ? int32_t(j % 2 ? c.e / 2 : 0)
                                    : int32_t(rng() % uint64_t(c.e));
       m->wts[i] = float(ud(rng));

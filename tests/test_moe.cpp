@@ -543,5 +543,39 @@ TEST(MoeCuda, GroupedEntrySaysWhyItDeclines) {
   }
 }
 
+// moe_sm80_grouped multiplies only the m16 tiles of a chunk that hold one of its len rows
+// (moe_grouped.cu). Given routing hands each expert an exact slot count, so the chunk lengths
+// (the last chunk of an expert: count % BM, or BM) are 1 and 16 q - 1, 16 q, 16 q + 1 for every
+// m16 edge of both tile heights: one, some or all tiles of a warp row live, the other warp row
+// dead or partly live, the trimmed and the untrimmed loop (len > BM - 16), and chunks that start
+// past an expert's first BM slots (counts BM + 1, 2 BM + 1, ...). It fails when a live tile is
+// skipped in the copies (its rows are multiplied as stale smem of another chunk or k stage), in
+// ldmatrix or in the mma (the rows lack terms), e.g. live counted as (len - row0) / 16, and when
+// rows of a dead tile are stored (they land on the next chunk's h rows or other slots' outputs).
+// BM follows the expected tokens per hit expert (moe_plan_grouped, threshold 96 unless
+// FMLP_MOE_GROUPED_WIDE_ROWS, read once at load, moves it): about 42 here for BM = 64, 102 for
+// BM = 128 (the 768-slot expert lifts the mean).
+TEST(MoeCuda, GroupedTrimsChunksAtEveryTileEdge) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<int64_t> bm64 = {1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 113};
+  const std::vector<int64_t> bm128 = {1,  15, 16, 17, 31, 32,  33,  47,  48,  49,  63,  64,  65, 79,
+                                      80, 81, 95, 96, 97, 111, 112, 113, 127, 128, 129, 257, 768};
+  int n = 0;
+  for (const std::vector<int64_t>* slots : {&bm64, &bm128})
+    for (bool gated : {false, true}) {
+      MoeCase c;
+      c.slots = *slots, c.routing = 4, c.e = int64_t(slots->size()), c.k = 2;
+      int64_t total = 0;
+      for (int64_t s : *slots) total += s;
+      ASSERT_EQ(total % c.k, 0);
+      c.t = total / c.k, c.d = 128, c.hidden = 128, c.d_out = 72;
+      c.xt = c.wt = FMLP_DTYPE_BF16, c.gated = gated;
+      c.act = gated ? FMLP_ACT_SILU : FMLP_ACT_GELU;
+      // "" only: a skip (the entry declined the case) fails too.
+      EXPECT_EQ(run_device(c, "moe_sm80_grouped", mix_seed(test_seed(), uint64_t(40 + n++))), "")
+          << c.name() << " (FMLP_TEST_SEED=" << test_seed() << ")";
+    }
+}
+
 }  // namespace
 }  // namespace fmlp_test
