@@ -85,7 +85,7 @@ bool prefill_supports(const MlpDesc& d, std::string* why) {
 }
 
 // Decode preference below the planner's crossover, measured on an H200: whole-slice prefetch into
-// shared memory for MLPs whose weights fit on chip (gpt2-small), the bulk-copy ring for up to four
+// shared memory for MLPs whose weights fit on chip (gpt2-small), the bulk-copy ring for up to eight
 // tokens of larger MLPs, the register-stream kernel for one token where the ring does not fit
 // (gpt2-small M = 1: 11.4 us against 16.4 for the cluster kernel), the
 // tensor-core cluster kernel for up to 64 tokens of matching dtypes, splitk for the rest

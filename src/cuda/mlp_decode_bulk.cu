@@ -1,32 +1,38 @@
-// mlp_decode_sm90_bulk: the whole MLP of up to four tokens in one launch, its weights streamed by
-// bulk asynchronous copies into a ring of shared-memory stages.
+// mlp_decode_sm90_bulk: the whole MLP of up to eight tokens in one launch, its weights streamed by
+// bulk asynchronous copies into a ring of shared-memory stages and multiplied on the tensor cores.
 //
-// At M <= 4 the MLP is a weight stream, and reaching the copy bandwidth takes tens of KB in flight
+// At decode the MLP is a weight stream, and reaching the copy bandwidth takes tens of KB in flight
 // per multiprocessor at every moment. The register-stream kernels hold their loads in registers,
 // so the bytes in flight dip whenever warps compute, reduce or change phase (ncu, llama3-8b M = 1:
 // 54 % of DRAM peak, against 83 % for cuBLASLt's TMA-fed GEMV). Here one producer warp keeps a
-// ring of ~190 KB of stages full with cp.async.bulk copies that complete on mbarriers, and eight
-// consumer warps compute from shared memory. The producer runs ahead across the phase change, so
-// the first W2 stages are in flight while the hidden slice is being finished.
+// ring of ~190 KB of stages full, and eight consumer warps compute from shared memory with
+// mma.sync (CUDA-core FMAs were tried first: 8 warps could not issue them fast enough, 35 % of
+// the floor). The producer runs ahead across the phase change, so the first W2 stages are in
+// flight while the hidden slice is being finished.
 //
-// Work split as in mlp_decode_sm80_gemv: one block per multiprocessor owns a contiguous slice of
-// whole 8-unit tiles of the hidden dimension (8 units = one 16-byte piece of a W2 row).
-//   phase 1: stages of R hidden units (gated: the R gate rows, then the R up rows; one bulk copy
-//            per row, so any 16-byte-aligned row stride works). Consumers dot every row with the
-//            staged tokens (fp32, normalised) and add the row sums into shared memory; then
-//            h = act(gate + bg) [* (up + bu)] for the slice, kept in shared memory only.
-//   phase 2: stages of Q rows of W2, each row's piece the block's slice of columns (one bulk copy
-//            per row). Groups of lanes take a row, multiply by h and add into the fp32 workspace
-//            with red.global. Each block starts at a different stage of rows and wraps around, so
-//            the blocks' adds spread over the output instead of queueing on the same addresses.
+// Work split: one block per multiprocessor owns a contiguous slice of whole 8-unit tiles of the
+// hidden dimension (8 units = one 16-byte piece of a W2 row).
+//   phase 1: a stage is one tile's 16 W1 rows (gated: its 8 gate rows, then its 8 up rows; dense:
+//            its 8 rows, the other 8 mma rows zero) over a chunk of kc columns, one bulk copy per
+//            row. Warps take 32-column steps of the chunk: A = the weight rows from shared memory
+//            (the k-permuted 16-byte fragments of mma_stream.cuh), B = the staged tokens split
+//            into hi + lo halves of the weights' type. Per-tile sums go to shared memory; then
+//            h = act(gate + bg) [* (up + bu)] for the slice, split hi + lo, shared memory only.
+//   phase 2: a stage is Q rows of W2, each row's piece the block's slice of columns (16-byte
+//            cp.async by the producer's lanes: ~200-byte pieces are too short for a bulk copy
+//            each), completion tracked on the same mbarrier. Warps take 16-row groups: A = the
+//            W2 rows, B = h; the fp32 results go to the workspace with red.global. Blocks start
+//            at staggered rows so their adds do not queue on the same addresses.
 //   finish:  the last block to finish adds b2 and the residual, writes y and re-zeroes the
-//            workspace (so the next call or a graph replay needs no memset), its loads batched.
-//            One fence per thread at the end: a fence per stage waits for that stage's adds to
-//            drain and stalled the consumers (measured: 3x slower).
+//            workspace (the next call or a graph replay needs no memset), its loads batched.
+// Shared-memory rows are padded to a stride of 64 mod 128 bytes, so the two rows an 8-lane
+// phase of a fragment load touches fall in different banks. Weights enter the tensor cores
+// exactly; tokens and h carry ~16 significant bits (hi + lo); accumulation is fp32.
 // Not deterministic (atomic reduction order); deterministic mode goes to the splitk kernel.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
@@ -35,36 +41,40 @@
 #include "cuda/device_scope.hpp"
 #include "cuda/launch_util.hpp"
 #include "cuda/mlp_decode.cuh"
+#include "cuda/mma_stream.cuh"
 
 namespace fmlp::detail {
 namespace {
 
 using fmlp::cuda::activate;
+using fmlp::cuda::block_sum;
 using fmlp::cuda::load_scalar;
+using fmlp::cuda::mma_step;
 using fmlp::cuda::opt;
 using fmlp::cuda::red_add_f32;
-using fmlp::cuda::stage_tokens;
 using fmlp::cuda::store_scalar;
-using fmlp::cuda::warp_sum;
-using fmlp::cuda::widen8;
 
 constexpr int kConsumerWarps = 8;
 constexpr int kConsumers = kConsumerWarps * 32;
 constexpr int kThreads = kConsumers + 32;  // + one producer warp
-constexpr int kMaxTokens = 4;              // FMAs per weight grow with M; beyond, tensor cores
+constexpr int kMaxTokens = 8;              // one n8 tile of the mma
 constexpr int kTile = 8;
-constexpr int kMaxRows = 8;              // rows per phase-1 stage (per-row sums in registers)
-constexpr int kStageTarget = 32 * 1024;  // bytes per stage: few, long copies per stage
+constexpr int kSlotTarget = 32 * 1024;  // bytes per stage
 constexpr int kMaxStages = 12;
 constexpr int kMinStages = 3;
-constexpr int kStaticSmem = 512;  // >= the mbarriers and the token-staging scratch (256 B)
+constexpr int kStaticSmem = 512;  // >= the mbarriers, the staging scratch and a flag (~240 B)
+
+// Row stride (elements of 2 bytes) of at least n elements with stride % 128 bytes == 64.
+__host__ __device__ constexpr int padded_ld(int n) {
+  return (n + 63) / 64 * 64 + 32;
+}
 
 struct BulkParams : fmlp::cuda::DecodeOperands {
   float* acc;         // [m, n] fp32 accumulators, zero between calls
   unsigned* counter;  // blocks done, zero between calls
-  int units;          // R: hidden units per phase-1 stage
-  int rows2;          // Q: W2 rows per phase-2 stage
-  int stage_bytes;    // ring slot size, a multiple of 128
+  int kc;             // phase-1 chunk of columns, a multiple of 64
+  int rows2;          // Q: W2 rows per phase-2 stage, a multiple of 16
+  int slot_bytes;     // ring slot size, a multiple of 128
   int stages;         // ring depth
   int max_slice;      // the largest hidden slice of any block (shared-memory layout)
 };
@@ -118,35 +128,84 @@ __device__ __forceinline__ void consumers_sync() {
 }
 #endif
 
+template <typename WT>
+__device__ __forceinline__ void split_store(WT* hi, WT* lo, float v) {
+  if constexpr (std::is_same_v<WT, __half>) {
+    *hi = __float2half_rn(v);
+    *lo = __float2half_rn(v - __half2float(*hi));
+  } else {
+    *hi = __float2bfloat16_rn(v);
+    *lo = __float2bfloat16_rn(v - __bfloat162float(*hi));
+  }
+}
+
+__device__ __forceinline__ uint4 lds128(const void* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
+
+// The p.m token rows, normalised when asked, as hi + lo halves in WT ([m][ld] each). Every
+// thread of the block calls it (block sums).
+template <typename WT>
+__device__ void stage_split_tokens(const BulkParams& p, WT* hi, WT* lo, int ld, float* scratch) {
+  const size_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
+  for (int m = 0; m < p.m; ++m) {
+    const char* row = static_cast<const char*>(p.x) + m * p.x_ld * int64_t(es);
+    float mean = 0.f, inv = 1.f;
+    if (p.norm != FMLP_NORM_NONE) {
+      float s = 0.f;
+      if (p.norm == FMLP_NORM_LAYERNORM)
+        for (int c = threadIdx.x; c < p.k; c += kThreads) s += load_scalar(row, p.act_t, c);
+      mean = p.norm == FMLP_NORM_LAYERNORM ? block_sum<kThreads>(s, scratch) / float(p.k) : 0.f;
+      float q = 0.f;
+      for (int c = threadIdx.x; c < p.k; c += kThreads) {
+        const float d = load_scalar(row, p.act_t, c) - mean;
+        q += d * d;
+      }
+      inv = rsqrtf(block_sum<kThreads>(q, scratch) / float(p.k) + p.eps);
+    }
+    for (int c = threadIdx.x; c < p.k; c += kThreads) {
+      float v = load_scalar(row, p.act_t, c);
+      if (p.norm != FMLP_NORM_NONE)
+        v = (v - mean) * inv * opt(p.gamma, p.gamma_t, c, 1.f) + opt(p.beta, p.beta_t, c, 0.f);
+      split_store(hi + m * ld + c, lo + m * ld + c, v);
+    }
+  }
+}
+
+// M: the token capacity the shared memory is laid out for (1, 2, 4 or 8); p.m <= M tokens are real.
 template <int M, typename WT, bool GATED>
 __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_bulk(const BulkParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ uint64_t full[kMaxStages], empty[kMaxStages];
   __shared__ float scratch[kThreads / 32];
-  constexpr int kRowsPerUnit = GATED ? 2 : 1;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __shared__ unsigned is_last;
+  constexpr int kRows1 = GATED ? 16 : 8;  // W1 rows of a tile
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int tiles = p.h / kTile;
   const int t0 = int(int64_t(tiles) * blockIdx.x / gridDim.x);
   const int t1 = int(int64_t(tiles) * (blockIdx.x + 1) / gridDim.x);
-  const int h0 = t0 * kTile, slice = (t1 - t0) * kTile;
-  const int S = p.stages, R = p.units, Q = p.rows2;
-  const int items1 = (slice + R - 1) / R, items2 = (p.n + Q - 1) / Q;
-  const int first2 = int(int64_t(items2) * blockIdx.x / gridDim.x);  // this block's first W2 stage
-  const unsigned row_bytes = unsigned(p.k) * 2, run_bytes = unsigned(slice) * 2;
-  const int nv2 = slice / 8;  // 16-byte pieces of a W2 row's slice
+  const int h0 = t0 * kTile, nt = t1 - t0, slice = nt * kTile;
+  const int S = p.stages, Q = p.rows2, kc = p.kc;
+  const int nkc = (p.k + kc - 1) / kc;
+  const int items1 = nt * nkc, items2 = (p.n + Q - 1) / Q;
+  const int first2 = int(int64_t(items2) * blockIdx.x / gridDim.x);  // staggered W2 start
+  const int rs1 = padded_ld(kc) * 2, xld = padded_ld(p.k), hld = padded_ld(p.max_slice);
+  const int rs2 = padded_ld(slice) * 2, nv2 = slice / 8;
 
   unsigned char* ring = smem;
-  float* xs = reinterpret_cast<float*>(smem + size_t(S) * p.stage_bytes);  // [M, k]
-  float* hs = xs + M * p.k;                                                // [M, max_slice]
-  float* dots = hs + M * p.max_slice;  // [M, max_slice, 2]: gate (or dense) and up row sums
+  WT* xs_hi = reinterpret_cast<WT*>(smem + size_t(S) * p.slot_bytes);  // [M][xld]
+  WT* xs_lo = xs_hi + M * xld;
+  WT* hs_hi = xs_lo + M * xld;  // [M][hld]
+  WT* hs_lo = hs_hi + M * hld;
+  float* dots = reinterpret_cast<float*>(hs_lo + M * hld);  // [tile][16 rows][M]
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], kConsumerWarps);
     asm volatile("fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;" ::
                      : "memory");
   }
-  for (int i = threadIdx.x; i < M * p.max_slice * 2; i += kThreads) dots[i] = 0.f;
+  for (int i = threadIdx.x; i < (p.max_slice / kTile) * 16 * M; i += kThreads) dots[i] = 0.f;
   __syncthreads();
 
   const WT* wg = static_cast<const WT*>(p.wg);
@@ -154,29 +213,24 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_bulk(const BulkPa
   const WT* w2 = static_cast<const WT*>(p.w2) + h0;
   auto issue = [&](int it) {  // producer warp: the copies of ring item `it`
     const int s = it % S;
-    unsigned char* dst = ring + size_t(s) * p.stage_bytes;
+    unsigned char* dst = ring + size_t(s) * p.slot_bytes;
     if (it < items1) {
-      const int u0 = it * R, nu = min(R, slice - u0), rows = nu * kRowsPerUnit;
-      if (lane == 0) mbar_arrive_expect(&full[s], unsigned(rows) * row_bytes);
+      const int tile = it / nkc, c0 = (it % nkc) * kc, cols = min(kc, p.k - c0);
+      if (lane == 0) mbar_arrive_expect(&full[s], unsigned(kRows1 * cols * 2));
       __syncwarp();
-      for (int r = lane; r < rows; r += 32) {
-        const bool up = GATED && r >= nu;
-        const int64_t u = h0 + u0 + (up ? r - nu : r);
-        const WT* src = up ? wu + u * p.wu_ld : wg + u * p.wg_ld;
-        bulk_copy(dst + size_t(r) * row_bytes, src, row_bytes, &full[s]);
+      if (lane < kRows1) {
+        const int64_t u = h0 + tile * kTile + lane % 8;
+        const WT* src = (GATED && lane >= 8 ? wu + u * p.wu_ld : wg + u * p.wg_ld) + c0;
+        bulk_copy(dst + lane * rs1, src, unsigned(cols * 2), &full[s]);
       }
     } else {
-      // W2 pieces are short (the slice: ~200 bytes a row), too short for one bulk copy each (the
-      // per-copy cost dominated, measured): 16-byte cp.async by every lane instead, completion
-      // tracked by the same mbarrier (each lane's arrive fires when its own copies have landed).
       const int o0 = ((it - items1 + first2) % items2) * Q, nq = min(Q, p.n - o0);
       const int per_pass = nv2 <= 32 ? 32 / nv2 : 1, lq = nv2 <= 32 ? lane / nv2 : 0;
       const int lv = nv2 <= 32 ? lane % nv2 : lane, vstep = nv2 <= 32 ? nv2 : 32;
       if (lq < per_pass)
         for (int q = lq; q < nq; q += per_pass) {
           const WT* src = w2 + int64_t(o0 + q) * p.w2_ld;
-          for (int v = lv; v < nv2; v += vstep)
-            cp_async16(dst + size_t(q) * run_bytes + v * 16, src + v * 8);
+          for (int v = lv; v < nv2; v += vstep) cp_async16(dst + q * rs2 + v * 16, src + v * 8);
         }
       cp_async_arrive(&full[s]);
       __syncwarp();
@@ -188,125 +242,110 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_bulk(const BulkPa
   if (warp == kConsumerWarps) {
     // The first S stages need no free slot: in flight before the tokens are even staged.
     for (int it = 0; it < min(S, items); ++it) issue(it);
-    stage_tokens<kThreads, M>(p, xs, scratch);
+    stage_split_tokens<WT>(p, xs_hi, xs_lo, xld, scratch);
+    __syncthreads();
     for (int it = S; it < items; ++it) {
       mbar_wait(&empty[it % S], unsigned((it / S - 1) & 1));
       issue(it);
     }
     return;  // nothing after this waits on the producer
   }
-  stage_tokens<kThreads, M>(p, xs, scratch);
+  stage_split_tokens<WT>(p, xs_hi, xs_lo, xld, scratch);
+  __syncthreads();
 
-  const int ct = threadIdx.x;  // 0 .. kConsumers-1
-  const int kv = p.k / 8;      // 16-byte pieces per W1 row
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  const int mm = p.m;
+  const bool tok = g < mm;  // this lane's B column is a real token
+  // Phase 1: per tile, warps accumulate their steps of every chunk, then add into dots.
+  float c[4] = {};
   for (int it = 0; it < items1; ++it) {
-    const int s = it % S;
+    const int s = it % S, tile = it / nkc, chunk = it % nkc;
+    const int c0 = chunk * kc, cols = min(kc, p.k - c0);
     mbar_wait(&full[s], unsigned((it / S) & 1));
-    const uint4* st = reinterpret_cast<const uint4*>(ring + size_t(s) * p.stage_bytes);
-    const int u0 = it * R, nu = min(R, slice - u0), rows = nu * kRowsPerUnit;
-    float a[kMaxRows][M] = {};
-    for (int v = ct; v < kv; v += kConsumers) {
-      float xv[M][8];
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const float4 lo = *reinterpret_cast<const float4*>(xs + m * p.k + v * 8);
-        const float4 hi = *reinterpret_cast<const float4*>(xs + m * p.k + v * 8 + 4);
-        xv[m][0] = lo.x, xv[m][1] = lo.y, xv[m][2] = lo.z, xv[m][3] = lo.w;
-        xv[m][4] = hi.x, xv[m][5] = hi.y, xv[m][6] = hi.z, xv[m][7] = hi.w;
-      }
-#pragma unroll
-      for (int r = 0; r < kMaxRows; ++r) {
-        if (r >= rows) break;
-        float w[8];
-        widen8<WT>(st[r * kv + v], w);
-#pragma unroll
-        for (int m = 0; m < M; ++m)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) a[r][m] = fmaf(w[e], xv[m][e], a[r][m]);
-      }
+    const unsigned char* st = ring + size_t(s) * p.slot_bytes;
+    for (int step = warp; step * 32 < cols; step += kConsumerWarps) {
+      const int col = step * 32 + 8 * t;
+      const bool in = col < cols;
+      const uint4 a0 = in ? lds128(st + g * rs1 + col * 2) : zero;
+      const uint4 a1 = in && GATED ? lds128(st + (g + 8) * rs1 + col * 2) : zero;
+      const uint4 bh = in && tok ? lds128(xs_hi + g * xld + c0 + col) : zero;
+      const uint4 bl = in && tok ? lds128(xs_lo + g * xld + c0 + col) : zero;
+      mma_step<WT>(c, a0, a1, bh);
+      mma_step<WT>(c, a0, a1, bl);
     }
     __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[s]);  // the sums below read registers only
-#pragma unroll
-    for (int r = 0; r < kMaxRows; ++r) {
-      if (r >= rows) break;
-      const bool up = GATED && r >= nu;
-      const int j = u0 + (up ? r - nu : r);
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const float sum = warp_sum(a[r][m]);
-        if (lane == 0) atomicAdd(dots + (m * p.max_slice + j) * 2 + (up ? 1 : 0), sum);
-      }
+    if (lane == 0) mbar_arrive(&empty[s]);
+    if (chunk == nkc - 1) {  // rows g (gate/dense) and g + 8 (up), tokens 2t and 2t + 1
+      float* d = dots + tile * 16 * M;
+      if (2 * t < mm) atomicAdd(d + g * M + 2 * t, c[0]), atomicAdd(d + (g + 8) * M + 2 * t, c[2]);
+      if (2 * t + 1 < mm)
+        atomicAdd(d + g * M + 2 * t + 1, c[1]), atomicAdd(d + (g + 8) * M + 2 * t + 1, c[3]);
+      c[0] = c[1] = c[2] = c[3] = 0.f;
     }
   }
   consumers_sync();
-  for (int i = ct; i < M * slice; i += kConsumers) {
-    const int m = i / slice, j = i % slice, o = (m * p.max_slice + j) * 2;
-    float v = activate(p.act, dots[o] + opt(p.bg, p.bg_t, h0 + j, 0.f));
-    if constexpr (GATED) v *= dots[o + 1] + opt(p.bu, p.bu_t, h0 + j, 0.f);
-    hs[m * p.max_slice + j] = v;
+  for (int i = threadIdx.x; i < mm * slice; i += kConsumers) {
+    const int m = i / slice, u = i % slice;
+    const float* d = dots + (u / kTile) * 16 * M + (u % kTile) * M + m;
+    float v = activate(p.act, d[0] + opt(p.bg, p.bg_t, h0 + u, 0.f));
+    if constexpr (GATED) v *= d[8 * M] + opt(p.bu, p.bu_t, h0 + u, 0.f);
+    split_store(hs_hi + m * hld + u, hs_lo + m * hld + u, v);
   }
   consumers_sync();
 
-  // Phase 2: groups of G lanes (a power of two covering the row's pieces, at most a warp) per W2
-  // row; every lane runs the same iterations so the group shuffles stay warp-uniform.
-  const int nv = nv2;
-  int G = 1;
-  while (G < nv && G < 32) G <<= 1;
-  const int groups = kConsumers / G, group = ct / G, gl = ct % G;
+  // Phase 2: warps take 16-row groups of each stage.
   for (int i2 = 0; i2 < items2; ++i2) {
     const int it = items1 + i2, s = it % S;
-    mbar_wait(&full[s], unsigned((it / S) & 1));
-    const unsigned char* st = ring + size_t(s) * p.stage_bytes;
     const int o0 = ((i2 + first2) % items2) * Q, nq = min(Q, p.n - o0);
-    for (int qb = 0; qb < nq; qb += groups) {
-      const int q = qb + group;
-      float part[M] = {};
-      if (q < nq) {
-        const uint4* row = reinterpret_cast<const uint4*>(st + size_t(q) * run_bytes);
-        for (int v = gl; v < nv; v += G) {
-          float w[8];
-          widen8<WT>(row[v], w);
-#pragma unroll
-          for (int m = 0; m < M; ++m) {
-            const float4 lo = *reinterpret_cast<const float4*>(hs + m * p.max_slice + v * 8);
-            const float4 hi = *reinterpret_cast<const float4*>(hs + m * p.max_slice + v * 8 + 4);
-            part[m] += w[0] * lo.x + w[1] * lo.y + w[2] * lo.z + w[3] * lo.w + w[4] * hi.x +
-                       w[5] * hi.y + w[6] * hi.z + w[7] * hi.w;
-          }
-        }
+    mbar_wait(&full[s], unsigned((it / S) & 1));
+    const unsigned char* st = ring + size_t(s) * p.slot_bytes;
+    for (int grp = warp; grp * 16 < nq; grp += kConsumerWarps) {
+      const int r0 = grp * 16 + g, r1 = r0 + 8;
+      float acc[4] = {};
+      for (int col0 = 0; col0 < slice; col0 += 32) {
+        const int col = col0 + 8 * t;
+        const bool in = col < slice;
+        const uint4 a0 = in && r0 < nq ? lds128(st + r0 * rs2 + col * 2) : zero;
+        const uint4 a1 = in && r1 < nq ? lds128(st + r1 * rs2 + col * 2) : zero;
+        const uint4 bh = in && tok ? lds128(hs_hi + g * hld + col) : zero;
+        const uint4 bl = in && tok ? lds128(hs_lo + g * hld + col) : zero;
+        mma_step<WT>(acc, a0, a1, bh);
+        mma_step<WT>(acc, a0, a1, bl);
       }
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        for (int off = G / 2; off > 0; off >>= 1)
-          part[m] += __shfl_xor_sync(0xffffffffu, part[m], off);
-        if (gl == 0 && q < nq) red_add_f32(p.acc + int64_t(m) * p.n + o0 + q, part[m]);
+      float* out = p.acc + o0;
+      if (2 * t < mm) {
+        if (r0 < nq) red_add_f32(out + int64_t(2 * t) * p.n + r0, acc[0]);
+        if (r1 < nq) red_add_f32(out + int64_t(2 * t) * p.n + r1, acc[2]);
+      }
+      if (2 * t + 1 < mm) {
+        if (r0 < nq) red_add_f32(out + int64_t(2 * t + 1) * p.n + r0, acc[1]);
+        if (r1 < nq) red_add_f32(out + int64_t(2 * t + 1) * p.n + r1, acc[3]);
       }
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[s]);
   }
 
-  __shared__ unsigned is_last;
+  // One fence per thread here, not one per stage: a fence waits for the thread's adds to drain.
   __threadfence();
   consumers_sync();
-  if (ct == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
   consumers_sync();
   if (!is_last) return;
   __threadfence();
   constexpr int kBatch = 8;  // independent loads in flight per thread
-  const int total = M * p.n;
+  const int total = mm * p.n;
   const size_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
   for (int base = 0; base < total; base += kBatch * kConsumers) {
     float v[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
-      const int i = base + j * kConsumers + ct;
+      const int i = base + j * kConsumers + int(threadIdx.x);
       v[j] = i < total ? __ldcg(p.acc + i) : 0.f;
     }
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
-      const int i = base + j * kConsumers + ct;
+      const int i = base + j * kConsumers + int(threadIdx.x);
       if (i >= total) break;
       const int m = i / p.n, o = i % p.n;
       p.acc[i] = 0.f;
@@ -315,30 +354,40 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_bulk(const BulkPa
       store_scalar(static_cast<char*>(p.y) + m * p.y_ld * es, p.act_t, o, r);
     }
   }
-  if (ct == 0) *p.counter = 0;
+  if (threadIdx.x == 0) *p.counter = 0;
 #endif
 }
 
 struct Plan {
-  int blocks = 0, units = 0, rows2 = 0, stage_bytes = 0, stages = 0, max_slice = 0;
+  int blocks = 0, kc = 0, rows2 = 0, slot_bytes = 0, stages = 0, max_slice = 0;
   size_t smem = 0;
 };
 
+// The token capacity the kernel is instantiated for.
+int capacity(int64_t m) {
+  return m <= 1 ? 1 : m <= 2 ? 2 : m <= 4 ? 4 : 8;
+}
+
 Plan plan_for(const MlpDesc& d) {
   Plan pl;
+  const int64_t mc = capacity(d.m);
   const int64_t tiles = d.hidden / kTile;
   pl.blocks = int(std::max<int64_t>(1, std::min<int64_t>(tiles, cuda_sm_count(d.device_id))));
   pl.max_slice = int((tiles + pl.blocks - 1) / pl.blocks * kTile);
-  const int64_t rows_per_unit = d.gated ? 2 : 1;
-  const int64_t unit_bytes = rows_per_unit * d.d_in * 2;
-  pl.units = int(std::clamp<int64_t>(kStageTarget / unit_bytes, 1, kMaxRows / rows_per_unit));
-  const int64_t stage = std::max<int64_t>(pl.units * unit_bytes, int64_t(pl.max_slice) * 2);
-  pl.stage_bytes = int((stage + 127) / 128 * 128);
-  pl.rows2 = int(pl.stage_bytes / (int64_t(pl.max_slice) * 2));
-  const int64_t fixed = d.m * d.d_in * 4 + 3 * d.m * int64_t(pl.max_slice) * 4;
+  const int rows1 = d.gated ? 16 : 8;
+  // Phase-1 chunk: ~kSlotTarget bytes of the tile's rows, a multiple of 64 columns.
+  pl.kc = int(std::min<int64_t>((d.d_in + 63) / 64 * 64,
+                                std::max(64, kSlotTarget / (rows1 * 2) / 64 * 64)));
+  const int64_t rs2 = int64_t(padded_ld(pl.max_slice)) * 2;
+  const int64_t slot1 = int64_t(rows1) * padded_ld(pl.kc) * 2;
+  const int64_t slot = std::max<int64_t>({slot1, 16 * rs2, kSlotTarget});
+  pl.slot_bytes = int((slot + 127) / 128 * 128);
+  pl.rows2 = int(pl.slot_bytes / rs2 / 16 * 16);
+  const int64_t fixed = 2 * mc * 2 * (int64_t(padded_ld(int(d.d_in))) + padded_ld(pl.max_slice)) +
+                        (pl.max_slice / kTile) * 16 * mc * 4;
   const int64_t avail = cuda_max_dynamic_smem(d.device_id, kStaticSmem) - fixed;
-  pl.stages = int(std::clamp<int64_t>(avail / pl.stage_bytes, 0, kMaxStages));
-  pl.smem = size_t(fixed + int64_t(pl.stages) * pl.stage_bytes);
+  pl.stages = int(std::clamp<int64_t>(avail / pl.slot_bytes, 0, kMaxStages));
+  pl.smem = size_t(fixed + int64_t(pl.stages) * pl.slot_bytes);
   return pl;
 }
 
@@ -354,11 +403,11 @@ fmlp_status_t launch(const BulkParams& p, const Plan& pl, cudaStream_t stream) {
 
 template <typename WT, bool GATED>
 fmlp_status_t dispatch_m(const BulkParams& p, const Plan& pl, int m, cudaStream_t s) {
-  switch (m) {
+  switch (capacity(m)) {
     case 1: return launch<1, WT, GATED>(p, pl, s);
     case 2: return launch<2, WT, GATED>(p, pl, s);
-    case 3: return launch<3, WT, GATED>(p, pl, s);
-    default: return launch<4, WT, GATED>(p, pl, s);
+    case 4: return launch<4, WT, GATED>(p, pl, s);
+    default: return launch<8, WT, GATED>(p, pl, s);
   }
 }
 
@@ -378,7 +427,7 @@ bool mlp_decode_sm90_bulk_supports(const MlpDesc& d, std::string* why) {
   if (pl.stages < kMinStages)
     return (*why = fmt::format("M x d_in = {} x {} leaves shared memory for {} stages of {} bytes "
                                "(needs {}); the cluster and splitk kernels take it",
-                               d.m, d.d_in, pl.stages, pl.stage_bytes, kMinStages),
+                               d.m, d.d_in, pl.stages, pl.slot_bytes, kMinStages),
             false);
   return true;
 }
@@ -393,7 +442,7 @@ fmlp_status_t mlp_decode_sm90_bulk_run(const fmlp_mlp_args_t& a, const MlpDesc& 
   static_cast<fmlp::cuda::DecodeOperands&>(p) = fmlp::cuda::decode_operands(a, d);
   const Plan pl = plan_for(d);
   split_hidden_scratch(ws, d, &p.acc, &p.counter);
-  p.units = pl.units, p.rows2 = pl.rows2, p.stage_bytes = pl.stage_bytes;
+  p.kc = pl.kc, p.rows2 = pl.rows2, p.slot_bytes = pl.slot_bytes;
   p.stages = pl.stages, p.max_slice = pl.max_slice;
 
   const DeviceScope scope(d.device_id);
