@@ -62,16 +62,6 @@ bool cluster_supports(const MlpDesc& d, std::string* why) {
   return mlp_decode_sm90_cluster_supports(d, why);
 }
 
-bool bulk_supports(const MlpDesc& d, std::string* why) {
-  if (!device_supported(d, why)) return false;
-  if (const int cc = compute_capability(d.device_id); cc < 90)
-    return (*why = fmt::format("cuda:{} has compute capability {}.{}; bulk async copies and "
-                               "transaction mbarriers need 9.0 (Hopper) or newer",
-                               d.device_id, cc / 10, cc % 10),
-            false);
-  return mlp_decode_sm90_bulk_supports(d, why);
-}
-
 bool gemv_supports(const MlpDesc& d, std::string* why) {
   return device_supported(d, why) && mlp_decode_sm80_gemv_supports(d, why);
 }
@@ -85,16 +75,13 @@ bool prefill_supports(const MlpDesc& d, std::string* why) {
 }
 
 // Decode preference below the planner's crossover, measured on an H200: whole-slice prefetch into
-// shared memory for MLPs whose weights fit on chip (gpt2-small), the bulk-copy ring for up to eight
-// tokens of larger MLPs, the register-stream kernel for one token where the ring does not fit
-// (gpt2-small M = 1: 11.4 us against 16.4 for the cluster kernel), the
+// shared memory for MLPs whose weights fit on chip (gpt2-small), the register-stream kernel for one
+// token (gpt2-small M = 1: 11.4 us against 16.4 for the cluster kernel), the
 // tensor-core cluster kernel for up to 64 tokens of matching dtypes, splitk for the rest
 // (fp32 activations, odd sizes, deterministic mode).
 const MlpKernel kCudaKernels[] = {
     {"mlp_decode_sm80_prefetch", FMLP_BACKEND_CUDA, prefetch_supports,
      mlp_decode_sm80_prefetch_workspace, mlp_decode_sm80_prefetch_run},
-    {"mlp_decode_sm90_bulk", FMLP_BACKEND_CUDA, bulk_supports, mlp_decode_sm90_bulk_workspace,
-     mlp_decode_sm90_bulk_run},
     {"mlp_decode_sm80_gemv", FMLP_BACKEND_CUDA, gemv_supports, mlp_decode_sm80_gemv_workspace,
      mlp_decode_sm80_gemv_run},
     {"mlp_decode_sm90_cluster", FMLP_BACKEND_CUDA, cluster_supports,

@@ -31,10 +31,13 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo_k, float hi_k) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// v ~= hi + lo with both bf16: 16 significant bits, enough for fp32-grade results (1e-5).
+// v ~= hi + lo with both bf16: 16 significant bits, enough for fp32-grade results (1e-5). An
+// infinite hi takes lo = 0: inf - inf would make lo NaN, and w * NaN turns a dot product the
+// reference finds infinite (relu(-inf) = 0 downstream, say) into NaN.
 __device__ __forceinline__ void split_bf16(float v, __nv_bfloat16* hi, __nv_bfloat16* lo) {
   *hi = __float2bfloat16_rn(v);
-  *lo = __float2bfloat16_rn(v - __bfloat162float(*hi));
+  const float h = __bfloat162float(*hi);
+  *lo = __float2bfloat16_rn(isinf(h) ? 0.f : v - h);
 }
 
 // Streaming 16-byte weight load: read once per call, so keep it out of L1.

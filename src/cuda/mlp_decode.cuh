@@ -34,11 +34,6 @@ size_t mlp_decode_sm80_prefetch_workspace(const MlpDesc& d);
 fmlp_status_t mlp_decode_sm80_prefetch_run(const fmlp_mlp_args_t& a, const MlpDesc& d,
                                            void* workspace, void* stream);
 
-bool mlp_decode_sm90_bulk_supports(const MlpDesc& d, std::string* why);
-size_t mlp_decode_sm90_bulk_workspace(const MlpDesc& d);
-fmlp_status_t mlp_decode_sm90_bulk_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* workspace,
-                                       void* stream);
-
 bool mlp_decode_sm80_gemv_supports(const MlpDesc& d, std::string* why);
 size_t mlp_decode_sm80_gemv_workspace(const MlpDesc& d);
 fmlp_status_t mlp_decode_sm80_gemv_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* workspace,

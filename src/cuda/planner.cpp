@@ -10,18 +10,17 @@
 namespace fmlp::detail {
 namespace {
 
-// Measured on an H200 (bench/mlp_cuda_bench_prefill, commit of bench/results/cuda_prefill_h200.*).
-// At M = 1 the bulk-copy decode kernel (mlp_decode_sm90_bulk) streams the weights of every shape
-// of tens of MB faster than the cuBLASLt path's GEMV-shaped GEMMs; from two tokens on, cuBLASLt
-// is the fastest of our paths there. gpt2-small stays on the one-launch decode kernels at M = 1.
-// The bench prints rows in this format to refill the table. 16-bit rows serve bf16 and fp16
-// alike: the paths read the same bytes and do the same math.
+// Measured on an H200 (bench/mlp_cuda_bench_prefill, commit of bench/results/cuda_prefill_h200.*):
+// the cuBLASLt path is the fastest of our paths from M = 1 for every shape whose weights are
+// tens of MB or more; only gpt2-small at M = 1 is faster on the one-launch register-stream decode
+// kernel (11.4 us against 12.6). The bench prints rows in this format to refill the table.
+// 16-bit rows serve bf16 and fp16 alike: the paths read the same bytes and do the same math.
 constexpr CrossoverEntry kTable[] = {
     // {d_in, hidden, gated, dtype, crossover M, source}
     {768, 3072, false, FMLP_DTYPE_BF16, 2, "measured on NVIDIA H200 (sm_90)"},
-    {4096, 4096, false, FMLP_DTYPE_BF16, 2, "measured on NVIDIA H200 (sm_90)"},
-    {4096, 14336, true, FMLP_DTYPE_BF16, 2, "measured on NVIDIA H200 (sm_90)"},
-    {8192, 28672, true, FMLP_DTYPE_BF16, 2, "measured on NVIDIA H200 (sm_90)"},
+    {4096, 4096, false, FMLP_DTYPE_BF16, 1, "measured on NVIDIA H200 (sm_90)"},
+    {4096, 14336, true, FMLP_DTYPE_BF16, 1, "measured on NVIDIA H200 (sm_90)"},
+    {8192, 28672, true, FMLP_DTYPE_BF16, 1, "measured on NVIDIA H200 (sm_90)"},
 };
 // Shapes never measured: by weight bytes, the one thing the measured crossovers track.
 constexpr int64_t kSmallWeightBytes = int64_t(16) << 20;
@@ -30,13 +29,9 @@ constexpr CrossoverEntry kDefaultSmall{
     false, FMLP_DTYPE_INVALID,
     2,     "default for weights under 16 MiB: decode kernels at M = 1, as measured for gpt2-small"};
 constexpr CrossoverEntry kDefaultLarge{
-    0,
-    0,
-    false,
-    FMLP_DTYPE_INVALID,
-    2,
-    "default for weights of 16 MiB or more: decode kernels at M = 1, the cuBLASLt path "
-    "from 2, as measured for 4096 and up"};
+    0,     0,
+    false, FMLP_DTYPE_INVALID,
+    1,     "default for weights of 16 MiB or more: the cuBLASLt path, as measured for 4096 and up"};
 
 // fp8 weights on the prefill path are W8A8 (activations quantised per token): below the crossover
 // the decode kernels keep the exact weight-only dequantisation, and they stream the same fp8
