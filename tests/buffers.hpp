@@ -105,6 +105,10 @@ class Buffer {
     if (device_) {
 #ifdef FMLP_TEST_WITH_CUDA
       cuda_check(cudaMemcpy(data_, host.data(), bytes_, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+      // From pageable memory cudaMemcpy may return before the DMA has landed, and it is ordered
+      // only with the legacy stream: a graph replayed next on a non-blocking stream could read a
+      // half-refreshed input (seen once: a 513 KB softmax row with a wrong normaliser).
+      cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize after H2D");
 #endif
       return;
     }

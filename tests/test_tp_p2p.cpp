@@ -154,6 +154,7 @@ class TpP2p : public TpDevices {
       y->buf[r] = fmlp_test::Buffer(bytes.size() + size_t(offset[r]) * es, true);
       char* p = y->buf[r].bytes_at(size_t(offset[r]) * es);
       ASSERT_EQ(cudaMemcpy(p, bytes.data(), bytes.size(), cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the DMA may land after cudaMemcpy returns
       y->t[r] = fmlp_tensor_1d(p, t, int64_t(vals[r].size()));
       y->t[r].device_type = FMLP_DEVICE_CUDA;
       y->t[r].device_id = r;
