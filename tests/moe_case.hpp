@@ -70,6 +70,7 @@ struct MoeCase {
   int routing = 0;  // 0 router, 1 random given ids, 2 all to expert e-1, 3 only experts 0 and e/2,
                     // 4 expert i gets exactly slots[i] of the t*k slots (given ids, shuffled)
   std::vector<int64_t> slots;  // routing 4: sums to t*k
+  bool fp8_rows = true;        // wt == F8_E4M3: scales [E, rows] (per row) or [E] (per expert)
   std::string name() const {
     return "T=" + std::to_string(t) + " d=" + std::to_string(d) + " h=" + std::to_string(hidden) +
            " d_out=" + std::to_string(d_out) + " E=" + std::to_string(e) +
@@ -79,13 +80,14 @@ struct MoeCase {
                     : std::string(sigmoid ? " sigmoid" : " softmax") + (renorm ? " renorm" : "")) +
            (residual ? " residual=" + std::to_string(residual) : "") + (b1 ? " b1" : "") +
            (b2 ? " b2" : "") + (rb ? " router_b" : "") + (deterministic ? "" : " nondet") +
-           (round ? " round-logits" : "");
+           (round ? " round-logits" : "") +
+           (wt == FMLP_DTYPE_F8_E4M3 ? (fp8_rows ? " row-scales" : " expert-scales") : "");
   }
 };
 
 // Inputs of one case, filled with random data.
 struct MoeData {
-  HostTensor x, y, res, rw, rb, w1, b1, w2, b2;
+  HostTensor x, y, res, rw, rb, w1, b1, w2, b2, s1, s2;  // s1, s2: fp8 scales
   std::vector<int32_t> ids;
   std::vector<float> wts;
   fmlp_moe_args_t args{};
@@ -101,14 +103,31 @@ inline void make(const MoeCase& c, uint64_t seed, MoeData* m) {
   const int64_t rows1 = c.gated ? 2 * c.hidden : c.hidden;
   m->x = HostTensor(c.xt, {c.t, c.d});
   m->y = HostTensor(c.xt, {c.t, c.d_out});
-  m->w1 = HostTensor(c.wt, {c.e, rows1, c.d});
-  m->w2 = HostTensor(c.wt, {c.e, c.d_out, c.hidden});
   fill(m->x, rng, 1.0);
-  fill(m->w1, rng, 1.0 / std::sqrt(double(c.d)));
-  fill(m->w2, rng, 1.0 / std::sqrt(double(c.hidden)));
+  // fp8 experts: random fp32 weights quantised expert by expert with the library's quantiser.
+  const auto weights = [&](HostTensor* w, HostTensor* s, int64_t rows, int64_t cols) {
+    const double sd = 1.0 / std::sqrt(double(cols));
+    *w = HostTensor(c.wt, {c.e, rows, cols});
+    if (c.wt != FMLP_DTYPE_F8_E4M3) return fill(*w, rng, sd);
+    HostTensor f(FMLP_DTYPE_F32, {c.e, rows, cols});
+    fill(f, rng, sd);
+    *s = c.fp8_rows ? HostTensor(FMLP_DTYPE_F32, {c.e, rows}) : HostTensor(FMLP_DTYPE_F32, {c.e});
+    for (int64_t e = 0; e < c.e; ++e) {
+      const fmlp_tensor_t fe =
+          fmlp_tensor_2d(f.bytes.data() + e * rows * cols * 4, FMLP_DTYPE_F32, rows, cols, cols);
+      const fmlp_tensor_t qe =
+          fmlp_tensor_2d(w->bytes.data() + e * rows * cols, c.wt, rows, cols, cols);
+      const int64_t n = c.fp8_rows ? rows : 1;
+      const fmlp_tensor_t se = fmlp_tensor_1d(s->bytes.data() + e * n * 4, FMLP_DTYPE_F32, n);
+      EXPECT_EQ(fmlp_quantize_fp8(&fe, &qe, &se, nullptr), FMLP_SUCCESS) << fmlp_last_error();
+    }
+  };
+  weights(&m->w1, &m->s1, rows1, c.d);
+  weights(&m->w2, &m->s2, c.d_out, c.hidden);
   fmlp_moe_args_t& a = m->args;
   a = fmlp_moe_args_t{};
   a.x = m->x.view, a.y = m->y.view, a.w1 = m->w1.view, a.w2 = m->w2.view;
+  if (m->s1.t != kAbsent) a.w1_scale = m->s1.view, a.w2_scale = m->s2.view;
   if (c.b1) m->b1 = HostTensor(c.b1, {c.e, rows1}), fill(m->b1, rng, 0.1), a.b1 = m->b1.view;
   if (c.b2) m->b2 = HostTensor(c.b2, {c.e, c.d_out}), fill(m->b2, rng, 0.1), a.b2 = m->b2.view;
   if (c.residual == 1) m->res = HostTensor(c.xt, {c.t, c.d_out}), fill(m->res, rng, 1.0);
@@ -242,10 +261,16 @@ inline void reference(const MoeCase& c, const MoeData& m, const std::vector<doub
     for (int64_t j = 0; j < c.k; ++j) {
       const int64_t e = ids[size_t(j)];
       if (!range.holds(e)) continue;
+      // fp8 experts: the weights as fmlp_moe dequantises them, code * scale.
+      const auto scale_of = [&](const HostTensor& sc, int64_t rows, int64_t r) {
+        if (sc.t == kAbsent) return 1.0;
+        return sc.shape.size() == 2 ? sc.get(e * rows + r) : sc.get(e);
+      };
       auto layer1 = [&](int64_t r, double* mag) {
         double acc = c.b1 ? m.b1.get(e * rows1 + r) : 0.0, l2 = acc * acc;
+        const double s1 = scale_of(m.s1, rows1, r);
         for (int64_t i = 0; i < c.d; ++i) {
-          const double p = m.w1.get((e * rows1 + r) * c.d + i) * m.x.get(t * c.d + i);
+          const double p = m.w1.get((e * rows1 + r) * c.d + i) * s1 * m.x.get(t * c.d + i);
           acc += p, l2 += p * p;
         }
         *mag = std::sqrt(l2);
@@ -261,8 +286,9 @@ inline void reference(const MoeCase& c, const MoeData& m, const std::vector<doub
       }
       for (int64_t o = 0; o < c.d_out; ++o) {
         double acc = c.b2 ? m.b2.get(e * c.d_out + o) : 0.0, l2 = acc * acc;
+        const double s2 = scale_of(m.s2, c.d_out, o);
         for (int64_t i = 0; i < c.hidden; ++i) {
-          const double wv = m.w2.get((e * c.d_out + o) * c.hidden + i);
+          const double wv = m.w2.get((e * c.d_out + o) * c.hidden + i) * s2;
           acc += wv * h[size_t(i)];
           l2 += wv * hmag[size_t(i)] * wv * hmag[size_t(i)];
         }
@@ -321,8 +347,9 @@ class DeviceCase {
       v.device_type = FMLP_DEVICE_CUDA;
       return v;
     };
-    const HostTensor* host[] = {&m.x, &m.y, &m.res, &m.rw, &m.rb, &m.w1, &m.b1, &m.w2, &m.b2};
-    for (int i = 0; i < 9; ++i) buf_[i] = alloc(*host[i]);
+    const HostTensor* host[] = {&m.x,  &m.y,  &m.res, &m.rw, &m.rb, &m.w1,
+                                &m.b1, &m.w2, &m.b2,  &m.s1, &m.s2};
+    for (int i = 0; i < kBuffers; ++i) buf_[i] = alloc(*host[i]);
     args_ = m.args;
     args_.x = view(m.x, buf_[0]), args_.y = view(m.y, buf_[1]);
     args_.residual = c.residual == 1   ? view(m.res, buf_[2])
@@ -331,6 +358,7 @@ class DeviceCase {
     args_.router_w = view(m.rw, buf_[3]), args_.router_b = view(m.rb, buf_[4]);
     args_.w1 = view(m.w1, buf_[5]), args_.b1 = view(m.b1, buf_[6]);
     args_.w2 = view(m.w2, buf_[7]), args_.b2 = view(m.b2, buf_[8]);
+    args_.w1_scale = view(m.s1, buf_[9]), args_.w2_scale = view(m.s2, buf_[10]);
     if (!m.ids.empty()) {
       ids_ = Buffer(m.ids.size() * 4, true), wts_ = Buffer(m.wts.size() * 4, true);
       args_.topk_ids = static_cast<const int32_t*>(ids_.data());
@@ -340,8 +368,9 @@ class DeviceCase {
   }
   // Every input (and y) from m into the same buffers, ids optionally replaced.
   void upload(const MoeData& m, const std::vector<int32_t>* ids = nullptr) {
-    const HostTensor* host[] = {&m.x, &m.y, &m.res, &m.rw, &m.rb, &m.w1, &m.b1, &m.w2, &m.b2};
-    for (int i = 0; i < 9; ++i)
+    const HostTensor* host[] = {&m.x,  &m.y,  &m.res, &m.rw, &m.rb, &m.w1,
+                                &m.b1, &m.w2, &m.b2,  &m.s1, &m.s2};
+    for (int i = 0; i < kBuffers; ++i)
       if (host[i]->t != kAbsent) buf_[i].upload(host[i]->bytes);
     if (m.ids.empty()) return;
     const std::vector<int32_t>& id = ids ? *ids : m.ids;
@@ -354,7 +383,8 @@ class DeviceCase {
   const fmlp_moe_args_t& args() const { return args_; }
 
  private:
-  Buffer buf_[9], ids_, wts_;
+  static constexpr int kBuffers = 11;
+  Buffer buf_[kBuffers], ids_, wts_;
   fmlp_moe_args_t args_{};
 };
 

@@ -81,6 +81,15 @@ std::vector<MoeCase> cases() {
     c.sigmoid = true, c.renorm = renorm, c.gated = true, c.rb = FMLP_DTYPE_F32;
     v.push_back(c);
   }
+  for (bool rows : {true, false})  // fp8 experts: scales per row and per expert
+    for (bool gated : {false, true}) {
+      MoeCase c;
+      c.t = 9, c.e = 4, c.k = 2, c.d = 37, c.hidden = 23, c.d_out = 33;
+      c.wt = FMLP_DTYPE_F8_E4M3, c.fp8_rows = rows, c.gated = gated;
+      c.xt = gated ? FMLP_DTYPE_BF16 : FMLP_DTYPE_F32;
+      c.b1 = FMLP_DTYPE_F32, c.residual = 1, c.routing = rows ? 0 : 1;
+      v.push_back(c);
+    }
   return v;
 }
 
@@ -141,6 +150,8 @@ TEST(Moe, BadInputNamesTheArgumentAndLeavesYUntouched) {
   c.t = 7, c.e = 4, c.k = 2, c.d = 9, c.hidden = 11, c.d_out = 9;
   MoeCase given = c;
   given.routing = 1;
+  MoeCase fp8 = c;
+  fp8.wt = FMLP_DTYPE_F8_E4M3;
   const std::vector<std::pair<MoeCase, BadCase>> bad = {
       {c,
        {"k > E",
@@ -199,11 +210,31 @@ TEST(Moe, BadInputNamesTheArgumentAndLeavesYUntouched) {
         [](MoeData& m) { m.args.router_w.shape[0] = 3; },
         FMLP_ERROR_SHAPE_MISMATCH,
         {"router_w"}}},
+      {fp8,
+       {"fp8 experts without scales",
+        [](MoeData& m) { m.args.w1_scale = fmlp_tensor_none(); },
+        FMLP_ERROR_BAD_SCALE,
+        {"w1 is fp8 e4m3 but w1_scale is absent"}}},
+      {fp8,
+       {"fp8 scale shape",
+        [](MoeData& m) { m.args.w2_scale.shape[1] = 5; },
+        FMLP_ERROR_BAD_SCALE,
+        {"w2_scale has shape [4, 5]", "[4, 9]"}}},
+      {fp8,
+       {"fp8 scale not finite",
+        [](MoeData& m) { m.s1.set(3, std::nan("")); },
+        FMLP_ERROR_BAD_SCALE,
+        {"expert 0", "finite"}}},
+      {fp8,
+       {"fp8 w1 with 16-bit w2",
+        [](MoeData& m) { m.args.w2.dtype = FMLP_DTYPE_BF16; },
+        FMLP_ERROR_DTYPE_MISMATCH,
+        {"w2 is bf16 but w1 is f8_e4m3"}}},
       {c,
-       {"fp8 experts",
-        [](MoeData& m) { m.args.w1.dtype = m.args.w2.dtype = FMLP_DTYPE_F8_E4M3; },
-        FMLP_ERROR_NOT_SUPPORTED,
-        {"fp8"}}},
+       {"scales for 16-bit experts",
+        [](MoeData& m) { m.args.w2_scale = fmlp_tensor_1d(m.x.bytes.data(), FMLP_DTYPE_F32, 4); },
+        FMLP_ERROR_BAD_SCALE,
+        {"w2_scale is given", "drop the scale"}}},
       {c,
        {"y overlaps x",
         [](MoeData& m) { m.args.y.data = m.args.x.data; },

@@ -317,8 +317,12 @@ FMLP_API fmlp_status_t fmlp_softmax_with_kernel(const fmlp_softmax_args_t* args,
  * usual, so when the partial outputs of several ranges are summed (fmlp_tp_moe in
  * fusedmlp_nccl.h) pass it to one of them only. The sum over ranges covering [0, global_experts)
  * is the whole op.
- * Types: x, y, residual: one activation dtype (f32, f16, bf16). W1, W2: one dtype, f32, f16 or bf16
- * (f8_e4m3 experts are not supported yet). Wr: f32, f16 or bf16; biases f32, f16 or bf16.
+ * Types: x, y, residual: one activation dtype (f32, f16, bf16). W1, W2: one dtype, f32, f16, bf16
+ * or f8_e4m3; fp8 experts need fp32 scales w1_scale / w2_scale, [E] (one per expert) or [E, rows]
+ * (one per row of each expert: rows = W1's 2*hidden or hidden, W2's d_out), finite and > 0, and
+ * are dequantised exactly (W[e][r][c] * scale[e][r], as in fmlp_mlp); fmlp_quantize_fp8 on each
+ * expert's [rows, cols] makes them. fp8 experts run on the ref and cpu backends (the cuda entries
+ * stream 16-bit weights). Wr: f32, f16 or bf16; biases f32, f16 or bf16.
  * Shapes: E = config.num_experts = W1.shape[0] = W2.shape[0]; Wr.shape[0] = the global expert
  * count (E without a local range); 1 <= top_k <= global experts;
  * d, hidden, d_out > 0; T may be 0 (nothing is done). residual may be the very same view as y.
@@ -370,6 +374,8 @@ typedef struct fmlp_moe_args_t {
   fmlp_tensor_t w2;          /* [E, d_out, hidden] */
   fmlp_tensor_t b2;          /* optional [E, d_out] */
   fmlp_moe_config_t config;
+  fmlp_tensor_t w1_scale; /* fp8 w1 only: fp32 [E] or [E, hidden or 2*hidden] */
+  fmlp_tensor_t w2_scale; /* fp8 w2 only: fp32 [E] or [E, d_out] */
 } fmlp_moe_args_t;
 
 /* softmax scoring, renormalize on, deterministic, silu, dense, all experts local. */

@@ -382,7 +382,8 @@ def _expert_range(first_expert, global_experts):
 
 def _run_moe(mode, x, w1, w2, router_w, router_b, topk_ids, topk_weights, top_k, b1, b2,
              residual, activation, gated, scoring, renormalize, deterministic, out, backend,
-             workspace, stream, first_expert=0, global_experts=0, round_router_logits=False):
+             workspace, stream, first_expert=0, global_experts=0, round_router_logits=False,
+             w1_scale=None, w2_scale=None):
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
         raise ValueError(f"top_k is {top_k!r}; expected an int, the experts per token")
     top_k = int(top_k)
@@ -423,7 +424,8 @@ def _run_moe(mode, x, w1, w2, router_w, router_b, topk_ids, topk_weights, top_k,
     with _current(x):
         tensors, bits = _prepare(dict(
             out=y, x=x, residual=residual, router_w=router_w, router_b=router_b,
-            topk_ids=topk_ids, topk_weights=topk_weights, w1=w1, b1=b1, w2=w2, b2=b2))
+            topk_ids=topk_ids, topk_weights=topk_weights, w1=w1, b1=b1, w2=w2, b2=b2,
+            w1_scale=w1_scale, w2_scale=w2_scale))
         result = _ext.moe(mode, tensors, bits, top_k, *config,
                           _workspace(x, workspace, "moe") if mode == "run" else None,
                           _stream(x, stream) if mode == "run" else 0)
@@ -433,7 +435,8 @@ def _run_moe(mode, x, w1, w2, router_w, router_b, topk_ids, topk_weights, top_k,
 def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=None, top_k,
         b1=None, b2=None, residual=None, activation="silu", gated=True, scoring="softmax",
         renormalize=True, deterministic=False, out=None, backend="auto", workspace=None,
-        stream=None, first_expert=0, global_experts=0, round_router_logits=False):
+        stream=None, first_expert=0, global_experts=0, round_router_logits=False, w1_scale=None,
+        w2_scale=None):
     """Runs the mixture-of-experts op on x's device and returns y (out when given).
 
     For each token x_t (row of x [T, d]):
@@ -463,8 +466,10 @@ def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=
     output is passed as residual.
 
     x, residual and out share one dtype: float32, float16 or bfloat16; w1 and w2 one dtype
-    (float32, float16 or bfloat16; the cuda backend takes 16-bit experts only); router and
-    biases float32, float16 or bfloat16. Accumulation is float32 or wider. activation: "relu",
+    (float32, float16, bfloat16 or float8_e4m3fn; the cuda backend takes 16-bit experts only);
+    router and biases float32, float16 or bfloat16. fp8 experts need float32 scales w1_scale /
+    w2_scale, [E] (one per expert) or [E, rows] (one per row), and are dequantised exactly
+    (W[e][r] * scale[e][r]); quantize_fp8 of each expert makes them. Accumulation is float32 or wider. activation: "relu",
     "gelu", "gelu_tanh" or "silu" (gated silu: SwiGLU, as in Mixtral). scoring: "softmax" or
     "sigmoid". deterministic: bitwise-identical results on reruns (the cpu backend always is).
     backend, workspace, stream: see the module docstring.
@@ -485,29 +490,32 @@ def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=
     return _run_moe("run", x, w1, w2, router_w, router_b, topk_ids, topk_weights, top_k, b1,
                     b2, residual, activation, gated, scoring, renormalize, deterministic, out,
                     backend, workspace, stream, first_expert, global_experts,
-                    round_router_logits)
+                    round_router_logits, w1_scale, w2_scale)
 
 
 def moe_explain(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=None,
                 top_k, b1=None, b2=None, residual=None, activation="silu", gated=True,
                 scoring="softmax", renormalize=True, deterministic=False, out=None,
-                backend="auto", first_expert=0, global_experts=0, round_router_logits=False):
+                backend="auto", first_expert=0, global_experts=0, round_router_logits=False,
+                w1_scale=None, w2_scale=None):
     """Same arguments as moe(); runs nothing and returns the dispatch report."""
     return _run_moe("explain", x, w1, w2, router_w, router_b, topk_ids, topk_weights, top_k,
                     b1, b2, residual, activation, gated, scoring, renormalize, deterministic,
-                    out, backend, None, None, first_expert, global_experts, round_router_logits)
+                    out, backend, None, None, first_expert, global_experts, round_router_logits,
+                    w1_scale, w2_scale)
 
 
 def moe_workspace_size(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None,
                        topk_weights=None, top_k, b1=None, b2=None, residual=None,
                        activation="silu", gated=True, scoring="softmax", renormalize=True,
                        deterministic=False, out=None, backend="auto", first_expert=0,
-                       global_experts=0, round_router_logits=False):
+                       global_experts=0, round_router_logits=False, w1_scale=None,
+                       w2_scale=None):
     """Bytes of workspace moe() needs for these arguments."""
     return _run_moe("workspace_size", x, w1, w2, router_w, router_b, topk_ids, topk_weights,
                     top_k, b1, b2, residual, activation, gated, scoring, renormalize,
                     deterministic, out, backend, None, None, first_expert, global_experts,
-                    round_router_logits)
+                    round_router_logits, w1_scale, w2_scale)
 
 
 def moe_device_errors(workspace, *, stream=None):

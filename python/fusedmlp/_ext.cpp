@@ -467,6 +467,8 @@ nb::object moe(const std::string& mode, nb::dict tensors, const Bits& bits, int 
   args.b1 = v.input("b1");
   args.w2 = v.input("w2");
   args.b2 = v.input("b2");
+  args.w1_scale = v.input("w1_scale");
+  args.w2_scale = v.input("w2_scale");
   args.topk_ids = static_cast<const int32_t*>(
       v.routing("topk_ids", nb::dtype<int32_t>(), "int32", args.x, top_k));
   args.topk_weights = static_cast<const float*>(

@@ -178,6 +178,35 @@ def test_host_expert_ids_out_of_range():
         call(kw, topk_ids=big, topk_weights=np.ones((7, 2), np.float32))
 
 
+def quantize_experts(w, per_row):
+    """fp8 experts as moe() takes them: q [E, rows, cols] float8_e4m3fn and scales [E, rows]
+    (per_row) or [E], each expert through quantize_fp8; also the dequantised float64 weights."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    q = np.empty(w.shape, ml_dtypes.float8_e4m3fn)
+    scales = []
+    for e in range(w.shape[0]):
+        q[e], s, _ = fusedmlp.quantize_fp8(w[e], per_row=per_row)
+        scales.append(s)
+    scale = np.stack(scales) if per_row else np.concatenate(scales)
+    deq = q.astype(np.float64) * (scale[:, :, None] if per_row else scale[:, None, None])
+    return q, scale, deq
+
+
+@pytest.mark.parametrize("per_row", [True, False], ids=["row-scales", "expert-scales"])
+@pytest.mark.parametrize("backend", ["ref", "cpu"])
+def test_fp8_experts(per_row, backend):
+    rng = np.random.default_rng(8)
+    kw = make_moe(rng, t=9, d=40, hidden=24, d_out=33, experts=4, top_k=2)
+    q1, s1, deq1 = quantize_experts(kw["w1"], per_row)
+    q2, s2, deq2 = quantize_experts(kw["w2"], per_row)
+    y = call(dict(kw, w1=q1, w2=q2), w1_scale=s1, w2_scale=s2, backend=backend)
+    assert_close(y, moe_ref(**dict(kw, w1=deq1, w2=deq2)))
+    with pytest.raises(ValueError, match="w2_scale is absent"):
+        call(dict(kw, w1=q1, w2=q2), w1_scale=s1, backend=backend)
+    with pytest.raises(ValueError, match="w1_scale is given"):
+        call(kw, w1_scale=s1, backend=backend)
+
+
 # ---- torch ----
 
 def _torch():

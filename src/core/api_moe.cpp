@@ -121,6 +121,37 @@ fmlp_status_t check_routing(const fmlp_moe_args_t& a, MoeDesc* d) {
   return FMLP_SUCCESS;
 }
 
+// An fp8 weight's stacked scales: fp32 [E] (one per expert) or [E, rows] (one per row); their
+// values are checked per expert by the mlp validation. Scales of 16-bit weights are an error.
+fmlp_status_t check_expert_scale(const char* name, const char* weight_name,
+                                 const fmlp_tensor_t& scale, const fmlp_tensor_t& w,
+                                 int64_t experts) {
+  const bool fp8 = w.dtype == FMLP_DTYPE_F8_E4M3;
+  if (tensor_absent(scale)) {
+    if (!fp8) return FMLP_SUCCESS;
+    return fail(FMLP_ERROR_BAD_SCALE,
+                "{} is fp8 e4m3 but {} is absent; pass fp32 scales [num_experts] (one per expert) "
+                "or [num_experts, {}] (one per row), e.g. fmlp_quantize_fp8 of each expert",
+                weight_name, name, w.shape[1]);
+  }
+  if (!fp8)
+    return fail(FMLP_ERROR_BAD_SCALE,
+                "{} is given but {} is {}; scales apply to fp8 e4m3 experts only, drop the scale",
+                name, weight_name, fmlp_dtype_name(w.dtype));
+  if (scale.dtype != FMLP_DTYPE_F32)
+    return fail(FMLP_ERROR_BAD_SCALE, "{} has dtype {}; scales must be f32", name,
+                fmlp_dtype_name(scale.dtype));
+  const bool per_expert = scale.ndim == 1 && scale.shape[0] == experts;
+  const bool per_row = scale.ndim == 2 && scale.shape[0] == experts && scale.shape[1] == w.shape[1];
+  if (!per_expert && !per_row)
+    return fail(FMLP_ERROR_BAD_SCALE,
+                "{} has shape {}; expected [{}] (one per expert) or [{}, {}] "
+                "(one per row of {})",
+                name, shape_string(scale), experts, experts, w.shape[1], weight_name);
+  const int64_t any[2] = {-1, -1};
+  return check_tensor(name, scale, scale.ndim, any, per_row ? "[E, rows]" : "[E]");
+}
+
 // Expert weights through the mlp op's own validation, expert by expert, so the mlp kernels can
 // take any slice.
 fmlp_status_t check_experts(const fmlp_moe_args_t& a, MoeDesc* d) {
@@ -132,6 +163,8 @@ fmlp_status_t check_experts(const fmlp_moe_args_t& a, MoeDesc* d) {
     w.b1 = expert_slice(a.b1, e);
     w.w2 = expert_slice(a.w2, e);
     w.b2 = expert_slice(a.b2, e);
+    w.w1_scale = expert_scale(a.w1_scale, e);
+    w.w2_scale = expert_scale(a.w2_scale, e);
     MlpDesc md;
     if (const fmlp_status_t s = validate_mlp_weights(w, mc, d->d_out, &md); s != FMLP_SUCCESS)
       return fail(s, "expert {}: {}", e, last_error());
@@ -195,11 +228,7 @@ fmlp_status_t validate_moe(const fmlp_moe_args_t* a, MoeDesc* d) {
                     (d->act_dtype == FMLP_DTYPE_BF16 || d->act_dtype == FMLP_DTYPE_F16);
   d->x_vec16 = uintptr_t(a->x.data) % 16 == 0 &&
                (d->tokens <= 1 || (a->x.stride[0] * int64_t(dtype_size(d->act_dtype))) % 16 == 0);
-  if (a->w1.dtype == FMLP_DTYPE_F8_E4M3 || a->w2.dtype == FMLP_DTYPE_F8_E4M3)
-    return fail(FMLP_ERROR_NOT_SUPPORTED,
-                "fp8 e4m3 expert weights are not supported by the moe op yet; pass f32, f16 or "
-                "bf16 experts");
-  FMLP_TRY(check_float_dtype("w1", a->w1));
+  if (a->w1.dtype != FMLP_DTYPE_F8_E4M3) FMLP_TRY(check_float_dtype("w1", a->w1));
   if (a->w2.dtype != a->w1.dtype)
     return fail(FMLP_ERROR_DTYPE_MISMATCH, "w2 is {} but w1 is {}; the experts share one dtype",
                 fmlp_dtype_name(a->w2.dtype), fmlp_dtype_name(a->w1.dtype));
@@ -230,6 +259,8 @@ fmlp_status_t validate_moe(const fmlp_moe_args_t* a, MoeDesc* d) {
                 "T * top_k = {} * {} (token, expert) slots exceed 2^31 - 1; split the batch",
                 d->tokens, d->top_k);
   FMLP_TRY(check_routing(*a, d));
+  FMLP_TRY(check_expert_scale("w1_scale", "w1", a->w1_scale, a->w1, d->experts));
+  FMLP_TRY(check_expert_scale("w2_scale", "w2", a->w2_scale, a->w2, d->experts));
   FMLP_TRY(check_experts(*a, d));
   d->device = a->x.device_type;
   d->device_id = a->x.device_id;
@@ -242,7 +273,9 @@ fmlp_status_t validate_moe(const fmlp_moe_args_t* a, MoeDesc* d) {
                              {&a->w1, "w1"},
                              {&a->b1, "b1"},
                              {&a->w2, "w2"},
-                             {&a->b2, "b2"}};
+                             {&a->b2, "b2"},
+                             {&a->w1_scale, "w1_scale"},
+                             {&a->w2_scale, "w2_scale"}};
   FMLP_TRY(check_one_device(std::begin(all), std::end(all), d->device, d->device_id, "x is"));
   const ByteRange yr = byte_range(a->y);
   if (ranges_overlap(yr, byte_range(a->x)))

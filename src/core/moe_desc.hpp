@@ -53,6 +53,17 @@ inline fmlp_tensor_t expert_slice(const fmlp_tensor_t& t, int64_t e) {
   return s;
 }
 
+// Expert e's dequantisation scales as the mlp op takes them: [1] out of [E], [rows] out of
+// [E, rows]; absent stays absent.
+inline fmlp_tensor_t expert_scale(const fmlp_tensor_t& s, int64_t e) {
+  if (s.data == nullptr && s.ndim == 0) return s;
+  if (s.ndim == 2) return expert_slice(s, e);
+  fmlp_tensor_t v = s;
+  v.data = static_cast<char*>(s.data) + e * s.stride[0] * int64_t(dtype_size(s.dtype));
+  v.shape[0] = 1;
+  return v;
+}
+
 // Every argument checked (api_moe.cpp), the description filled in; also used by fmlp_tp_moe.
 fmlp_status_t validate_moe(const fmlp_moe_args_t* a, MoeDesc* d);
 

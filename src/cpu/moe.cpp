@@ -86,6 +86,8 @@ fmlp_status_t run_experts(const fmlp_moe_args_t& a, const MoeDesc& d, const Layo
     m.weights.b1 = expert_slice(a.b1, e);
     m.weights.w2 = expert_slice(a.w2, e);
     m.weights.b2 = expert_slice(a.b2, e);
+    m.weights.w1_scale = expert_scale(a.w1_scale, e);
+    m.weights.w2_scale = expert_scale(a.w2_scale, e);
     m.config = config;
     MlpDesc md = d.expert;
     md.m = g;

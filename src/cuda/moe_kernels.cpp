@@ -27,8 +27,11 @@ size_t align256(size_t n) {
 bool moe_common_supports(const MoeDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16)
-    return (*why = fmt::format("{} experts: the tensor-core kernel takes bf16 or f16 experts",
-                               fmlp_dtype_name(d.w_dtype)),
+    return (*why = fmt::format("{} experts: the cuda moe entries stream bf16 or f16 experts{}",
+                               fmlp_dtype_name(d.w_dtype),
+                               d.w_dtype == FMLP_DTYPE_F8_E4M3
+                                   ? " (fp8 experts run on backend cpu; or pass bf16 experts)"
+                                   : ""),
             false);
   if (d.global_experts > kMoeMaxExperts)
     return (*why = fmt::format("{} experts routed over: the routing kernel keeps per-expert "

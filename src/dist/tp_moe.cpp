@@ -93,6 +93,8 @@ fmlp_status_t fmlp_tp_shard_moe(const fmlp_moe_args_t* full, int32_t rank, int32
   l.b1 = experts_of(full->b1, first, count);
   l.w2 = experts_of(full->w2, first, count);
   l.b2 = experts_of(full->b2, first, count);
+  l.w1_scale = experts_of(full->w1_scale, first, count);
+  l.w2_scale = experts_of(full->w2_scale, first, count);
   l.config.num_experts = count;
   l.config.first_expert = first;
   l.config.global_experts = c.num_experts;

@@ -64,6 +64,13 @@ bool host_only(const MoeDesc& d, std::string* why) {
   return true;
 }
 
+// Row `row`'s dequantisation scale of an expert's scale view (expert_scale): 1 without one.
+double scale_at(const fmlp_tensor_t& s, int64_t row) {
+  if (s.data == nullptr) return 1.0;
+  const float* p = static_cast<const float*>(s.data);
+  return s.shape[0] == 1 ? p[0] : p[row * s.stride[0]];
+}
+
 // scores [global experts], ids [k], weights [k], h [rows1], out [d_out] in doubles.
 size_t ref_workspace(const MoeDesc& d) {
   const int64_t rows1 = d.gated ? 2 * d.hidden : d.hidden;
@@ -88,11 +95,13 @@ fmlp_status_t ref_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* ws, void
       if (e < 0) continue;  // another expert range's slot
       const fmlp_tensor_t w1 = expert_slice(a.w1, e), w2 = expert_slice(a.w2, e);
       const fmlp_tensor_t b1 = expert_slice(a.b1, e), b2 = expert_slice(a.b2, e);
+      const fmlp_tensor_t s1 = expert_scale(a.w1_scale, e), s2 = expert_scale(a.w2_scale, e);
       for (int64_t r = 0; r < rows1; ++r) {
         const char* w = row_ptr(w1, r, es);
         double acc = 0.0;
         for (int64_t c = 0; c < d.d; ++c)
           acc += load_as_double(w, d.w_dtype, c) * load_as_double(x, d.act_dtype, c);
+        acc *= scale_at(s1, r);
         if (d.b1_dtype != FMLP_DTYPE_INVALID) acc += load_as_double(b1.data, d.b1_dtype, r);
         h[r] = acc;
       }
@@ -103,6 +112,7 @@ fmlp_status_t ref_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* ws, void
         const char* w = row_ptr(w2, o, es);
         double acc = 0.0;
         for (int64_t c = 0; c < d.hidden; ++c) acc += load_as_double(w, d.w_dtype, c) * h[c];
+        acc *= scale_at(s2, o);
         if (d.b2_dtype != FMLP_DTYPE_INVALID) acc += load_as_double(b2.data, d.b2_dtype, o);
         out[o] += weights[j] * acc;
       }
