@@ -25,7 +25,8 @@ if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
 fi
 export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore
 export CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-$(nproc)}
-python3 -m pip install -q pytest numpy scikit-build-core nanobind
+# ml_dtypes gives numpy bfloat16 and float8_e4m3fn, so the fp8 tests run instead of skipping.
+python3 -m pip install -q pytest numpy scikit-build-core nanobind ml_dtypes
 # Without build isolation the build directory (build-python/) stays valid, so reruns are incremental.
 CMAKE_ARGS="-DFMLP_CUDA=${FMLP_CUDA:-AUTO}" python3 -m pip install -q --no-build-isolation .
 python3 -m pytest -q -rs python/tests
