@@ -84,7 +84,7 @@ std::vector<MoeCase> cases() {
   for (bool rows : {true, false})  // fp8 experts: scales per row and per expert
     for (bool gated : {false, true}) {
       MoeCase c;
-      c.t = 9, c.e = 4, c.k = 2, c.d = 37, c.hidden = 23, c.d_out = 33;
+      c.t = rows ? 9 : 1, c.e = 4, c.k = 2, c.d = 37, c.hidden = 23, c.d_out = 33;
       c.wt = FMLP_DTYPE_F8_E4M3, c.fp8_rows = rows, c.gated = gated;
       c.xt = gated ? FMLP_DTYPE_BF16 : FMLP_DTYPE_F32;
       c.b1 = FMLP_DTYPE_F32, c.residual = 1, c.routing = rows ? 0 : 1;

@@ -29,8 +29,12 @@ void expect_nearest_code(float quotient, uint8_t code, const std::string& where)
     return;
   }
   const double err = std::fabs(got - a);
-  if (mag > 0) EXPECT_LE(err, std::fabs(f8e4m3_to_float(uint8_t(mag - 1)) - a)) << where;
-  if (mag < 0x7e) EXPECT_LE(err, std::fabs(f8e4m3_to_float(uint8_t(mag + 1)) - a)) << where;
+  if (mag > 0) {
+    EXPECT_LE(err, std::fabs(f8e4m3_to_float(uint8_t(mag - 1)) - a)) << where;
+  }
+  if (mag < 0x7e) {
+    EXPECT_LE(err, std::fabs(f8e4m3_to_float(uint8_t(mag + 1)) - a)) << where;
+  }
 }
 
 std::vector<float> normal_matrix(int64_t rows, int64_t cols, float sigma, uint64_t seed) {

@@ -469,8 +469,9 @@ def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=
     (float32, float16, bfloat16 or float8_e4m3fn; the cuda backend takes 16-bit experts only);
     router and biases float32, float16 or bfloat16. fp8 experts need float32 scales w1_scale /
     w2_scale, [E] (one per expert) or [E, rows] (one per row), and are dequantised exactly
-    (W[e][r] * scale[e][r]); quantize_fp8 of each expert makes them. Accumulation is float32 or wider. activation: "relu",
-    "gelu", "gelu_tanh" or "silu" (gated silu: SwiGLU, as in Mixtral). scoring: "softmax" or
+    (W[e][r] * scale[e][r]); quantize_fp8 of each expert makes them. Accumulation is float32
+    or wider. activation: "relu", "gelu", "gelu_tanh" or "silu" (gated silu: SwiGLU, as in
+    Mixtral). scoring: "softmax" or
     "sigmoid". deterministic: bitwise-identical results on reruns (the cpu backend always is).
     backend, workspace, stream: see the module docstring.
 

@@ -26,7 +26,8 @@
 // the matrix load its last row (valid addresses, results dropped, never stored).
 //
 // Short chunks (an expert's last one, or a whole expert below BM slots) would otherwise multiply
-// BM rows: about a third of the MMA work at Mixtral T=512. So the GEMM works in whole m16 tiles
+// BM rows (measured on an H200: Mixtral T = 1 342 -> 271 us with the skip; T = 512, mostly full
+// chunks, unchanged). So the GEMM works in whole m16 tiles
 // of the chunk: tile i (rows 16 i .. 16 i + 15) is both copy i of every thread's A copies and m16
 // tile i % kMI of warp row i / kMI, and it is live while 16 i < len. Dead tiles are neither
 // copied, read by ldmatrix nor multiplied (a warp with none skips its B fragments as well), so
