@@ -4,7 +4,8 @@
 // Every case: CUDA-graph replay of `copies` calls over inputs rotated through > 3x the L2 (each
 // call reads HBM), warm-up, median of --reps replays; reported against the floor (bytes / copy
 // bandwidth measured in this run). Outputs are spot-checked against an fp64 host reference.
-// usage: fusedmlp_ops_bench [--json FILE] [--reps N] [--only linear|softmax]
+// usage: fusedmlp_ops_bench [--json FILE] [--reps N] [--only linear|fp8|softmax] [--shape NAME]
+//   --only fp8: the fp8 linear rows alone; --shape: the linear rows of that shape alone.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -328,7 +329,7 @@ Row bench_softmax(int64_t rows, int64_t n, fmlp_dtype_t t, bool log, size_t l2, 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string json = "ops.json", only;
+  std::string json = "ops.json", only, shape;
   int reps = 50;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -338,7 +339,10 @@ int main(int argc, char** argv) {
       reps = std::atoi(argv[++i]);
     else if (a == "--only" && i + 1 < argc)
       only = argv[++i];
+    else if (a == "--shape" && i + 1 < argc)
+      shape = argv[++i];
   }
+  auto wanted = [&](const char* name) { return shape.empty() || shape == name; };
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   cudaStream_t s;
@@ -349,19 +353,23 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   if (only.empty() || only == "linear") {
     for (const Shape& sh : kShapes)
-      rows.push_back(bench_linear(sh, 1, FMLP_DTYPE_BF16, l2, s, reps)), print_row(rows.back(), bw);
+      if (wanted(sh.name))
+        rows.push_back(bench_linear(sh, 1, FMLP_DTYPE_BF16, l2, s, reps)),
+            print_row(rows.back(), bw);
     for (const char* name :
          {"llama3-8b.q", "llama3-8b.down", "llama3-8b.lm_head", "mixtral.router"})
       for (const Shape& sh : kShapes)
-        if (std::string(sh.name) == name) {
+        if (std::string(sh.name) == name && wanted(name)) {
           for (int64_t m : {4, 16, 64})
             rows.push_back(bench_linear(sh, m, FMLP_DTYPE_BF16, l2, s, reps)),
                 print_row(rows.back(), bw);
         }
+  }
+  if (only.empty() || only == "linear" || only == "fp8") {
     // fp8 weight-only, per-row scales, M = 1: the 4096 -> 14336 and 8192 -> 28672 targets.
     for (const char* name : {"llama3-8b.q", "llama3-8b.down", "llama3-8b.up", "llama3-70b.up"})
       for (const Shape& sh : kShapes)
-        if (std::string(sh.name) == name)
+        if (std::string(sh.name) == name && wanted(name))
           rows.push_back(bench_linear(sh, 1, FMLP_DTYPE_F8_E4M3, l2, s, reps)),
               print_row(rows.back(), bw);
   }

@@ -423,6 +423,8 @@ const LinearKernel kCudaKernels[] = {
      linear_mma_run},
     {"linear_sm90_cublaslt_fp8", FMLP_BACKEND_CUDA, linear_cublaslt_fp8_supports,
      linear_cublaslt_fp8_workspace, linear_cublaslt_fp8_run},
+    {"linear_sm80_stream", FMLP_BACKEND_CUDA, linear_stream_supports, linear_stream_workspace,
+     linear_stream_run},
     {"linear_sm80_gemv", FMLP_BACKEND_CUDA, gemv_supports, gemv_workspace, gemv_run},
 };
 

@@ -29,6 +29,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <utility>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
@@ -81,10 +84,13 @@ struct MmaParams {
 // accumulators and staged-token fragments take the registers (two blocks of 256 threads per
 // multiprocessor leave 128 per thread).
 template <int NT>
-struct Pipe {
-  static constexpr int kSteps = NT >= 8 ? 1 : NT >= 4 ? 2 : 4;
-  static constexpr int kDepth = NT >= 8 ? 2 : NT >= 4 ? 3 : 2;
-};
+constexpr int pipe_steps() {
+  return NT >= 8 ? 1 : NT >= 4 ? 2 : 4;
+}
+template <int NT>
+constexpr int pipe_depth() {
+  return NT >= 8 ? 2 : NT >= 4 ? 3 : 2;
+}
 
 // Columns [k0, k0 + width) of the tokens into xs, zeros past M and past the split's `cols`.
 template <int NT>
@@ -185,8 +191,10 @@ __device__ __forceinline__ void epilogue(const MmaParams& p, int row, int m, flo
                p.y_t, row, v);
 }
 
-template <int NT, typename WT, bool FP8>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm) linear_sm80_mma(const MmaParams p) {
+// MINB blocks per multiprocessor (the register budget), SP steps per load batch, DEPTH batches in
+// the ring: pipe_steps/depth<NT> and kBlocksPerSm for 16-bit weights, a measured Fp8Shape for fp8.
+template <int NT, typename WT, bool FP8, int MINB, int SP, int DEPTH>
+__global__ void __launch_bounds__(kThreads, MINB) linear_sm80_mma(const MmaParams p) {
   extern __shared__ uint4 smem_v[];
   auto* xs = reinterpret_cast<unsigned short*>(smem_v);  // [NT * 8][xs_stride]
   __shared__ unsigned is_last;
@@ -194,7 +202,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) linear_sm80_mma(const 
   __shared__ unsigned amax[NT * 8];  // FP8: largest finite |x| per token, as bits
   constexpr int SC = FP8 ? 64 : 32;  // columns per 16-byte load step
   constexpr int LC = FP8 ? 16 : 8;   // a lane's columns per step
-  constexpr int SP = Pipe<NT>::kSteps, DEPTH = Pipe<NT>::kDepth;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int tasks = p.splits * p.chunks;
   const int task0 = int(int64_t(tasks) * blockIdx.x / gridDim.x);
@@ -304,10 +311,38 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) linear_sm80_mma(const 
   }
 }
 
+// Register budget and pipeline of the fp8 path at M <= 8, where the kernel is a pure weight
+// stream: four blocks of 64 registers per thread and 2-step batches, two in flight, with 4 tasks
+// per multiprocessor keep more bytes in flight than the 16-bit shape (two blocks, 4-step batches,
+// 2 tasks per SM: ncu found 25 % occupancy and one issue per 3.7 cycles). Measured on an H200 at
+// M = 1 (all five shapes x 2/4/8/16 tasks per SM): 4096x14336 39.8 -> 26.8 us, 4096x4096 13.1
+// -> 12.7; the wide shapes go to linear_sm80_stream (linear_planner.cpp). The other shapes stay
+// selectable for measurements: FMLP_LINEAR_MMA_FP8="shape index,tasks per SM".
+struct Fp8Shape {
+  int minb, sp, depth;
+};
+constexpr Fp8Shape kFp8Shapes[] = {{2, 4, 2}, {3, 2, 3}, {4, 2, 2}, {4, 1, 4}, {4, 1, 3}};
+constexpr int kFp8Shape = 2, kFp8TasksPerSm = 4;
+
 struct Config {
   int nt, rgs, chunks, splits, kc, xs_stride, blocks;
+  int fp8_shape;  // index into kFp8Shapes, -1 for the 16-bit shapes
   size_t smem;
 };
+
+std::pair<int, int> fp8_shape_choice() {
+  static const std::pair<int, int> choice = [] {
+    std::pair<int, int> c{kFp8Shape, kFp8TasksPerSm};
+    if (const char* e = std::getenv("FMLP_LINEAR_MMA_FP8"); e != nullptr && *e != '\0') {
+      int v = 0, t = 0;
+      if (std::sscanf(e, "%d,%d", &v, &t) == 2 && v >= 0 &&
+          v < int(sizeof(kFp8Shapes) / sizeof(kFp8Shapes[0])) && t >= 1 && t <= 64)
+        c = {v, t};
+    }
+    return c;
+  }();
+  return choice;
+}
 
 int token_tiles(int64_t m) {
   return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
@@ -319,9 +354,18 @@ Config config_for(const LinearDesc& d) {
   c.rgs = int((d.n + 15) / 16);
   c.chunks = (c.rgs + kWarps - 1) / kWarps;
   const int sms = std::max(1, cuda_sm_count(d.device_id));
-  const int64_t kc_max = (kMaxXsBytes / (c.nt * 8 * 2) - 32) / 64 * 64;
+  c.fp8_shape = -1;
+  int blocks_per_sm = kBlocksPerSm, tasks_per_sm = kBlocksPerSm, xs_bytes = kMaxXsBytes;
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3 && c.nt == 1) {
+    const auto [shape, tasks] = fp8_shape_choice();
+    c.fp8_shape = shape;
+    blocks_per_sm = kFp8Shapes[shape].minb;
+    tasks_per_sm = tasks;
+    xs_bytes = std::min(kMaxXsBytes, 192 * 1024 / blocks_per_sm);
+  }
+  const int64_t kc_max = (xs_bytes / (c.nt * 8 * 2) - 32) / 64 * 64;
   const int64_t need = (d.k + kc_max - 1) / kc_max;
-  const int64_t want = (int64_t(kBlocksPerSm) * sms + c.chunks - 1) / c.chunks;
+  const int64_t want = (int64_t(tasks_per_sm) * sms + c.chunks - 1) / c.chunks;
   const int64_t sc = d.w_dtype == FMLP_DTYPE_F8_E4M3 ? 64 : 32;  // columns per load step
   const int64_t useful = std::max<int64_t>(1, d.k / (8 * sc));   // >= 8 steps per warp and split
   int64_t splits = std::max(need, std::min(want, useful));
@@ -336,9 +380,10 @@ Config config_for(const LinearDesc& d) {
   return c;
 }
 
-template <int NT, typename WT, bool FP8>
+template <int NT, typename WT, bool FP8, int MINB = kBlocksPerSm, int SP = pipe_steps<NT>(),
+          int DEPTH = pipe_depth<NT>()>
 fmlp_status_t launch(const MmaParams& p, const Config& c, cudaStream_t s) {
-  constexpr auto kernel = &linear_sm80_mma<NT, WT, FP8>;
+  constexpr auto kernel = &linear_sm80_mma<NT, WT, FP8, MINB, SP, DEPTH>;
   if (const fmlp_status_t st = allow_dynamic_smem<kernel>(c.smem, "linear_sm80_mma");
       st != FMLP_SUCCESS)
     return st;
@@ -349,8 +394,24 @@ fmlp_status_t launch(const MmaParams& p, const Config& c, cudaStream_t s) {
   return FMLP_SUCCESS;
 }
 
+template <int SHAPE>
+fmlp_status_t launch_fp8(const MmaParams& p, const Config& c, cudaStream_t s) {
+  constexpr Fp8Shape f = kFp8Shapes[SHAPE];
+  return launch<1, __half, true, f.minb, f.sp, f.depth>(p, c, s);
+}
+
 template <typename WT, bool FP8>
 fmlp_status_t dispatch(const MmaParams& p, const Config& c, cudaStream_t s) {
+  if constexpr (FP8) {
+    switch (c.fp8_shape) {
+      case 0: return launch_fp8<0>(p, c, s);
+      case 1: return launch_fp8<1>(p, c, s);
+      case 2: return launch_fp8<2>(p, c, s);
+      case 3: return launch_fp8<3>(p, c, s);
+      case 4: return launch_fp8<4>(p, c, s);
+      default: break;  // more than 8 tokens: the 16-bit shapes
+    }
+  }
   switch (c.nt) {
     case 1: return launch<1, WT, FP8>(p, c, s);
     case 2: return launch<2, WT, FP8>(p, c, s);

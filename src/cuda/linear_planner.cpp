@@ -11,30 +11,33 @@ namespace {
 
 constexpr const char* kGemv = "linear_sm80_gemv";
 constexpr const char* kLt = "linear_sm90_cublaslt";
+constexpr const char* kStream = "linear_sm80_stream";
+constexpr const char* kMma = "linear_sm80_mma";
 
-// M = 1, 16-bit weights, measured on an H200 (bench/results/ops_h200.json: fusedmlp_ops_bench
-// and bench/peers_ops.py in one session). cuBLASLt (with its bias epilogue) beat torch's F.linear
-// on every shape it ran at M = 1 (1.06-1.14x); the GEMV won on tiny weights (launch-bound: up to
-// 1.99x) and on wide ones (lm heads, N >= 28672: 85-100 % of the copy rate) and lost on the
-// medium shapes in between (0.79-0.99x), which the default below now sends to cuBLASLt.
+// M = 1, measured on an H200 (fusedmlp_ops_bench with FMLP_LINEAR_KERNEL forcing each entry, one
+// session): the memory-order stream (linear_sm80_stream) beat the GEMV and cuBLASLt on 37 of the
+// bench's 44 16-bit shapes, by up to 1.8x on the small and medium ones (llama3-8b q 4096x4096:
+// 11.0 us against 14.0 for cuBLASLt; k/v 1024x4096: 5.1 against 8.2), and ties or wins on the lm
+// heads. It is the default wherever it runs; the rows below are the measured exceptions, and
+// shapes it cannot take (x larger than its shared memory, fp32 weights) keep the older rule.
+// fp8 weights: the stream's fp16-pair FMAs win on wide outputs (14336x4096: 24.1 us against 27-36
+// for the tensor-core entry; 28672x8192: 73 against 90), the tensor-core entry on the rest.
 constexpr const char* kMeasured = "measured on NVIDIA H200 (sm_90)";
 constexpr LinearChoice kTable[] = {
     // {n, k, w dtype, entry at M = 1, source}
-    {4096, 4096, FMLP_DTYPE_BF16, kLt, kMeasured},     // 13.9 us, torch 15.1
-    {4096, 14336, FMLP_DTYPE_BF16, kLt, kMeasured},    // 33.3 us, torch 37.6
-    {1024, 8192, FMLP_DTYPE_BF16, kLt, kMeasured},     // 10.1 us, torch 10.7
-    {3584, 3584, FMLP_DTYPE_BF16, kLt, kMeasured},     // 12.2 us, torch 13.2
-    {3584, 18944, FMLP_DTYPE_BF16, kLt, kMeasured},    // 39.3 us, torch 43.6
-    {4864, 896, FMLP_DTYPE_BF16, kLt, kMeasured},      // 5.1 us, torch 5.8
-    {151936, 896, FMLP_DTYPE_BF16, kLt, kMeasured},    // 69.5 us, torch 77.6
-    {28672, 4096, FMLP_DTYPE_BF16, kGemv, kMeasured},  // 65.9 us, torch 69.0
-    {3072, 768, FMLP_DTYPE_BF16, kGemv, kMeasured},    // 4.8 us, torch 5.0
-    {768, 3072, FMLP_DTYPE_BF16, kGemv, kMeasured},    // 7.0 us, torch 7.8
+    {4864, 896, FMLP_DTYPE_BF16, kLt, kMeasured},           // 5.06 us, stream 5.08
+    {151936, 896, FMLP_DTYPE_BF16, kLt, kMeasured},         // 70.3 us, stream 70.8
+    {4096, 4096, FMLP_DTYPE_F8_E4M3, kMma, kMeasured},      // 12.7 us, stream 14.5
+    {4096, 14336, FMLP_DTYPE_F8_E4M3, kMma, kMeasured},     // 26.8 us, stream 41.5
+    {14336, 4096, FMLP_DTYPE_F8_E4M3, kStream, kMeasured},  // 24.1 us, mma 27-36
+    {28672, 8192, FMLP_DTYPE_F8_E4M3, kStream, kMeasured},  // 73 us, mma 90
 };
-// Shapes not in the table: the GEMV below 6 MiB of weights (one launch, no epilogue pass: the
-// tiny projections) and for N >= 28672 (wide outputs keep every SM streaming), cuBLASLt between.
+// Shapes not in the table, when the stream cannot run them: the GEMV below 6 MiB of weights (one
+// launch, no epilogue pass: the tiny projections) and for N >= 28672 (wide outputs keep every SM
+// streaming), cuBLASLt between. fp8: the stream from N >= 8192, the tensor-core entry below.
 constexpr int64_t kLtMinBytes = int64_t(6) << 20;
 constexpr int64_t kGemvMinN = 28672;
+constexpr int64_t kFp8StreamMinN = 8192;
 
 fmlp_dtype_t table_dtype(fmlp_dtype_t t) {
   return t == FMLP_DTYPE_F16 ? FMLP_DTYPE_BF16 : t;
@@ -47,25 +50,48 @@ const LinearKernel* find(const char* name) {
   return nullptr;
 }
 
-// The M = 1 choice between the GEMV and cuBLASLt for 16-bit weights, or nullptr.
-const LinearKernel* m1_choice(const LinearDesc& d, std::string* reason) {
-  const LinearKernel* gemv = find(kGemv);
-  const LinearKernel* lt = find(kLt);
+bool runs(const LinearKernel* k, const LinearDesc& d) {
   std::string why;
-  if (d.m != 1 || !gemv || !lt || !gemv->supports(d, &why) || !lt->supports(d, &why))
-    return nullptr;
+  return k != nullptr && k->supports(d, &why);
+}
+
+// The M = 1 choice for weight-only 16-bit and fp8 weights, or nullptr (then table order).
+const LinearKernel* m1_choice(const LinearDesc& d, std::string* reason) {
+  if (d.m != 1 || d.w8a8()) return nullptr;
+  const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
+  if (!fp8 && d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16) return nullptr;
   for (const LinearChoice& e : kTable)
-    if (e.n == d.n && e.k == d.k && e.w == table_dtype(d.w_dtype)) {
+    if (e.n == d.n && e.k == d.k && e.w == table_dtype(d.w_dtype) && runs(find(e.kernel), d)) {
       if (reason) *reason = fmt::format("M=1 N={} K={}: {} ({})", d.n, d.k, e.kernel, e.source);
       return find(e.kernel);
     }
+  const LinearKernel* stream = find(kStream);
+  if (fp8) {
+    const LinearKernel* k = d.n >= kFp8StreamMinN && runs(stream, d) ? stream : find(kMma);
+    if (!runs(k, d)) return nullptr;
+    if (reason)
+      *reason = fmt::format(
+          "M=1 N={} K={} fp8 not measured: default by shape (the stream from "
+          "N >= {}): {}",
+          d.n, d.k, kFp8StreamMinN, k->name);
+    return k;
+  }
+  if (runs(stream, d)) {
+    if (reason)
+      *reason = fmt::format("M=1 N={} K={} not measured: {} (the default wherever it runs)", d.n,
+                            d.k, kStream);
+    return stream;
+  }
+  const LinearKernel* gemv = find(kGemv);
+  const LinearKernel* lt = find(kLt);
+  if (!runs(gemv, d) || !runs(lt, d)) return nullptr;
   const int64_t bytes = d.n * d.k * 2;
   const bool use_lt = bytes >= kLtMinBytes && d.n < kGemvMinN;
   if (reason)
     *reason = fmt::format(
-        "M=1 N={} K={} not measured: default by shape ({} MiB of weights; cuBLASLt takes >= {} MiB "
-        "with N < {}): {}",
-        d.n, d.k, bytes >> 20, kLtMinBytes >> 20, kGemvMinN, use_lt ? kLt : kGemv);
+        "M=1 N={} K={} not measured, {} cannot run it: default by shape ({} MiB of weights; "
+        "cuBLASLt takes >= {} MiB with N < {}): {}",
+        d.n, d.k, kStream, bytes >> 20, kLtMinBytes >> 20, kGemvMinN, use_lt ? kLt : kGemv);
   return use_lt ? lt : gemv;
 }
 

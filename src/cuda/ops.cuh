@@ -20,6 +20,12 @@ size_t linear_mma_workspace(const LinearDesc& d);
 fmlp_status_t linear_mma_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
                              void* stream);
 
+// linear_sm80_stream (linear_stream.cu): the memory-order GEMV for M <= 4, 16-bit weights.
+bool linear_stream_supports(const LinearDesc& d, std::string* why);
+size_t linear_stream_workspace(const LinearDesc& d);
+fmlp_status_t linear_stream_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
+                                void* stream);
+
 // linear_sm90_cublaslt (linear_cublaslt.cpp): one cuBLASLt GEMM for M >= 2, listed first.
 bool linear_cublaslt_supports(const LinearDesc& d, std::string* why);
 size_t linear_cublaslt_workspace(const LinearDesc& d);

@@ -1,0 +1,282 @@
+// linear_sm80_stream: y[M, N] = x[M, K] W^T + b for M <= 4 tokens and bf16, fp16 or fp8 e4m3
+// weights, as one memory-order stream over W (stream_gemv.cuh says why and how).
+//   - x is staged once per block: in its own dtype for 16-bit weights; for fp8 weights as fp16
+//     times a power of two per token (stream_gemv.cuh), undone with the per-row or per-tensor
+//     scale in the epilogue,
+//   - the epilogue adds the bias and converts; no workspace, deterministic.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
+
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+#include "cuda/common.cuh"
+#include "cuda/device_scope.hpp"
+#include "cuda/launch_util.hpp"
+#include "cuda/ops.cuh"
+#include "cuda/stream_gemv.cuh"
+
+namespace fmlp::detail {
+namespace {
+
+using fmlp::cuda::kStreamThreads;
+using fmlp::cuda::kStreamU;
+using fmlp::cuda::kStreamWarps;
+using fmlp::cuda::load_scalar;
+using fmlp::cuda::store_scalar;
+using fmlp::cuda::stream_load;
+using fmlp::cuda::stream_run;
+using fmlp::cuda::stream_shape;
+using fmlp::cuda::stream_span;
+using fmlp::cuda::StreamFp8;
+using fmlp::cuda::StreamShape;
+
+constexpr int kMaxXsBytes = 48 * 1024;  // staged x: four blocks per multiprocessor
+constexpr int kMaxTokens = 4;
+
+struct StreamParams {
+  const void* x;
+  void* y;
+  const void* w;
+  const void* bias;    // nullptr: no bias
+  const float* scale;  // fp8 weights: [1] or [N]
+  int scale_per_row;
+  int64_t x_ld, y_ld, w_ld;
+  fmlp_dtype_t x_t, y_t, bias_t;
+  int m;
+  StreamShape s;
+};
+
+// Stages x rows [0, MT) (zeros past M) in x's own dtype (16-bit weights).
+template <typename XT, int MT>
+__device__ void stage_x(const StreamParams& p, XT* xs) {
+  const int k = p.s.k;
+  const bool vec = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
+                   (p.m == 1 || (p.x_ld * int64_t(sizeof(XT))) % 16 == 0);
+  constexpr int kPerVec = 16 / int(sizeof(XT));
+  const int vecs = k / kPerVec;
+  for (int i = threadIdx.x; i < MT * vecs; i += kStreamThreads) {
+    const int t = i / vecs, c = i % vecs * kPerVec;
+    const XT* src = static_cast<const XT*>(p.x) + int64_t(t) * p.x_ld + c;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (t < p.m) {
+      if (vec) {
+        v = *reinterpret_cast<const uint4*>(src);
+      } else {
+        XT e[kPerVec];
+#pragma unroll
+        for (int j = 0; j < kPerVec; ++j) e[j] = src[j];
+        memcpy(&v, e, sizeof(v));
+      }
+    }
+    *reinterpret_cast<uint4*>(xs + int64_t(t) * k + c) = v;
+  }
+}
+
+// Stages x rows [0, MT) for fp8 weights: fp16 times a power of two per token that puts the
+// largest finite |x| in [8, 16) (stream_gemv.cuh); inv[t] gets the factor that undoes it. One
+// global pass: the raw 16-bit values go to their slots first, the scaling happens in place.
+template <int MT>
+__device__ void stage_x_f16(const StreamParams& p, __half* xs, float* inv, unsigned* amax) {
+  const int k = p.s.k;
+  if (threadIdx.x < MT) amax[threadIdx.x] = 0;
+  __syncthreads();
+  float mx[MT] = {};
+  for (int i = threadIdx.x; i < MT * k; i += kStreamThreads) {
+    const int t = i / k, c = i % k;
+    float v = 0.f;
+    if (t < p.m) v = load_scalar(static_cast<const char*>(p.x) + int64_t(t) * p.x_ld * 2, p.x_t, c);
+    if (fabsf(v) <= 3.4e38f) mx[t] = fmaxf(mx[t], fabsf(v));  // NaN / Inf stay unscaled
+    reinterpret_cast<unsigned short*>(xs)[i] =
+        p.x_t == FMLP_DTYPE_F16 ? __half_as_ushort(__float2half_rn(v))
+                                : __bfloat16_as_ushort(__float2bfloat16_rn(v));  // exact
+  }
+#pragma unroll
+  for (int t = 0; t < MT; ++t) {
+    float v = mx[t];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (threadIdx.x % 32 == 0) atomicMax(amax + t, __float_as_uint(v));
+  }
+  __syncthreads();
+  if (threadIdx.x < MT) {
+    int e = 0;
+    frexpf(__uint_as_float(amax[threadIdx.x]), &e);
+    const int shift = amax[threadIdx.x] == 0 ? 0 : max(-126, min(126, 4 - e));
+    inv[threadIdx.x] = ldexpf(1.f, -shift);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < MT * k; i += kStreamThreads) {  // the slots this thread wrote
+    const unsigned short raw = reinterpret_cast<unsigned short*>(xs)[i];
+    const float v = p.x_t == FMLP_DTYPE_F16 ? __half2float(__ushort_as_half(raw))
+                                            : __bfloat162float(__ushort_as_bfloat16(raw));
+    xs[i] = __float2half_rn(v / inv[i / k]);
+  }
+}
+
+template <typename WT, typename XT, int MT>
+__global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const StreamParams p) {
+  constexpr bool kFp8 = std::is_same_v<WT, StreamFp8>;
+  using XS = std::conditional_t<kFp8, __half, XT>;  // staged x
+  extern __shared__ uint4 smem_v[];
+  XS* xs = reinterpret_cast<XS*>(smem_v);  // [MT][k]
+  __shared__ float red[2][kStreamWarps][MT];
+  __shared__ float inv[MT];  // fp8: the per-token factor undoing the staging's power of two
+  __shared__ unsigned amax[MT];
+  if (int(blockIdx.x) >= p.s.groups) return;
+  const auto sp = stream_span<WT>(p.s);
+  auto row_ptr = [&](int row) { return static_cast<const WT*>(p.w) + int64_t(row) * p.w_ld; };
+  uint4 cur[kStreamU];
+  stream_load<WT>(cur, p.s, sp, row_ptr, blockIdx.x, 0);  // in flight while x is staged
+  if constexpr (kFp8)
+    stage_x_f16<MT>(p, xs, inv, amax);
+  else
+    stage_x<XT, MT>(p, xs);
+  __syncthreads();
+  auto finish = [&](int row, int t, const float(&sum)[1]) {
+    if (t >= p.m) return;
+    float v = sum[0];
+    if constexpr (kFp8) v *= inv[t] * p.scale[p.scale_per_row ? row : 0];
+    if (p.bias) v += load_scalar(p.bias, p.bias_t, row);
+    const int64_t es = p.y_t == FMLP_DTYPE_F32 ? 4 : 2;
+    store_scalar(static_cast<char*>(p.y) + int64_t(t) * p.y_ld * es, p.y_t, row, v);
+  };
+  stream_run<WT, XS, MT>(p.s, sp, xs, row_ptr, finish, cur, red);
+}
+
+size_t smem_bytes(const LinearDesc& d, int mt) {
+  const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
+  return size_t(mt) * size_t(d.k) * (fp8 ? 2 : dtype_size(d.act_dtype));
+}
+
+int token_tile(int64_t m) {
+  return m <= 1 ? 1 : m <= 2 ? 2 : 4;
+}
+
+template <typename KERNEL>
+int resident_blocks(KERNEL kernel, size_t smem, int device) {
+  using Key = std::tuple<const void*, size_t, int>;  // occupancy, asked once per kernel and size
+  static std::mutex mu;
+  static std::map<Key, int> cache;
+  const Key key{reinterpret_cast<const void*>(kernel), smem, device};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    int per_sm = 1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStreamThreads, smem) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      per_sm = 1;
+    }
+    it = cache.emplace(key, std::max(1, per_sm) * std::max(1, cuda_sm_count(device))).first;
+  }
+  return it->second;
+}
+
+template <typename WT, typename XT, int MT>
+fmlp_status_t launch(const StreamParams& p, size_t smem, int device, cudaStream_t s) {
+  constexpr auto kernel = &linear_sm80_stream<WT, XT, MT>;
+  const int grid = std::min(p.s.groups, resident_blocks(kernel, smem, device));
+  kernel<<<grid, kStreamThreads, smem, s>>>(p);
+  return launch_status("linear_sm80_stream");
+}
+
+template <typename WT, typename XT>
+fmlp_status_t dispatch_mt(const StreamParams& p, int mt, size_t smem, int device, cudaStream_t s) {
+  switch (mt) {
+    case 1: return launch<WT, XT, 1>(p, smem, device, s);
+    case 2: return launch<WT, XT, 2>(p, smem, device, s);
+    default: return launch<WT, XT, 4>(p, smem, device, s);
+  }
+}
+
+template <typename WT>
+fmlp_status_t dispatch_x(const StreamParams& p, int mt, size_t smem, int device, cudaStream_t s) {
+  if constexpr (std::is_same_v<WT, StreamFp8>)  // x is read by dtype while staged: one instance
+    return dispatch_mt<WT, __half>(p, mt, smem, device, s);
+  switch (p.x_t) {
+    case FMLP_DTYPE_F32: return dispatch_mt<WT, float>(p, mt, smem, device, s);
+    case FMLP_DTYPE_F16: return dispatch_mt<WT, __half>(p, mt, smem, device, s);
+    default: return dispatch_mt<WT, __nv_bfloat16>(p, mt, smem, device, s);
+  }
+}
+
+}  // namespace
+
+bool linear_stream_supports(const LinearDesc& d, std::string* why) {
+  if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
+  if (d.w8a8())
+    return (*why = "fp8 activations (W8A8): linear_sm80_mma and cuBLASLt take them", false);
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) {
+    if (cuda_compute_capability(d.device_id) < 89)
+      return (*why = "fp8 weights need sm_89 or newer (cvt.rn.f16x2.e4m3x2)", false);
+    if (d.act_dtype == FMLP_DTYPE_F32)
+      return (*why =
+                  "f32 activations with fp8 weights: staging x as fp16 would round it; "
+                  "linear_sm80_gemv takes them",
+              false);
+  } else if (d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16) {
+    return (*why = fmt::format("{} weights: the stream GEMV takes bf16, f16 or f8_e4m3 (f32: "
+                               "linear_sm80_gemv)",
+                               fmlp_dtype_name(d.w_dtype)),
+            false);
+  }
+  if (d.m < 1 || d.m > kMaxTokens)
+    return (*why = fmt::format("M={}: the stream GEMV takes 1 to {} rows (more: cuBLASLt)", d.m,
+                               kMaxTokens),
+            false);
+  if (!d.w_vec16)
+    return (*why = "W must be 16-byte aligned (base, row stride) with K in whole 16-byte chunks",
+            false);
+  if (d.n >= (int64_t(1) << 31) || d.k >= (int64_t(1) << 31))
+    return (*why = "N and K must be below 2^31", false);
+  const size_t smem = smem_bytes(d, token_tile(d.m));
+  if (smem > size_t(kMaxXsBytes))
+    return (*why = fmt::format("{} staged x rows of K={} take {} KiB of shared memory, more than "
+                               "{} KiB; cuBLASLt or linear_sm80_gemv take it",
+                               token_tile(d.m), d.k, smem >> 10, kMaxXsBytes >> 10),
+            false);
+  return true;
+}
+
+size_t linear_stream_workspace(const LinearDesc&) {
+  return 0;
+}
+
+fmlp_status_t linear_stream_run(const fmlp_linear_args_t& a, const LinearDesc& d, void*,
+                                void* stream) {
+  const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
+  StreamParams p{};
+  p.x = a.x.data;
+  p.y = a.y.data;
+  p.w = a.w.data;
+  p.bias = d.bias_dtype == FMLP_DTYPE_INVALID ? nullptr : a.bias.data;
+  p.bias_t = d.bias_dtype;
+  p.scale = d.w_scale == ScaleKind::kNone ? nullptr : static_cast<const float*>(a.w_scale.data);
+  p.scale_per_row = d.w_scale == ScaleKind::kPerRow;
+  p.x_ld = a.x.stride[0];
+  p.y_ld = a.y.stride[0];
+  p.w_ld = a.w.stride[0];
+  p.x_t = d.act_dtype;
+  p.y_t = d.out_dtype;
+  p.m = int(d.m);
+  p.s = stream_shape(d.n, d.k, fp8 ? 1 : 2);
+  if (p.s.groups == 0) return FMLP_SUCCESS;  // N = 0: nothing to write
+  const int mt = token_tile(d.m);
+  const size_t smem = smem_bytes(d, mt);
+  const DeviceScope scope(d.device_id);
+  if (scope.status() != FMLP_SUCCESS) return scope.status();
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (d.w_dtype) {
+    case FMLP_DTYPE_F8_E4M3: return dispatch_x<StreamFp8>(p, mt, smem, d.device_id, s);
+    case FMLP_DTYPE_F16: return dispatch_x<__half>(p, mt, smem, d.device_id, s);
+    default: return dispatch_x<__nv_bfloat16>(p, mt, smem, d.device_id, s);
+  }
+}
+
+}  // namespace fmlp::detail
