@@ -180,8 +180,9 @@ std::vector<MlpCase> section_cases(Section s) {
           add(c);
         }
       break;
-    case Section::kRealistic:  // a GPT-2-sized block at decode and small-prefill M
-      for (int64_t m : {1, 5})
+    case Section::kRealistic:  // a GPT-2-sized block at decode and small-prefill M (M = 4: a
+                               // staged h of exactly 48 KiB, the shared-memory opt-in edge)
+      for (int64_t m : {1, 4, 5})
         for (int variant = 0; variant < 4; ++variant) {
           MlpCase c;
           c.m = m;

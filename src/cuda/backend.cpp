@@ -66,6 +66,10 @@ bool gemv_supports(const MlpDesc& d, std::string* why) {
   return device_supported(d, why) && mlp_decode_sm80_gemv_supports(d, why);
 }
 
+bool stream_supports(const MlpDesc& d, std::string* why) {
+  return device_supported(d, why) && mlp_decode_sm80_stream_supports(d, why);
+}
+
 bool prefetch_supports(const MlpDesc& d, std::string* why) {
   return device_supported(d, why) && mlp_decode_sm80_prefetch_supports(d, why);
 }
@@ -74,12 +78,15 @@ bool prefill_supports(const MlpDesc& d, std::string* why) {
   return device_supported(d, why) && mlp_prefill_sm90_cublaslt_supports(d, why);
 }
 
-// Decode preference below the planner's crossover, measured on an H200: whole-slice prefetch into
+// Decode preference below the planner's crossover, measured on an H200: the two weight streams for
+// up to four tokens (mlp_decode_stream.cu), whole-slice prefetch into
 // shared memory for MLPs whose weights fit on chip (gpt2-small), the register-stream kernel for one
 // token (gpt2-small M = 1: 11.4 us against 16.4 for the cluster kernel), the
 // tensor-core cluster kernel for up to 64 tokens of matching dtypes, splitk for the rest
 // (fp32 activations, odd sizes, deterministic mode).
 const MlpKernel kCudaKernels[] = {
+    {"mlp_decode_sm80_stream", FMLP_BACKEND_CUDA, stream_supports, mlp_decode_sm80_stream_workspace,
+     mlp_decode_sm80_stream_run},
     {"mlp_decode_sm80_prefetch", FMLP_BACKEND_CUDA, prefetch_supports,
      mlp_decode_sm80_prefetch_workspace, mlp_decode_sm80_prefetch_run},
     {"mlp_decode_sm80_gemv", FMLP_BACKEND_CUDA, gemv_supports, mlp_decode_sm80_gemv_workspace,

@@ -8,9 +8,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <map>
-#include <mutex>
-#include <tuple>
 #include <type_traits>
 
 #include "core/dtype.hpp"
@@ -30,6 +27,7 @@ using fmlp::cuda::kStreamWarps;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::store_scalar;
 using fmlp::cuda::stream_load;
+using fmlp::cuda::stream_resident_blocks;
 using fmlp::cuda::stream_run;
 using fmlp::cuda::stream_shape;
 using fmlp::cuda::stream_span;
@@ -158,30 +156,11 @@ int token_tile(int64_t m) {
   return m <= 1 ? 1 : m <= 2 ? 2 : 4;
 }
 
-template <typename KERNEL>
-int resident_blocks(KERNEL kernel, size_t smem, int device) {
-  using Key = std::tuple<const void*, size_t, int>;  // occupancy, asked once per kernel and size
-  static std::mutex mu;
-  static std::map<Key, int> cache;
-  const Key key{reinterpret_cast<const void*>(kernel), smem, device};
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(key);
-  if (it == cache.end()) {
-    int per_sm = 1;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStreamThreads, smem) !=
-        cudaSuccess) {
-      cudaGetLastError();
-      per_sm = 1;
-    }
-    it = cache.emplace(key, std::max(1, per_sm) * std::max(1, cuda_sm_count(device))).first;
-  }
-  return it->second;
-}
-
 template <typename WT, typename XT, int MT>
 fmlp_status_t launch(const StreamParams& p, size_t smem, int device, cudaStream_t s) {
   constexpr auto kernel = &linear_sm80_stream<WT, XT, MT>;
-  const int grid = std::min(p.s.groups, resident_blocks(kernel, smem, device));
+  const int grid =
+      std::min(p.s.groups, stream_resident_blocks(kernel, smem, device, cuda_sm_count(device)));
   kernel<<<grid, kStreamThreads, smem, s>>>(p);
   return launch_status("linear_sm80_stream");
 }

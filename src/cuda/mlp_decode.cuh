@@ -29,6 +29,12 @@ bool split_hidden_supports(const MlpDesc& d, int max_tokens, std::string* why);
 size_t split_hidden_workspace(const MlpDesc& d);
 void split_hidden_scratch(void* workspace, const MlpDesc& d, float** acc, unsigned** counter);
 
+// Two memory-order weight streams (mlp_decode_stream.cu): M <= 4, bf16/fp16 weights.
+bool mlp_decode_sm80_stream_supports(const MlpDesc& d, std::string* why);
+size_t mlp_decode_sm80_stream_workspace(const MlpDesc& d);
+fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc& d,
+                                         void* workspace, void* stream);
+
 bool mlp_decode_sm80_prefetch_supports(const MlpDesc& d, std::string* why);
 size_t mlp_decode_sm80_prefetch_workspace(const MlpDesc& d);
 fmlp_status_t mlp_decode_sm80_prefetch_run(const fmlp_mlp_args_t& a, const MlpDesc& d,

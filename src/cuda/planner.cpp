@@ -10,15 +10,20 @@
 namespace fmlp::detail {
 namespace {
 
-// Measured on an H200 (bench/mlp_cuda_bench_prefill, commit of bench/results/cuda_prefill_h200.*):
-// the cuBLASLt path is the fastest of our paths from M = 1 for every shape whose weights are
-// tens of MB or more; only gpt2-small at M = 1 is faster on the one-launch register-stream decode
-// kernel (11.4 us against 12.6). The bench prints rows in this format to refill the table.
+// Measured on an H200 (bench/mlp_cuda_bench_prefill, commit of bench/results/cuda_prefill_h200.*;
+// the decode entries forced one by one against the cuBLASLt path at M = 1..4 with
+// bench/mlp_cuda_bench --kernel, bench/results/cuda_decode_h200.*): below the crossover the decode
+// entries run in table order, the weight streams (mlp_decode_sm80_stream) first. The cuBLASLt
+// path is the fastest from M = 1 for shapes of tens of MB and more; the streams win on the small
+// MLPs. The bench prints rows in this format to refill the table.
 // 16-bit rows serve bf16 and fp16 alike: the paths read the same bytes and do the same math.
 constexpr CrossoverEntry kTable[] = {
     // {d_in, hidden, gated, dtype, crossover M, source}
-    {768, 3072, false, FMLP_DTYPE_BF16, 2, "measured on NVIDIA H200 (sm_90)"},
-    {4096, 4096, false, FMLP_DTYPE_BF16, 1, "measured on NVIDIA H200 (sm_90)"},
+    // gpt2-small: streams 9.2 / 11.5 us at M = 1 / 2, cuBLASLt path 12.7 / 12.7.
+    {768, 3072, false, FMLP_DTYPE_BF16, 3, "measured on NVIDIA H200 (sm_90)"},
+    // 4096 -> 4096: streams 29.3 us at M = 1 (cuBLASLt 30.4), 65.4 at M = 4 (30.7).
+    {4096, 4096, false, FMLP_DTYPE_BF16, 2, "measured on NVIDIA H200 (sm_90)"},
+    // llama3-8b: cuBLASLt 101.2 us at M = 1, streams 105.1.
     {4096, 14336, true, FMLP_DTYPE_BF16, 1, "measured on NVIDIA H200 (sm_90)"},
     {8192, 28672, true, FMLP_DTYPE_BF16, 1, "measured on NVIDIA H200 (sm_90)"},
 };
@@ -29,9 +34,12 @@ constexpr CrossoverEntry kDefaultSmall{
     false, FMLP_DTYPE_INVALID,
     2,     "default for weights under 16 MiB: decode kernels at M = 1, as measured for gpt2-small"};
 constexpr CrossoverEntry kDefaultLarge{
-    0,     0,
-    false, FMLP_DTYPE_INVALID,
-    1,     "default for weights of 16 MiB or more: the cuBLASLt path, as measured for 4096 and up"};
+    0,
+    0,
+    false,
+    FMLP_DTYPE_INVALID,
+    1,
+    "default for weights of 16 MiB or more: the cuBLASLt path, as measured for llama3-8b and up"};
 
 // fp8 weights on the prefill path are W8A8 (activations quantised per token): below the crossover
 // the decode kernels keep the exact weight-only dequantisation, and they stream the same fp8

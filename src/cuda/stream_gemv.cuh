@@ -35,7 +35,11 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #include "cuda/common.cuh"
@@ -96,6 +100,28 @@ inline StreamShape stream_shape(int64_t n, int64_t k, int elem_bytes, int min_ro
   s.batches = (s.cpw + kStreamBatch - 1) / kStreamBatch;
   s.groups = int((n + s.rows - 1) / s.rows);
   return s;
+}
+
+// Blocks of KERNEL (kStreamThreads threads, `smem` dynamic bytes) resident on `device` at once:
+// the stream kernels' grid. Asked once per kernel, size and device.
+template <typename KERNEL>
+int stream_resident_blocks(KERNEL kernel, size_t smem, int device, int sms) {
+  using Key = std::tuple<const void*, size_t, int>;
+  static std::mutex mu;
+  static std::map<Key, int> cache;
+  const Key key{reinterpret_cast<const void*>(kernel), smem, device};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    int per_sm = 1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStreamThreads, smem) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      per_sm = 1;
+    }
+    it = cache.emplace(key, std::max(1, per_sm) * std::max(1, sms)).first;
+  }
+  return it->second;
 }
 
 // This warp's part of a row: chunks [begin, end).

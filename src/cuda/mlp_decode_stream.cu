@@ -1,0 +1,221 @@
+// mlp_decode_sm80_stream: the MLP of up to four tokens as two memory-order weight streams
+// (stream_gemv.cuh), for bf16/fp16 weights.
+//
+// Why: at M = 1 the MLP is a read of its weights, and the one-launch kernels read them well below
+// a plain stream (docs/cuda-decode.md: the cluster kernel at 47 % of DRAM peak). Here each weight
+// matrix is one stream of stream_gemv.cuh, at the price of h's round trip through the workspace
+// (M x hidden x 4 bytes) and a second launch. Measured on an H200 (graph replay, cold L2): gpt2-
+// small 9.2 us at M = 1 (the prefetch kernel 11.0, the cuBLASLt path 12.7) and 11.5 at M = 2
+// (12.7); 4096 -> 4096 gelu 29.3 at M = 1 (30.4) but 65 at M = 4; llama3-8b 105 at M = 1
+// against 101 for the cuBLASLt path, although the same stream reads the gate/up and down
+// matrices alone in 60 + 34 us (linear_sm80_stream): the fp32 staging of x and h doubles the
+// shared-memory reads per weight chunk and caps the blocks per multiprocessor at three, which is
+// the next thing to change. The planner (planner.cpp) sends only what it measured faster here.
+//   1. mlp_decode_sm80_stream_up: x is normalised and staged in fp32 by every block; W1 is
+//      streamed row by row (gated: gate row j and up row j interleaved as rows 2j and 2j + 1 of
+//      one virtual matrix, so one thread gets both sums); the epilogue adds b1 (b_gate, b_up),
+//      applies the activation (and the gating) and stores h in fp32 to the workspace.
+//   2. mlp_decode_sm80_stream_down: every block stages h in fp32, counts itself in, and the last
+//      block to have staged it re-zeroes h and the counter (the workspace contract: left zero);
+//      W2 is streamed; the epilogue adds b2 and the residual and writes y.
+// fp32 everywhere but the weights: the numerics of the reference up to summation order, and the
+// order is fixed (deterministic). Limits: h and the normalised x in shared memory (M x hidden x 4
+// and M x d_in x 4 bytes, at most kMaxStageBytes).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+#include "cuda/common.cuh"
+#include "cuda/decode_common.cuh"
+#include "cuda/device_scope.hpp"
+#include "cuda/launch_util.hpp"
+#include "cuda/mlp_decode.cuh"
+#include "cuda/stream_gemv.cuh"
+
+namespace fmlp::detail {
+namespace {
+
+using fmlp::cuda::activate;
+using fmlp::cuda::DecodeOperands;
+using fmlp::cuda::kStreamThreads;
+using fmlp::cuda::kStreamU;
+using fmlp::cuda::kStreamWarps;
+using fmlp::cuda::load_scalar;
+using fmlp::cuda::opt;
+using fmlp::cuda::stage_tokens;
+using fmlp::cuda::store_scalar;
+using fmlp::cuda::stream_load;
+using fmlp::cuda::stream_resident_blocks;
+using fmlp::cuda::stream_run;
+using fmlp::cuda::stream_shape;
+using fmlp::cuda::stream_span;
+using fmlp::cuda::StreamShape;
+
+constexpr int kMaxTokens = 4;
+constexpr size_t kMaxStageBytes = 64 * 1024;  // three blocks per multiprocessor
+
+struct StreamMlpParams : DecodeOperands {
+  float* hbuf;        // [m, hidden] fp32 workspace, zero between calls
+  unsigned* counter;  // blocks of the down launch that staged h, zero between calls
+  StreamShape up, down;
+};
+
+template <typename WT, int M>
+__global__ void __launch_bounds__(kStreamThreads, 3)
+    mlp_decode_sm80_stream_up(const StreamMlpParams p) {
+  extern __shared__ float4 smem4[];
+  float* xs = reinterpret_cast<float*>(smem4);  // [M][k]
+  __shared__ float red[2][kStreamWarps][M];
+  __shared__ float scratch[kStreamWarps];
+  if (int(blockIdx.x) >= p.up.groups) return;
+  const bool gated = p.wu != nullptr;
+  const auto sp = stream_span<WT>(p.up);
+  // Gated: virtual row 2j is gate row j, 2j + 1 up row j.
+  auto row_ptr = [&](int row) {
+    if (!gated) return static_cast<const WT*>(p.wg) + int64_t(row) * p.wg_ld;
+    return (row & 1) ? static_cast<const WT*>(p.wu) + int64_t(row >> 1) * p.wu_ld
+                     : static_cast<const WT*>(p.wg) + int64_t(row >> 1) * p.wg_ld;
+  };
+  uint4 cur[kStreamU];
+  stream_load<WT>(cur, p.up, sp, row_ptr, blockIdx.x, 0);  // in flight while x is staged
+  stage_tokens<kStreamThreads, M>(p, xs, scratch);         // ends with __syncthreads
+  if (gated) {
+    auto finish = [&](int row, int t, const float(&v)[2]) {
+      const int j = row >> 1;
+      const float a = v[0] + opt(p.bg, p.bg_t, j, 0.f);
+      const float u = v[1] + opt(p.bu, p.bu_t, j, 0.f);
+      p.hbuf[int64_t(t) * p.h + j] = activate(p.act, a) * u;
+    };
+    stream_run<WT, float, M, 2>(p.up, sp, xs, row_ptr, finish, cur, red);
+  } else {
+    auto finish = [&](int row, int t, const float(&v)[1]) {
+      p.hbuf[int64_t(t) * p.h + row] = activate(p.act, v[0] + opt(p.bg, p.bg_t, row, 0.f));
+    };
+    stream_run<WT, float, M, 1>(p.up, sp, xs, row_ptr, finish, cur, red);
+  }
+}
+
+template <typename WT, int M>
+__global__ void __launch_bounds__(kStreamThreads, 3)
+    mlp_decode_sm80_stream_down(const StreamMlpParams p) {
+  extern __shared__ float4 smem4[];
+  float* hs = reinterpret_cast<float*>(smem4);  // [M][hidden]
+  __shared__ float red[2][kStreamWarps][M];
+  __shared__ unsigned is_last;
+  if (int(blockIdx.x) >= p.down.groups) return;
+  const auto sp = stream_span<WT>(p.down);
+  auto row_ptr = [&](int row) { return static_cast<const WT*>(p.w2) + int64_t(row) * p.w2_ld; };
+  uint4 cur[kStreamU];
+  stream_load<WT>(cur, p.down, sp, row_ptr, blockIdx.x, 0);  // in flight while h is staged
+  const int vecs = M * p.h / 4;                              // hidden is a multiple of 8
+  for (int i = threadIdx.x; i < vecs; i += kStreamThreads)
+    reinterpret_cast<float4*>(hs)[i] = __ldcg(reinterpret_cast<const float4*>(p.hbuf) + i);
+  __syncthreads();  // this block's reads of h are done
+  if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (is_last) {  // every block has staged h: re-zero it for the next call
+    for (int i = threadIdx.x; i < vecs; i += kStreamThreads)
+      reinterpret_cast<float4*>(p.hbuf)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (threadIdx.x == 0) *p.counter = 0;
+  }
+  const size_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
+  auto finish = [&](int row, int t, const float(&v)[1]) {
+    float r = v[0] + opt(p.b2, p.b2_t, row, 0.f);
+    if (p.res)
+      r += load_scalar(static_cast<const char*>(p.res) + int64_t(t) * p.res_ld * es, p.act_t, row);
+    store_scalar(static_cast<char*>(p.y) + int64_t(t) * p.y_ld * es, p.act_t, row, r);
+  };
+  stream_run<WT, float, M, 1>(p.down, sp, hs, row_ptr, finish, cur, red);
+}
+
+template <typename WT, int M>
+fmlp_status_t launch(const StreamMlpParams& p, cudaStream_t s, int device) {
+  constexpr auto up = &mlp_decode_sm80_stream_up<WT, M>;
+  constexpr auto down = &mlp_decode_sm80_stream_down<WT, M>;
+  const size_t smem_up = size_t(M) * size_t(p.k) * 4, smem_down = size_t(M) * size_t(p.h) * 4;
+  if (fmlp_status_t st = allow_dynamic_smem<up>(smem_up, "mlp_decode_sm80_stream_up");
+      st != FMLP_SUCCESS)
+    return st;
+  if (fmlp_status_t st = allow_dynamic_smem<down>(smem_down, "mlp_decode_sm80_stream_down");
+      st != FMLP_SUCCESS)
+    return st;
+  if (p.up.groups > 0) {  // hidden = 0: h is empty
+    up<<<std::min(p.up.groups, stream_resident_blocks(up, smem_up, device, cuda_sm_count(device))),
+         kStreamThreads, smem_up, s>>>(p);
+    if (fmlp_status_t st = launch_status("mlp_decode_sm80_stream_up"); st != FMLP_SUCCESS)
+      return st;
+  }
+  down<<<std::min(p.down.groups,
+                  stream_resident_blocks(down, smem_down, device, cuda_sm_count(device))),
+         kStreamThreads, smem_down, s>>>(p);
+  return launch_status("mlp_decode_sm80_stream_down");
+}
+
+template <typename WT>
+fmlp_status_t dispatch(const StreamMlpParams& p, cudaStream_t s, int device) {
+  switch (p.m) {
+    case 1: return launch<WT, 1>(p, s, device);
+    case 2: return launch<WT, 2>(p, s, device);
+    case 3: return launch<WT, 3>(p, s, device);
+    default: return launch<WT, 4>(p, s, device);
+  }
+}
+
+}  // namespace
+
+bool mlp_decode_sm80_stream_supports(const MlpDesc& d, std::string* why) {
+  if (d.device != FMLP_DEVICE_CUDA) return (*why = "needs CUDA device memory", false);
+  if (d.m < 1 || d.m > kMaxTokens)
+    return (*why = fmt::format("M={}: the stream path takes 1 to {} tokens", d.m, kMaxTokens),
+            false);
+  if (d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16)
+    return (*why = fmt::format("{} weights: the stream path takes bf16 or f16",
+                               fmlp_dtype_name(d.w_dtype)),
+            false);
+  if (d.d_in % 8 != 0 || d.hidden % 8 != 0)
+    return (*why = fmt::format("d_in {} and hidden {} must be multiples of 8 for 16-byte loads",
+                               d.d_in, d.hidden),
+            false);
+  if (!d.weights_vec16)
+    return (*why =
+                "a weight matrix is not 16-byte aligned (base or row stride); pack the "
+                "weights with fmlp_mlp_pack",
+            false);
+  const size_t x_bytes = size_t(d.m) * size_t(d.d_in) * 4,
+               h_bytes = size_t(d.m) * size_t(d.hidden) * 4;
+  if (std::max(x_bytes, h_bytes) > kMaxStageBytes)
+    return (*why = fmt::format("M={} tokens of d_in {} / hidden {} in fp32 take {} KiB of shared "
+                               "memory, more than the stream path's {} KiB",
+                               d.m, d.d_in, d.hidden, std::max(x_bytes, h_bytes) >> 10,
+                               kMaxStageBytes >> 10),
+            false);
+  if (d.hidden >= (int64_t(1) << 30) || d.d_out >= (int64_t(1) << 31))
+    return (*why = "hidden and d_out must be below 2^30 and 2^31", false);
+  return true;
+}
+
+size_t mlp_decode_sm80_stream_workspace(const MlpDesc& d) {
+  return align_up(size_t(d.m) * size_t(d.hidden) * 4) + align_up(4);
+}
+
+fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc& d,
+                                         void* workspace, void* stream) {
+  StreamMlpParams p{};
+  static_cast<DecodeOperands&>(p) = fmlp::cuda::decode_operands(a, d);
+  char* base = static_cast<char*>(workspace);
+  p.hbuf = reinterpret_cast<float*>(base);
+  p.counter = reinterpret_cast<unsigned*>(base + align_up(size_t(d.m) * size_t(d.hidden) * 4));
+  const int es = int(dtype_size(d.w_dtype));
+  p.up = stream_shape(d.gated ? 2 * d.hidden : d.hidden, d.d_in, es, d.gated ? 2 : 1);
+  p.down = stream_shape(d.d_out, d.hidden, es);
+  if (d.d_out == 0) return FMLP_SUCCESS;
+  const DeviceScope scope(d.device_id);
+  if (scope.status() != FMLP_SUCCESS) return scope.status();
+  auto s = static_cast<cudaStream_t>(stream);
+  return d.w_dtype == FMLP_DTYPE_F16 ? dispatch<__half>(p, s, d.device_id)
+                                     : dispatch<__nv_bfloat16>(p, s, d.device_id);
+}
+
+}  // namespace fmlp::detail
