@@ -8,8 +8,11 @@
 // x and y, at the copy bandwidth measured in this run. T <= 4 is checked against an fp64 host
 // reference of token 0 before timing. Every row names the cuda entry that ran: the default dispatch
 // picks, or --kernel NAME (fmlp_moe_with_kernel; rows it does not take are printed as skipped).
+// --wdtype f8: fp8 e4m3 experts (the same random weights quantised per row, fp32 scales [E, rows];
+// x and y stay bf16); the floor then counts the fp8 bytes and the scales of the experts hit, and
+// the check uses the dequantised weights.
 // usage: fusedmlp_moe_bench [--json FILE] [--reps N] [--ts 1,4,16,64,512] [--deterministic]
-//                           [--kernel moe_sm80_grouped|moe_sm80_chunked]
+//                           [--kernel moe_sm80_grouped|moe_sm80_chunked] [--wdtype bf16|f8]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -38,7 +41,8 @@ struct Layer {
 const Layer kLayers[] = {{"mixtral", 8, 2, 4096, 14336}, {"e64k8", 64, 8, 2048, 1408}};
 
 uint64_t g_rng = 0x9E3779B97F4A7C15ull;
-double urand() {  // [-1, 1)
+bool g_fp8 = false;  // --wdtype f8
+double urand() {     // [-1, 1)
   g_rng ^= g_rng << 13, g_rng ^= g_rng >> 7, g_rng ^= g_rng << 17;
   return double(g_rng >> 11) * 0x1p-52 - 1.0;
 }
@@ -52,16 +56,47 @@ double bf(uint16_t v) {
   return fmlp::bf16_to_float(v);
 }
 
-void* upload(const std::vector<uint16_t>& h) {
+template <typename T>
+void* upload(const std::vector<T>& h) {
   void* d = nullptr;
-  CK(cudaMalloc(&d, h.size() * 2));
-  CK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&d, h.size() * sizeof(T)));
+  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
   return d;
 }
 
-fmlp_tensor_t dev(void* p, int nd, const int64_t* shape) {
+// Expert weights [rows, cols] (stacked): bf16, or (g_fp8) e4m3 codes with one scale per row.
+struct Weights {
+  std::vector<uint16_t> bf;
+  std::vector<uint8_t> q;
+  std::vector<float> s;
+  int64_t cols = 1;
+  double at(size_t i) const {
+    return g_fp8 ? double(fmlp::f8e4m3_to_float(q[i])) * s[i / size_t(cols)]
+                 : double(fmlp::bf16_to_float(bf[i]));
+  }
+};
+
+Weights random_weights(size_t n, int64_t cols, double scale) {
+  Weights w;
+  w.bf = random_bf16(n, scale), w.cols = cols;
+  if (!g_fp8) return w;
+  w.q.resize(n), w.s.resize(n / size_t(cols));
+  for (size_t r = 0; r < w.s.size(); ++r) {
+    float amax = 0.f;
+    for (size_t c = 0; c < size_t(cols); ++c)
+      amax = std::max(amax, std::fabs(fmlp::bf16_to_float(w.bf[r * size_t(cols) + c])));
+    w.s[r] = amax > 0.f ? amax / 448.f : 1.f;
+    for (size_t c = 0; c < size_t(cols); ++c)
+      w.q[r * size_t(cols) + c] =
+          fmlp::float_to_f8e4m3(fmlp::bf16_to_float(w.bf[r * size_t(cols) + c]) / w.s[r]);
+  }
+  w.bf = {};
+  return w;
+}
+
+fmlp_tensor_t dev(void* p, int nd, const int64_t* shape, fmlp_dtype_t dt = FMLP_DTYPE_BF16) {
   fmlp_tensor_t t = fmlp_tensor_none();
-  t.data = p, t.dtype = FMLP_DTYPE_BF16, t.ndim = nd, t.device_type = FMLP_DEVICE_CUDA;
+  t.data = p, t.dtype = dt, t.ndim = nd, t.device_type = FMLP_DEVICE_CUDA;
   int64_t s = 1;
   for (int i = nd - 1; i >= 0; --i) t.shape[i] = shape[i], t.stride[i] = s, s *= shape[i];
   return t;
@@ -107,20 +142,29 @@ std::string dispatched(const fmlp_moe_args_t& a) {
 Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int reps, bool det,
           const char* kernel) {
   const size_t w1n = size_t(L.e * 2 * L.h * L.d), w2n = size_t(L.e * L.d * L.h);
-  const double expert_bytes = double(3 * L.h * L.d) * 2;
+  const size_t esz = g_fp8 ? 1 : 2;
+  // fp8: the codes and the fp32 row scales of W1 and W2.
+  const double expert_bytes =
+      double(3 * L.h * L.d) * double(esz) + (g_fp8 ? double(2 * L.h + L.d) * 4 : 0.0);
   // Copies so that the experts one call hits (at least k) exceed 3x the L2, within ~6 GB.
   const double hit_min = expert_bytes * double(std::min(L.e, L.k * T));
   const int copies = int(std::clamp<double>(std::ceil(3.0 * double(l2) / hit_min), 1.0,
-                                            std::max(1.0, 6e9 / double((w1n + w2n) * 2))));
+                                            std::max(1.0, 6e9 / double((w1n + w2n) * esz))));
   const size_t nc = size_t(copies);
-  std::vector<std::vector<uint16_t>> w1(nc), w2(nc), x(nc);
+  std::vector<Weights> w1(nc), w2(nc);
+  std::vector<std::vector<uint16_t>> x(nc);
   const std::vector<uint16_t> wr = random_bf16(size_t(L.e * L.d), 1.0 / std::sqrt(double(L.d)));
-  std::vector<void*> dw1, dw2, dx;
+  std::vector<void*> dw1, dw2, dx, ds1, ds2;
   for (int c = 0; c < copies; ++c) {
-    w1[size_t(c)] = random_bf16(w1n, std::sqrt(3.0 / double(L.d)));
-    w2[size_t(c)] = random_bf16(w2n, std::sqrt(3.0 / double(L.h)));
+    w1[size_t(c)] = random_weights(w1n, L.d, std::sqrt(3.0 / double(L.d)));
+    w2[size_t(c)] = random_weights(w2n, L.h, std::sqrt(3.0 / double(L.h)));
     x[size_t(c)] = random_bf16(size_t(T * L.d), 1.7);
-    dw1.push_back(upload(w1[size_t(c)])), dw2.push_back(upload(w2[size_t(c)]));
+    if (g_fp8) {
+      dw1.push_back(upload(w1[size_t(c)].q)), dw2.push_back(upload(w2[size_t(c)].q));
+      ds1.push_back(upload(w1[size_t(c)].s)), ds2.push_back(upload(w2[size_t(c)].s));
+    } else {
+      dw1.push_back(upload(w1[size_t(c)].bf)), dw2.push_back(upload(w2[size_t(c)].bf));
+    }
     dx.push_back(upload(x[size_t(c)]));
   }
   void* dwr = upload(wr);
@@ -130,7 +174,13 @@ Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int r
                 w2s[3] = {L.e, L.d, L.h};
   fmlp_moe_args_t a{};
   a.y = dev(dy, 2, xs), a.x = dev(dx[0], 2, xs), a.router_w = dev(dwr, 2, wrs);
-  a.w1 = dev(dw1[0], 3, w1s), a.w2 = dev(dw2[0], 3, w2s);
+  const fmlp_dtype_t wt = g_fp8 ? FMLP_DTYPE_F8_E4M3 : FMLP_DTYPE_BF16;
+  a.w1 = dev(dw1[0], 3, w1s, wt), a.w2 = dev(dw2[0], 3, w2s, wt);
+  if (g_fp8) {
+    const int64_t s1s[2] = {L.e, 2 * L.h}, s2s[2] = {L.e, L.d};
+    a.w1_scale = dev(ds1[0], 2, s1s, FMLP_DTYPE_F32),
+    a.w2_scale = dev(ds2[0], 2, s2s, FMLP_DTYPE_F32);
+  }
   a.residual = a.router_b = a.b1 = a.b2 = fmlp_tensor_none();
   a.config = fmlp_moe_config_default(int32_t(L.e), int32_t(L.k));
   a.config.gated = 1, a.config.activation = FMLP_ACT_SILU, a.config.deterministic = det;
@@ -140,6 +190,10 @@ Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int r
       CK(cudaFree(dw1[size_t(c)]));
       CK(cudaFree(dw2[size_t(c)]));
       CK(cudaFree(dx[size_t(c)]));
+      if (g_fp8) {
+        CK(cudaFree(ds1[size_t(c)]));
+        CK(cudaFree(ds2[size_t(c)]));
+      }
     }
     CK(cudaFree(dwr));
     CK(cudaFree(dy));
@@ -169,19 +223,19 @@ Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int r
     std::vector<double> w(size_t(L.k)), ref(size_t(L.d), 0.0), h(size_t(L.h));
     route(L, wr.data(), x[0].data(), ids.data(), w.data());
     for (int64_t j = 0; j < L.k; ++j) {
-      const uint16_t* e1 = w1[0].data() + size_t(ids[size_t(j)] * 2 * L.h * L.d);
-      const uint16_t* e2 = w2[0].data() + size_t(ids[size_t(j)] * L.d * L.h);
+      const size_t e1 = size_t(ids[size_t(j)] * 2 * L.h * L.d);
+      const size_t e2 = size_t(ids[size_t(j)] * L.d * L.h);
       for (int64_t u = 0; u < L.h; ++u) {
         double g = 0, v = 0;
         for (int64_t c = 0; c < L.d; ++c) {
-          g += bf(e1[u * L.d + c]) * bf(x[0][size_t(c)]);
-          v += bf(e1[(L.h + u) * L.d + c]) * bf(x[0][size_t(c)]);
+          g += w1[0].at(e1 + size_t(u * L.d + c)) * bf(x[0][size_t(c)]);
+          v += w1[0].at(e1 + size_t((L.h + u) * L.d + c)) * bf(x[0][size_t(c)]);
         }
         h[size_t(u)] = g / (1 + std::exp(-g)) * v;
       }
       for (int64_t o = 0; o < L.d; ++o) {
         double acc = 0;
-        for (int64_t u = 0; u < L.h; ++u) acc += bf(e2[o * L.h + u]) * h[size_t(u)];
+        for (int64_t u = 0; u < L.h; ++u) acc += w2[0].at(e2 + size_t(o * L.h + u)) * h[size_t(u)];
         ref[size_t(o)] += w[size_t(j)] * acc;
       }
     }
@@ -212,6 +266,7 @@ Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int r
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   for (int c = 0; c < copies; ++c) {
     a.x.data = dx[size_t(c)], a.w1.data = dw1[size_t(c)], a.w2.data = dw2[size_t(c)];
+    if (g_fp8) a.w1_scale.data = ds1[size_t(c)], a.w2_scale.data = ds2[size_t(c)];
     FK(call());
   }
   CK(cudaStreamEndCapture(s, &g));
@@ -247,6 +302,8 @@ int main(int argc, char** argv) {
       det = true;
     else if (a == "--kernel" && i + 1 < argc)
       kernel = argv[++i];
+    else if (a == "--wdtype" && i + 1 < argc)
+      g_fp8 = std::string(argv[++i]) == "f8";
   }
   std::vector<int64_t> tv;
   for (const char* p = ts.c_str(); *p;) {
@@ -258,8 +315,8 @@ int main(int argc, char** argv) {
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const double bw = copy_bandwidth();
-  std::printf("%s, copy %.3f TB/s, L2 %d MB, deterministic %d\n", prop.name, bw * 1e-12,
-              prop.l2CacheSize >> 20, det ? 1 : 0);
+  std::printf("%s, copy %.3f TB/s, L2 %d MB, deterministic %d, experts %s\n", prop.name, bw * 1e-12,
+              prop.l2CacheSize >> 20, det ? 1 : 0, g_fp8 ? "f8_e4m3" : "bf16");
   std::vector<Row> rows;
   for (const Layer& L : kLayers)
     for (int64_t T : tv) {
@@ -275,8 +332,10 @@ int main(int argc, char** argv) {
     }
   FILE* f = std::fopen(json.c_str(), "w");
   if (!f) return 1;
-  std::fprintf(f, "{\"gpu\": \"%s\", \"copy_TBps\": %.4f, \"deterministic\": %d, \"rows\": [\n",
-               prop.name, bw * 1e-12, det ? 1 : 0);
+  std::fprintf(f,
+               "{\"gpu\": \"%s\", \"copy_TBps\": %.4f, \"deterministic\": %d, \"wdtype\": "
+               "\"%s\", \"rows\": [\n",
+               prop.name, bw * 1e-12, det ? 1 : 0, g_fp8 ? "f8_e4m3" : "bf16");
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     std::fprintf(f,

@@ -301,6 +301,9 @@ TEST(Moe, RoundedRouterLogitsRouteLikeA16BitRouter) {
 // Tolerances: those of tolerance.hpp (rtol of the output dtype, or of the weight dtype when larger:
 // x and h are rounded to the bf16/f16 weights for the tensor cores); tokens whose k-th and
 // (k+1)-th router scores are within 1e-4 are not compared (the fp32 router may pick either).
+// fp8 e4m3 experts: rtol 2^-7 (f8_e4m3 counts like bf16 in tolerance.hpp): the weights are exact
+// (fp16 holds every e4m3 value) and x and h are staged as fp16 times a power of two per row (11
+// significant bits, finer than the bf16 rounding of 16-bit experts), fp32 accumulation.
 
 struct DeviceRun {
   bool graph = false;  // capture, replay, refresh the inputs with other data, replay twice
@@ -384,6 +387,29 @@ std::vector<MoeCase> grouped_cases() {
   return v;
 }
 
+// fp8 e4m3 experts (sm_89+): per-row and per-expert scales, router and given routing, T = 1, 7,
+// 64, 300 (and 400 tokens on 4 experts: the grouped GEMMs' 128-row tiles), x bf16, f32 or f16;
+// hidden 272 is a multiple of 16 but not of 64 (the chunked entry only), d 272 likewise. Both
+// entries see every case they take.
+std::vector<MoeCase> fp8_cases() {
+  const fmlp_dtype_t xts[] = {FMLP_DTYPE_BF16, FMLP_DTYPE_F32, FMLP_DTYPE_F16};
+  std::vector<MoeCase> v;
+  int n = 0;
+  for (int64_t t : {1, 7, 64, 300, 400})
+    for (bool rows : {true, false}) {
+      MoeCase c;
+      c.t = t, c.e = t == 400 ? 4 : 8, c.k = t == 400 ? 1 : 2;
+      c.d = n % 3 == 2 ? 272 : 256, c.hidden = t == 7 ? 272 : 320, c.d_out = n % 2 ? 264 : 40;
+      c.wt = FMLP_DTYPE_F8_E4M3, c.fp8_rows = rows, c.xt = xts[n % 3], c.rt = FMLP_DTYPE_BF16;
+      c.gated = (n / 2) % 2 == 0, c.act = fmlp_activation_t(n % 4);
+      c.b1 = rows ? FMLP_DTYPE_F32 : kAbsent, c.b2 = rows ? kAbsent : FMLP_DTYPE_BF16;
+      c.residual = n % 3, c.routing = rows ? 0 : 1, c.deterministic = t != 300;
+      v.push_back(c);
+      ++n;
+    }
+  return v;
+}
+
 std::vector<MoeCase> device_cases() {
   std::vector<MoeCase> v;
   Rng rng(mix_seed(test_seed(), 6));
@@ -432,6 +458,7 @@ std::vector<MoeCase> device_cases() {
     v.push_back(c);
   }
   for (MoeCase c : grouped_cases()) v.push_back(c);
+  for (MoeCase c : fp8_cases()) v.push_back(c);
   return v;
 }
 
@@ -472,11 +499,14 @@ TEST(MoeCuda, GraphReplaysRouteTheNewInputs) {
   MoeCase many_given = many;
   many_given.t = 128, many_given.e = 4, many_given.routing = 1, many_given.gated = false;
   many_given.xt = many_given.wt = FMLP_DTYPE_F16;
+  MoeCase fp8 = router, fp8_many = many;  // fp8 experts: the x staging and (grouped) h staging
+  fp8.wt = fp8_many.wt = FMLP_DTYPE_F8_E4M3, fp8_many.fp8_rows = false, fp8.hidden = 528;
   DeviceRun graph;
   graph.graph = true;
-  each_entry({router, given, many, many_given}, [&](const char* kernel, const MoeCase& c, int) {
-    return run_device(c, kernel, mix_seed(test_seed(), 21), graph);
-  });
+  each_entry({router, given, many, many_given, fp8, fp8_many},
+             [&](const char* kernel, const MoeCase& c, int) {
+               return run_device(c, kernel, mix_seed(test_seed(), 21), graph);
+             });
 }
 
 TEST(MoeCuda, DeterministicModeIsBitwiseReproducible) {
@@ -489,7 +519,9 @@ TEST(MoeCuda, DeterministicModeIsBitwiseReproducible) {
   few.xt = few.wt = FMLP_DTYPE_F16;
   MoeCase many = c;  // 75 tokens per expert: the grouped GEMMs
   many.e = 8, many.k = 2, many.hidden = 512;
-  each_entry({c, few, many}, [](const char* kernel, const MoeCase& cc, int) {
+  MoeCase fp8 = few, fp8_many = many;
+  fp8.wt = fp8_many.wt = FMLP_DTYPE_F8_E4M3;
+  each_entry({c, few, many, fp8, fp8_many}, [](const char* kernel, const MoeCase& cc, int) {
     std::vector<unsigned char> a, b;
     DeviceRun ra, rb;
     ra.y_bytes = &a, rb.y_bytes = &b;
@@ -506,9 +538,11 @@ TEST(MoeCuda, DeviceIdsOutOfRangeGiveNanRowsAndACount) {
   c.xt = c.wt = FMLP_DTYPE_BF16, c.residual = 1;
   MoeCase many = c;  // 32 tokens per expert: the grouped GEMMs
   many.t = 128, many.hidden = 64;
+  MoeCase fp8 = c, fp8_many = many;
+  fp8.wt = fp8_many.wt = FMLP_DTYPE_F8_E4M3, fp8.hidden = 80;
   DeviceRun bad;
   bad.bad_ids = {{1 * 2 + 1, 8}, {3 * 2 + 0, -1}, {3 * 2 + 1, 1 << 30}};
-  each_entry({c, many}, [&](const char* kernel, const MoeCase& cc, int) {
+  each_entry({c, many, fp8, fp8_many}, [&](const char* kernel, const MoeCase& cc, int) {
     return run_device(cc, kernel, 9, bad);
   });
 }

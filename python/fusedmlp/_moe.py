@@ -39,14 +39,16 @@ class FusedMoE(nn.Module):
     first_expert + E) of global_experts routed over (expert parallelism, fusedmlp.tp); 0, 0:
     every expert. round_router_logits: round the router's logits to x's dtype before scoring,
     as a 16-bit nn.Linear router does (from_module sets it, so routing follows the Hugging Face
-    block's). The weights are used as they are (nothing is packed), so .to() and in-place
-    edits need no extra step. Inference only: no backward.
+    block's). float8_e4m3fn experts take float32 scales w1_scale / w2_scale, [E] (per expert)
+    or [E, rows] (per row). The weights are used as they are (nothing is packed), so .to() and
+    in-place edits need no extra step. Inference only: no backward.
     """
 
     def __init__(self, w1, w2, router_w, *, top_k, router_b=None, b1=None, b2=None,
                  activation="silu", gated=True, scoring="softmax", renormalize=True,
                  jitter_noise=0.0, return_router_logits=False, deterministic=False,
-                 backend="auto", first_expert=0, global_experts=0, round_router_logits=False):
+                 backend="auto", first_expert=0, global_experts=0, round_router_logits=False,
+                 w1_scale=None, w2_scale=None):
         super().__init__()
         _lookup(_ACTIVATIONS, "activation", activation)
         _lookup(_SCORINGS, "scoring", scoring)
@@ -60,7 +62,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"top_k is {top_k!r}; expected an int in [1, {routed}] "
                              "(the experts routed over)")
         for name, t in dict(w1=w1, w2=w2, router_w=router_w, router_b=router_b, b1=b1,
-                            b2=b2).items():
+                            b2=b2, w1_scale=w1_scale, w2_scale=w2_scale).items():
             self.register_parameter(name, _param(t))
         self.top_k, self.activation, self.gated = top_k, activation, bool(gated)
         self.scoring, self.renormalize = scoring, bool(renormalize)
@@ -86,7 +88,8 @@ class FusedMoE(nn.Module):
                                    None, None, self.b1, self.b2, residual, self.activation,
                                    self.gated, self.scoring, self.renormalize,
                                    self.deterministic, self.backend, self.first_expert,
-                                   self.global_experts, self.round_router_logits)
+                                   self.global_experts, self.round_router_logits, self.w1_scale,
+                                   self.w2_scale)
         if self.return_router_logits:
             return y, F.linear(x.reshape(-1, self.d), self.router_w, self.router_b)
         return y

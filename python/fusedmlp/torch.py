@@ -192,7 +192,8 @@ def _moe_op(x: Tensor, w1: Tensor, w2: Tensor, top_k: int, router_w: Optional[Te
             activation: str = "silu", gated: bool = True, scoring: str = "softmax",
             renormalize: bool = True, deterministic: bool = False,
             backend: str = "auto", first_expert: int = 0, global_experts: int = 0,
-            round_router_logits: bool = False) -> Tensor:
+            round_router_logits: bool = False, w1_scale: Optional[Tensor] = None,
+            w2_scale: Optional[Tensor] = None) -> Tensor:
     x2 = _rows(x, "x")
     if w2.dim() != 3:
         raise ValueError(f"w2 has shape {tuple(w2.shape)}; expected [num_experts, d_out, "
@@ -214,7 +215,7 @@ def _moe_op(x: Tensor, w1: Tensor, w2: Tensor, top_k: int, router_w: Optional[Te
     with _device_of(x):
         tensors, bits = _args(x.device, out=y, x=x2, residual=r2, router_w=router_w,
                               router_b=router_b, topk_ids=topk_ids, topk_weights=topk_weights,
-                              w1=w1, b1=b1, w2=w2, b2=b2)
+                              w1=w1, w1_scale=w1_scale, b1=b1, w2=w2, w2_scale=w2_scale, b2=b2)
         _ext.moe("run", tensors, bits, top_k, _lookup(_ACTIVATIONS, "activation", activation),
                  gated, _lookup(_SCORINGS, "scoring", scoring), renormalize, deterministic,
                  first_expert, global_experts, round_router_logits,
@@ -228,7 +229,7 @@ def _moe_op(x: Tensor, w1: Tensor, w2: Tensor, top_k: int, router_w: Optional[Te
 def _moe_fake(x, w1, w2, top_k, router_w=None, router_b=None, topk_ids=None, topk_weights=None,
               b1=None, b2=None, residual=None, activation="silu", gated=True, scoring="softmax",
               renormalize=True, deterministic=False, backend="auto", first_expert=0,
-              global_experts=0, round_router_logits=False):
+              global_experts=0, round_router_logits=False, w1_scale=None, w2_scale=None):
     return x.new_empty((*x.shape[:-1], w2.shape[1]))
 
 
@@ -277,11 +278,12 @@ def mlp(x, w1, w2, *, b1=None, w_up=None, b_up=None, b2=None, residual=None, nor
 def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=None, top_k,
         b1=None, b2=None, residual=None, activation="silu", gated=True, scoring="softmax",
         renormalize=True, deterministic=False, backend="auto", first_expert=0,
-        global_experts=0, round_router_logits=False):
+        global_experts=0, round_router_logits=False, w1_scale=None, w2_scale=None):
     """torch.ops.fusedmlp.moe: fusedmlp.moe for torch tensors of any leading dims (x [..., d]
     -> [..., d_out]; topk_ids / topk_weights [..., top_k], any integer / float dtype); see
     fusedmlp.moe for the math and arguments (first_expert / global_experts: a local expert
-    range, expert parallelism)."""
+    range, expert parallelism; w1_scale / w2_scale: float32 scales [E] or [E, rows] of
+    float8_e4m3fn experts)."""
     if isinstance(top_k, bool) or not isinstance(top_k, int):
         raise ValueError(f"top_k is {top_k!r}; expected an int, the experts per token")
     for name, v in (("first_expert", first_expert), ("global_experts", global_experts)):
@@ -290,7 +292,7 @@ def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=
     return torch.ops.fusedmlp.moe(x, w1, w2, top_k, router_w, router_b, topk_ids, topk_weights,
                                   b1, b2, residual, activation, gated, scoring, renormalize,
                                   deterministic, backend, first_expert, global_experts,
-                                  bool(round_router_logits))
+                                  bool(round_router_logits), w1_scale, w2_scale)
 
 
 def linear(x, w, bias=None, *, w_scale=None):

@@ -36,6 +36,9 @@ constexpr int32_t kMoeSlotRemote = -2;  // an expert of another range: contribut
 constexpr int kMoeSubTiles = 16;        // 16-unit hidden tiles a block keeps on chip at a time
 constexpr int kMoeHsStride = 288;       // elements per row of h in shared memory: 256 + 32, so the
                                         // 8 rows a fragment load touches fall in distinct banks
+constexpr int kMoeHsStrideF8 = 264;     // fp8 experts' fp16 h rows: lanes 16 columns apart read
+                                        // them, 264 spreads a quarter-warp over distinct banks
+constexpr int kMoeH32Stride = 260;      // fp8 experts' fp32 h rows before the scaled staging
 constexpr int kMoeResRows = 64;         // layer-1 rows summed across warps in shared memory (<= 4
                                         // tiles: column splits only happen below 8 tiles)
 
@@ -56,7 +59,11 @@ struct MoePlan {
   int route_tokens = 4;    // tokens per route block
   size_t counts = 0, ids = 0, wts = 0, perm = 0, chunk_expert = 0, chunk_start = 0, chunk_len = 0,
          out = 0, hbuf = 0, total = 0;  // workspace layout in bytes (hbuf: grouped only)
-  size_t experts_smem = 0;              // dynamic shared memory of the expert kernel
+  // fp8 experts (moe_fp8.cuh), inside the hbuf region (which combine re-zeroes): x as fp16 and
+  // its per-token factors; grouped only: h in fp32 before its staging as fp16 (into hbuf) and
+  // its per-slot factors. 0 when absent.
+  size_t xh = 0, xinv = 0, h32 = 0, hinv = 0;
+  size_t experts_smem = 0;  // dynamic shared memory of the expert kernel
 };
 MoePlan moe_plan(const MoeDesc& d);
 MoePlan moe_plan_grouped(const MoeDesc& d);
@@ -93,11 +100,18 @@ struct MoeParams {
   const void *b1, *b2;  // nullptr when absent; [E, n] with an expert stride
   int64_t b1_e, b2_e;
   fmlp_dtype_t b1_t, b2_t, w_t;
+  // fp8 experts (w_t f8_e4m3): scale of expert e, row r = s[e * s_e + r * s_r] (s_r = 0: one per
+  // expert); x staged as fp16 [tokens][d] with xinv[token] undoing its power of two; grouped
+  // only: h32 [slots][hidden] fp32, staged as fp16 into hbuf with hinv[position].
+  const float *s1, *s2;
+  int64_t s1_e, s1_r, s2_e, s2_r;
+  uint16_t* xh;  // fp16 bits
+  float *xinv, *h32, *hinv;
   MoeHeader* hdr;
   // ids: per slot, the local expert index or a kMoeSlot* value.
   int32_t *counts, *ids, *perm, *chunk_expert, *chunk_start, *chunk_len;
-  float *wts, *out;    // out: [out_slices][slots][d_out] fp32
-  uint4* hbuf;         // grouped: h [slots][hidden] in chunk order, in the weights' dtype
+  float *wts, *out;  // out: [out_slices][slots][d_out] fp32
+  uint4* hbuf;       // grouped: h [slots][hidden] in chunk order, in the weights' dtype (fp8: fp16)
   int64_t hbuf_words;  // its 16-byte words (0 for the chunked path), re-zeroed by combine
   int max_chunks;
   size_t experts_smem;
@@ -107,5 +121,11 @@ fmlp_status_t moe_launch_route(const MoeParams& p, cudaStream_t s);
 fmlp_status_t moe_launch_experts(const MoeParams& p, cudaStream_t s);
 fmlp_status_t moe_launch_grouped(const MoeParams& p, cudaStream_t s);
 fmlp_status_t moe_launch_combine(const MoeParams& p, cudaStream_t s);
+// fp8 experts (moe_fp8.cu): dst[r][0, cols) = fp16 bits of src[r][0, cols) * 2^shift_r and
+// inv[r] = 2^-shift_r for rows [0, rows) of src (dtype t, row stride ld elements); shift_r = 0
+// when t is f16 (already exact), else the power of two that puts the row's largest finite |value|
+// in [2^14, 2^15).
+fmlp_status_t moe_launch_stage_f16(const void* src, fmlp_dtype_t t, int64_t ld, int rows, int cols,
+                                   uint16_t* dst, float* inv, cudaStream_t s);
 
 }  // namespace fmlp::detail

@@ -23,16 +23,22 @@ size_t align256(size_t n) {
   return (n + 255) / 256 * 256;
 }
 
-// What both entries need: the device, 16-bit experts, the route kernel's expert limit.
+// What both entries need: the device, 16-bit experts (or fp8 ones on sm_89+), the route kernel's
+// expert limit.
 bool moe_common_supports(const MoeDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
-  if (d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16)
-    return (*why = fmt::format("{} experts: the cuda moe entries stream bf16 or f16 experts{}",
-                               fmlp_dtype_name(d.w_dtype),
-                               d.w_dtype == FMLP_DTYPE_F8_E4M3
-                                   ? " (fp8 experts run on backend cpu; or pass bf16 experts)"
-                                   : ""),
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) {
+    if (cuda_compute_capability(d.device_id) < 89)
+      return (*why =
+                  "f8_e4m3 experts need sm_89 or newer (cvt.rn.f16x2.e4m3x2); run them on "
+                  "backend cpu or pass bf16 experts",
+              false);
+  } else if (d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16) {
+    return (*why = fmt::format("{} experts: the cuda moe entries stream bf16 or f16 experts (or "
+                               "f8_e4m3 ones with scales)",
+                               fmlp_dtype_name(d.w_dtype)),
             false);
+  }
   if (d.global_experts > kMoeMaxExperts)
     return (*why = fmt::format("{} experts routed over: the routing kernel keeps per-expert "
                                "tables in shared memory and takes at most {}",
@@ -46,6 +52,11 @@ bool moe_cuda_supports(const MoeDesc& d, std::string* why) {
   if (d.d % 8 != 0 || d.hidden % 8 != 0)
     return (*why = fmt::format("d={} and hidden={} must be multiples of 8 (16-byte weight "
                                "loads); pad the experts",
+                               d.d, d.hidden),
+            false);
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3 && (d.d % 16 != 0 || d.hidden % 16 != 0))
+    return (*why = fmt::format("d={} and hidden={} must be multiples of 16 with f8_e4m3 experts "
+                               "(16-byte loads of 16 weights); pad the experts",
                                d.d, d.hidden),
             false);
   if (!d.expert.weights_vec16)
@@ -94,7 +105,8 @@ bool moe_grouped_supports(const MoeDesc& d, std::string* why) {
                                per, kGroupedMinRows, expert_bytes / (1 << 20),
                                kGroupedBigExpert / (1 << 20)),
             false);
-  if (d.act_dtype != d.w_dtype)
+  const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;  // x is staged as fp16 first: any dtype
+  if (!fp8 && d.act_dtype != d.w_dtype)
     return (*why = fmt::format("x is {} but the experts are {}: the grouped GEMM copies x rows "
                                "as they are (moe_sm80_chunked converts them); pass x in the "
                                "experts' dtype",
@@ -105,7 +117,7 @@ bool moe_grouped_supports(const MoeDesc& d, std::string* why) {
                                "hidden multiples of {} and d_out a multiple of 8",
                                d.d, d.hidden, d.d_out, kMoeGroupedK),
             false);
-  if (!d.x_vec16 || !d.expert.weights_vec16)
+  if ((!fp8 && !d.x_vec16) || !d.expert.weights_vec16)
     return (*why =
                 "x, W1 or W2 rows are not 16-byte aligned (base or row stride): the grouped "
                 "GEMM copies 16-byte pieces; store them with 16-byte aligned rows",
@@ -115,8 +127,10 @@ bool moe_grouped_supports(const MoeDesc& d, std::string* why) {
   return true;
 }
 
-// The workspace regions after the header, each on a 256-byte boundary.
-void lay_out(const MoeDesc& d, size_t out_bytes, size_t h_bytes, MoePlan* pl) {
+// The workspace regions after the header, each on a 256-byte boundary; the hbuf region (h_bytes,
+// grouped) is followed by the fp8 staging buffers (h32_bytes: grouped), which combine re-zeroes
+// with it.
+void lay_out(const MoeDesc& d, size_t out_bytes, size_t h_bytes, size_t h32_bytes, MoePlan* pl) {
   const int64_t n = d.tokens * d.top_k;
   size_t at = align256(sizeof(MoeHeader));
   const auto take = [&](size_t bytes) {
@@ -133,6 +147,11 @@ void lay_out(const MoeDesc& d, size_t out_bytes, size_t h_bytes, MoePlan* pl) {
   pl->chunk_len = take(size_t(pl->max_chunks) * 4);
   pl->out = take(out_bytes);
   pl->hbuf = take(h_bytes);
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) {
+    pl->xh = take(size_t(d.tokens) * size_t(d.d) * 2);
+    pl->xinv = take(size_t(d.tokens) * 4);
+    if (h32_bytes) pl->h32 = take(h32_bytes), pl->hinv = take(size_t(n) * 4);
+  }
   pl->total = at;
 }
 
@@ -161,8 +180,11 @@ MoePlan moe_plan(const MoeDesc& d) {
   if (d.deterministic)
     pl.slices = int(std::clamp<size_t>(kPartialCap / slice_bytes, 1, size_t(pl.slices)));
   pl.partial = d.deterministic || size_t(pl.slices) * slice_bytes <= kPartialCap;
-  lay_out(d, size_t(pl.partial ? pl.slices : 1) * slice_bytes, 0, &pl);
+  lay_out(d, size_t(pl.partial ? pl.slices : 1) * slice_bytes, 0, 0, &pl);
   pl.experts_smem = size_t(pl.chunk) * kMoeHsStride * 2 + size_t(2 * kMoeResRows) * pl.chunk * 4;
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3)  // other fp16 h rows, h in fp32, 3 floats per row
+    pl.experts_smem = size_t(pl.chunk) * (kMoeHsStrideF8 * 2 + kMoeH32Stride * 4) +
+                      size_t(2 * kMoeResRows) * pl.chunk * 4 + size_t(pl.chunk) * 3 * 4;
   return pl;
 }
 
@@ -175,7 +197,9 @@ MoePlan moe_plan_grouped(const MoeDesc& d) {
   pl.max_chunks = std::min(n, (n + (c - 1) * std::min<int64_t>(d.experts, n)) / c);
   pl.slices = 1;
   pl.partial = true;
-  lay_out(d, size_t(n) * size_t(d.d_out) * 4, size_t(n) * size_t(d.hidden) * 2, &pl);
+  const size_t h = size_t(n) * size_t(d.hidden);
+  lay_out(d, size_t(n) * size_t(d.d_out) * 4, h * 2, d.w_dtype == FMLP_DTYPE_F8_E4M3 ? h * 4 : 0,
+          &pl);
   return pl;
 }
 
@@ -224,6 +248,18 @@ MoeParams moe_params(const fmlp_moe_args_t& a, const MoeDesc& d, const MoePlan& 
   if (d.b2_dtype != FMLP_DTYPE_INVALID)
     p.b2 = a.b2.data, p.b2_e = a.b2.stride[0], p.b2_t = d.b2_dtype;
   char* base = static_cast<char*>(ws);
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) {  // scales [E] or [E, rows] (api_moe.cpp checks them)
+    p.s1 = static_cast<const float*>(a.w1_scale.data), p.s1_e = a.w1_scale.stride[0];
+    p.s1_r = a.w1_scale.ndim == 2 ? a.w1_scale.stride[1] : 0;
+    p.s2 = static_cast<const float*>(a.w2_scale.data), p.s2_e = a.w2_scale.stride[0];
+    p.s2_r = a.w2_scale.ndim == 2 ? a.w2_scale.stride[1] : 0;
+    p.xh = reinterpret_cast<uint16_t*>(base + pl.xh);
+    p.xinv = reinterpret_cast<float*>(base + pl.xinv);
+    if (pl.h32) {
+      p.h32 = reinterpret_cast<float*>(base + pl.h32);
+      p.hinv = reinterpret_cast<float*>(base + pl.hinv);
+    }
+  }
   p.hdr = reinterpret_cast<MoeHeader*>(base);
   p.counts = reinterpret_cast<int32_t*>(base + pl.counts);
   p.ids = reinterpret_cast<int32_t*>(base + pl.ids);
@@ -240,7 +276,7 @@ MoeParams moe_params(const fmlp_moe_args_t& a, const MoeDesc& d, const MoePlan& 
   return p;
 }
 
-// Route, the experts (launch_experts), combine.
+// Route, [fp8 experts: x staged as fp16,] the experts (launch_experts), combine.
 fmlp_status_t moe_run_with(const fmlp_moe_args_t& a, const MoeDesc& d, const MoePlan& pl, void* ws,
                            void* stream,
                            fmlp_status_t (*launch_experts)(const MoeParams&, cudaStream_t)) {
@@ -249,6 +285,11 @@ fmlp_status_t moe_run_with(const fmlp_moe_args_t& a, const MoeDesc& d, const Moe
   if (scope.status() != FMLP_SUCCESS) return scope.status();
   const auto s = static_cast<cudaStream_t>(stream);
   if (const fmlp_status_t st = moe_launch_route(p, s); st != FMLP_SUCCESS) return st;
+  if (p.w_t == FMLP_DTYPE_F8_E4M3)
+    if (const fmlp_status_t st =
+            moe_launch_stage_f16(p.x, p.x_t, p.x_ld, p.tokens, p.d, p.xh, p.xinv, s);
+        st != FMLP_SUCCESS)
+      return st;
   if (const fmlp_status_t st = launch_experts(p, s); st != FMLP_SUCCESS) return st;
   return moe_launch_combine(p, s);
 }
