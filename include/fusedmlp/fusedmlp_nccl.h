@@ -188,6 +188,64 @@ FMLP_API fmlp_status_t fmlp_tp_moe(const fmlp_moe_args_t* local_args, void* comm
                                    int32_t size, void* workspace, size_t workspace_bytes,
                                    void* stream);
 
+/* ==== expert-parallel moe with sharded tokens: all-to-all dispatch and combine ====
+ * For the case where each rank owns different tokens (data-parallel attention, sequence-parallel
+ * activations): rank r holds its own T_r tokens (x [T_r, d], y [T_r, d_out], residual, given
+ * routing [T_r, k]) and the experts fmlp_tp_expert_range(G, r, size) gives it (config
+ * first_expert / num_experts / global_experts = G; fmlp_tp_shard_moe makes such args, then point
+ * x / y / residual / routing at the rank's own tokens). Each rank routes its own tokens (the
+ * router over all G experts, as fmlp_moe; or the given routing), sends each (token, expert) slot
+ * -- the x row, the expert id, the combine weight -- to the rank holding the expert, runs its
+ * experts over the rows it received (the moe op's kernels; rows of other ranks' buffers that hold
+ * no slot cost no weight reads), sends the results back, and writes
+ *   y_t = [residual_t +] sum_j w_j (mlp_{e_j}(x_t) + b2[e_j])       (j in order 1..k)
+ * for its own tokens: the moe op's definition, every rank adding its own residual.
+ * NCCL's sizes are host values, so the exchanges move fixed-capacity buffers (ncclSend/ncclRecv
+ * of the whole capacity in a group, twice: dispatch and combine) and nothing is read on the host:
+ * asynchronous, no host synchronisation, capturable in a CUDA graph (every rank replays its graph
+ * the same number of times).
+ * Capacity: `capacity` slots per (sender, receiver) pair, the same on every rank.
+ * FMLP_TP_MOE_A2A_NO_DROP gives max_tokens * top_k, where no slot is ever dropped (a rank never
+ * has more slots than that). With a smaller capacity, the slots a rank routes to one receiver
+ * beyond the first `capacity` of them (in expert order, then token order) are dropped: their term
+ * is missing from y (the token keeps its other experts' terms and its residual, weights not
+ * renormalised), and they are counted in the workspace (fmlp_tp_moe_a2a_dropped reads the count).
+ * max_tokens: the largest T_r of any rank, the same value on every rank (it sizes the buffers;
+ * not checked across ranks: that would need communication); T_r = 0 is fine, the rank still
+ * takes part in both exchanges and runs its experts for the others.
+ * Cost per rank and call: 2 x (size - 1) x capacity rows sent and received (x rows out, d_out rows
+ * back, in x's dtype) whatever the routing, plus the experts over the rows received.
+ * Precision: each returned term w_j (mlp + b2) is rounded to y's dtype before the sum over j
+ * (bf16: about one more rounding than one GPU; f32 unaffected).
+ * Calls: the op enqueues two groups of NCCL calls with its kernels between them, so it must NOT
+ * be bracketed by fmlp_tp_group_start / fmlp_tp_group_end (NCCL would defer the exchanges past
+ * the kernels): drive each rank from its own thread or process. G + 1 <= 512 (the routing
+ * kernel's tables), cuda backend only (the experts as the cuda fmlp_moe takes them). Given device
+ * ids outside [0, G) give the token a NaN row, counted as fmlp_moe_device_errors reads from this
+ * workspace (the count sits at its start, as in the moe workspace). */
+#define FMLP_TP_MOE_A2A_NO_DROP ((int64_t)-1)
+
+/* Workspace bytes for fmlp_tp_moe_a2a with these args on rank `rank` of `size` (cuda moe
+ * workspace contract: zero-filled once, left zero-filled except the two counts at its start). */
+FMLP_API fmlp_status_t fmlp_tp_moe_a2a_workspace_size(const fmlp_moe_args_t* local_args,
+                                                      int64_t max_tokens, int64_t capacity,
+                                                      int32_t rank, int32_t size, size_t* bytes);
+
+/* Runs rank `rank`'s part on `stream` (a cudaStream_t on the communicator's device). local_args:
+ * this rank's tokens and its expert range (see above); max_tokens, capacity: as above, the same on
+ * every rank; comm: an ncclComm_t of `size` ranks on which this process is `rank`. Every argument
+ * is checked before anything is enqueued (nothing written on error). A failing NCCL enqueue gives
+ * FMLP_ERROR_CUDA with NCCL's message. */
+FMLP_API fmlp_status_t fmlp_tp_moe_a2a(const fmlp_moe_args_t* local_args, int64_t max_tokens,
+                                       int64_t capacity, void* comm, int32_t rank, int32_t size,
+                                       void* workspace, size_t workspace_bytes, void* stream);
+
+/* The number of slots dropped for the capacity by the fmlp_tp_moe_a2a calls that used this
+ * workspace since the last read (this rank's slots only), then reset to 0. Synchronises `stream`
+ * (the stream of those calls): call it outside graph capture. */
+FMLP_API fmlp_status_t fmlp_tp_moe_a2a_dropped(void* workspace, size_t workspace_bytes,
+                                               void* stream, int32_t* count);
+
 #ifdef __cplusplus
 }
 #endif

@@ -53,6 +53,7 @@ Loaded load() {
          bind(lib, "ncclCommUserRank", &a.comm_user_rank, &l.why) &&
          bind(lib, "ncclAllReduce", &a.all_reduce, &l.why) &&
          bind(lib, "ncclReduceScatter", &a.reduce_scatter, &l.why) &&
+         bind(lib, "ncclSend", &a.send, &l.why) && bind(lib, "ncclRecv", &a.recv, &l.why) &&
          bind(lib, "ncclGroupStart", &a.group_start, &l.why) &&
          bind(lib, "ncclGroupEnd", &a.group_end, &l.why) &&
          bind(lib, "ncclGetErrorString", &a.get_error_string, &l.why);

@@ -22,6 +22,8 @@ struct NcclApi {
                              cudaStream_t);
   ncclResult_t (*reduce_scatter)(const void*, void*, size_t, ncclDataType_t, ncclRedOp_t,
                                  ncclComm_t, cudaStream_t);
+  ncclResult_t (*send)(const void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
+  ncclResult_t (*recv)(void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
   ncclResult_t (*group_start)();
   ncclResult_t (*group_end)();
   const char* (*get_error_string)(ncclResult_t);
