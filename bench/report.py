@@ -11,6 +11,8 @@
             --det OUT/moe_det.json --gpu-info OUT/gpu.txt --commit SHA --out bench/results/moe_h200
   cpu:  python3 bench/report.py cpu --bench a.json:label [--bench b.json:label] --commit SHA \
             --out bench/results/cpu_speedup
+  probe: python3 bench/report.py probe --ours OUT/hbm_probe.json --gpu-info OUT/gpu.txt \
+            --commit SHA --out bench/results/hbm_probe_h200
 
 The CUDA floor is (weight + x/y bytes) / the device copy bandwidth that fusedmlp_cuda_bench measured
 in the same device session as the peers (bench/peers.py: PyTorch eager and torch.compile, each
@@ -269,6 +271,38 @@ def cpu(a):
         print(f"| {r['shape']} | {r['M']} | {r['fused_us']:.0f} | {r.get('pct_bandwidth', r.get('pct_read_bandwidth')):.0f}% | {sp} |")
 
 
+def probe(a):
+    """fusedmlp_hbm_probe: µs to read N MB per streaming variant against the copy floor."""
+    d = json.load(open(a.ours))
+    rows = d["rows"]
+    meta = {"gpu": d.get("gpu"), "gpu_info": gpu_lines(a), "sms": d.get("sms"),
+            "copy_TBps": d.get("copy_TBps"), "commit": a.commit,
+            "method": "CUDA-graph replay of back-to-back reads over buffers rotated through > 3x "
+                      "L2, median; floor = bytes / device copy bandwidth (read + write counted) "
+                      "measured in the run"}
+    write_rows(a.out, rows, meta)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    sizes = sorted({r["MB"] for r in rows})
+    ax.plot(sizes, [mb * 1e6 / (d["copy_TBps"] * 1e12) * 1e6 for mb in sizes], "k--",
+            label="copy floor")
+    for v in sorted({r["variant"] for r in rows}):
+        pts = sorted((r["MB"], r["us"]) for r in rows if r["variant"] == v)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, label=v)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("MB read per call")
+    ax.set_ylabel("µs per call")
+    ax.set_title(f"HBM read stream, {meta['gpu']}, commit {a.commit}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(a.out + ".png", dpi=110)
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -296,13 +330,18 @@ def main():
     m.add_argument("--gpu-info")
     m.add_argument("--commit", required=True)
     m.add_argument("--out", required=True)
+    q = sub.add_parser("probe")
+    q.add_argument("--ours", required=True)
+    q.add_argument("--gpu-info")
+    q.add_argument("--commit", default="unknown")
+    q.add_argument("--out", required=True)
     p = sub.add_parser("cpu")
     p.add_argument("--bench", action="append", required=True, help="FILE[:label], repeatable")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", required=True)
     a = ap.parse_args()
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    return {"cuda": cuda, "prefill": prefill, "ops": ops, "moe": moe, "cpu": cpu}[a.cmd](a)
+    return {"cuda": cuda, "prefill": prefill, "ops": ops, "moe": moe, "cpu": cpu, "probe": probe}[a.cmd](a)
 
 
 if __name__ == "__main__":
