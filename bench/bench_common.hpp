@@ -4,10 +4,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <thread>
 #include <vector>
 
+#include "fusedmlp/dtype.hpp"
 #include "fusedmlp/fusedmlp.h"
 
 #define CK(call)                                                                                 \
@@ -30,6 +33,39 @@
   } while (0)
 
 namespace fmlp_bench {
+
+// "a,b,c" as positive integers into *out; false on anything else (empty items, zero, junk).
+inline bool parse_positive_list(const char* v, std::vector<int64_t>* out) {
+  out->clear();
+  for (const char* p = v; *p;) {
+    char* end = nullptr;
+    const long long n = std::strtoll(p, &end, 10);
+    if (end == p || n < 1 || (*end != ',' && *end != '\0')) return false;
+    out->push_back(n);
+    p = *end == ',' ? end + 1 : end;
+  }
+  return !out->empty();
+}
+
+// Counter-based random bf16 values in [-scale, scale): element i depends only on (seed, i), so
+// every process of a multi-GPU run holds identical data whatever its thread count.
+inline void fill_bf16(std::vector<uint16_t>& v, uint64_t seed, float scale) {
+  const size_t n = v.size();
+  const unsigned threads = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      for (size_t i = n * t / threads; i < n * (t + 1) / threads; ++i) {
+        uint64_t z = seed * 0x9E3779B97F4A7C15ull + i;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        const float u = float(z >> 40) * (1.f / 16777216.f);  // [0, 1)
+        v[i] = fmlp::float_to_bf16((2.f * u - 1.f) * scale);
+      }
+    });
+  for (std::thread& th : pool) th.join();
+}
 
 inline double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());

@@ -21,19 +21,12 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "cuda/common.cuh"
 
 namespace {
 
 using fmlp_bench::copy_bandwidth;
 using fmlp_bench::graph_us_per_call;
-
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 // The xor of everything read lands in sink only if it equals an impossible value, so the loads
 // stay live and nothing is written in practice.
@@ -46,7 +39,7 @@ __global__ void probe_ldg(unsigned* sink, const uint4* p, size_t n16) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const size_t i = base + size_t(u) * blockDim.x + threadIdx.x;
-      v[u] = i < n16 ? ld_stream(p + i) : make_uint4(0, 0, 0, 0);
+      v[u] = i < n16 ? fmlp::cuda::ld_stream_v4(p + i) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;

@@ -34,7 +34,9 @@
 
 namespace {
 
+using fmlp_bench::fill_bf16;
 using fmlp_bench::median;
+using fmlp_bench::parse_positive_list;
 
 struct Shape {
   const char* name;
@@ -93,14 +95,7 @@ Options parse(int argc, char** argv) {
       if (m != "both" && m != "p2p" && m != "nccl") usage("--allreduce takes both, p2p or nccl");
       o.p2p = m == "both" ? std::vector<bool>{true, false} : std::vector<bool>{m == "p2p"};
     } else if (a == "--m") {
-      o.ms.clear();
-      for (const char* p = v; *p;) {
-        char* end = nullptr;
-        const long long m = std::strtoll(p, &end, 10);
-        if (end == p || m < 1 || (*end != ',' && *end != '\0')) usage("--m takes M,M,... (>= 1)");
-        o.ms.push_back(m);
-        p = *end == ',' ? end + 1 : end;
-      }
+      if (!parse_positive_list(v, &o.ms)) usage("--m takes M,M,... (>= 1)");
     } else
       usage(("unknown option " + a).c_str());
   }
@@ -108,26 +103,6 @@ Options parse(int argc, char** argv) {
     usage("--rank, --size and --id-file are required (0 <= rank < size)");
   if (o.device < 0) o.device = o.rank;
   return o;
-}
-
-// Counter-based random bf16 values in [-scale, scale): the same on every rank whatever the
-// thread count, so all ranks hold identical full weights and x.
-void fill_bf16(std::vector<uint16_t>& v, uint64_t seed, float scale) {
-  const size_t n = v.size();
-  const unsigned threads = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
-  std::vector<std::thread> pool;
-  for (unsigned t = 0; t < threads; ++t)
-    pool.emplace_back([&, t] {
-      for (size_t i = n * t / threads; i < n * (t + 1) / threads; ++i) {
-        uint64_t z = seed * 0x9E3779B97F4A7C15ull + i;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z ^= z >> 31;
-        const float u = float(z >> 40) * (1.f / 16777216.f);  // [0, 1)
-        v[i] = fmlp::float_to_bf16((2.f * u - 1.f) * scale);
-      }
-    });
-  for (std::thread& th : pool) th.join();
 }
 
 void* upload(const std::vector<uint16_t>& h) {

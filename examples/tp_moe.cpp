@@ -36,7 +36,9 @@
 
 namespace {
 
+using fmlp_bench::fill_bf16;
 using fmlp_bench::median;
+using fmlp_bench::parse_positive_list;
 
 constexpr int64_t kD = 4096, kH = 14336, kE = 8, kK = 2;
 
@@ -79,14 +81,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--json")
       o.json = v;
     else if (a == "--t") {
-      o.ts.clear();
-      for (const char* p = v; *p;) {
-        char* end = nullptr;
-        const long long t = std::strtoll(p, &end, 10);
-        if (end == p || t < 1 || (*end != ',' && *end != '\0')) usage("--t takes T,T,... (>= 1)");
-        o.ts.push_back(t);
-        p = *end == ',' ? end + 1 : end;
-      }
+      if (!parse_positive_list(v, &o.ts)) usage("--t takes T,T,... (>= 1)");
     } else
       usage(("unknown option " + a).c_str());
   }
@@ -94,24 +89,6 @@ Options parse(int argc, char** argv) {
     usage("--rank, --size and --id-file are required (0 <= rank < size)");
   if (o.device < 0) o.device = o.rank;
   return o;
-}
-
-// Counter-based random bf16 values in [-scale, scale): the same on every rank.
-void fill_bf16(std::vector<uint16_t>& v, uint64_t seed, float scale) {
-  const size_t n = v.size();
-  const unsigned threads = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
-  std::vector<std::thread> pool;
-  for (unsigned t = 0; t < threads; ++t)
-    pool.emplace_back([&, t] {
-      for (size_t i = n * t / threads; i < n * (t + 1) / threads; ++i) {
-        uint64_t z = seed * 0x9E3779B97F4A7C15ull + i;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z ^= z >> 31;
-        v[i] = fmlp::float_to_bf16((2.f * float(z >> 40) * (1.f / 16777216.f) - 1.f) * scale);
-      }
-    });
-  for (std::thread& th : pool) th.join();
 }
 
 void* dev_alloc(size_t bytes) {
