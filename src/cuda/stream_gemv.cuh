@@ -6,8 +6,8 @@
 // faster than a warp-per-row GEMV that starts every row at once (33.5 MB on an H200: 9.1 us
 // against 15.6): the GEMV has a few KB of every row in flight at the same time, scattered over
 // all of W, while the probe's requests cover one contiguous window sliding through it. So:
-//   - a block iteration (a "group") is R whole consecutive rows, about group_bytes() of W (R a
-//     power of two up to 8); its rows are split between the block's 8 warps (8 / R warps per
+//   - a block iteration (a "group") is R whole consecutive rows, about stream_group_bytes() of
+//     W (R a power of two up to 8); its rows are split between the block's 8 warps (8 / R per
 //     row, each a contiguous run of the row's 16-byte chunks, read as batches of 4 chunks per
 //     lane); the resident blocks take consecutive groups, so the bytes in flight stay one
 //     window sliding through W,
@@ -56,7 +56,7 @@ using StreamFp8 = unsigned char;             // e4m3 bits
 template <typename WT>
 constexpr int kStreamPerChunk = 16 / int(sizeof(WT));  // W elements per 16-byte chunk
 
-// The partition of an [n, k] stream (host side: stream_shape in the .cu files).
+// The partition of an [n, k] stream (computed on the host by stream_shape below).
 struct StreamShape {
   int n, k;
   int rows;     // R: W rows per group
@@ -67,10 +67,10 @@ struct StreamShape {
 };
 
 // W bytes per group: 16 KB for weights under 16 MiB (few groups per block: a short group keeps
-// more blocks busy), 32 KB up to 1 GiB, 64 KB beyond (measured on an H200, commit of this file:
-// llama3-8b q 4096x4096 bf16 11.9 / 11.0 / 10.9 us at 16 / 32 / 64 KB, 14336x4096 32.7 / 31.0 /
-// 32.5, 1024x4096 5.2 / 5.1 / 5.8, 768x3072 4.1 / 4.2 / 4.6, qwen2.5-7b lm head 268 / 249 /
-// 245). FMLP_LINEAR_STREAM_KB overrides it for measurements.
+// more blocks busy), 32 KB up to 1 GiB, 64 KB beyond. Measured on an H200 (the session of
+// commit 0bcccd9), us at 16 / 32 / 64 KB: 4096x4096 bf16 11.9 / 11.0 / 10.9; 14336x4096
+// 32.7 / 31.0 / 32.5; 1024x4096 5.2 / 5.1 / 5.8; 768x3072 4.1 / 4.2 / 4.6; qwen2.5-7b lm head
+// 268 / 249 / 245. FMLP_LINEAR_STREAM_KB overrides it for measurements.
 inline int64_t stream_group_bytes(int64_t weight_bytes) {
   static const int env_kb = [] {
     const char* e = std::getenv("FMLP_LINEAR_STREAM_KB");
