@@ -117,6 +117,10 @@ struct MoeParams {
   size_t experts_smem;
 };
 
+// The router inputs of p (router weights and bias, or the given top-k ids and weights) from the
+// call's args; shared by the moe entries and the expert-parallel dispatch (src/dist).
+void moe_routing_inputs(MoeParams* p, const fmlp_moe_args_t& a, const MoeDesc& d);
+
 fmlp_status_t moe_launch_route(const MoeParams& p, cudaStream_t s);
 fmlp_status_t moe_launch_experts(const MoeParams& p, cudaStream_t s);
 fmlp_status_t moe_launch_grouped(const MoeParams& p, cudaStream_t s);

@@ -203,6 +203,18 @@ MoePlan moe_plan_grouped(const MoeDesc& d) {
   return pl;
 }
 
+void moe_routing_inputs(MoeParams* p, const fmlp_moe_args_t& a, const MoeDesc& d) {
+  if (!d.given_routing) {
+    p->rw = a.router_w.data, p->rw_ld = a.router_w.stride[0], p->rw_t = d.router_dtype;
+    p->rw_vec16 = uintptr_t(p->rw) % 16 == 0 &&
+                  (d.global_experts == 1 || (p->rw_ld * int64_t(dtype_size(p->rw_t))) % 16 == 0);
+    if (d.router_bias_dtype != FMLP_DTYPE_INVALID)
+      p->rb = a.router_b.data, p->rb_t = d.router_bias_dtype;
+  } else {
+    p->given_ids = a.topk_ids, p->given_wts = a.topk_weights;
+  }
+}
+
 namespace {
 
 size_t moe_cuda_workspace(const MoeDesc& d) {
@@ -231,15 +243,7 @@ MoeParams moe_params(const fmlp_moe_args_t& a, const MoeDesc& d, const MoePlan& 
   p.x_direct = p.x_vec16 && d.act_dtype == d.w_dtype;
   p.y = a.y.data, p.y_ld = a.y.stride[0];
   if (d.has_residual) p.res = a.residual.data, p.res_ld = a.residual.stride[0];
-  if (!d.given_routing) {
-    p.rw = a.router_w.data, p.rw_ld = a.router_w.stride[0], p.rw_t = d.router_dtype;
-    p.rw_vec16 = uintptr_t(p.rw) % 16 == 0 &&
-                 (d.global_experts == 1 || (p.rw_ld * int64_t(dtype_size(p.rw_t))) % 16 == 0);
-    if (d.router_bias_dtype != FMLP_DTYPE_INVALID)
-      p.rb = a.router_b.data, p.rb_t = d.router_bias_dtype;
-  } else {
-    p.given_ids = a.topk_ids, p.given_wts = a.topk_weights;
-  }
+  moe_routing_inputs(&p, a, d);
   p.w1 = a.w1.data, p.w1_e = a.w1.stride[0], p.w1_ld = a.w1.stride[1];
   p.w2 = a.w2.data, p.w2_e = a.w2.stride[0], p.w2_ld = a.w2.stride[1];
   p.w_t = d.w_dtype;

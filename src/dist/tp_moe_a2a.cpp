@@ -167,6 +167,19 @@ fmlp_status_t plan_a2a(const fmlp_moe_args_t* a, int64_t max_tokens, int64_t cap
   return FMLP_SUCCESS;
 }
 
+// The routing buffers of the workspace (slots' ids and weights, the expert-grouped order and
+// the chunk list), which the route kernel (MoeParams) writes and the dispatch and combine
+// kernels (MoeA2aParams) read.
+template <typename P>
+void point_routing(P* p, const A2aLayout& L, char* base) {
+  p->ids = reinterpret_cast<int32_t*>(base + L.ids);
+  p->wts = reinterpret_cast<float*>(base + L.wts);
+  p->perm = reinterpret_cast<int32_t*>(base + L.perm);
+  p->chunk_expert = reinterpret_cast<int32_t*>(base + L.chunk_expert);
+  p->chunk_start = reinterpret_cast<int32_t*>(base + L.chunk_start);
+  p->chunk_len = reinterpret_cast<int32_t*>(base + L.chunk_len);
+}
+
 // Route-only moe parameters: this rank's tokens over all G experts as if all were local, so the
 // route kernel's perm groups the slots by global expert and so by owning rank.
 MoeParams route_params(const fmlp_moe_args_t& a, const MoeDesc& d, const A2aLayout& L, char* base) {
@@ -177,23 +190,10 @@ MoeParams route_params(const fmlp_moe_args_t& a, const MoeDesc& d, const A2aLayo
   p.renormalize = d.renormalize, p.sigmoid = d.scoring == FMLP_MOE_SCORING_SIGMOID;
   p.given = d.given_routing, p.round_logits = d.round_logits;
   p.x = a.x.data, p.x_ld = a.x.stride[0], p.x_t = d.act_dtype, p.x_vec16 = d.x_vec16;
-  if (!d.given_routing) {
-    p.rw = a.router_w.data, p.rw_ld = a.router_w.stride[0], p.rw_t = d.router_dtype;
-    p.rw_vec16 = uintptr_t(p.rw) % 16 == 0 &&
-                 (d.global_experts == 1 || (p.rw_ld * int64_t(dtype_size(p.rw_t))) % 16 == 0);
-    if (d.router_bias_dtype != FMLP_DTYPE_INVALID)
-      p.rb = a.router_b.data, p.rb_t = d.router_bias_dtype;
-  } else {
-    p.given_ids = a.topk_ids, p.given_wts = a.topk_weights;
-  }
+  moe_routing_inputs(&p, a, d);
   p.hdr = &reinterpret_cast<MoeA2aHeader*>(base)->route;
   p.counts = reinterpret_cast<int32_t*>(base + L.counts);
-  p.ids = reinterpret_cast<int32_t*>(base + L.ids);
-  p.wts = reinterpret_cast<float*>(base + L.wts);
-  p.perm = reinterpret_cast<int32_t*>(base + L.perm);
-  p.chunk_expert = reinterpret_cast<int32_t*>(base + L.chunk_expert);
-  p.chunk_start = reinterpret_cast<int32_t*>(base + L.chunk_start);
-  p.chunk_len = reinterpret_cast<int32_t*>(base + L.chunk_len);
+  point_routing(&p, L, base);
   return p;
 }
 
@@ -209,12 +209,7 @@ MoeA2aParams a2a_params(const fmlp_moe_args_t& a, const MoeDesc& d, const A2aLay
   p.y = a.y.data, p.y_ld = a.y.stride[0];
   if (d.has_residual) p.res = a.residual.data, p.res_ld = a.residual.stride[0];
   p.hdr = reinterpret_cast<MoeA2aHeader*>(base);
-  p.ids = reinterpret_cast<int32_t*>(base + L.ids);
-  p.wts = reinterpret_cast<float*>(base + L.wts);
-  p.perm = reinterpret_cast<int32_t*>(base + L.perm);
-  p.chunk_expert = reinterpret_cast<int32_t*>(base + L.chunk_expert);
-  p.chunk_start = reinterpret_cast<int32_t*>(base + L.chunk_start);
-  p.chunk_len = reinterpret_cast<int32_t*>(base + L.chunk_len);
+  point_routing(&p, L, base);
   p.where = reinterpret_cast<int32_t*>(base + L.where);
   p.send_x = base + L.send_x, p.recv_x = base + L.recv_x;
   p.eo = base + L.eo, p.ret = base + L.ret;
