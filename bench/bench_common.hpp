@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -33,6 +34,40 @@
   } while (0)
 
 namespace fmlp_bench {
+
+// The options every one-process-per-GPU bench takes (examples/tp_*.cpp).
+struct RankOptions {
+  int rank = -1, size = 0, device = -1, reps = 100;
+  uint64_t seed = 1234;
+  std::string id_file, json;
+  // Takes option `a` with value `v` when it is one of these; false otherwise.
+  bool take(const std::string& a, const char* v) {
+    if (a == "--rank")
+      rank = std::atoi(v);
+    else if (a == "--size")
+      size = std::atoi(v);
+    else if (a == "--device")
+      device = std::atoi(v);
+    else if (a == "--reps")
+      reps = std::max(5, std::atoi(v));
+    else if (a == "--seed")
+      seed = std::strtoull(v, nullptr, 10);
+    else if (a == "--id-file")
+      id_file = v;
+    else if (a == "--json")
+      json = v;
+    else
+      return false;
+    return true;
+  }
+  // "" when rank, size and the id file are usable (device defaults to rank), else why not.
+  const char* finish() {
+    if (size < 1 || rank < 0 || rank >= size || id_file.empty())
+      return "--rank, --size and --id-file are required (0 <= rank < size)";
+    if (device < 0) device = rank;
+    return "";
+  }
+};
 
 // "a,b,c" as positive integers into *out; false on anything else (empty items, zero, junk).
 inline bool parse_positive_list(const char* v, std::vector<int64_t>* out) {
@@ -93,6 +128,45 @@ inline double graph_us_per_call(cudaGraphExec_t g, cudaStream_t s, int calls, in
   CK(cudaEventDestroy(e0));
   CK(cudaEventDestroy(e1));
   return median(t);
+}
+
+// Per-call microseconds of graph `ge` holding `calls` calls: `reps` launches queued back to back,
+// each bracketed by its own events (so no host, or other rank's host, stalls the GPU between
+// them), after 5 untimed launches; median over launches.
+inline double graph_us_bracketed(cudaGraphExec_t ge, cudaStream_t s, int reps, int calls = 1) {
+  for (int i = 0; i < 5; ++i) CK(cudaGraphLaunch(ge, s));
+  std::vector<cudaEvent_t> ev(size_t(reps) + 1);
+  for (cudaEvent_t& e : ev) CK(cudaEventCreate(&e));
+  CK(cudaEventRecord(ev[0], s));
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaGraphLaunch(ge, s));
+    CK(cudaEventRecord(ev[size_t(i) + 1], s));
+  }
+  CK(cudaStreamSynchronize(s));
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, ev[size_t(i)], ev[size_t(i) + 1]));
+    t.push_back(double(ms) * 1e3 / calls);
+  }
+  for (cudaEvent_t& e : ev) CK(cudaEventDestroy(e));
+  return median(t);
+}
+
+// A copy of 16-bit host values in fresh device memory (at least 256 bytes).
+inline void* upload_u16(const std::vector<uint16_t>& h) {
+  void* d = nullptr;
+  CK(cudaMalloc(&d, std::max<size_t>(h.size() * 2, 256)));
+  CK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+
+// A contiguous [rows, cols] bf16 view of device memory on `device`.
+inline fmlp_tensor_t device_bf16_2d(void* p, int64_t rows, int64_t cols, int device) {
+  fmlp_tensor_t t = fmlp_tensor_2d(p, FMLP_DTYPE_BF16, rows, cols, cols);
+  t.device_type = FMLP_DEVICE_CUDA;
+  t.device_id = device;
+  return t;
 }
 
 // Bytes per second of a stream-ordered device-to-device cudaMemcpyAsync of 2 GiB (far beyond the

@@ -34,9 +34,11 @@
 
 namespace {
 
+using fmlp_bench::device_bf16_2d;
 using fmlp_bench::fill_bf16;
-using fmlp_bench::median;
+using fmlp_bench::graph_us_bracketed;
 using fmlp_bench::parse_positive_list;
+using fmlp_bench::upload_u16;
 
 struct Shape {
   const char* name;
@@ -48,10 +50,8 @@ const Shape kShapes[] = {{"llama3-70b", 8192, 28672},
                          {"mixtral", 4096, 14336},
                          {"tiny", 512, 2048}};
 
-struct Options {
-  int rank = -1, size = 0, device = -1, reps = 100;
-  uint64_t seed = 1234;
-  std::string id_file, shape = "llama3-70b", json;
+struct Options : fmlp_bench::RankOptions {
+  std::string shape = "llama3-70b";
   std::vector<int64_t> ms{1};
   fmlp_tp_reduce_t reduce = FMLP_TP_ALL_REDUCE;
   std::vector<bool> p2p{true, false};  // the all-reduce modes timed, in order
@@ -72,22 +72,9 @@ Options parse(int argc, char** argv) {
     const std::string a = argv[i];
     if (i + 1 >= argc) usage(("missing value after " + a).c_str());
     const char* v = argv[++i];
-    if (a == "--rank")
-      o.rank = std::atoi(v);
-    else if (a == "--size")
-      o.size = std::atoi(v);
-    else if (a == "--device")
-      o.device = std::atoi(v);
-    else if (a == "--reps")
-      o.reps = std::max(5, std::atoi(v));
-    else if (a == "--seed")
-      o.seed = std::strtoull(v, nullptr, 10);
-    else if (a == "--id-file")
-      o.id_file = v;
-    else if (a == "--shape")
+    if (o.take(a, v)) continue;
+    if (a == "--shape")
       o.shape = v;
-    else if (a == "--json")
-      o.json = v;
     else if (a == "--reduce")
       o.reduce = std::string(v) == "scatter" ? FMLP_TP_REDUCE_SCATTER : FMLP_TP_ALL_REDUCE;
     else if (a == "--allreduce") {
@@ -99,46 +86,8 @@ Options parse(int argc, char** argv) {
     } else
       usage(("unknown option " + a).c_str());
   }
-  if (o.size < 1 || o.rank < 0 || o.rank >= o.size || o.id_file.empty())
-    usage("--rank, --size and --id-file are required (0 <= rank < size)");
-  if (o.device < 0) o.device = o.rank;
+  if (const char* why = o.finish(); *why) usage(why);
   return o;
-}
-
-void* upload(const std::vector<uint16_t>& h) {
-  void* d = nullptr;
-  CK(cudaMalloc(&d, h.size() * 2));
-  CK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
-  return d;
-}
-
-fmlp_tensor_t dev2(void* p, int64_t rows, int64_t cols, int device) {
-  fmlp_tensor_t t = fmlp_tensor_2d(p, FMLP_DTYPE_BF16, rows, cols, cols);
-  t.device_type = FMLP_DEVICE_CUDA;
-  t.device_id = device;
-  return t;
-}
-
-// Per-call microseconds: `reps` graph launches queued back to back, each bracketed by events, so
-// the GPU never waits for the host (or for another rank's host); median over launches / calls.
-double time_graph(cudaGraphExec_t ge, cudaStream_t s, int reps, int calls) {
-  for (int i = 0; i < 5; ++i) CK(cudaGraphLaunch(ge, s));
-  std::vector<cudaEvent_t> ev(size_t(reps) + 1);
-  for (cudaEvent_t& e : ev) CK(cudaEventCreate(&e));
-  CK(cudaEventRecord(ev[0], s));
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaGraphLaunch(ge, s));
-    CK(cudaEventRecord(ev[size_t(i) + 1], s));
-  }
-  CK(cudaStreamSynchronize(s));
-  std::vector<double> t;
-  for (int i = 0; i < reps; ++i) {
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, ev[size_t(i)], ev[size_t(i) + 1]));
-    t.push_back(double(ms) * 1e3 / calls);
-  }
-  for (cudaEvent_t& e : ev) CK(cudaEventDestroy(e));
-  return median(t);
 }
 
 // Rows of y each rank holds after the reduction.
@@ -175,13 +124,13 @@ int main(int argc, char** argv) {
   std::vector<uint16_t> hw1(size_t(2 * H * d)), hw2(size_t(d * H));
   fill_bf16(hw1, o.seed * 3 + 1, 1.f / std::sqrt(float(d)));
   fill_bf16(hw2, o.seed * 3 + 2, 1.f / std::sqrt(float(H)));
-  void* dw1 = upload(hw1);
-  void* dw2 = upload(hw2);
+  void* dw1 = upload_u16(hw1);
+  void* dw2 = upload_u16(hw2);
   hw1 = {};
   hw2 = {};
   fmlp_mlp_weights_t full{};
-  full.w1 = dev2(dw1, 2 * H, d, o.device);
-  full.w2 = dev2(dw2, d, H, o.device);
+  full.w1 = device_bf16_2d(dw1, 2 * H, d, o.device);
+  full.w2 = device_bf16_2d(dw2, d, H, o.device);
   fmlp_mlp_config_t cfg = fmlp_mlp_config_default();
   cfg.activation = FMLP_ACT_SILU;
   cfg.gated = 1;
@@ -222,10 +171,10 @@ int main(int argc, char** argv) {
     std::vector<void*> xs(static_cast<size_t>(nx)), ys(static_cast<size_t>(nx));
     std::vector<fmlp_tensor_t> xv(static_cast<size_t>(nx)), yv(static_cast<size_t>(nx));
     for (int i = 0; i < nx; ++i) {
-      xs[size_t(i)] = upload(hx);
+      xs[size_t(i)] = upload_u16(hx);
       CK(cudaMalloc(&ys[size_t(i)], size_t(m * d) * 2));
-      xv[size_t(i)] = dev2(xs[size_t(i)], m, d, o.device);
-      yv[size_t(i)] = dev2(ys[size_t(i)], m, d, o.device);
+      xv[size_t(i)] = device_bf16_2d(xs[size_t(i)], m, d, o.device);
+      yv[size_t(i)] = device_bf16_2d(ys[size_t(i)], m, d, o.device);
     }
     size_t ws_bytes = 0, b = 0;
     FK(fmlp_mlp_packed_workspace_size(ps[0], &yv[0], &xv[0], &ws_bytes));
@@ -302,9 +251,9 @@ int main(int argc, char** argv) {
         CK(cudaStreamEndCapture(s, &g));
         CK(cudaGraphInstantiate(&one_exec, g, 0));
         CK(cudaGraphDestroy(g));
-        one_us = time_graph(one_exec, s, o.reps, full_copies);
+        one_us = graph_us_bracketed(one_exec, s, o.reps, full_copies);
       }
-      const double tp_us = time_graph(tp_exec, s, o.reps, copies);
+      const double tp_us = graph_us_bracketed(tp_exec, s, o.reps, copies);
       CK(cudaGetLastError());
       if (root) {
         const double flops = 2.0 * double(m) * 3.0 * double(d) * double(H);

@@ -36,17 +36,17 @@
 
 namespace {
 
+using fmlp_bench::device_bf16_2d;
 using fmlp_bench::fill_bf16;
-using fmlp_bench::median;
+using fmlp_bench::graph_us_bracketed;
 using fmlp_bench::parse_positive_list;
+using fmlp_bench::upload_u16;
 
 constexpr int64_t kD = 4096, kH = 14336, kE = 8, kK = 2;
 
-struct Options {
-  int rank = -1, size = 0, device = -1, reps = 50;
-  uint64_t seed = 1234;
+struct Options : fmlp_bench::RankOptions {
+  Options() { reps = 50; }
   int64_t capacity = FMLP_TP_MOE_A2A_NO_DROP;
-  std::string id_file, json;
   std::vector<int64_t> ts{1, 16, 256};
 };
 
@@ -64,30 +64,15 @@ Options parse(int argc, char** argv) {
     const std::string a = argv[i];
     if (i + 1 >= argc) usage(("missing value after " + a).c_str());
     const char* v = argv[++i];
-    if (a == "--rank")
-      o.rank = std::atoi(v);
-    else if (a == "--size")
-      o.size = std::atoi(v);
-    else if (a == "--device")
-      o.device = std::atoi(v);
-    else if (a == "--reps")
-      o.reps = std::max(5, std::atoi(v));
-    else if (a == "--seed")
-      o.seed = std::strtoull(v, nullptr, 10);
-    else if (a == "--capacity")
+    if (o.take(a, v)) continue;
+    if (a == "--capacity")
       o.capacity = std::strtoll(v, nullptr, 10);
-    else if (a == "--id-file")
-      o.id_file = v;
-    else if (a == "--json")
-      o.json = v;
     else if (a == "--t") {
       if (!parse_positive_list(v, &o.ts)) usage("--t takes T,T,... (>= 1)");
     } else
       usage(("unknown option " + a).c_str());
   }
-  if (o.size < 1 || o.rank < 0 || o.rank >= o.size || o.id_file.empty())
-    usage("--rank, --size and --id-file are required (0 <= rank < size)");
-  if (o.device < 0) o.device = o.rank;
+  if (const char* why = o.finish(); *why) usage(why);
   return o;
 }
 
@@ -97,15 +82,8 @@ void* dev_alloc(size_t bytes) {
   return p;
 }
 
-fmlp_tensor_t dev_2d(void* p, int64_t rows, int64_t cols, int device) {
-  fmlp_tensor_t t = fmlp_tensor_2d(p, FMLP_DTYPE_BF16, rows, cols, cols);
-  t.device_type = FMLP_DEVICE_CUDA;
-  t.device_id = device;
-  return t;
-}
-
 fmlp_tensor_t dev_3d(void* p, int64_t e, int64_t rows, int64_t cols, int device) {
-  fmlp_tensor_t t = dev_2d(p, rows, cols, device);
+  fmlp_tensor_t t = device_bf16_2d(p, rows, cols, device);
   t.ndim = 3;
   t.shape[0] = e, t.shape[1] = rows, t.shape[2] = cols;
   t.stride[0] = rows * cols, t.stride[1] = cols, t.stride[2] = 1;
@@ -128,12 +106,6 @@ void upload_experts(int64_t first, int64_t count, uint64_t seed, void** w1, void
   }
 }
 
-void* upload(const std::vector<uint16_t>& h) {
-  void* d = dev_alloc(h.size() * 2);
-  CK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
-  return d;
-}
-
 cudaGraphExec_t capture(cudaStream_t s, const std::function<fmlp_status_t()>& call) {
   cudaGraph_t g;
   cudaGraphExec_t ge;
@@ -143,28 +115,6 @@ cudaGraphExec_t capture(cudaStream_t s, const std::function<fmlp_status_t()>& ca
   CK(cudaGraphInstantiate(&ge, g, 0));
   CK(cudaGraphDestroy(g));
   return ge;
-}
-
-// Per-call microseconds: replays queued back to back, each bracketed by events (no host skew
-// between the ranks), median.
-double time_graph(cudaGraphExec_t ge, cudaStream_t s, int reps) {
-  for (int i = 0; i < 5; ++i) CK(cudaGraphLaunch(ge, s));
-  std::vector<cudaEvent_t> ev(size_t(reps) + 1);
-  for (cudaEvent_t& e : ev) CK(cudaEventCreate(&e));
-  CK(cudaEventRecord(ev[0], s));
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaGraphLaunch(ge, s));
-    CK(cudaEventRecord(ev[size_t(i) + 1], s));
-  }
-  CK(cudaStreamSynchronize(s));
-  std::vector<double> t;
-  for (int i = 0; i < reps; ++i) {
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, ev[size_t(i)], ev[size_t(i) + 1]));
-    t.push_back(double(ms) * 1e3);
-  }
-  for (cudaEvent_t& e : ev) CK(cudaEventDestroy(e));
-  return median(t);
 }
 
 // Largest |a - ref| / (|ref| + rms(ref)) over the first n values.
@@ -206,9 +156,9 @@ int main(int argc, char** argv) {
   if (root) upload_experts(0, kE, o.seed, &w1_all, &w2_all);
   std::vector<uint16_t> hr(size_t(kE * kD));
   fill_bf16(hr, o.seed * 7 + 5, 1.f / std::sqrt(float(kD)));
-  void* router = upload(hr);
+  void* router = upload_u16(hr);
   fmlp_moe_args_t base{};
-  base.router_w = dev_2d(router, kE, kD, o.device);
+  base.router_w = device_bf16_2d(router, kE, kD, o.device);
   base.config = fmlp_moe_config_default(int32_t(kE), int32_t(kK));
   base.config.gated = 1;
   fmlp_moe_args_t local = base;  // this rank's experts
@@ -239,16 +189,16 @@ int main(int argc, char** argv) {
         o.capacity == FMLP_TP_MOE_A2A_NO_DROP ? o.capacity : std::min(o.capacity, T * kK);
     std::vector<uint16_t> hx(size_t(all * kD));
     fill_bf16(hx, o.seed * 7 + 11 + uint64_t(T), 1.7320508f);  // unit variance, all ranks equal
-    void* x_all = upload(hx);
+    void* x_all = upload_u16(hx);
     void* y_rep = dev_alloc(size_t(all * kD) * 2);
     void* y_a2a = dev_alloc(size_t(T * kD) * 2);
     void* y_one = root ? dev_alloc(size_t(all * kD) * 2) : nullptr;
     fmlp_moe_args_t a2a = local, rep = local, one = whole;
-    a2a.x = dev_2d(static_cast<uint16_t*>(x_all) + o.rank * T * kD, T, kD, o.device);
-    a2a.y = dev_2d(y_a2a, T, kD, o.device);
-    rep.x = one.x = dev_2d(x_all, all, kD, o.device);
-    rep.y = dev_2d(y_rep, all, kD, o.device);
-    one.y = dev_2d(y_one, all, kD, o.device);
+    a2a.x = device_bf16_2d(static_cast<uint16_t*>(x_all) + o.rank * T * kD, T, kD, o.device);
+    a2a.y = device_bf16_2d(y_a2a, T, kD, o.device);
+    rep.x = one.x = device_bf16_2d(x_all, all, kD, o.device);
+    rep.y = device_bf16_2d(y_rep, all, kD, o.device);
+    one.y = device_bf16_2d(y_one, all, kD, o.device);
     size_t b_a2a = 0, b_rep = 0, b_one = 0;
     FK(fmlp_tp_moe_a2a_workspace_size(&a2a, T, cap, o.rank, o.size, &b_a2a));
     FK(fmlp_tp_moe_workspace_size(&rep, o.rank, &b_rep));
@@ -280,14 +230,14 @@ int main(int argc, char** argv) {
       err_a2a = max_rel_err(y_a2a, y_one, size_t(T * kD));
       err_rep = max_rel_err(y_rep, y_one, size_t(all * kD));
       cudaGraphExec_t g1 = capture(s, run_one);  // the other ranks wait in their first exchange
-      one_us = time_graph(g1, s, o.reps);
+      one_us = graph_us_bracketed(g1, s, o.reps);
       CK(cudaGraphExecDestroy(g1));
     }
     cudaGraphExec_t ga = capture(s, run_a2a);
-    const double a2a_us = time_graph(ga, s, o.reps);
+    const double a2a_us = graph_us_bracketed(ga, s, o.reps);
     CK(cudaGraphExecDestroy(ga));
     cudaGraphExec_t gr = capture(s, run_rep);
-    const double rep_us = time_graph(gr, s, o.reps);
+    const double rep_us = graph_us_bracketed(gr, s, o.reps);
     CK(cudaGraphExecDestroy(gr));
     CK(cudaGetLastError());
     if (root) {
