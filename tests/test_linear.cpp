@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <tuple>
 
 #include "op_tensor.hpp"
 #include "tolerance.hpp"
@@ -220,6 +221,16 @@ std::vector<LinCase> cases() {
       c.bt = m == 16 ? c.yt : kAbsent;
       v.push_back(c);
     }
+  // x staged in exactly 48 KiB of shared memory by the stream GEMV (the edge where a launch needs
+  // the shared-memory opt-in): bf16 and fp8 weights, one and two tokens.
+  for (auto [m, k, w] : {std::tuple<int64_t, int64_t, fmlp_dtype_t>{1, 24576, FMLP_DTYPE_BF16},
+                         {2, 12288, FMLP_DTYPE_F8_E4M3}}) {
+    LinCase c;
+    c.m = m, c.n = 7, c.k = k;
+    c.xt = FMLP_DTYPE_BF16, c.wt = w;
+    c.per_row = true;
+    v.push_back(c);
+  }
   for (int64_t n : {1, 8, 3}) {  // router-like: tiny N, long K (split K on the GPU)
     LinCase c;
     c.m = n == 3 ? 5 : 1, c.n = n, c.k = 8192;

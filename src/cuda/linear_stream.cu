@@ -159,6 +159,9 @@ int token_tile(int64_t m) {
 template <typename WT, typename XT, int MT>
 fmlp_status_t launch(const StreamParams& p, size_t smem, int device, cudaStream_t s) {
   constexpr auto kernel = &linear_sm80_stream<WT, XT, MT>;
+  if (const fmlp_status_t st = allow_dynamic_smem<kernel>(smem, "linear_sm80_stream");
+      st != FMLP_SUCCESS)
+    return st;
   const int grid =
       std::min(p.s.groups, stream_resident_blocks(kernel, smem, device, cuda_sm_count(device)));
   kernel<<<grid, kStreamThreads, smem, s>>>(p);
