@@ -12,8 +12,8 @@ namespace {
 
 // Measured on an H200 (bench/mlp_cuda_bench_prefill, commit of bench/results/cuda_prefill_h200.*;
 // the decode entries forced one by one against the cuBLASLt path at M = 1..4 with
-// bench/mlp_cuda_bench --kernel, bench/results/cuda_decode_h200.*): below the crossover the decode
-// entries run in table order, the weight streams (mlp_decode_sm80_stream) first. The cuBLASLt
+// bench/mlp_cuda_bench --kernel, bench/results/cuda_decode_m1m4_h200.*): below the crossover the
+// decode entries run in table order, the weight streams (mlp_decode_sm80_stream) first. cuBLASLt
 // path is the fastest from M = 1 for shapes of tens of MB and more; the streams win on the small
 // MLPs. The bench prints rows in this format to refill the table.
 // 16-bit rows serve bf16 and fp16 alike: the paths read the same bytes and do the same math.
