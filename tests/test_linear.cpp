@@ -20,6 +20,9 @@ struct LinCase {
   fmlp_dtype_t xt = FMLP_DTYPE_F32, wt = FMLP_DTYPE_F32, bt = kAbsent;
   bool per_row = false, misaligned = false, strided = false, nonfinite = false;
   bool x_misaligned = false;  // x and y only: W stays 16-byte aligned
+  bool x_strided = false;     // x and y only
+  bool w_nan = false;         // fp8 W: NaN codes (0x7f, 0xff) in two rows
+  bool wide_x = false;        // |x| log-uniform over 2^-20..2^10 in every row
   fmlp_dtype_t yt = kAbsent;  // y's dtype when x is f8_e4m3 (W8A8); else x's
   bool x_per_row = false;     // W8A8: x_scale [M] rather than [1]
   fmlp_dtype_t out() const { return yt != kAbsent ? yt : xt; }
@@ -32,7 +35,8 @@ struct LinCase {
                                            " y=" + fmlp_dtype_name(out())
                                      : "") +
            (misaligned ? " misaligned" : "") + (x_misaligned ? " x-misaligned" : "") +
-           (strided ? " strided" : "") + (nonfinite ? " nonfinite" : "");
+           (strided ? " strided" : "") + (x_strided ? " x-strided" : "") +
+           (nonfinite ? " nonfinite" : "") + (w_nan ? " w-nan" : "") + (wide_x ? " wide-x" : "");
   }
 };
 
@@ -60,23 +64,32 @@ std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t
   HostMatrix xsc = matrix(FMLP_DTYPE_F32, 1, c.x_per_row ? c.m : 1);
   for (int64_t i = 0; i < xsc.cols; ++i) xsc.set(0, i, (0.5 + ud(rng) * 0.25) / 100.0);
   for (int64_t i = 0; i < c.m; ++i)
-    for (int64_t j = 0; j < c.k; ++j) x.set(i, j, x8 ? ud(rng) * 300.0 : nd(rng));
+    for (int64_t j = 0; j < c.k; ++j)
+      x.set(i, j,
+            x8         ? ud(rng) * 300.0
+            : c.wide_x ? std::copysign(std::exp2(15.0 * ud(rng) - 5.0), ud(rng))
+                       : nd(rng));
   const double wscale = c.wt == FMLP_DTYPE_F8_E4M3 ? 100.0 : 1.0 / std::sqrt(double(c.k));
   for (int64_t i = 0; i < c.n; ++i)
     for (int64_t j = 0; j < c.k; ++j) w.set(i, j, ud(rng) * wscale);
   for (int64_t i = 0; i < s.cols; ++i)
     s.set(0, i, (0.5 + ud(rng) * 0.25) / (100.0 * std::sqrt(double(c.k))));
-  if (c.nonfinite && c.m >= 3 && !x8) {  // e4m3fn has no Inf
+  if (c.nonfinite && !x8) {  // e4m3fn has no Inf
     x.set(0, c.k / 2, NAN);
-    x.set(1, 0, INFINITY);
+    if (c.m >= 2) x.set(1, 0, INFINITY);
+  }
+  if (c.w_nan && c.wt == FMLP_DTYPE_F8_E4M3 && c.k > 0) {  // HostMatrix::set saturates: raw codes
+    w.bytes[size_t(c.n / 2 * c.k + c.k / 3)] = 0x7f;
+    w.bytes[size_t((c.n - 1) * c.k + c.k - 1)] = 0xff;
   }
   if (c.bt != kAbsent) {
     b = matrix(c.bt, 1, c.n);
     for (int64_t i = 0; i < c.n; ++i) b.set(0, i, 0.1 * nd(rng));
   }
-  PlacedTensor px(c.xt, c.m, c.k, device, c.misaligned || c.x_misaligned, c.strided);
+  PlacedTensor px(c.xt, c.m, c.k, device, c.misaligned || c.x_misaligned, c.strided || c.x_strided);
   PlacedTensor pw(c.wt, c.n, c.k, device, c.misaligned, c.strided);
-  PlacedTensor py(c.out(), c.m, c.n, device, c.misaligned || c.x_misaligned, c.strided);
+  PlacedTensor py(c.out(), c.m, c.n, device, c.misaligned || c.x_misaligned,
+                  c.strided || c.x_strided);
   PlacedTensor ps(FMLP_DTYPE_F32, 1, s.cols, device, false, false);
   PlacedTensor pxs(FMLP_DTYPE_F32, 1, xsc.cols, device, false, false);
   PlacedTensor pb;
@@ -229,6 +242,33 @@ std::vector<LinCase> cases() {
     c.m = m, c.n = 7, c.k = k;
     c.xt = FMLP_DTYPE_BF16, c.wt = w;
     c.per_row = true;
+    v.push_back(c);
+  }
+  // fp8 weights in the memory-order stream (linear_sm80_stream): every token count, rows that end
+  // inside a batch (33 and 257 chunks of 16 bytes), both scale kinds, bias, misaligned and
+  // strided x, NaN and Inf in x, NaN codes in W, x spanning 2^-20..2^10 within each row, and x
+  // staged in exactly 48 KiB at one and four tokens.
+  for (int64_t m = 1; m <= 4; ++m)
+    for (int64_t k : {528, 4112})
+      for (int variant = 0; variant < 3; ++variant) {
+        LinCase c;
+        c.m = m, c.n = 37, c.k = k;
+        c.xt = (m + variant) % 2 ? FMLP_DTYPE_BF16 : FMLP_DTYPE_F16;
+        c.wt = FMLP_DTYPE_F8_E4M3;
+        c.per_row = variant != 1;
+        c.bt = variant == 1 ? FMLP_DTYPE_F32 : variant == 2 ? c.xt : kAbsent;
+        c.wide_x = variant == 0;
+        c.x_misaligned = variant == 1;
+        c.nonfinite = variant == 1 && k == 528;
+        c.x_strided = variant == 2;
+        c.w_nan = variant == 2 && k == 528;
+        v.push_back(c);
+      }
+  for (auto [m, k] : {std::pair<int64_t, int64_t>{1, 24576}, {4, 6144}}) {
+    LinCase c;
+    c.m = m, c.n = 9, c.k = k;
+    c.xt = FMLP_DTYPE_F16, c.wt = FMLP_DTYPE_F8_E4M3;
+    c.wide_x = m == 4;
     v.push_back(c);
   }
   for (int64_t n : {1, 8, 3}) {  // router-like: tiny N, long K (split K on the GPU)

@@ -100,6 +100,43 @@ __device__ void stage_tokens(const DecodeOperands& p, float* xs, float* scratch)
   __syncthreads();
 }
 
+// Stage the M rows of x in shared memory as XS ([M, k]; bf16/fp16 halves the bytes of fp32 and
+// the shared-memory reads per weight chunk), normalised when asked. The norm's statistics are
+// taken in fp32 from x itself (the row is in L2 after the first pass), so XS only rounds the
+// normalised values, as a 16-bit model's norm output is rounded.
+template <int THREADS, int M, typename XS>
+__device__ void stage_tokens_as(const DecodeOperands& p, XS* xs, float* scratch) {
+  const size_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
+  for (int m = 0; m < M; ++m) {
+    const char* row = static_cast<const char*>(p.x) + m * p.x_ld * int64_t(es);
+    float mean = 0.f, inv = 1.f;
+    if (p.norm != FMLP_NORM_NONE) {
+      float s = 0.f;
+      if (p.norm == FMLP_NORM_LAYERNORM) {
+#pragma unroll 4
+        for (int c = threadIdx.x; c < p.k; c += THREADS) s += load_scalar(row, p.act_t, c);
+        mean = block_sum<THREADS>(s, scratch) / float(p.k);
+      }
+      float q = 0.f;
+#pragma unroll 4
+      for (int c = threadIdx.x; c < p.k; c += THREADS) {
+        const float v = load_scalar(row, p.act_t, c) - mean;
+        q += v * v;
+      }
+      inv = rsqrtf(block_sum<THREADS>(q, scratch) / float(p.k) + p.eps);
+    }
+    XS* xr = xs + m * p.k;
+#pragma unroll 4
+    for (int c = threadIdx.x; c < p.k; c += THREADS) {
+      float v = load_scalar(row, p.act_t, c);
+      if (p.norm != FMLP_NORM_NONE)
+        v = (v - mean) * inv * opt(p.gamma, p.gamma_t, c, 1.f) + opt(p.beta, p.beta_t, c, 0.f);
+      xr[c] = from_f<XS>(v);
+    }
+  }
+  __syncthreads();
+}
+
 // End of a split-hidden kernel whose blocks added their partial outputs into acc [M, n] (fp32,
 // zero between calls): the block that arrives last (counter, zero between calls) adds b2 and the
 // residual, writes y and re-zeroes acc and the counter, so the next call or graph replay needs no

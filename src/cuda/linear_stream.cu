@@ -1,8 +1,9 @@
 // linear_sm80_stream: y[M, N] = x[M, K] W^T + b for M <= 4 tokens and bf16, fp16 or fp8 e4m3
 // weights, as one memory-order stream over W (stream_gemv.cuh says why and how).
 //   - x is staged once per block: in its own dtype for 16-bit weights; for fp8 weights as fp16
-//     times a power of two per token (stream_gemv.cuh), undone with the per-row or per-tensor
-//     scale in the epilogue,
+//     times a power of two per token, each group of 4 permuted to x0 x2 x1 x3 (the order the
+//     integer widening of stream_gemv.cuh gives the weights), undone with 2^8 and the per-row or
+//     per-tensor scale in the epilogue,
 //   - the epilogue adds the bias and converts; no workspace, deterministic.
 #include <cuda_runtime.h>
 
@@ -26,6 +27,7 @@ using fmlp::cuda::kStreamU;
 using fmlp::cuda::kStreamWarps;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::store_scalar;
+using fmlp::cuda::stream_grid;
 using fmlp::cuda::stream_load;
 using fmlp::cuda::stream_resident_blocks;
 using fmlp::cuda::stream_run;
@@ -77,10 +79,12 @@ __device__ void stage_x(const StreamParams& p, XT* xs) {
 }
 
 // Stages x rows [0, MT) for fp8 weights: fp16 times a power of two per token that puts the
-// largest finite |x| in [8, 16) (stream_gemv.cuh); inv[t] gets the factor that undoes it. One
-// global pass: the raw 16-bit values go to their slots first, the scaling happens in place.
+// largest finite |x| in [2^11, 2^12), element j of each group of 4 in slot (j & 1) * 2 + j / 2
+// (stream_gemv.cuh); inv[t] gets the factor that undoes it and the widening's 2^-8. One global
+// pass: the raw 16-bit values go to their (permuted) slots first, the scaling happens in place.
 template <int MT>
-__device__ void stage_x_f16(const StreamParams& p, __half* xs, float* inv, unsigned* amax) {
+__device__ void stage_x_f16(const StreamParams& p, __half* xs, float* mul, float* inv,
+                            unsigned* amax) {
   const int k = p.s.k;
   if (threadIdx.x < MT) amax[threadIdx.x] = 0;
   __syncthreads();
@@ -90,7 +94,9 @@ __device__ void stage_x_f16(const StreamParams& p, __half* xs, float* inv, unsig
     float v = 0.f;
     if (t < p.m) v = load_scalar(static_cast<const char*>(p.x) + int64_t(t) * p.x_ld * 2, p.x_t, c);
     if (fabsf(v) <= 3.4e38f) mx[t] = fmaxf(mx[t], fabsf(v));  // NaN / Inf stay unscaled
-    reinterpret_cast<unsigned short*>(xs)[i] =
+    const int slot =
+        (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1);  // K % 16 == 0: groups stay in a row
+    reinterpret_cast<unsigned short*>(xs)[slot] =
         p.x_t == FMLP_DTYPE_F16 ? __half_as_ushort(__float2half_rn(v))
                                 : __bfloat16_as_ushort(__float2bfloat16_rn(v));  // exact
   }
@@ -105,15 +111,16 @@ __device__ void stage_x_f16(const StreamParams& p, __half* xs, float* inv, unsig
   if (threadIdx.x < MT) {
     int e = 0;
     frexpf(__uint_as_float(amax[threadIdx.x]), &e);
-    const int shift = amax[threadIdx.x] == 0 ? 0 : max(-126, min(126, 4 - e));
-    inv[threadIdx.x] = ldexpf(1.f, -shift);
+    const int shift = amax[threadIdx.x] == 0 ? 0 : max(-126, min(126, 12 - e));
+    mul[threadIdx.x] = ldexpf(1.f, shift);
+    inv[threadIdx.x] = ldexpf(1.f, 8 - shift);
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < MT * k; i += kStreamThreads) {  // the slots this thread wrote
+  for (int i = threadIdx.x; i < MT * k; i += kStreamThreads) {  // each slot read and rewritten once
     const unsigned short raw = reinterpret_cast<unsigned short*>(xs)[i];
     const float v = p.x_t == FMLP_DTYPE_F16 ? __half2float(__ushort_as_half(raw))
                                             : __bfloat162float(__ushort_as_bfloat16(raw));
-    xs[i] = __float2half_rn(v / inv[i / k]);
+    xs[i] = __float2half_rn(v * mul[i / k]);
   }
 }
 
@@ -124,7 +131,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
   extern __shared__ uint4 smem_v[];
   XS* xs = reinterpret_cast<XS*>(smem_v);  // [MT][k]
   __shared__ float red[2][kStreamWarps][MT];
-  __shared__ float inv[MT];  // fp8: the per-token factor undoing the staging's power of two
+  __shared__ float mul[MT], inv[MT];  // fp8: the per-token staging power of two, its undoing
   __shared__ unsigned amax[MT];
   if (int(blockIdx.x) >= p.s.groups) return;
   const auto sp = stream_span<WT>(p.s);
@@ -132,7 +139,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
   uint4 cur[kStreamU];
   stream_load<WT>(cur, p.s, sp, row_ptr, blockIdx.x, 0);  // in flight while x is staged
   if constexpr (kFp8)
-    stage_x_f16<MT>(p, xs, inv, amax);
+    stage_x_f16<MT>(p, xs, mul, inv, amax);
   else
     stage_x<XT, MT>(p, xs);
   __syncthreads();
@@ -163,7 +170,7 @@ fmlp_status_t launch(const StreamParams& p, size_t smem, int device, cudaStream_
       st != FMLP_SUCCESS)
     return st;
   const int grid =
-      std::min(p.s.groups, stream_resident_blocks(kernel, smem, device, cuda_sm_count(device)));
+      stream_grid(p.s.groups, stream_resident_blocks(kernel, smem, device, cuda_sm_count(device)));
   kernel<<<grid, kStreamThreads, smem, s>>>(p);
   return launch_status("linear_sm80_stream");
 }
@@ -194,9 +201,7 @@ bool linear_stream_supports(const LinearDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (d.w8a8())
     return (*why = "fp8 activations (W8A8): linear_sm80_mma and cuBLASLt take them", false);
-  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) {
-    if (cuda_compute_capability(d.device_id) < 89)
-      return (*why = "fp8 weights need sm_89 or newer (cvt.rn.f16x2.e4m3x2)", false);
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) {  // widened with integer ops: any sm_80+ device
     if (d.act_dtype == FMLP_DTYPE_F32)
       return (*why =
                   "f32 activations with fp8 weights: staging x as fp16 would round it; "

@@ -44,6 +44,7 @@ namespace {
 namespace cg = cooperative_groups;
 using fmlp::cuda::activate;
 using fmlp::cuda::Frags;
+using fmlp::cuda::from_f;
 using fmlp::cuda::ld_stream_v4;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::mma_step;
@@ -122,14 +123,6 @@ __device__ __forceinline__ void mma_storage_step(float (&c)[4], const uint4& rg,
   }
 }
 
-template <typename WT>
-__device__ __forceinline__ WT to_w(float v) {
-  if constexpr (std::is_same_v<WT, __half>)
-    return __float2half_rn(v);
-  else
-    return __float2bfloat16_rn(v);
-}
-
 [[maybe_unused]] __device__ __forceinline__ uint4 lds128(const void* p) {
   return *static_cast<const uint4*>(p);
 }
@@ -184,7 +177,7 @@ __device__ void stage_chunk(const ClusterParams& p, WT* xs, int c0, const float*
           if (p.norm != FMLP_NORM_NONE)
             f = (f - mean[m]) * inv[m] * opt(p.gamma, p.gamma_t, c + i, 1.f) +
                 opt(p.beta, p.beta_t, c + i, 0.f);
-          e[i] = to_w<WT>(f);
+          e[i] = from_f<WT>(f);
         }
         out = *reinterpret_cast<const uint4*>(e);
       }
@@ -305,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_cluster(const Clu
     const int j = i / p.m, m = i % p.m;
     float v = activate(p.act, res[j * p.m + m] + opt(p.bg, p.bg_t, h0 + j, 0.f));
     if (gated) v *= res[(S + j) * p.m + m] + opt(p.bu, p.bu_t, h0 + j, 0.f);
-    hl[m * p.hs_stride + j] = to_w<WT>(v);
+    hl[m * p.hs_stride + j] = from_f<WT>(v);
   }
 
   // Phase 2 owns output row groups [og0, og1) of this cluster rank; a warp takes every kWarps-th.

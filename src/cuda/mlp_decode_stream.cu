@@ -24,6 +24,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
@@ -32,6 +33,7 @@
 #include "cuda/device_scope.hpp"
 #include "cuda/launch_util.hpp"
 #include "cuda/mlp_decode.cuh"
+#include "cuda/ops.cuh"
 #include "cuda/stream_gemv.cuh"
 
 namespace fmlp::detail {
@@ -39,13 +41,15 @@ namespace {
 
 using fmlp::cuda::activate;
 using fmlp::cuda::DecodeOperands;
+using fmlp::cuda::from_f;
 using fmlp::cuda::kStreamThreads;
 using fmlp::cuda::kStreamU;
 using fmlp::cuda::kStreamWarps;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::opt;
-using fmlp::cuda::stage_tokens;
+using fmlp::cuda::stage_tokens_as;
 using fmlp::cuda::store_scalar;
+using fmlp::cuda::stream_grid;
 using fmlp::cuda::stream_load;
 using fmlp::cuda::stream_resident_blocks;
 using fmlp::cuda::stream_run;
@@ -54,19 +58,41 @@ using fmlp::cuda::stream_span;
 using fmlp::cuda::StreamShape;
 
 constexpr int kMaxTokens = 4;
-constexpr size_t kMaxStageBytes = 64 * 1024;  // three blocks per multiprocessor
+// x and h are staged in the weights' 16-bit dtype: up to 2 tokens of llama3-8b's hidden (28 KiB
+// each) leave room for four blocks per multiprocessor; more tokens or wider layers get fewer.
+constexpr size_t kMaxStageBytes = 96 * 1024;
+
+// Blocks per multiprocessor the register budget is cut for: four at M <= 2, where the shared
+// memory allows them; the accumulators of 3 and 4 tokens would spill under 64 registers.
+template <int M>
+constexpr int kMinBlocks = M <= 2 ? 4 : 3;
 
 struct StreamMlpParams : DecodeOperands {
-  float* hbuf;        // [m, hidden] fp32 workspace, zero between calls
+  void* hbuf;         // [m, hidden] in the weights' dtype, workspace, zero between calls
   unsigned* counter;  // blocks of the down launch that staged h, zero between calls
   StreamShape up, down;
 };
 
+// Programmatic dependent launch (sm_90): both kernels are launched so that they may start while
+// the previous kernel on the stream drains; each requests its first weight batch (weights are
+// never written by a kernel of the call's stream), then waits for the previous grid to complete
+// before it touches x, h, y or the workspace. FMLP_STREAM_PDL=0 launches them plainly.
+__device__ __forceinline__ void wait_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 template <typename WT, int M>
-__global__ void __launch_bounds__(kStreamThreads, 3)
+__global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
     mlp_decode_sm80_stream_up(const StreamMlpParams p) {
-  extern __shared__ float4 smem4[];
-  float* xs = reinterpret_cast<float*>(smem4);  // [M][k]
+  extern __shared__ uint4 smem_v[];
+  WT* xs = reinterpret_cast<WT*>(smem_v);  // [M][k]
   __shared__ float red[2][kStreamWarps][M];
   __shared__ float scratch[kStreamWarps];
   if (int(blockIdx.x) >= p.up.groups) return;
@@ -80,28 +106,31 @@ __global__ void __launch_bounds__(kStreamThreads, 3)
   };
   uint4 cur[kStreamU];
   stream_load<WT>(cur, p.up, sp, row_ptr, blockIdx.x, 0);  // in flight while x is staged
-  stage_tokens<kStreamThreads, M>(p, xs, scratch);         // ends with __syncthreads
+  allow_next_grid();
+  wait_previous_grid();
+  stage_tokens_as<kStreamThreads, M>(p, xs, scratch);  // ends with __syncthreads
+  WT* h = static_cast<WT*>(p.hbuf);
   if (gated) {
     auto finish = [&](int row, int t, const float(&v)[2]) {
       const int j = row >> 1;
       const float a = v[0] + opt(p.bg, p.bg_t, j, 0.f);
       const float u = v[1] + opt(p.bu, p.bu_t, j, 0.f);
-      p.hbuf[int64_t(t) * p.h + j] = activate(p.act, a) * u;
+      h[int64_t(t) * p.h + j] = from_f<WT>(activate(p.act, a) * u);
     };
-    stream_run<WT, float, M, 2>(p.up, sp, xs, row_ptr, finish, cur, red);
+    stream_run<WT, WT, M, 2>(p.up, sp, xs, row_ptr, finish, cur, red);
   } else {
     auto finish = [&](int row, int t, const float(&v)[1]) {
-      p.hbuf[int64_t(t) * p.h + row] = activate(p.act, v[0] + opt(p.bg, p.bg_t, row, 0.f));
+      h[int64_t(t) * p.h + row] = from_f<WT>(activate(p.act, v[0] + opt(p.bg, p.bg_t, row, 0.f)));
     };
-    stream_run<WT, float, M, 1>(p.up, sp, xs, row_ptr, finish, cur, red);
+    stream_run<WT, WT, M, 1>(p.up, sp, xs, row_ptr, finish, cur, red);
   }
 }
 
 template <typename WT, int M>
-__global__ void __launch_bounds__(kStreamThreads, 3)
+__global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
     mlp_decode_sm80_stream_down(const StreamMlpParams p) {
-  extern __shared__ float4 smem4[];
-  float* hs = reinterpret_cast<float*>(smem4);  // [M][hidden]
+  extern __shared__ uint4 smem_v[];
+  WT* hs = reinterpret_cast<WT*>(smem_v);  // [M][hidden]
   __shared__ float red[2][kStreamWarps][M];
   __shared__ unsigned is_last;
   if (int(blockIdx.x) >= p.down.groups) return;
@@ -109,15 +138,16 @@ __global__ void __launch_bounds__(kStreamThreads, 3)
   auto row_ptr = [&](int row) { return static_cast<const WT*>(p.w2) + int64_t(row) * p.w2_ld; };
   uint4 cur[kStreamU];
   stream_load<WT>(cur, p.down, sp, row_ptr, blockIdx.x, 0);  // in flight while h is staged
-  const int vecs = M * p.h / 4;                              // hidden is a multiple of 8
-  for (int i = threadIdx.x; i < vecs; i += kStreamThreads)
-    reinterpret_cast<float4*>(hs)[i] = __ldcg(reinterpret_cast<const float4*>(p.hbuf) + i);
+  allow_next_grid();
+  wait_previous_grid();          // h is complete
+  const int vecs = M * p.h / 8;  // hidden is a multiple of 8
+  uint4* hbuf = static_cast<uint4*>(p.hbuf);
+  for (int i = threadIdx.x; i < vecs; i += kStreamThreads) smem_v[i] = __ldcg(hbuf + i);
   __syncthreads();  // this block's reads of h are done
   if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
   __syncthreads();
   if (is_last) {  // every block has staged h: re-zero it for the next call
-    for (int i = threadIdx.x; i < vecs; i += kStreamThreads)
-      reinterpret_cast<float4*>(p.hbuf)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int i = threadIdx.x; i < vecs; i += kStreamThreads) hbuf[i] = make_uint4(0, 0, 0, 0);
     if (threadIdx.x == 0) *p.counter = 0;
   }
   const size_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
@@ -127,30 +157,60 @@ __global__ void __launch_bounds__(kStreamThreads, 3)
       r += load_scalar(static_cast<const char*>(p.res) + int64_t(t) * p.res_ld * es, p.act_t, row);
     store_scalar(static_cast<char*>(p.y) + int64_t(t) * p.y_ld * es, p.act_t, row, r);
   };
-  stream_run<WT, float, M, 1>(p.down, sp, hs, row_ptr, finish, cur, red);
+  stream_run<WT, WT, M, 1>(p.down, sp, hs, row_ptr, finish, cur, red);
+}
+
+bool use_pdl(int device) {
+  static const bool env_on = [] {
+    const char* e = std::getenv("FMLP_STREAM_PDL");
+    return !(e && e[0] == '0');
+  }();
+  return env_on && cuda_compute_capability(device) >= 90;
+}
+
+template <typename KERNEL>
+fmlp_status_t launch_one(KERNEL kernel, int grid, size_t smem, bool pdl, const StreamMlpParams& p,
+                         cudaStream_t s, const char* name) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(grid));
+  cfg.blockDim = dim3(kStreamThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, p);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return fail(FMLP_ERROR_CUDA, "{} launch failed: {}", name, cudaGetErrorString(e));
+  }
+  return launch_status(name);
 }
 
 template <typename WT, int M>
 fmlp_status_t launch(const StreamMlpParams& p, cudaStream_t s, int device) {
   constexpr auto up = &mlp_decode_sm80_stream_up<WT, M>;
   constexpr auto down = &mlp_decode_sm80_stream_down<WT, M>;
-  const size_t smem_up = size_t(M) * size_t(p.k) * 4, smem_down = size_t(M) * size_t(p.h) * 4;
+  const size_t smem_up = size_t(M) * size_t(p.k) * sizeof(WT);
+  const size_t smem_down = size_t(M) * size_t(p.h) * sizeof(WT);
   if (fmlp_status_t st = allow_dynamic_smem<up>(smem_up, "mlp_decode_sm80_stream_up");
       st != FMLP_SUCCESS)
     return st;
   if (fmlp_status_t st = allow_dynamic_smem<down>(smem_down, "mlp_decode_sm80_stream_down");
       st != FMLP_SUCCESS)
     return st;
+  const int sms = cuda_sm_count(device);
+  const bool pdl = use_pdl(device);
   if (p.up.groups > 0) {  // hidden = 0: h is empty
-    up<<<std::min(p.up.groups, stream_resident_blocks(up, smem_up, device, cuda_sm_count(device))),
-         kStreamThreads, smem_up, s>>>(p);
-    if (fmlp_status_t st = launch_status("mlp_decode_sm80_stream_up"); st != FMLP_SUCCESS)
+    const int grid = stream_grid(p.up.groups, stream_resident_blocks(up, smem_up, device, sms));
+    if (fmlp_status_t st = launch_one(up, grid, smem_up, pdl, p, s, "mlp_decode_sm80_stream_up");
+        st != FMLP_SUCCESS)
       return st;
   }
-  down<<<std::min(p.down.groups,
-                  stream_resident_blocks(down, smem_down, device, cuda_sm_count(device))),
-         kStreamThreads, smem_down, s>>>(p);
-  return launch_status("mlp_decode_sm80_stream_down");
+  const int grid = stream_grid(p.down.groups, stream_resident_blocks(down, smem_down, device, sms));
+  return launch_one(down, grid, smem_down, pdl, p, s, "mlp_decode_sm80_stream_down");
 }
 
 template <typename WT>
@@ -183,10 +243,11 @@ bool mlp_decode_sm80_stream_supports(const MlpDesc& d, std::string* why) {
                 "a weight matrix is not 16-byte aligned (base or row stride); pack the "
                 "weights with fmlp_mlp_pack",
             false);
-  const size_t x_bytes = size_t(d.m) * size_t(d.d_in) * 4,
-               h_bytes = size_t(d.m) * size_t(d.hidden) * 4;
+  const size_t es = dtype_size(d.w_dtype);
+  const size_t x_bytes = size_t(d.m) * size_t(d.d_in) * es,
+               h_bytes = size_t(d.m) * size_t(d.hidden) * es;
   if (std::max(x_bytes, h_bytes) > kMaxStageBytes)
-    return (*why = fmt::format("M={} tokens of d_in {} / hidden {} in fp32 take {} KiB of shared "
+    return (*why = fmt::format("M={} tokens of d_in {} / hidden {} take {} KiB of shared "
                                "memory, more than the stream path's {} KiB",
                                d.m, d.d_in, d.hidden, std::max(x_bytes, h_bytes) >> 10,
                                kMaxStageBytes >> 10),
@@ -197,7 +258,7 @@ bool mlp_decode_sm80_stream_supports(const MlpDesc& d, std::string* why) {
 }
 
 size_t mlp_decode_sm80_stream_workspace(const MlpDesc& d) {
-  return align_up(size_t(d.m) * size_t(d.hidden) * 4) + align_up(4);
+  return align_up(size_t(d.m) * size_t(d.hidden) * dtype_size(d.w_dtype)) + align_up(4);
 }
 
 fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc& d,
@@ -205,8 +266,9 @@ fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc
   StreamMlpParams p{};
   static_cast<DecodeOperands&>(p) = fmlp::cuda::decode_operands(a, d);
   char* base = static_cast<char*>(workspace);
-  p.hbuf = reinterpret_cast<float*>(base);
-  p.counter = reinterpret_cast<unsigned*>(base + align_up(size_t(d.m) * size_t(d.hidden) * 4));
+  p.hbuf = base;
+  p.counter = reinterpret_cast<unsigned*>(
+      base + align_up(size_t(d.m) * size_t(d.hidden) * dtype_size(d.w_dtype)));
   const int es = int(dtype_size(d.w_dtype));
   p.up = stream_shape(d.gated ? 2 * d.hidden : d.hidden, d.d_in, es, d.gated ? 2 : 1);
   p.down = stream_shape(d.d_out, d.hidden, es);

@@ -1,7 +1,7 @@
-// The cuda moe entries (moe_sm80_chunked, moe_sm80_grouped) as their host code and kernels share
-// them: the plan (chunk size, hidden slices, reduction mode, workspace layout; a function of the
-// shapes and the device only, so the launch grids never depend on the routing) and the kernel
-// parameters.
+// The cuda moe entries (moe_sm80_stream, moe_sm80_chunked, moe_sm80_grouped) as their host code
+// and kernels share them: the plan (chunk size, hidden slices, reduction mode, workspace layout; a
+// function of the shapes and the device only, so the launch grids never depend on the routing) and
+// the kernel parameters.
 //
 //   moe_route   (moe_route.cu)    per token block: router logits, scores, top-k over the global
 //                                 experts (or the given routing, bad ids counted and flagged),
@@ -18,6 +18,10 @@
 //                                 per-slot fp32 outputs).
 //   moe_combine (moe_route.cu)    y = [residual +] sum_j w_j (expert output + b2), j in order;
 //                                 re-zeroes the workspace (the grouped path's hidden buffer too).
+//   moe_stream  (moe_stream.cu)   instead of experts + combine for a few tokens: every slot's
+//                                 W1 rows, then its W2 rows, as two memory-order weight streams
+//                                 (h [slots][hidden] in the hbuf region); the second writes y and
+//                                 re-zeroes the workspace.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -117,6 +121,18 @@ struct MoeParams {
   size_t experts_smem;
 };
 
+// moe_sm80_stream's limits: tokens (grid rows, and the repeated reads of shared experts), top k
+// (a row's k slot sums go to one thread of a stream group of at most kStreamWarps rows), and the
+// shared memory of one block's staged x (d in x's dtype) or h (k x hidden in the experts' dtype):
+// three blocks per multiprocessor.
+constexpr int kMoeStreamMaxTokens = 16;
+constexpr int kMoeStreamMaxTopK = 8;
+constexpr size_t kMoeStreamStageBytes = 64 * 1024;
+// The slots per output row of the down stream: k rounded up to a power of two.
+constexpr int moe_stream_pair(int k) {
+  return k <= 1 ? 1 : k <= 2 ? 2 : k <= 4 ? 4 : 8;
+}
+
 // The router inputs of p (router weights and bias, or the given top-k ids and weights) from the
 // call's args; shared by the moe entries and the expert-parallel dispatch (src/dist).
 void moe_routing_inputs(MoeParams* p, const fmlp_moe_args_t& a, const MoeDesc& d);
@@ -125,6 +141,8 @@ fmlp_status_t moe_launch_route(const MoeParams& p, cudaStream_t s);
 fmlp_status_t moe_launch_experts(const MoeParams& p, cudaStream_t s);
 fmlp_status_t moe_launch_grouped(const MoeParams& p, cudaStream_t s);
 fmlp_status_t moe_launch_combine(const MoeParams& p, cudaStream_t s);
+// moe_sm80_stream's two launches after the route kernel (moe_stream.cu), on the current device.
+fmlp_status_t moe_launch_stream(const MoeParams& p, cudaStream_t s);
 // fp8 experts (moe_fp8.cu): dst[r][0, cols) = fp16 bits of src[r][0, cols) * 2^shift_r and
 // inv[r] = 2^-shift_r for rows [0, rows) of src (dtype t, row stride ld elements); shift_r = 0
 // when t is f16 (already exact), else the power of two that puts the row's largest finite |value|

@@ -45,12 +45,4 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
-template <typename WT>
-__device__ __forceinline__ WT to_w(float v) {
-  if constexpr (std::is_same_v<WT, __half>)
-    return __float2half_rn(v);
-  else
-    return __float2bfloat16_rn(v);
-}
-
 }  // namespace fmlp::cuda

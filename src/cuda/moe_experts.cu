@@ -44,12 +44,12 @@ namespace {
 using fmlp::cuda::activate;
 using fmlp::cuda::expert_row_scale;
 using fmlp::cuda::Frags;
+using fmlp::cuda::from_f;
 using fmlp::cuda::ld_stream_v4;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::mma_step;
 using fmlp::cuda::pipelined;
 using fmlp::cuda::prime;
-using fmlp::cuda::to_w;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, Pipe<NT>::kMinBlocks)
       for (int i = threadIdx.x; i < CH; i += kThreads) hmax[i] = 0;
     } else {
       for (int i = threadIdx.x; i < CH * (w32 - w); i += kThreads)
-        hs[(i / (w32 - w)) * kMoeHsStride + w + i % (w32 - w)] = to_w<WT>(0.f);
+        hs[(i / (w32 - w)) * kMoeHsStride + w + i % (w32 - w)] = from_f<WT>(0.f);
     }
     __syncthreads();
 
@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, Pipe<NT>::kMinBlocks)
               h32[m * kMoeH32Stride + lu] = h_of(cg[nt][i], cu[nt][i], u0, lu, m);
             else
               hs[m * kMoeHsStride + lu] =
-                  to_w<WT>(hidden_value(p, b1, cg[nt][i], cu[nt][i], u0 + lu));
+                  from_f<WT>(hidden_value(p, b1, cg[nt][i], cu[nt][i], u0 + lu));
           }
         continue;
       }
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(kThreads, Pipe<NT>::kMinBlocks)
           h32[m * kMoeH32Stride + lu] = h_of(res[i], p.gated ? res[w * CH + i] : 0.f, u0, lu, m);
         else
           hs[m * kMoeHsStride + lu] =
-              to_w<WT>(hidden_value(p, b1, res[i], p.gated ? res[w * CH + i] : 0.f, u0 + lu));
+              from_f<WT>(hidden_value(p, b1, res[i], p.gated ? res[w * CH + i] : 0.f, u0 + lu));
       }
     }
     if constexpr (FP8) {  // h as fp16 times each row's power of two (zeros from w to w32)

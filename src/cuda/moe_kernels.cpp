@@ -1,7 +1,8 @@
-// The cuda moe entries (overview in moe_cuda.hpp): moe_sm80_grouped (route, grouped GEMMs in
-// moe_grouped.cu, combine) for many tokens per expert, moe_sm80_chunked (route, moe_experts.cu,
-// combine) otherwise; what they take, their plans and workspaces, their launches, and the device
-// error count.
+// The cuda moe entries (overview in moe_cuda.hpp): moe_sm80_stream (route, two weight streams in
+// moe_stream.cu) for a few tokens, moe_sm80_grouped (route, grouped GEMMs in moe_grouped.cu,
+// combine) for many tokens per expert, moe_sm80_chunked (route, moe_experts.cu, combine)
+// otherwise; what they take, their plans and workspaces, their launches, and the device error
+// count.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -127,6 +128,69 @@ bool moe_grouped_supports(const MoeDesc& d, std::string* why) {
   return true;
 }
 
+// moe_sm80_stream reads a shared expert once per token that picked it (the repeats mostly from
+// L2): past this many expected slots per hit local expert the L2 traffic, not HBM, would bound it,
+// and the entries that read each hit expert once per chunk of its tokens take the call (E = 64
+// top-8 at T = 16: 2.3; Mixtral at T = 8: 2.2, at T = 16: 4.0). FMLP_MOE_STREAM_MAX_SHARE
+// overrides it (a tuning knob for the bench, read once).
+const double kStreamMaxShare = tuned("FMLP_MOE_STREAM_MAX_SHARE", 2.5);
+
+// Expected local slots per local expert that receives any, under uniform routing over the global
+// experts (each token picks k distinct ones).
+double local_slots_per_hit_expert(const MoeDesc& d) {
+  const double G = double(std::max<int64_t>(1, d.global_experts));
+  const double hit =
+      double(d.experts) * (1.0 - std::pow(1.0 - double(d.top_k) / G, double(d.tokens)));
+  return double(d.tokens * d.top_k) * double(d.experts) / G / std::max(1.0, hit);
+}
+
+bool moe_stream_supports(const MoeDesc& d, std::string* why) {
+  if (!moe_common_supports(d, why)) return false;
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3)
+    return (*why =
+                "f8_e4m3 experts: the stream takes bf16 or f16 experts (moe_sm80_chunked and "
+                "moe_sm80_grouped take fp8 ones)",
+            false);
+  if (d.tokens < 1 || d.tokens > kMoeStreamMaxTokens)
+    return (*why = fmt::format("T={}: the stream takes 1 to {} tokens (a grid row each)", d.tokens,
+                               kMoeStreamMaxTokens),
+            false);
+  if (d.top_k > kMoeStreamMaxTopK)
+    return (*why = fmt::format("top_k={}: the stream sums a token's k slots in one thread of a "
+                               "group of at most {} rows",
+                               d.top_k, kMoeStreamMaxTopK),
+            false);
+  if (d.d % 8 != 0 || d.hidden % 8 != 0)
+    return (*why = fmt::format("d={} and hidden={} must be multiples of 8 (16-byte weight "
+                               "loads); pad the experts",
+                               d.d, d.hidden),
+            false);
+  if (!d.expert.weights_vec16)
+    return (*why =
+                "an expert's W1 or W2 is not 16-byte aligned (base or row stride); store "
+                "the experts with 16-byte aligned rows",
+            false);
+  if (d.d >= (int64_t(1) << 28) || d.hidden >= (int64_t(1) << 27) ||
+      d.d_out * moe_stream_pair(int(d.top_k)) >= (int64_t(1) << 31))
+    return (*why = "d must be below 2^28, hidden below 2^27 and d_out below 2^28", false);
+  const size_t x_bytes = size_t(d.d) * dtype_size(d.act_dtype);
+  const size_t h_bytes = size_t(d.top_k * d.hidden) * dtype_size(d.w_dtype);
+  if (std::max(x_bytes, h_bytes) > kMoeStreamStageBytes)
+    return (*why = fmt::format("a token's x (d={}, {}) or its k={} rows of h (hidden={}) take {} "
+                               "KiB of shared memory, more than the stream's {} KiB",
+                               d.d, fmlp_dtype_name(d.act_dtype), d.top_k, d.hidden,
+                               std::max(x_bytes, h_bytes) >> 10, kMoeStreamStageBytes >> 10),
+            false);
+  const double share = local_slots_per_hit_expert(d);
+  if (share > kStreamMaxShare)
+    return (*why = fmt::format("{:.2f} expected slots per hit expert (above {}): the stream reads "
+                               "a shared expert once per slot; moe_sm80_grouped and "
+                               "moe_sm80_chunked read it once per chunk of its tokens",
+                               share, kStreamMaxShare),
+            false);
+  return true;
+}
+
 // The workspace regions after the header, each on a 256-byte boundary; the hbuf region (h_bytes,
 // grouped) is followed by the fp8 staging buffers (h32_bytes: grouped), which combine re-zeroes
 // with it.
@@ -153,6 +217,16 @@ void lay_out(const MoeDesc& d, size_t out_bytes, size_t h_bytes, size_t h32_byte
     if (h32_bytes) pl->h32 = take(h32_bytes), pl->hinv = take(size_t(n) * 4);
   }
   pl->total = at;
+}
+
+// The route kernel's plan (chunks of 8, unused by the streams but written) and h [slots][hidden]
+// in the experts' dtype in the hbuf region.
+MoePlan moe_plan_stream(const MoeDesc& d) {
+  MoePlan pl;
+  const int64_t n = d.tokens * d.top_k, c = pl.chunk;
+  pl.max_chunks = std::min(n, (n + (c - 1) * std::min<int64_t>(d.experts, n)) / c);
+  lay_out(d, 0, size_t(n) * size_t(d.hidden) * dtype_size(d.w_dtype), 0, &pl);
+  return pl;
 }
 
 }  // namespace
@@ -298,6 +372,19 @@ fmlp_status_t moe_run_with(const fmlp_moe_args_t& a, const MoeDesc& d, const Moe
   return moe_launch_combine(p, s);
 }
 
+size_t moe_stream_workspace(const MoeDesc& d) {
+  return moe_plan_stream(d).total;
+}
+
+fmlp_status_t moe_stream_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* ws, void* stream) {
+  const MoeParams p = moe_params(a, d, moe_plan_stream(d), ws);
+  const DeviceScope scope(d.device_id);
+  if (scope.status() != FMLP_SUCCESS) return scope.status();
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (const fmlp_status_t st = moe_launch_route(p, s); st != FMLP_SUCCESS) return st;
+  return moe_launch_stream(p, s);
+}
+
 fmlp_status_t moe_cuda_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* ws, void* stream) {
   return moe_run_with(a, d, moe_plan(d), ws, stream, moe_launch_experts);
 }
@@ -306,9 +393,11 @@ fmlp_status_t moe_grouped_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* 
   return moe_run_with(a, d, moe_plan_grouped(d), ws, stream, moe_launch_grouped);
 }
 
-// Dispatch takes the first entry that supports a call: the grouped GEMMs at many tokens per
-// expert, the weight-streaming kernel otherwise.
+// Dispatch takes the first entry that supports a call: the weight streams for a few tokens, the
+// grouped GEMMs at many tokens per expert, the mma streaming kernel otherwise.
 const MoeKernel kCudaMoeKernels[] = {
+    {"moe_sm80_stream", FMLP_BACKEND_CUDA, moe_stream_supports, moe_stream_workspace,
+     moe_stream_run},
     {"moe_sm80_grouped", FMLP_BACKEND_CUDA, moe_grouped_supports, moe_grouped_workspace,
      moe_grouped_run},
     {"moe_sm80_chunked", FMLP_BACKEND_CUDA, moe_cuda_supports, moe_cuda_workspace, moe_cuda_run},

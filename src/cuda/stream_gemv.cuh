@@ -21,15 +21,25 @@
 //     `finish(row, t, sums)` runs for token t and each run of PAIR consecutive rows of the group
 //     (threads [0, R / PAIR * MT)), sums[i] the dot product of row + i: PAIR = 2 hands a gated
 //     MLP's interleaved gate and up rows to one thread,
-//   - fp32 accumulation; fp8 e4m3 chunks (16 weights) are widened exactly to fp16 pairs with
-//     cvt.rn.f16x2.e4m3x2 and multiplied with packed fp16 FMAs into one fp16x2 sum per chunk (8
-//     products per half) before the fp32 add: widening to fp32 instead costs 16 more conversions
-//     per chunk, and conversions bounded the older fp8 GEMV. x is then staged as fp16 times a
-//     power of two per token that puts its largest finite |x| in [8, 16): eight products of
-//     |w| <= 448 stay below 8 * 448 * 16 = 57344 < 65504, values below 2^-28 of the largest
-//     flush (negligible in the sum), and each chunk's fp16 sum rounds to 11 bits, about 2^-12 of
-//     the chunk's magnitude, random across chunks: far below the weights' own e4m3 rounding
-//     (2^-4) and within the 2^-7 test tolerance of fp8.
+//   - fp32 accumulation; fp8 e4m3 chunks (16 weights) are widened to fp16 pairs with integer
+//     ops and multiplied with packed fp16 FMAs into one fp16x2 sum per chunk (8 products per
+//     half) before the fp32 add. Why integer ops: the conversion instruction
+//     (cvt.rn.f16x2.e4m3x2, F2FP) bounded this loop at about half the copy rate on an H200, and
+//     the fp8 tensor-core mma.sync (m16n8k32 .e4m3) is no way around it there: sm_90 has no fp8
+//     mma.sync, ptxas expands each one into 12 F2FP conversions and two fp16 HMMAs (SASS of
+//     sm_90a, nvcc 13.0). Widening: an e4m3 byte s.eeee.mmm moved to f16 bits 15 and 13..7 is the
+//     fp16 value w * 2^-8 for every finite e4m3 value, subnormals included (both formats' fields
+//     line up: e4m3 bias 7, fp16 bias 15); two LOP3/shift pairs widen the odd bytes of a word and
+//     the same on the word shifted left by 8 the even bytes, so a word gives {w0, w2} and
+//     {w1, w3}: x is staged with each group of 4 permuted to x0 x2 x1 x3 to match. e4m3 NaN
+//     (s.1111.111) would widen to a finite 1.875: a chunk holding one gives NaN instead (its
+//     magnitude field plus one carries into the sign position). x is staged as fp16 times a
+//     power of two per token that puts its largest finite |x| in [2^11, 2^12): eight products of
+//     |w * 2^-8| <= 1.75 stay below 8 * 1.75 * 4096 = 57344 < 65504, values below 2^-36 of the
+//     largest flush (negligible in the sum), and each chunk's fp16 sum rounds to 11 bits, about
+//     2^-12 of the chunk's magnitude, random across chunks: far below the weights' own e4m3
+//     rounding (2^-4) and within the 2^-7 test tolerance of fp8. The entry's epilogue undoes
+//     both powers of two (2^8 and the staging's).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -124,6 +134,20 @@ int stream_resident_blocks(KERNEL kernel, size_t smem, int device, int sms) {
   return it->second;
 }
 
+// The resident grid cut to the fewest blocks that still take every group in the same number of
+// rounds: with 7168 groups on 528 resident blocks the last of 14 rounds would run 304 blocks;
+// 512 blocks run 14 full rounds, so the bytes in flight stay level to the end.
+// FMLP_STREAM_BALANCE=0 keeps the full resident grid.
+inline int stream_grid(int groups, int resident) {
+  static const bool on = [] {
+    const char* e = std::getenv("FMLP_STREAM_BALANCE");
+    return !(e && e[0] == '0');
+  }();
+  if (groups <= resident || !on) return std::min(groups, resident);
+  const int rounds = (groups + resident - 1) / resident;
+  return (groups + rounds - 1) / rounds;
+}
+
 // This warp's part of a row: chunks [begin, end).
 struct StreamSpan {
   int begin, end;
@@ -138,7 +162,8 @@ __device__ __forceinline__ StreamSpan stream_span(const StreamShape& s) {
 }
 
 // Batch b of this warp's part of group `group`'s row; row_ptr(row) gives W row `row` (< n).
-template <typename WT, typename RowPtr>
+// SKIP: row_ptr may return nullptr for a row that is not read (its sums are zero).
+template <typename WT, bool SKIP = false, typename RowPtr>
 __device__ __forceinline__ void stream_load(uint4 (&v)[kStreamU], const StreamShape& s,
                                             StreamSpan sp, RowPtr row_ptr, int group, int b) {
   const int row = group * s.rows + (threadIdx.x / 32) / s.wpr;
@@ -147,8 +172,9 @@ __device__ __forceinline__ void stream_load(uint4 (&v)[kStreamU], const StreamSh
 #pragma unroll
   for (int u = 0; u < kStreamU; ++u) {
     const int c = sp.begin + b * kStreamBatch + u * 32 + lane;
-    v[u] = row < s.n && c < sp.end ? ld_stream_v4(wr + int64_t(c) * kStreamPerChunk<WT>)
-                                   : make_uint4(0, 0, 0, 0);
+    v[u] = row < s.n && (!SKIP || wr != nullptr) && c < sp.end
+               ? ld_stream_v4(wr + int64_t(c) * kStreamPerChunk<WT>)
+               : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -164,53 +190,78 @@ __device__ __forceinline__ void stream_x8(const XS* xr, int c, float (&f)[8]) {
   }
 }
 
-// Sixteen e4m3 weights (one chunk) times the 16 staged fp16 x values of chunk c, summed in fp16
-// pairs (see the file comment), as fp32.
-__device__ __forceinline__ float stream_dot16_e4m3(const uint4& w, const __half* xr, int c) {
-  __half2 acc = __float2half2_rn(0.f);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// The e4m3 bytes 1 and 3 of `w` as the fp16 pair {w1, w3} * 2^-8 (file comment); `nan` gets bit
+// 15 or 31 set when one of them is NaN.
+__device__ __forceinline__ uint32_t stream_e4m3_odd(uint32_t w, uint32_t& nan) {
+  const uint32_t mag = w & 0x7f007f00u;
+  nan |= mag + 0x01000100u;
+  return (w & 0x80008000u) | (mag >> 1);
+}
+
+// The 16 e4m3 weights of a chunk as 8 fp16 pairs times 2^-8, pair 2i {w4i, w4i+2} and pair
+// 2i + 1 {w4i+1, w4i+3} (file comment); false when the chunk holds a NaN.
+__device__ __forceinline__ bool stream_widen_e4m3(const uint4& w, uint32_t (&h)[8]) {
+  const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+  uint32_t nan = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    h[2 * i] = stream_e4m3_odd(ws[i] << 8, nan);
+    h[2 * i + 1] = stream_e4m3_odd(ws[i], nan);
+  }
+  return !(nan & 0x80008000u);
+}
+
+// The widened chunk h times the 16 staged fp16 x values of chunk c (groups of 4 permuted like
+// h), summed in fp16 pairs, as fp32.
+__device__ __forceinline__ float stream_dot16_f16(const uint32_t (&h)[8], const __half* xr, int c) {
   const uint4 xa = reinterpret_cast<const uint4*>(xr)[2 * c];
   const uint4 xb = reinterpret_cast<const uint4*>(xr)[2 * c + 1];
-  const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
   const uint32_t xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+  __half2 acc = __float2half2_rn(0.f);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    uint32_t h;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(uint16_t(ws[i / 2] >> (16 * (i % 2)))));
-    acc = __hfma2(*reinterpret_cast<const __half2*>(&h), *reinterpret_cast<const __half2*>(&xv[i]),
-                  acc);
-  }
-#else
-  (void)w, (void)xr, (void)c;  // the entries keep fp8 off devices below sm_89
-#endif
+  for (int i = 0; i < 8; ++i)
+    acc = __hfma2(*reinterpret_cast<const __half2*>(&h[i]),
+                  *reinterpret_cast<const __half2*>(&xv[i]), acc);
   const float2 f = __half22float2(acc);
   return f.x + f.y;
 }
 
 // The stream itself, from group blockIdx.x on (< s.groups) with `cur` holding its first batch
-// (stream_load(cur, s, sp, row_ptr, blockIdx.x, 0)) and xs staged; every thread of the block
-// calls it. `red` is [2][kStreamWarps][MT] shared floats. PAIR divides R.
-template <typename WT, typename XS, int MT, int PAIR = 1, typename RowPtr, typename Finish>
-__device__ __forceinline__ void stream_run(const StreamShape& s, StreamSpan sp, const XS* xs,
-                                           RowPtr row_ptr, Finish finish, uint4 (&cur)[kStreamU],
-                                           float (*red)[kStreamWarps][MT]) {
+// (stream_load<WT, SKIP>(cur, s, sp, row_ptr, blockIdx.x, 0)) and x staged; every thread of the
+// block calls it. x_rows is the staged x ([MT][k]) of every row, or a functor whose x_rows(row)
+// gives row `row`'s own (the moe stream's slots each have theirs). `red` is [2][kStreamWarps][MT]
+// shared floats. PAIR divides R.
+template <typename WT, typename XS, int MT, int PAIR = 1, bool SKIP = false, typename XRows,
+          typename RowPtr, typename Finish>
+__device__ __forceinline__ void stream_run_rows(const StreamShape& s, StreamSpan sp, XRows x_rows,
+                                                RowPtr row_ptr, Finish finish,
+                                                uint4 (&cur)[kStreamU],
+                                                float (*red)[kStreamWarps][MT]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float acc[MT] = {};
   int parity = 0;
   for (int g = blockIdx.x; g < s.groups; g += gridDim.x) {
+    const XS* xs;
+    if constexpr (std::is_pointer_v<XRows>)
+      xs = x_rows;
+    else
+      xs = x_rows(min(g * s.rows + warp / s.wpr, s.n - 1));
     for (int b = 0; b < s.batches; ++b) {
       const bool last = b + 1 == s.batches;
       const int gn = last ? g + int(gridDim.x) : g, bn = last ? 0 : b + 1;
       uint4 nxt[kStreamU];
-      if (gn < s.groups) stream_load<WT>(nxt, s, sp, row_ptr, gn, bn);
+      if (gn < s.groups) stream_load<WT, SKIP>(nxt, s, sp, row_ptr, gn, bn);
 #pragma unroll
       for (int u = 0; u < kStreamU; ++u) {
         const int c = sp.begin + b * kStreamBatch + u * 32 + lane;
         if (c >= sp.end) continue;
         if constexpr (std::is_same_v<WT, StreamFp8>) {
+          uint32_t h[8];
+          const bool finite = stream_widen_e4m3(cur[u], h);
 #pragma unroll
           for (int t = 0; t < MT; ++t)
-            acc[t] += stream_dot16_e4m3(cur[u], xs + int64_t(t) * s.k, c);
+            acc[t] +=
+                finite ? stream_dot16_f16(h, xs + int64_t(t) * s.k, c) : __int_as_float(0x7fffffff);
         } else {
           float wf[8];
           widen8<WT>(cur[u], wf);
@@ -248,6 +299,14 @@ __device__ __forceinline__ void stream_run(const StreamShape& s, StreamSpan sp, 
     }
     parity ^= 1;
   }
+}
+
+// stream_run_rows with one staged x ([MT][k] at xs) for every row.
+template <typename WT, typename XS, int MT, int PAIR = 1, typename RowPtr, typename Finish>
+__device__ __forceinline__ void stream_run(const StreamShape& s, StreamSpan sp, const XS* xs,
+                                           RowPtr row_ptr, Finish finish, uint4 (&cur)[kStreamU],
+                                           float (*red)[kStreamWarps][MT]) {
+  stream_run_rows<WT, XS, MT, PAIR>(s, sp, xs, row_ptr, finish, cur, red);
 }
 
 }  // namespace fmlp::cuda

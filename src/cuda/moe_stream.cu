@@ -1,0 +1,237 @@
+// moe_sm80_stream: MoE decode (a few tokens, bf16/f16 experts) as two memory-order weight streams
+// (stream_gemv.cuh) after the route kernel (moe_route.cu), no combine launch.
+//
+// Why: at decode sizes the op is a read of the hit experts' weights, and the stream reads weights
+// near copy bandwidth where the chunked kernel's per-chunk mma streaming reached 45 % of it
+// (bench/results/moe_chunked_h200.json: Mixtral T = 1 at 374 us against a 168 us floor).
+// Every slot (token t, rank j of its top k) is its own set of virtual rows, so the grid and the
+// row space depend on the shapes only (no host sync, capturable): a block reads the routing from
+// the workspace and skips (reads nothing for) the rows of slots without a local expert.
+//   1. moe_sm80_stream_up, grid (blocks, T): block row y is token t; its x is staged in its own
+//      dtype (exact). Virtual rows (i, j[, gate|up]) in that order: W1 row i of slot j's expert
+//      (gated: gate row i and up row i adjacent, one thread gets both sums). Epilogue: b1, the
+//      activation, the gating; h[slot][i] stored in the experts' dtype into the workspace (the
+//      rounding PyTorch and moe_sm80_chunked apply).
+//   2. moe_sm80_stream_down, grid (blocks, T): the block stages its token's k rows of h, counts
+//      itself in, and the last block to have staged re-zeroes h and the routing (the workspace
+//      contract). Virtual rows (r, j) with j padded to KP (k rounded up to a power of two), so one
+//      thread gets the k slot sums of output r and adds w_j (sum_j + b2) in slot order, then the
+//      residual, and writes y: no per-slot outputs, no combine.
+// Tokens that share an expert each read its rows, at the same place of the same order at about
+// the same time (all blocks are resident), so the repeats mostly hit L2; the entry declines when
+// the expected repeats would make L2 the bottleneck (moe_kernels.cpp). fp32 accumulation in a
+// fixed order: deterministic. Limits (moe_kernels.cpp): T <= kMoeStreamMaxTokens, k <= 8, the
+// staged x (d in x's dtype) and h (k x hidden in the experts' dtype) within kMoeStreamStageBytes.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "core/error.hpp"
+#include "cuda/common.cuh"
+#include "cuda/launch_util.hpp"
+#include "cuda/moe_cuda.hpp"
+#include "cuda/moe_device.cuh"
+#include "cuda/ops.cuh"
+#include "cuda/stream_gemv.cuh"
+
+namespace fmlp::detail {
+namespace {
+
+using fmlp::cuda::activate;
+using fmlp::cuda::from_f;
+using fmlp::cuda::kStreamThreads;
+using fmlp::cuda::kStreamU;
+using fmlp::cuda::kStreamWarps;
+using fmlp::cuda::load_scalar;
+using fmlp::cuda::store_scalar;
+using fmlp::cuda::stream_load;
+using fmlp::cuda::stream_resident_blocks;
+using fmlp::cuda::stream_run_rows;
+using fmlp::cuda::stream_shape;
+using fmlp::cuda::stream_span;
+using fmlp::cuda::StreamShape;
+
+static_assert(kMoeStreamMaxTopK <= kStreamWarps, "a row's k slot sums must fit one group");
+
+// Row i of a per-expert vector (b1, b2: [E, n] with expert stride es elements) of expert e.
+__device__ __forceinline__ float expert_vec(const void* v, fmlp_dtype_t t, int64_t es, int e,
+                                            int i) {
+  const size_t bytes = t == FMLP_DTYPE_F32 ? 4 : 2;
+  return load_scalar(static_cast<const char*>(v) + int64_t(e) * es * bytes, t, i);
+}
+
+template <typename WT, typename XT>
+__global__ void __launch_bounds__(kStreamThreads, 4)
+    moe_sm80_stream_up(const MoeParams p, const StreamShape s) {
+  extern __shared__ uint4 smem_v[];
+  XT* xs = reinterpret_cast<XT*>(smem_v);  // [d]: this block's token
+  __shared__ float red[2][kStreamWarps][1];
+  __shared__ int eid[kMoeStreamMaxTopK];
+  const int t = blockIdx.y, k = p.top_k;
+  if (threadIdx.x < k) eid[threadIdx.x] = __ldcg(p.ids + t * k + threadIdx.x);
+  __syncthreads();
+  const auto sp = stream_span<WT>(s);
+  const WT* w1 = static_cast<const WT*>(p.w1);
+  const bool gated = p.gated;
+  // Virtual row v: pair q = v / 2 (gated; else q = v) is hidden unit i = q / k of slot j = q % k.
+  auto row_ptr = [&](int v) -> const WT* {
+    const int q = gated ? v >> 1 : v, i = q / k, e = eid[q - i * k];
+    if (e < 0) return nullptr;  // remote or bad id: nothing to read
+    const int r = gated && (v & 1) ? p.hidden + i : i;
+    return w1 + int64_t(e) * p.w1_e + int64_t(r) * p.w1_ld;
+  };
+  uint4 cur[kStreamU];
+  stream_load<WT, true>(cur, s, sp, row_ptr, blockIdx.x, 0);  // in flight while x is staged
+  const XT* xr = static_cast<const XT*>(p.x) + int64_t(t) * p.x_ld;
+  if (p.x_vec16) {
+    const int words = p.d * int(sizeof(XT)) / 16;  // d is a multiple of 8
+    for (int i = threadIdx.x; i < words; i += kStreamThreads)
+      smem_v[i] = __ldg(reinterpret_cast<const uint4*>(xr) + i);
+  } else {
+    for (int i = threadIdx.x; i < p.d; i += kStreamThreads) xs[i] = xr[i];
+  }
+  __syncthreads();
+  WT* hb = reinterpret_cast<WT*>(p.hbuf);  // [slots][hidden]
+  auto x_rows = [&](int) { return static_cast<const XT*>(xs); };
+  auto store_h = [&](int q, float gate, float up) {
+    const int i = q / k, j = q - i * k, e = eid[j];
+    if (e < 0) return;
+    float h = gate + (p.b1 ? expert_vec(p.b1, p.b1_t, p.b1_e, e, i) : 0.f);
+    h = activate(p.act, h);
+    if (gated) h *= up + (p.b1 ? expert_vec(p.b1, p.b1_t, p.b1_e, e, p.hidden + i) : 0.f);
+    hb[int64_t(t * k + j) * p.hidden + i] = from_f<WT>(h);
+  };
+  if (gated) {
+    auto finish = [&](int v, int, const float(&sum)[2]) { store_h(v >> 1, sum[0], sum[1]); };
+    stream_run_rows<WT, XT, 1, 2, true>(s, sp, x_rows, row_ptr, finish, cur, red);
+  } else {
+    auto finish = [&](int v, int, const float(&sum)[1]) { store_h(v, sum[0], 0.f); };
+    stream_run_rows<WT, XT, 1, 1, true>(s, sp, x_rows, row_ptr, finish, cur, red);
+  }
+}
+
+template <typename WT, int KP>
+__global__ void __launch_bounds__(kStreamThreads, 4)
+    moe_sm80_stream_down(const MoeParams p, const StreamShape s) {
+  extern __shared__ uint4 smem_v[];
+  WT* hs = reinterpret_cast<WT*>(smem_v);  // [k][hidden]: this block's token's slots
+  __shared__ float red[2][kStreamWarps][1];
+  __shared__ int eid[KP];
+  __shared__ float wt[KP];
+  __shared__ int bad;
+  __shared__ bool is_last;
+  const int t = blockIdx.y, k = p.top_k;
+  if (threadIdx.x == 0) bad = 0;
+  __syncthreads();
+  if (threadIdx.x < KP) {
+    const int j = threadIdx.x;
+    const int e = j < k ? __ldcg(p.ids + t * k + j) : kMoeSlotRemote;
+    eid[j] = e;
+    wt[j] = e >= 0 ? __ldcg(p.wts + t * k + j) : 0.f;
+    if (e == kMoeSlotBad) bad = 1;  // an expert id was out of range: the row becomes NaN
+  }
+  __syncthreads();
+  const auto sp = stream_span<WT>(s);
+  const WT* w2 = static_cast<const WT*>(p.w2);
+  // Virtual row v: output r = v / KP of slot j = v % KP (padding slots j >= k have eid < 0).
+  auto row_ptr = [&](int v) -> const WT* {
+    const int e = eid[v % KP];
+    return e < 0 ? nullptr : w2 + int64_t(e) * p.w2_e + int64_t(v / KP) * p.w2_ld;
+  };
+  uint4 cur[kStreamU];
+  stream_load<WT, true>(cur, s, sp, row_ptr, blockIdx.x, 0);  // in flight while h is staged
+  const int64_t words = int64_t(k) * p.hidden / 8;            // hidden is a multiple of 8
+  const uint4* src = p.hbuf + int64_t(t) * words;
+  for (int64_t i = threadIdx.x; i < words; i += kStreamThreads) smem_v[i] = __ldcg(src + i);
+  __syncthreads();  // this block's reads of h and of the routing are done
+  if (threadIdx.x == 0) is_last = atomicAdd(&p.hdr->combine_done, 1u) == gridDim.x * gridDim.y - 1;
+  __syncthreads();
+  if (is_last) {  // every block has staged h and read the routing: leave the workspace zeroed
+    for (int64_t i = threadIdx.x; i < p.hbuf_words; i += kStreamThreads)
+      p.hbuf[i] = make_uint4(0, 0, 0, 0);
+    for (int i = threadIdx.x; i < p.slots; i += kStreamThreads)
+      p.ids[i] = 0, p.wts[i] = 0.f, p.perm[i] = 0;
+    for (int i = threadIdx.x; i < p.max_chunks; i += kStreamThreads)
+      p.chunk_expert[i] = p.chunk_start[i] = p.chunk_len[i] = 0;  // the route kernel's plan
+    if (threadIdx.x == 0) p.hdr->chunks = 0, p.hdr->combine_done = 0;
+  }
+  auto x_rows = [&](int v) {
+    const int j = v % KP;
+    return static_cast<const WT*>(hs) + int64_t(j < k ? j : 0) * p.hidden;
+  };
+  const size_t es = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
+  auto finish = [&](int v, int, const float(&sum)[KP]) {
+    const int r = v / KP;
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < KP; ++j) {
+      const int e = eid[j];
+      if (e < 0) continue;
+      const float o = sum[j] + (p.b2 ? expert_vec(p.b2, p.b2_t, p.b2_e, e, r) : 0.f);
+      acc = fmaf(wt[j], o, acc);
+    }
+    if (p.res)
+      acc += load_scalar(static_cast<const char*>(p.res) + int64_t(t) * p.res_ld * es, p.x_t, r);
+    if (bad) acc = __int_as_float(0x7fc00000);
+    store_scalar(static_cast<char*>(p.y) + int64_t(t) * p.y_ld * es, p.x_t, r, acc);
+  };
+  stream_run_rows<WT, WT, 1, KP, true>(s, sp, x_rows, row_ptr, finish, cur, red);
+}
+
+// Blocks per token: the resident blocks shared by the T token rows of the grid, so every block
+// is resident at once (the down launch's last block to stage h counts on it only for speed).
+template <typename KERNEL>
+int blocks_per_token(KERNEL kernel, size_t smem, int groups, int tokens) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError(), device = 0;
+  const int resident = stream_resident_blocks(kernel, smem, device, cuda_sm_count(device));
+  return std::max(1, std::min(groups, resident / std::max(1, tokens)));
+}
+
+template <typename WT, typename XT>
+fmlp_status_t launch_up(const MoeParams& p, const StreamShape& s, cudaStream_t st) {
+  constexpr auto kernel = &moe_sm80_stream_up<WT, XT>;
+  const size_t smem = size_t(p.d) * sizeof(XT);
+  if (fmlp_status_t e = allow_dynamic_smem<kernel>(smem, "moe_sm80_stream_up"); e != FMLP_SUCCESS)
+    return e;
+  const dim3 grid(unsigned(blocks_per_token(kernel, smem, s.groups, p.tokens)), unsigned(p.tokens));
+  kernel<<<grid, kStreamThreads, smem, st>>>(p, s);
+  return launch_status("moe_sm80_stream_up");
+}
+
+template <typename WT, int KP>
+fmlp_status_t launch_down(const MoeParams& p, const StreamShape& s, cudaStream_t st) {
+  constexpr auto kernel = &moe_sm80_stream_down<WT, KP>;
+  const size_t smem = size_t(p.top_k) * size_t(p.hidden) * sizeof(WT);
+  if (fmlp_status_t e = allow_dynamic_smem<kernel>(smem, "moe_sm80_stream_down"); e != FMLP_SUCCESS)
+    return e;
+  const dim3 grid(unsigned(blocks_per_token(kernel, smem, s.groups, p.tokens)), unsigned(p.tokens));
+  kernel<<<grid, kStreamThreads, smem, st>>>(p, s);
+  return launch_status("moe_sm80_stream_down");
+}
+
+template <typename WT>
+fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
+  const int rows1 = p.gated ? 2 * p.hidden : p.hidden;
+  const int kp = moe_stream_pair(p.top_k);
+  const StreamShape up = stream_shape(int64_t(p.top_k) * rows1, p.d, 2, p.gated ? 2 : 1);
+  const StreamShape down = stream_shape(int64_t(kp) * p.d_out, p.hidden, 2, kp);
+  fmlp_status_t e = p.x_t == FMLP_DTYPE_F32   ? launch_up<WT, float>(p, up, st)
+                    : p.x_t == FMLP_DTYPE_F16 ? launch_up<WT, __half>(p, up, st)
+                                              : launch_up<WT, __nv_bfloat16>(p, up, st);
+  if (e != FMLP_SUCCESS) return e;
+  switch (kp) {
+    case 1: return launch_down<WT, 1>(p, down, st);
+    case 2: return launch_down<WT, 2>(p, down, st);
+    case 4: return launch_down<WT, 4>(p, down, st);
+    default: return launch_down<WT, 8>(p, down, st);
+  }
+}
+
+}  // namespace
+
+fmlp_status_t moe_launch_stream(const MoeParams& p, cudaStream_t s) {
+  return p.w_t == FMLP_DTYPE_F16 ? launch_all<__half>(p, s) : launch_all<__nv_bfloat16>(p, s);
+}
+
+}  // namespace fmlp::detail
