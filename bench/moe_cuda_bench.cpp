@@ -13,6 +13,7 @@
 // the check uses the dequantised weights.
 // usage: fusedmlp_moe_bench [--json FILE] [--reps N] [--ts 1,4,16,64,512] [--deterministic]
 //                           [--kernel moe_sm80_grouped|moe_sm80_chunked] [--wdtype bf16|f8]
+//                           [--layers mixtral,e64k8]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -290,6 +291,7 @@ int main(int argc, char** argv) {
   int reps = 30;
   bool det = false;
   const char* kernel = nullptr;
+  std::string layers = "mixtral,e64k8";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc)
@@ -302,6 +304,8 @@ int main(int argc, char** argv) {
       det = true;
     else if (a == "--kernel" && i + 1 < argc)
       kernel = argv[++i];
+    else if (a == "--layers" && i + 1 < argc)
+      layers = argv[++i];
     else if (a == "--wdtype" && i + 1 < argc)
       g_fp8 = std::string(argv[++i]) == "f8";
   }
@@ -320,6 +324,7 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   for (const Layer& L : kLayers)
     for (int64_t T : tv) {
+      if (("," + layers + ",").find("," + std::string(L.name) + ",") == std::string::npos) continue;
       const Row r = bench(L, T, size_t(prop.l2CacheSize), bw, s, reps, det, kernel);
       if (r.us <= 0) continue;  // the named kernel does not take the case
       rows.push_back(r);

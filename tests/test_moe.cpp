@@ -526,9 +526,11 @@ TEST(MoeCuda, GraphReplaysRouteTheNewInputs) {
   many_given.xt = many_given.wt = FMLP_DTYPE_F16;
   MoeCase fp8 = router, fp8_many = many;  // fp8 experts: the x staging and (grouped) h staging
   fp8.wt = fp8_many.wt = FMLP_DTYPE_F8_E4M3, fp8_many.fp8_rows = false, fp8.hidden = 528;
+  MoeCase few = router;  // two tokens: the stream entry too
+  few.t = 2;
   DeviceRun graph;
   graph.graph = true;
-  each_entry({router, given, many, many_given, fp8, fp8_many},
+  each_entry({router, given, many, many_given, fp8, fp8_many, few},
              [&](const char* kernel, const MoeCase& c, int) {
                return run_device(c, kernel, mix_seed(test_seed(), 21), graph);
              });

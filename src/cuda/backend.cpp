@@ -132,6 +132,19 @@ int cuda_sm_count(int device) {
   return v;
 }
 
+int64_t cuda_l2_bytes(int device) {
+  static std::array<std::atomic<int>, kMaxDevices> cache{};
+  if (device < 0 || device >= kMaxDevices) return 0;
+  int v = cache[size_t(device)].load(std::memory_order_relaxed);
+  if (v != 0) return v;
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrL2CacheSize, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  cache[size_t(device)].store(v, std::memory_order_relaxed);
+  return v;
+}
+
 int cuda_max_dynamic_smem(int device, int static_bytes) {
   static std::array<std::atomic<int>, kMaxDevices> cache{};
   if (device < 0 || device >= kMaxDevices) return 48 * 1024;

@@ -1,9 +1,8 @@
 // linear_sm80_stream: y[M, N] = x[M, K] W^T + b for M <= 4 tokens and bf16, fp16 or fp8 e4m3
 // weights, as one memory-order stream over W (stream_gemv.cuh says why and how).
 //   - x is staged once per block: in its own dtype for 16-bit weights; for fp8 weights as fp16
-//     times a power of two per token, each group of 4 permuted to x0 x2 x1 x3 (the order the
-//     integer widening of stream_gemv.cuh gives the weights), undone with 2^8 and the per-row or
-//     per-tensor scale in the epilogue,
+//     times a power of two per token (stream_gemv.cuh), undone with the per-row or per-tensor
+//     scale in the epilogue,
 //   - the epilogue adds the bias and converts; no workspace, deterministic.
 #include <cuda_runtime.h>
 
@@ -79,12 +78,10 @@ __device__ void stage_x(const StreamParams& p, XT* xs) {
 }
 
 // Stages x rows [0, MT) for fp8 weights: fp16 times a power of two per token that puts the
-// largest finite |x| in [2^11, 2^12), element j of each group of 4 in slot (j & 1) * 2 + j / 2
-// (stream_gemv.cuh); inv[t] gets the factor that undoes it and the widening's 2^-8. One global
-// pass: the raw 16-bit values go to their (permuted) slots first, the scaling happens in place.
+// largest finite |x| in [8, 16) (stream_gemv.cuh); inv[t] gets the factor that undoes it. One
+// global pass: the raw 16-bit values go to their slots first, the scaling happens in place.
 template <int MT>
-__device__ void stage_x_f16(const StreamParams& p, __half* xs, float* mul, float* inv,
-                            unsigned* amax) {
+__device__ void stage_x_f16(const StreamParams& p, __half* xs, float* inv, unsigned* amax) {
   const int k = p.s.k;
   if (threadIdx.x < MT) amax[threadIdx.x] = 0;
   __syncthreads();
@@ -94,9 +91,7 @@ __device__ void stage_x_f16(const StreamParams& p, __half* xs, float* mul, float
     float v = 0.f;
     if (t < p.m) v = load_scalar(static_cast<const char*>(p.x) + int64_t(t) * p.x_ld * 2, p.x_t, c);
     if (fabsf(v) <= 3.4e38f) mx[t] = fmaxf(mx[t], fabsf(v));  // NaN / Inf stay unscaled
-    const int slot =
-        (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1);  // K % 16 == 0: groups stay in a row
-    reinterpret_cast<unsigned short*>(xs)[slot] =
+    reinterpret_cast<unsigned short*>(xs)[i] =
         p.x_t == FMLP_DTYPE_F16 ? __half_as_ushort(__float2half_rn(v))
                                 : __bfloat16_as_ushort(__float2bfloat16_rn(v));  // exact
   }
@@ -111,16 +106,15 @@ __device__ void stage_x_f16(const StreamParams& p, __half* xs, float* mul, float
   if (threadIdx.x < MT) {
     int e = 0;
     frexpf(__uint_as_float(amax[threadIdx.x]), &e);
-    const int shift = amax[threadIdx.x] == 0 ? 0 : max(-126, min(126, 12 - e));
-    mul[threadIdx.x] = ldexpf(1.f, shift);
-    inv[threadIdx.x] = ldexpf(1.f, 8 - shift);
+    const int shift = amax[threadIdx.x] == 0 ? 0 : max(-126, min(126, 4 - e));
+    inv[threadIdx.x] = ldexpf(1.f, -shift);
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < MT * k; i += kStreamThreads) {  // each slot read and rewritten once
+  for (int i = threadIdx.x; i < MT * k; i += kStreamThreads) {  // the slots this thread wrote
     const unsigned short raw = reinterpret_cast<unsigned short*>(xs)[i];
     const float v = p.x_t == FMLP_DTYPE_F16 ? __half2float(__ushort_as_half(raw))
                                             : __bfloat162float(__ushort_as_bfloat16(raw));
-    xs[i] = __float2half_rn(v * mul[i / k]);
+    xs[i] = __float2half_rn(v / inv[i / k]);
   }
 }
 
@@ -131,7 +125,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
   extern __shared__ uint4 smem_v[];
   XS* xs = reinterpret_cast<XS*>(smem_v);  // [MT][k]
   __shared__ float red[2][kStreamWarps][MT];
-  __shared__ float mul[MT], inv[MT];  // fp8: the per-token staging power of two, its undoing
+  __shared__ float inv[MT];  // fp8: the per-token factor undoing the staging's power of two
   __shared__ unsigned amax[MT];
   if (int(blockIdx.x) >= p.s.groups) return;
   const auto sp = stream_span<WT>(p.s);
@@ -139,7 +133,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
   uint4 cur[kStreamU];
   stream_load<WT>(cur, p.s, sp, row_ptr, blockIdx.x, 0);  // in flight while x is staged
   if constexpr (kFp8)
-    stage_x_f16<MT>(p, xs, mul, inv, amax);
+    stage_x_f16<MT>(p, xs, inv, amax);
   else
     stage_x<XT, MT>(p, xs);
   __syncthreads();
@@ -201,7 +195,7 @@ bool linear_stream_supports(const LinearDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (d.w8a8())
     return (*why = "fp8 activations (W8A8): linear_sm80_mma and cuBLASLt take them", false);
-  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) {  // widened with integer ops: any sm_80+ device
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) {  // any sm_80+ device (stream_gemv.cuh: the widening)
     if (d.act_dtype == FMLP_DTYPE_F32)
       return (*why =
                   "f32 activations with fp8 weights: staging x as fp16 would round it; "

@@ -9,6 +9,7 @@
 namespace fmlp::detail {
 
 int cuda_sm_count(int device);            // backend.cpp; 0 when unreadable
+int64_t cuda_l2_bytes(int device);        // backend.cpp; 0 when unreadable
 int cuda_compute_capability(int device);  // backend.cpp; major * 10 + minor, 0 when unreadable
 
 // Common checks of the cuda op kernels: device memory, compute capability 8.0+, 32-bit sizes.

@@ -21,25 +21,23 @@
 //     `finish(row, t, sums)` runs for token t and each run of PAIR consecutive rows of the group
 //     (threads [0, R / PAIR * MT)), sums[i] the dot product of row + i: PAIR = 2 hands a gated
 //     MLP's interleaved gate and up rows to one thread,
-//   - fp32 accumulation; fp8 e4m3 chunks (16 weights) are widened to fp16 pairs with integer
-//     ops and multiplied with packed fp16 FMAs into one fp16x2 sum per chunk (8 products per
-//     half) before the fp32 add. Why integer ops: the conversion instruction
-//     (cvt.rn.f16x2.e4m3x2, F2FP) bounded this loop at about half the copy rate on an H200, and
-//     the fp8 tensor-core mma.sync (m16n8k32 .e4m3) is no way around it there: sm_90 has no fp8
-//     mma.sync, ptxas expands each one into 12 F2FP conversions and two fp16 HMMAs (SASS of
-//     sm_90a, nvcc 13.0). Widening: an e4m3 byte s.eeee.mmm moved to f16 bits 15 and 13..7 is the
-//     fp16 value w * 2^-8 for every finite e4m3 value, subnormals included (both formats' fields
-//     line up: e4m3 bias 7, fp16 bias 15); two LOP3/shift pairs widen the odd bytes of a word and
-//     the same on the word shifted left by 8 the even bytes, so a word gives {w0, w2} and
-//     {w1, w3}: x is staged with each group of 4 permuted to x0 x2 x1 x3 to match. e4m3 NaN
-//     (s.1111.111) would widen to a finite 1.875: a chunk holding one gives NaN instead (its
+//   - fp32 accumulation; fp8 e4m3 chunks (16 weights) are widened exactly to fp16 pairs with
+//     cvt.rn.f16x2.e4m3x2 and multiplied with packed fp16 FMAs into one fp16x2 sum per chunk (8
+//     products per half) before the fp32 add: widening to fp32 instead costs 16 more conversions
+//     per chunk, and conversions bound this loop (4096 -> 14336 at M = 1: 26.8 us against a
+//     14.9 us read on an H200). Measured and dropped (session 7): widening with integer ops
+//     (an e4m3 byte moved to fp16 bits 15 and 13..7 is w * 2^-8), 31.0 us, and half of each
+//     chunk each way, 29.7 us; the fp8 tensor-core mma.sync is no way around it either: sm_90
+//     has none, ptxas expands each m16n8k32 .e4m3 into 12 conversions and two fp16 HMMAs. The
+//     integer widening remains for devices without the conversion (sm_80 code, which an sm_89
+//     device may also run), put in order and scaled back by 2^8 (exact); an e4m3 NaN
+//     (s.1111.111) would widen to a finite 1.875 there, so a chunk holding one gives NaN (its
 //     magnitude field plus one carries into the sign position). x is staged as fp16 times a
-//     power of two per token that puts its largest finite |x| in [2^11, 2^12): eight products of
-//     |w * 2^-8| <= 1.75 stay below 8 * 1.75 * 4096 = 57344 < 65504, values below 2^-36 of the
-//     largest flush (negligible in the sum), and each chunk's fp16 sum rounds to 11 bits, about
-//     2^-12 of the chunk's magnitude, random across chunks: far below the weights' own e4m3
-//     rounding (2^-4) and within the 2^-7 test tolerance of fp8. The entry's epilogue undoes
-//     both powers of two (2^8 and the staging's).
+//     power of two per token that puts its largest finite |x| in [8, 16): eight products of
+//     |w| <= 448 stay below 8 * 448 * 16 = 57344 < 65504, values below 2^-28 of the largest
+//     flush (negligible in the sum), and each chunk's fp16 sum rounds to 11 bits, about 2^-12 of
+//     the chunk's magnitude, random across chunks: far below the weights' own e4m3 rounding
+//     (2^-4) and within the 2^-7 test tolerance of fp8.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -178,6 +176,27 @@ __device__ __forceinline__ void stream_load(uint4 (&v)[kStreamU], const StreamSh
   }
 }
 
+// Requests this warp's part of the block's first `groups` groups (from group blockIdx.x, every
+// gridDim.x) into L2, one prefetch per 128-byte line, no registers held: a kernel launched
+// early (programmatic dependent launch) issues it before it waits for the previous grid, so its
+// first groups arrive while that grid drains instead of after.
+template <typename WT, typename RowPtr>
+__device__ __forceinline__ void stream_prefetch_l2(const StreamShape& s, StreamSpan sp,
+                                                   RowPtr row_ptr, int groups) {
+  const int lane = threadIdx.x % 32;
+  int g = blockIdx.x;
+  for (int i = 0; i < groups && g < s.groups; ++i, g += gridDim.x) {
+    const int row = g * s.rows + (threadIdx.x / 32) / s.wpr;
+    if (row >= s.n || sp.begin >= sp.end) return;
+    const char* base = reinterpret_cast<const char*>(row_ptr(row));
+    const uintptr_t first =
+        (reinterpret_cast<uintptr_t>(base) + uintptr_t(sp.begin) * 16) & ~uintptr_t(127);
+    const uintptr_t end = reinterpret_cast<uintptr_t>(base) + uintptr_t(sp.end) * 16;
+    for (uintptr_t a = first + uintptr_t(lane) * 128; a < end; a += 32 * 128)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+  }
+}
+
 // Eight x values of chunk c of a staged token row as fp32.
 template <typename XS>
 __device__ __forceinline__ void stream_x8(const XS* xr, int c, float (&f)[8]) {
@@ -198,21 +217,32 @@ __device__ __forceinline__ uint32_t stream_e4m3_odd(uint32_t w, uint32_t& nan) {
   return (w & 0x80008000u) | (mag >> 1);
 }
 
-// The 16 e4m3 weights of a chunk as 8 fp16 pairs times 2^-8, pair 2i {w4i, w4i+2} and pair
-// 2i + 1 {w4i+1, w4i+3} (file comment); false when the chunk holds a NaN.
+// The 16 e4m3 weights of a chunk as 8 fp16 pairs in order ({w0, w1} .. {w14, w15}), exactly;
+// false when the chunk holds a NaN and the widening cannot carry it (sm_80 only; the conversion
+// turns a NaN into a NaN itself).
 __device__ __forceinline__ bool stream_widen_e4m3(const uint4& w, uint32_t (&h)[8]) {
   const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
   uint32_t nan = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    h[2 * i] = stream_e4m3_odd(ws[i] << 8, nan);
-    h[2 * i + 1] = stream_e4m3_odd(ws[i], nan);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h[2 * i]) : "h"(uint16_t(ws[i])));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h[2 * i + 1]) : "h"(uint16_t(ws[i] >> 16)));
+#else  // integer widening ({w0, w2}, {w1, w3} times 2^-8), put in order, scaled back (exact)
+    const uint32_t even = stream_e4m3_odd(ws[i] << 8, nan), odd = stream_e4m3_odd(ws[i], nan);
+    uint32_t lo = __byte_perm(even, odd, 0x5410), hi = __byte_perm(even, odd, 0x7632);
+    const __half2 k256 = __float2half2_rn(256.f);
+    const __half2 l = __hmul2(*reinterpret_cast<const __half2*>(&lo), k256);
+    const __half2 u = __hmul2(*reinterpret_cast<const __half2*>(&hi), k256);
+    h[2 * i] = *reinterpret_cast<const uint32_t*>(&l);
+    h[2 * i + 1] = *reinterpret_cast<const uint32_t*>(&u);
+#endif
   }
   return !(nan & 0x80008000u);
 }
 
-// The widened chunk h times the 16 staged fp16 x values of chunk c (groups of 4 permuted like
-// h), summed in fp16 pairs, as fp32.
+// The widened chunk h times the 16 staged fp16 x values of chunk c, summed in fp16 pairs, as
+// fp32.
 __device__ __forceinline__ float stream_dot16_f16(const uint32_t (&h)[8], const __half* xr, int c) {
   const uint4 xa = reinterpret_cast<const uint4*>(xr)[2 * c];
   const uint4 xb = reinterpret_cast<const uint4*>(xr)[2 * c + 1];
