@@ -26,12 +26,17 @@ using fmlp::cuda::kStreamU;
 using fmlp::cuda::kStreamWarps;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::store_scalar;
+using fmlp::cuda::stream_allow_next_grid;
 using fmlp::cuda::stream_grid;
+using fmlp::cuda::stream_launch;
 using fmlp::cuda::stream_load;
+using fmlp::cuda::stream_pdl;
+using fmlp::cuda::stream_prefetch_l2;
 using fmlp::cuda::stream_resident_blocks;
 using fmlp::cuda::stream_run;
 using fmlp::cuda::stream_shape;
 using fmlp::cuda::stream_span;
+using fmlp::cuda::stream_wait_previous_grid;
 using fmlp::cuda::StreamFp8;
 using fmlp::cuda::StreamShape;
 
@@ -49,6 +54,7 @@ struct StreamParams {
   fmlp_dtype_t x_t, y_t, bias_t;
   int m;
   StreamShape s;
+  int prefetch_groups;  // groups per block requested into L2 before the previous grid is done
 };
 
 // Stages x rows [0, MT) (zeros past M) in x's own dtype (16-bit weights).
@@ -132,6 +138,9 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
   auto row_ptr = [&](int row) { return static_cast<const WT*>(p.w) + int64_t(row) * p.w_ld; };
   uint4 cur[kStreamU];
   stream_load<WT>(cur, p.s, sp, row_ptr, blockIdx.x, 0);  // in flight while x is staged
+  stream_prefetch_l2<WT>(p.s, sp, row_ptr, p.prefetch_groups);
+  stream_wait_previous_grid();  // x may come from the previous kernel, y may be its input
+  stream_allow_next_grid();
   if constexpr (kFp8)
     stage_x_f16<MT>(p, xs, inv, amax);
   else
@@ -165,8 +174,8 @@ fmlp_status_t launch(const StreamParams& p, size_t smem, int device, cudaStream_
     return st;
   const int grid =
       stream_grid(p.s.groups, stream_resident_blocks(kernel, smem, device, cuda_sm_count(device)));
-  kernel<<<grid, kStreamThreads, smem, s>>>(p);
-  return launch_status("linear_sm80_stream");
+  return stream_launch(kernel, dim3(grid), smem, stream_pdl(cuda_compute_capability(device)), s,
+                       "linear_sm80_stream", p);
 }
 
 template <typename WT, typename XT>
@@ -247,6 +256,9 @@ fmlp_status_t linear_stream_run(const fmlp_linear_args_t& a, const LinearDesc& d
   p.y_t = d.out_dtype;
   p.m = int(d.m);
   p.s = stream_shape(d.n, d.k, fp8 ? 1 : 2);
+  // Each block's first group into L2 while the previous kernel drains, where W outgrows the L2
+  // (mlp_decode_stream.cu measured prefetching to hurt where most of the matrix fits it).
+  p.prefetch_groups = d.n * d.k * (fp8 ? 1 : 2) > cuda_l2_bytes(d.device_id) ? 1 : 0;
   if (p.s.groups == 0) return FMLP_SUCCESS;  // N = 0: nothing to write
   const int mt = token_tile(d.m);
   const size_t smem = smem_bytes(d, mt);

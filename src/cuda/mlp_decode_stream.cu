@@ -49,13 +49,17 @@ using fmlp::cuda::load_scalar;
 using fmlp::cuda::opt;
 using fmlp::cuda::stage_tokens_as;
 using fmlp::cuda::store_scalar;
+using fmlp::cuda::stream_allow_next_grid;
 using fmlp::cuda::stream_grid;
+using fmlp::cuda::stream_launch;
 using fmlp::cuda::stream_load;
+using fmlp::cuda::stream_pdl;
 using fmlp::cuda::stream_prefetch_l2;
 using fmlp::cuda::stream_resident_blocks;
 using fmlp::cuda::stream_run;
 using fmlp::cuda::stream_shape;
 using fmlp::cuda::stream_span;
+using fmlp::cuda::stream_wait_previous_grid;
 using fmlp::cuda::StreamShape;
 
 constexpr int kMaxTokens = 4;
@@ -77,21 +81,9 @@ struct StreamMlpParams : DecodeOperands {
   int up_prefetch_groups, down_prefetch_groups;
 };
 
-// Programmatic dependent launch (sm_90): both kernels are launched so that they may start while
-// the previous kernel on the stream drains; each requests its first weight batch (weights are
-// never written by a kernel of the call's stream), then waits for the previous grid to complete
-// before it touches x, h, y or the workspace. FMLP_STREAM_PDL=0 launches them plainly.
-__device__ __forceinline__ void wait_previous_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void allow_next_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
+// Both kernels are launched with programmatic dependent launch (stream_gemv.cuh): each requests
+// its first weight batch and prefetches (weights are never written by a kernel of the call's
+// stream), then waits for the previous grid before it touches x, h, y or the workspace.
 template <typename WT, int M>
 __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
     mlp_decode_sm80_stream_up(const StreamMlpParams p) {
@@ -111,8 +103,8 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
   uint4 cur[kStreamU];
   stream_load<WT>(cur, p.up, sp, row_ptr, blockIdx.x, 0);  // in flight while x is staged
   stream_prefetch_l2<WT>(p.up, sp, row_ptr, p.up_prefetch_groups);
-  allow_next_grid();
-  wait_previous_grid();
+  stream_wait_previous_grid();
+  stream_allow_next_grid();
   stage_tokens_as<kStreamThreads, M>(p, xs, scratch);  // ends with __syncthreads
   WT* h = static_cast<WT*>(p.hbuf);
   if (gated) {
@@ -144,8 +136,8 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
   uint4 cur[kStreamU];
   stream_load<WT>(cur, p.down, sp, row_ptr, blockIdx.x, 0);  // in flight while h is staged
   stream_prefetch_l2<WT>(p.down, sp, row_ptr, p.down_prefetch_groups);
-  allow_next_grid();
-  wait_previous_grid();          // h is complete
+  stream_wait_previous_grid();  // h is complete
+  stream_allow_next_grid();
   const int vecs = M * p.h / 8;  // hidden is a multiple of 8
   uint4* hbuf = static_cast<uint4*>(p.hbuf);
   for (int i = threadIdx.x; i < vecs; i += kStreamThreads) smem_v[i] = __ldcg(hbuf + i);
@@ -166,35 +158,6 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
   stream_run<WT, WT, M, 1>(p.down, sp, hs, row_ptr, finish, cur, red);
 }
 
-bool use_pdl(int device) {
-  static const bool env_on = [] {
-    const char* e = std::getenv("FMLP_STREAM_PDL");
-    return !(e && e[0] == '0');
-  }();
-  return env_on && cuda_compute_capability(device) >= 90;
-}
-
-template <typename KERNEL>
-fmlp_status_t launch_one(KERNEL kernel, int grid, size_t smem, bool pdl, const StreamMlpParams& p,
-                         cudaStream_t s, const char* name) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(grid));
-  cfg.blockDim = dim3(kStreamThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, p);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return fail(FMLP_ERROR_CUDA, "{} launch failed: {}", name, cudaGetErrorString(e));
-  }
-  return launch_status(name);
-}
-
 template <typename WT, int M>
 fmlp_status_t launch(const StreamMlpParams& p, cudaStream_t s, int device) {
   constexpr auto up = &mlp_decode_sm80_stream_up<WT, M>;
@@ -208,15 +171,16 @@ fmlp_status_t launch(const StreamMlpParams& p, cudaStream_t s, int device) {
       st != FMLP_SUCCESS)
     return st;
   const int sms = cuda_sm_count(device);
-  const bool pdl = use_pdl(device);
+  const bool pdl = stream_pdl(cuda_compute_capability(device));
   if (p.up.groups > 0) {  // hidden = 0: h is empty
     const int grid = stream_grid(p.up.groups, stream_resident_blocks(up, smem_up, device, sms));
-    if (fmlp_status_t st = launch_one(up, grid, smem_up, pdl, p, s, "mlp_decode_sm80_stream_up");
+    if (fmlp_status_t st =
+            stream_launch(up, dim3(grid), smem_up, pdl, s, "mlp_decode_sm80_stream_up", p);
         st != FMLP_SUCCESS)
       return st;
   }
   const int grid = stream_grid(p.down.groups, stream_resident_blocks(down, smem_down, device, sms));
-  return launch_one(down, grid, smem_down, pdl, p, s, "mlp_decode_sm80_stream_down");
+  return stream_launch(down, dim3(grid), smem_down, pdl, s, "mlp_decode_sm80_stream_down", p);
 }
 
 template <typename WT>

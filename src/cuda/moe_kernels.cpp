@@ -129,11 +129,13 @@ bool moe_grouped_supports(const MoeDesc& d, std::string* why) {
 }
 
 // moe_sm80_stream reads a shared expert once per token that picked it (the repeats mostly from
-// L2): past this many expected slots per hit local expert the L2 traffic, not HBM, would bound it,
-// and the entries that read each hit expert once per chunk of its tokens take the call (E = 64
-// top-8 at T = 16: 2.3; Mixtral at T = 8: 2.2, at T = 16: 4.0). FMLP_MOE_STREAM_MAX_SHARE
-// overrides it (a tuning knob for the bench, read once).
-const double kStreamMaxShare = tuned("FMLP_MOE_STREAM_MAX_SHARE", 2.5);
+// L2): past this many expected slots per hit local expert the entries that read each hit expert
+// once per chunk of its tokens take the call. Measured on an H200 (session 7, graph replay): the
+// stream wins at 1.14 (Mixtral T = 2: 366 us, 91 % of floor) and 1.21 (E = 64 top-8 T = 4:
+// 195 us, torch._grouped_mm 254), loses at 1.46 (Mixtral T = 4: 637 us against 603 for the other
+// entries) and 2.3 (E = 64 top-8 T = 16: 571 us, torch._grouped_mm 452).
+// FMLP_MOE_STREAM_MAX_SHARE overrides it (a tuning knob for the bench, read once).
+const double kStreamMaxShare = tuned("FMLP_MOE_STREAM_MAX_SHARE", 1.3);
 
 // Expected local slots per local expert that receives any, under uniform routing over the global
 // experts (each token picks k distinct ones).

@@ -44,11 +44,15 @@ using fmlp::cuda::kStreamU;
 using fmlp::cuda::kStreamWarps;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::store_scalar;
+using fmlp::cuda::stream_allow_next_grid;
+using fmlp::cuda::stream_launch;
 using fmlp::cuda::stream_load;
+using fmlp::cuda::stream_pdl;
 using fmlp::cuda::stream_resident_blocks;
 using fmlp::cuda::stream_run_rows;
 using fmlp::cuda::stream_shape;
 using fmlp::cuda::stream_span;
+using fmlp::cuda::stream_wait_previous_grid;
 using fmlp::cuda::StreamShape;
 
 static_assert(kMoeStreamMaxTopK <= kStreamWarps, "a row's k slot sums must fit one group");
@@ -68,6 +72,8 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   __shared__ float red[2][kStreamWarps][1];
   __shared__ int eid[kMoeStreamMaxTopK];
   const int t = blockIdx.y, k = p.top_k;
+  stream_wait_previous_grid();  // the routing (programmatic dependent launch, stream_gemv.cuh)
+  stream_allow_next_grid();
   if (threadIdx.x < k) eid[threadIdx.x] = __ldcg(p.ids + t * k + threadIdx.x);
   __syncthreads();
   const auto sp = stream_span<WT>(s);
@@ -140,7 +146,11 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   };
   uint4 cur[kStreamU];
   stream_load<WT, true>(cur, s, sp, row_ptr, blockIdx.x, 0);  // in flight while h is staged
-  const int64_t words = int64_t(k) * p.hidden / 8;            // hidden is a multiple of 8
+  // The routing read above is complete: every block of the up launch let this launch start only
+  // after its own wait for the route kernel. h is not, until this wait.
+  stream_wait_previous_grid();
+  stream_allow_next_grid();
+  const int64_t words = int64_t(k) * p.hidden / 8;  // hidden is a multiple of 8
   const uint4* src = p.hbuf + int64_t(t) * words;
   for (int64_t i = threadIdx.x; i < words; i += kStreamThreads) smem_v[i] = __ldcg(src + i);
   __syncthreads();  // this block's reads of h and of the routing are done
@@ -180,10 +190,15 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
 
 // Blocks per token: the resident blocks shared by the T token rows of the grid, so every block
 // is resident at once (the down launch's last block to stage h counts on it only for speed).
-template <typename KERNEL>
-int blocks_per_token(KERNEL kernel, size_t smem, int groups, int tokens) {
+int current_device() {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError(), device = 0;
+  return device;
+}
+
+template <typename KERNEL>
+int blocks_per_token(KERNEL kernel, size_t smem, int groups, int tokens) {
+  const int device = current_device();
   const int resident = stream_resident_blocks(kernel, smem, device, cuda_sm_count(device));
   return std::max(1, std::min(groups, resident / std::max(1, tokens)));
 }
@@ -195,8 +210,8 @@ fmlp_status_t launch_up(const MoeParams& p, const StreamShape& s, cudaStream_t s
   if (fmlp_status_t e = allow_dynamic_smem<kernel>(smem, "moe_sm80_stream_up"); e != FMLP_SUCCESS)
     return e;
   const dim3 grid(unsigned(blocks_per_token(kernel, smem, s.groups, p.tokens)), unsigned(p.tokens));
-  kernel<<<grid, kStreamThreads, smem, st>>>(p, s);
-  return launch_status("moe_sm80_stream_up");
+  return stream_launch(kernel, grid, smem, stream_pdl(cuda_compute_capability(current_device())),
+                       st, "moe_sm80_stream_up", p, s);
 }
 
 template <typename WT, int KP>
@@ -206,8 +221,8 @@ fmlp_status_t launch_down(const MoeParams& p, const StreamShape& s, cudaStream_t
   if (fmlp_status_t e = allow_dynamic_smem<kernel>(smem, "moe_sm80_stream_down"); e != FMLP_SUCCESS)
     return e;
   const dim3 grid(unsigned(blocks_per_token(kernel, smem, s.groups, p.tokens)), unsigned(p.tokens));
-  kernel<<<grid, kStreamThreads, smem, st>>>(p, s);
-  return launch_status("moe_sm80_stream_down");
+  return stream_launch(kernel, grid, smem, stream_pdl(cuda_compute_capability(current_device())),
+                       st, "moe_sm80_stream_down", p, s);
 }
 
 template <typename WT>

@@ -50,6 +50,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
 
@@ -144,6 +145,60 @@ inline int stream_grid(int groups, int resident) {
   if (groups <= resident || !on) return std::min(groups, resident);
   const int rounds = (groups + resident - 1) / resident;
   return (groups + rounds - 1) / rounds;
+}
+
+// Programmatic dependent launch (sm_90): a stream kernel launched with it may start while the
+// previous kernel on the stream drains. It requests its first weight batch (and prefetches) at
+// once, since no kernel of the stream writes weights, then waits for the previous grid to
+// complete before it reads or writes anything else (griddepcontrol.wait; a no-op in a plain
+// launch), and lets the next kernel launch early (griddepcontrol.launch_dependents) after that
+// wait, so a dependent that reads this grid's inputs before its own wait still sees them
+// complete. Measured on an H200: llama3-8b decode M = 1 95.5 -> 93.4 us, 4096 -> 4096 26.5 ->
+// 24.0 us. FMLP_STREAM_PDL=0 launches plainly.
+__device__ __forceinline__ void stream_wait_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void stream_allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether to launch with programmatic dependent launch on a device of compute capability cc
+// (major * 10 + minor).
+inline bool stream_pdl(int cc) {
+  static const bool env_on = [] {
+    const char* e = std::getenv("FMLP_STREAM_PDL");
+    return !(e && e[0] == '0');
+  }();
+  return env_on && cc >= 90;
+}
+
+// KERNEL<<<grid, kStreamThreads, smem, s>>>(args...), with programmatic dependent launch when pdl.
+template <typename KERNEL, typename... ARGS>
+fmlp_status_t stream_launch(KERNEL kernel, dim3 grid, size_t smem, bool pdl, cudaStream_t s,
+                            const char* name, const ARGS&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kStreamThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return fmlp::detail::fail(FMLP_ERROR_CUDA, "{} launch failed: {}", name, cudaGetErrorString(e));
+  }
+  const cudaError_t late = cudaGetLastError();
+  if (late == cudaSuccess) return FMLP_SUCCESS;
+  return fmlp::detail::fail(FMLP_ERROR_CUDA, "{} launch failed: {}", name,
+                            cudaGetErrorString(late));
 }
 
 // This warp's part of a row: chunks [begin, end).
