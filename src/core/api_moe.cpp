@@ -311,7 +311,9 @@ struct MoeOp {
   static std::array<MoeKernelList, 3> lists() {
     return {cuda_moe_kernels(), cpu_moe_kernels(), ref_moe_kernels()};
   }
-  static const MoeKernel* plan(const MoeDesc&, fmlp_backend_t, std::string*) { return nullptr; }
+  static const MoeKernel* plan(const MoeDesc& d, fmlp_backend_t b, std::string* reason) {
+    return b == FMLP_BACKEND_CUDA ? cuda_moe_plan(d, reason) : nullptr;
+  }
 };
 using Table = OpTable<MoeOp>;
 

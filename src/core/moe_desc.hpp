@@ -40,6 +40,9 @@ using MoeKernelList = OpKernelList<fmlp_moe_args_t, MoeDesc>;
 MoeKernelList ref_moe_kernels();
 MoeKernelList cpu_moe_kernels();
 MoeKernelList cuda_moe_kernels();  // src/cuda/moe_kernels.cpp (empty without CUDA)
+// The cuda entry the planner prefers for d (its reason in *reason when not null), or nullptr to
+// take the first entry that supports d.
+const MoeKernel* cuda_moe_plan(const MoeDesc& d, std::string* reason);
 std::string describe(const MoeDesc& d);
 
 // Expert e's slice of a stacked [E, rows, cols] (or [E, n]) tensor as a 2-D (or 1-D) view.

@@ -49,6 +49,10 @@ MoeKernelList cuda_moe_kernels() {
   return {nullptr, 0};
 }
 
+const MoeKernel* cuda_moe_plan(const MoeDesc&, std::string*) {
+  return nullptr;
+}
+
 fmlp_status_t cuda_moe_device_errors(void*, void*, int32_t*) {
   return fail(FMLP_ERROR_BACKEND_UNAVAILABLE, "{}", cuda_unavailable_reason());
 }

@@ -129,11 +129,11 @@ bool moe_grouped_supports(const MoeDesc& d, std::string* why) {
 }
 
 // moe_sm80_stream reads a shared expert once per token that picked it (the repeats mostly from
-// L2): past this many expected slots per hit local expert the entries that read each hit expert
-// once per chunk of its tokens take the call. Measured on an H200 (session 7, graph replay): the
-// stream wins at 1.14 (Mixtral T = 2: 366 us, 91 % of floor) and 1.21 (E = 64 top-8 T = 4:
-// 195 us, torch._grouped_mm 254), loses at 1.46 (Mixtral T = 4: 637 us against 603 for the other
-// entries) and 2.3 (E = 64 top-8 T = 16: 571 us, torch._grouped_mm 452).
+// L2): past this many expected slots per hit local expert the planner (cuda_moe_plan) prefers the
+// entries that read each hit expert once per chunk of its tokens. Measured on an H200 (session 7,
+// graph replay): the stream wins at 1.14 (Mixtral T = 2: 366 us, 91 % of floor) and 1.21 (E = 64
+// top-8 T = 4: 195 us, torch._grouped_mm 254), loses at 1.46 (Mixtral T = 4: 637 us against 603 for
+// the other entries) and 2.3 (E = 64 top-8 T = 16: 571 us, torch._grouped_mm 452).
 // FMLP_MOE_STREAM_MAX_SHARE overrides it (a tuning knob for the bench, read once).
 const double kStreamMaxShare = tuned("FMLP_MOE_STREAM_MAX_SHARE", 1.3);
 
@@ -182,13 +182,6 @@ bool moe_stream_supports(const MoeDesc& d, std::string* why) {
                                "KiB of shared memory, more than the stream's {} KiB",
                                d.d, fmlp_dtype_name(d.act_dtype), d.top_k, d.hidden,
                                std::max(x_bytes, h_bytes) >> 10, kMoeStreamStageBytes >> 10),
-            false);
-  const double share = local_slots_per_hit_expert(d);
-  if (share > kStreamMaxShare)
-    return (*why = fmt::format("{:.2f} expected slots per hit expert (above {}): the stream reads "
-                               "a shared expert once per slot; moe_sm80_grouped and "
-                               "moe_sm80_chunked read it once per chunk of its tokens",
-                               share, kStreamMaxShare),
             false);
   return true;
 }
@@ -409,6 +402,30 @@ const MoeKernel kCudaMoeKernels[] = {
 
 MoeKernelList cuda_moe_kernels() {
   return {kCudaMoeKernels, sizeof(kCudaMoeKernels) / sizeof(kCudaMoeKernels[0])};
+}
+
+const MoeKernel* cuda_moe_plan(const MoeDesc& d, std::string* reason) {
+  const MoeKernelList list = cuda_moe_kernels();
+  const MoeKernel* stream = &list.kernels[0];
+  std::string why;
+  if (!stream->supports(d, &why)) return nullptr;  // the first entry that takes it
+  const double share = local_slots_per_hit_expert(d);
+  if (share <= kStreamMaxShare) {
+    if (reason)
+      *reason = fmt::format("{:.2f} expected slots per hit expert <= {}: {}", share,
+                            kStreamMaxShare, stream->name);
+    return stream;
+  }
+  for (size_t i = 1; i < list.count; ++i)
+    if (list.kernels[i].supports(d, &why)) {
+      if (reason)
+        *reason = fmt::format(
+            "{:.2f} expected slots per hit expert > {}: {} ({} would read a shared expert once "
+            "per slot)",
+            share, kStreamMaxShare, list.kernels[i].name, stream->name);
+      return &list.kernels[i];
+    }
+  return stream;
 }
 
 fmlp_status_t cuda_moe_device_errors(void* workspace, void* stream, int32_t* count) {
