@@ -68,6 +68,16 @@ TEST(MoeCudaStream, MatchesReference) {
         << c.name() << " (FMLP_TEST_SEED=" << test_seed() << ")";
 }
 
+// fmlp_moe_explain's report for the cuda backend ("" and a test failure when it fails).
+std::string explain_cuda(const fmlp_moe_args_t& a) {
+  size_t needed = 0;
+  EXPECT_EQ(fmlp_moe_explain(&a, FMLP_BACKEND_CUDA, nullptr, 0, &needed), FMLP_SUCCESS)
+      << fmlp_last_error();
+  std::string s(needed, '\0');
+  EXPECT_EQ(fmlp_moe_explain(&a, FMLP_BACKEND_CUDA, s.data(), s.size(), &needed), FMLP_SUCCESS);
+  return s;
+}
+
 // Dispatch picks the stream for decode shapes (the planner: one slot per hit expert).
 TEST(MoeCudaStream, IsTheDefaultAtDecodeSizes) {
   SKIP_WITHOUT_GPU();
@@ -77,12 +87,7 @@ TEST(MoeCudaStream, IsTheDefaultAtDecodeSizes) {
   MoeData m;
   make(c, 3, &m);
   DeviceCase dc(c, m);
-  size_t needed = 0;
-  ASSERT_EQ(fmlp_moe_explain(&dc.args(), FMLP_BACKEND_CUDA, nullptr, 0, &needed), FMLP_SUCCESS)
-      << fmlp_last_error();
-  std::string s(needed, '\0');
-  ASSERT_EQ(fmlp_moe_explain(&dc.args(), FMLP_BACKEND_CUDA, s.data(), s.size(), &needed),
-            FMLP_SUCCESS);
+  const std::string s = explain_cuda(dc.args());
   EXPECT_NE(s.find("chosen   moe_sm80_stream"), std::string::npos) << s;
 }
 
@@ -98,12 +103,7 @@ TEST(MoeCudaStream, PlannerPrefersChunkEntriesWhenExpertsAreShared) {
   DeviceCase dc(c, m);
   ASSERT_EQ(fmlp_moe_kernel_supports(&dc.args(), "moe_sm80_stream"), FMLP_SUCCESS)
       << fmlp_last_error();
-  size_t needed = 0;
-  ASSERT_EQ(fmlp_moe_explain(&dc.args(), FMLP_BACKEND_CUDA, nullptr, 0, &needed), FMLP_SUCCESS)
-      << fmlp_last_error();
-  std::string s(needed, '\0');
-  ASSERT_EQ(fmlp_moe_explain(&dc.args(), FMLP_BACKEND_CUDA, s.data(), s.size(), &needed),
-            FMLP_SUCCESS);
+  const std::string s = explain_cuda(dc.args());
   EXPECT_EQ(s.find("chosen   moe_sm80_stream"), std::string::npos) << s;
   EXPECT_NE(s.find("expected slots per hit expert >"), std::string::npos) << s;
 }

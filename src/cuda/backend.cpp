@@ -119,12 +119,16 @@ std::string probe_devices() {
 
 }  // namespace
 
-int cuda_sm_count(int device) {
+namespace {
+
+// Device attribute ATTR of `device`, read once per device; 0 when unreadable.
+template <cudaDeviceAttr ATTR>
+int cached_attribute(int device) {
   static std::array<std::atomic<int>, kMaxDevices> cache{};
   if (device < 0 || device >= kMaxDevices) return 0;
   int v = cache[size_t(device)].load(std::memory_order_relaxed);
   if (v != 0) return v;
-  if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+  if (cudaDeviceGetAttribute(&v, ATTR, device) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
@@ -132,17 +136,14 @@ int cuda_sm_count(int device) {
   return v;
 }
 
+}  // namespace
+
+int cuda_sm_count(int device) {
+  return cached_attribute<cudaDevAttrMultiProcessorCount>(device);
+}
+
 int64_t cuda_l2_bytes(int device) {
-  static std::array<std::atomic<int>, kMaxDevices> cache{};
-  if (device < 0 || device >= kMaxDevices) return 0;
-  int v = cache[size_t(device)].load(std::memory_order_relaxed);
-  if (v != 0) return v;
-  if (cudaDeviceGetAttribute(&v, cudaDevAttrL2CacheSize, device) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  cache[size_t(device)].store(v, std::memory_order_relaxed);
-  return v;
+  return cached_attribute<cudaDevAttrL2CacheSize>(device);
 }
 
 int cuda_max_dynamic_smem(int device, int static_bytes) {

@@ -4,23 +4,24 @@
 // Why: at M = 1 the MLP is a read of its weights, and the one-launch kernels read them well below
 // a plain stream (docs/cuda-decode.md: the cluster kernel at 47 % of DRAM peak). Here each weight
 // matrix is one stream of stream_gemv.cuh, at the price of h's round trip through the workspace
-// (M x hidden x 4 bytes) and a second launch. Measured on an H200 (graph replay, cold L2): gpt2-
-// small 9.2 us at M = 1 (the prefetch kernel 11.0, the cuBLASLt path 12.7) and 11.5 at M = 2
-// (12.7); 4096 -> 4096 gelu 29.3 at M = 1 (30.4) but 65 at M = 4; llama3-8b 105 at M = 1
-// against 101 for the cuBLASLt path, although the same stream reads the gate/up and down
-// matrices alone in 60 + 34 us (linear_sm80_stream): the fp32 staging of x and h doubles the
-// shared-memory reads per weight chunk and caps the blocks per multiprocessor at three, which is
-// the next thing to change. The planner (planner.cpp) sends only what it measured faster here.
-//   1. mlp_decode_sm80_stream_up: x is normalised and staged in fp32 by every block; W1 is
-//      streamed row by row (gated: gate row j and up row j interleaved as rows 2j and 2j + 1 of
-//      one virtual matrix, so one thread gets both sums); the epilogue adds b1 (b_gate, b_up),
-//      applies the activation (and the gating) and stores h in fp32 to the workspace.
-//   2. mlp_decode_sm80_stream_down: every block stages h in fp32, counts itself in, and the last
-//      block to have staged it re-zeroes h and the counter (the workspace contract: left zero);
-//      W2 is streamed; the epilogue adds b2 and the residual and writes y.
-// fp32 everywhere but the weights: the numerics of the reference up to summation order, and the
-// order is fixed (deterministic). Limits: h and the normalised x in shared memory (M x hidden x 4
-// and M x d_in x 4 bytes, at most kMaxStageBytes).
+// (M x hidden x 2 bytes) and a second launch, which programmatic dependent launch overlaps with
+// the first one's tail. Measured on an H200 (graph replay, cold L2, docs/cuda-decode.md): gpt2-
+// small 6.7 us at M = 1 (cuBLASLt path 12.6), 4096 -> 4096 gelu 23.7 (30.5), llama3-8b 92.2
+// (96.5), llama3-70b 339.2 (342.1): the planner's M = 1 choice on every measured shape.
+//   1. mlp_decode_sm80_stream_up: every block stages x, normalised, in the weights' dtype (as a
+//      16-bit model's norm output is rounded); W1 is streamed row by row (gated: gate row j and up
+//      row j interleaved as rows 2j and 2j + 1 of one virtual matrix, so one thread gets both
+//      sums); the epilogue adds b1 (b_gate, b_up), applies the activation (and the gating) and
+//      stores h rounded to the weights' dtype (as PyTorch rounds it) to the workspace.
+//   2. mlp_decode_sm80_stream_down: launched early, requests its first W2 batch (and, where W2
+//      outgrows the L2, its first groups into L2) before it waits for the up grid; then every
+//      block stages h, counts itself in, and the last block to have staged it re-zeroes h and
+//      the counter (the workspace contract: left zero); W2 is streamed; the epilogue adds b2 and
+//      the residual and writes y.
+// fp32 accumulation in a fixed order (deterministic). x and h in 16 bits halve the shared memory
+// of fp32 staging (four blocks per multiprocessor at M <= 2 instead of three) and the shared-
+// memory reads per weight chunk. Limits: h and the normalised x in shared memory (M x hidden and
+// M x d_in elements of the weights' dtype, at most kMaxStageBytes).
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -48,8 +48,8 @@ bool moe_common_supports(const MoeDesc& d, std::string* why) {
   return true;
 }
 
-bool moe_cuda_supports(const MoeDesc& d, std::string* why) {
-  if (!moe_common_supports(d, why)) return false;
+// The weight rows of the streaming entries (chunked, stream) are read with 16-byte loads.
+bool moe_rows_vec16(const MoeDesc& d, std::string* why) {
   if (d.d % 8 != 0 || d.hidden % 8 != 0)
     return (*why = fmt::format("d={} and hidden={} must be multiples of 8 (16-byte weight "
                                "loads); pad the experts",
@@ -65,6 +65,12 @@ bool moe_cuda_supports(const MoeDesc& d, std::string* why) {
                 "an expert's W1 or W2 is not 16-byte aligned (base or row stride); store "
                 "the experts with 16-byte aligned rows",
             false);
+  return true;
+}
+
+bool moe_cuda_supports(const MoeDesc& d, std::string* why) {
+  if (!moe_common_supports(d, why)) return false;
+  if (!moe_rows_vec16(d, why)) return false;
   if (d.d >= (int64_t(1) << 28) || d.hidden >= (int64_t(1) << 28) || d.d_out > (int64_t(1) << 21))
     return (*why = "d and hidden must be below 2^28 and d_out at most 2^21", false);
   return true;
@@ -162,16 +168,7 @@ bool moe_stream_supports(const MoeDesc& d, std::string* why) {
                                "group of at most {} rows",
                                d.top_k, kMoeStreamMaxTopK),
             false);
-  if (d.d % 8 != 0 || d.hidden % 8 != 0)
-    return (*why = fmt::format("d={} and hidden={} must be multiples of 8 (16-byte weight "
-                               "loads); pad the experts",
-                               d.d, d.hidden),
-            false);
-  if (!d.expert.weights_vec16)
-    return (*why =
-                "an expert's W1 or W2 is not 16-byte aligned (base or row stride); store "
-                "the experts with 16-byte aligned rows",
-            false);
+  if (!moe_rows_vec16(d, why)) return false;
   if (d.d >= (int64_t(1) << 28) || d.hidden >= (int64_t(1) << 27) ||
       d.d_out * moe_stream_pair(int(d.top_k)) >= (int64_t(1) << 31))
     return (*why = "d must be below 2^28, hidden below 2^27 and d_out below 2^28", false);
