@@ -6,8 +6,8 @@
 // matrix is one stream of stream_gemv.cuh, at the price of h's round trip through the workspace
 // (M x hidden x 2 bytes) and a second launch, which programmatic dependent launch overlaps with
 // the first one's tail. Measured on an H200 (graph replay, cold L2, docs/cuda-decode.md): gpt2-
-// small 6.7 us at M = 1 (cuBLASLt path 12.6), 4096 -> 4096 gelu 23.7 (30.5), llama3-8b 92.2
-// (96.5), llama3-70b 339.2 (342.1): the planner's M = 1 choice on every measured shape.
+// small 6.7 us at M = 1 (cuBLASLt path 12.6), 4096 -> 4096 gelu 23.7 (30.4), llama3-8b 92.2
+// (100.8), llama3-70b 339.2 (357.8): the planner's M = 1 choice on every measured shape.
 //   1. mlp_decode_sm80_stream_up: every block stages x, normalised, in the weights' dtype (as a
 //      16-bit model's norm output is rounded); W1 is streamed row by row (gated: gate row j and up
 //      row j interleaved as rows 2j and 2j + 1 of one virtual matrix, so one thread gets both

@@ -12,22 +12,22 @@ namespace {
 
 // Measured on an H200 (bench/mlp_cuda_bench_prefill, commit of bench/results/cuda_prefill_h200.*;
 // the decode entries forced one by one against the cuBLASLt path at M = 1..4 with
-// bench/mlp_cuda_bench --kernel, bench/results/cuda_decode_m1m4_h200.*): below the crossover the
-// decode entries run in table order, the weight streams (mlp_decode_sm80_stream) first. Since
-// the streams stage x and h in 16 bits and launch with programmatic dependent launch (session 7)
-// they beat the cuBLASLt path at M = 1 on every measured shape; at larger M the cuBLASLt path
-// reads the weights once for all tokens while the stream's shared memory and registers grow with
-// M. The bench prints rows in this format to refill the table.
-// 16-bit rows serve bf16 and fp16 alike: the paths read the same bytes and do the same math.
+// bench/mlp_cuda_bench --kernel, bench/results/cuda_decode_{stream,cublaslt}_h200.*, commit
+// a469f86): below the crossover the decode entries run in table order, the weight streams
+// (mlp_decode_sm80_stream) first. Since the streams stage x and h in 16 bits and launch with
+// programmatic dependent launch (session 7) they beat the cuBLASLt path at M = 1 on every measured
+// shape; at larger M the cuBLASLt path reads the weights once for all tokens while the stream's
+// shared memory and registers grow with M. The bench prints rows in this format to refill the
+// table. 16-bit rows serve bf16 and fp16 alike: the paths read the same bytes and do the same math.
 constexpr CrossoverEntry kTable[] = {
     // {d_in, hidden, gated, dtype, crossover M, source}
-    // gpt2-small: streams 6.8 / 8.4 / 11.0 us at M = 1 / 2 / 4, cuBLASLt path 12.6 / - / 12.7.
+    // gpt2-small: streams 6.7 / 8.4 / 11.0 us at M = 1 / 2 / 4, cuBLASLt path 12.6 / - / 12.7.
     {768, 3072, false, FMLP_DTYPE_BF16, 5, "measured on NVIDIA H200 (sm_90)"},
-    // 4096 -> 4096: streams 24.0 / 29.0 / 45.3 us at M = 1 / 2 / 4 (cuBLASLt 30.5 / - / 30.7).
+    // 4096 -> 4096: streams 23.8 / 29.1 / 44.9 us at M = 1 / 2 / 4 (cuBLASLt 30.4 / - / 30.6).
     {4096, 4096, false, FMLP_DTYPE_BF16, 3, "measured on NVIDIA H200 (sm_90)"},
-    // llama3-8b: streams 93.4 / 108.2 us at M = 1 / 2, cuBLASLt 96.5 / 96.7 at M = 1 / 4.
+    // llama3-8b: streams 92.6 / 107.8 us at M = 1 / 2, cuBLASLt 100.8 / 96.9 at M = 1 / 4.
     {4096, 14336, true, FMLP_DTYPE_BF16, 2, "measured on NVIDIA H200 (sm_90)"},
-    // llama3-70b: streams 341.5 us at M = 1, cuBLASLt 342.1.
+    // llama3-70b: streams 339.9 us at M = 1, cuBLASLt 357.8 (342.1 in another session).
     {8192, 28672, true, FMLP_DTYPE_BF16, 2, "measured on NVIDIA H200 (sm_90)"},
 };
 // Shapes never measured: by weight bytes, the one thing the measured crossovers track.
