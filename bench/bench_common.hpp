@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -67,7 +68,28 @@ struct RankOptions {
     if (device < 0) device = rank;
     return "";
   }
+  // argv as "--option value" pairs: these options, then extra(option, value) for the bench's own
+  // (false: unknown); usage(why) is called (and must not return) on anything wrong.
+  template <typename EXTRA, typename USAGE>
+  void parse(int argc, char** argv, EXTRA extra, USAGE usage) {
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (i + 1 >= argc) usage(("missing value after " + a).c_str());
+      const char* v = argv[++i];
+      if (!take(a, v) && !extra(a, v)) usage(("unknown option " + a).c_str());
+    }
+    if (const char* why = finish(); *why) usage(why);
+  }
 };
+
+// NVLink SHARP / multicast stays off on these machines: NCCL_NVLS_ENABLE=0, with a note when the
+// environment asked otherwise.
+inline void nccl_nvls_off() {
+  const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
+  if (nvls != nullptr && std::strcmp(nvls, "0") != 0)
+    std::fprintf(stderr, "NCCL_NVLS_ENABLE=%s overridden to 0 (NVLink SHARP stays off)\n", nvls);
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+}
 
 // "a,b,c" as positive integers into *out; false on anything else (empty items, zero, junk).
 inline bool parse_positive_list(const char* v, std::vector<int64_t>* out) {

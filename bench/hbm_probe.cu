@@ -45,10 +45,8 @@ __global__ void probe_ldg(unsigned* sink, const uint4* p, size_t n16) {
     for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
   }
   if constexpr (PDL) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+    fmlp::cuda::pdl_allow_next_grid();
+    fmlp::cuda::pdl_wait_previous_grid();
   }
   if (acc == 0x9e3779b9u) sink[blockIdx.x] = acc;
 }

@@ -22,7 +22,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -68,25 +67,26 @@ struct Options : fmlp_bench::RankOptions {
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (i + 1 >= argc) usage(("missing value after " + a).c_str());
-    const char* v = argv[++i];
-    if (o.take(a, v)) continue;
-    if (a == "--shape")
-      o.shape = v;
-    else if (a == "--reduce")
-      o.reduce = std::string(v) == "scatter" ? FMLP_TP_REDUCE_SCATTER : FMLP_TP_ALL_REDUCE;
-    else if (a == "--allreduce") {
-      const std::string m = v;
-      if (m != "both" && m != "p2p" && m != "nccl") usage("--allreduce takes both, p2p or nccl");
-      o.p2p = m == "both" ? std::vector<bool>{true, false} : std::vector<bool>{m == "p2p"};
-    } else if (a == "--m") {
-      if (!parse_positive_list(v, &o.ms)) usage("--m takes M,M,... (>= 1)");
-    } else
-      usage(("unknown option " + a).c_str());
-  }
-  if (const char* why = o.finish(); *why) usage(why);
+  o.parse(
+      argc, argv,
+      [&](const std::string& a, const char* v) {
+        if (a == "--shape") {
+          o.shape = v;
+        } else if (a == "--reduce") {
+          o.reduce = std::string(v) == "scatter" ? FMLP_TP_REDUCE_SCATTER : FMLP_TP_ALL_REDUCE;
+        } else if (a == "--allreduce") {
+          const std::string m = v;
+          if (m != "both" && m != "p2p" && m != "nccl")
+            usage("--allreduce takes both, p2p or nccl");
+          o.p2p = m == "both" ? std::vector<bool>{true, false} : std::vector<bool>{m == "p2p"};
+        } else if (a == "--m") {
+          if (!parse_positive_list(v, &o.ms)) usage("--m takes M,M,... (>= 1)");
+        } else {
+          return false;
+        }
+        return true;
+      },
+      usage);
   return o;
 }
 
@@ -99,10 +99,7 @@ int64_t my_rows(const Options& o, int64_t m) {
 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
-  const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
-  if (nvls != nullptr && std::strcmp(nvls, "0") != 0)
-    std::fprintf(stderr, "NCCL_NVLS_ENABLE=%s overridden to 0 (NVLink SHARP stays off)\n", nvls);
-  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  fmlp_bench::nccl_nvls_off();
   const Shape* sh = nullptr;
   for (const Shape& s : kShapes)
     if (o.shape == s.name) sh = &s;

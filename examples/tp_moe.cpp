@@ -23,7 +23,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <thread>
@@ -60,19 +59,19 @@ struct Options : fmlp_bench::RankOptions {
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (i + 1 >= argc) usage(("missing value after " + a).c_str());
-    const char* v = argv[++i];
-    if (o.take(a, v)) continue;
-    if (a == "--capacity")
-      o.capacity = std::strtoll(v, nullptr, 10);
-    else if (a == "--t") {
-      if (!parse_positive_list(v, &o.ts)) usage("--t takes T,T,... (>= 1)");
-    } else
-      usage(("unknown option " + a).c_str());
-  }
-  if (const char* why = o.finish(); *why) usage(why);
+  o.parse(
+      argc, argv,
+      [&](const std::string& a, const char* v) {
+        if (a == "--capacity") {
+          o.capacity = std::strtoll(v, nullptr, 10);
+        } else if (a == "--t") {
+          if (!parse_positive_list(v, &o.ts)) usage("--t takes T,T,... (>= 1)");
+        } else {
+          return false;
+        }
+        return true;
+      },
+      usage);
   return o;
 }
 
@@ -137,7 +136,7 @@ double max_rel_err(const void* a, const void* ref, size_t n) {
 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
-  setenv("NCCL_NVLS_ENABLE", "0", 1);  // never NVLink SHARP / multicast on these machines
+  fmlp_bench::nccl_nvls_off();
   const bool root = o.rank == 0;
   FK(fmlp_tp_available());
   CK(cudaSetDevice(o.device));

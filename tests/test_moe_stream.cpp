@@ -68,26 +68,32 @@ TEST(MoeCudaStream, MatchesReference) {
         << c.name() << " (FMLP_TEST_SEED=" << test_seed() << ")";
 }
 
-// fmlp_moe_explain's report for the cuda backend ("" and a test failure when it fails).
-std::string explain_cuda(const fmlp_moe_args_t& a) {
+// fmlp_moe_explain's report for the cuda backend on a small Mixtral-like call (E = 8, top-2,
+// gated) of t tokens; *stream_why: "" when moe_sm80_stream supports it when named, else why not.
+std::string explain_tokens(int64_t t, uint64_t seed, std::string* stream_why) {
+  MoeCase c;
+  c.t = t, c.e = 8, c.k = 2, c.d = 256, c.hidden = 512, c.d_out = 256, c.gated = true;
+  c.xt = c.wt = c.rt = FMLP_DTYPE_BF16;
+  MoeData m;
+  make(c, seed, &m);
+  DeviceCase dc(c, m);
+  *stream_why = fmlp_moe_kernel_supports(&dc.args(), "moe_sm80_stream") == FMLP_SUCCESS
+                    ? ""
+                    : fmlp_last_error();
   size_t needed = 0;
-  EXPECT_EQ(fmlp_moe_explain(&a, FMLP_BACKEND_CUDA, nullptr, 0, &needed), FMLP_SUCCESS)
+  EXPECT_EQ(fmlp_moe_explain(&dc.args(), FMLP_BACKEND_CUDA, nullptr, 0, &needed), FMLP_SUCCESS)
       << fmlp_last_error();
   std::string s(needed, '\0');
-  EXPECT_EQ(fmlp_moe_explain(&a, FMLP_BACKEND_CUDA, s.data(), s.size(), &needed), FMLP_SUCCESS);
+  EXPECT_EQ(fmlp_moe_explain(&dc.args(), FMLP_BACKEND_CUDA, s.data(), s.size(), &needed),
+            FMLP_SUCCESS);
   return s;
 }
 
 // Dispatch picks the stream for decode shapes (the planner: one slot per hit expert).
 TEST(MoeCudaStream, IsTheDefaultAtDecodeSizes) {
   SKIP_WITHOUT_GPU();
-  MoeCase c;
-  c.t = 1, c.e = 8, c.k = 2, c.d = 256, c.hidden = 512, c.d_out = 256, c.gated = true;
-  c.xt = c.wt = c.rt = FMLP_DTYPE_BF16;
-  MoeData m;
-  make(c, 3, &m);
-  DeviceCase dc(c, m);
-  const std::string s = explain_cuda(dc.args());
+  std::string why;
+  const std::string s = explain_tokens(1, 3, &why);
   EXPECT_NE(s.find("chosen   moe_sm80_stream"), std::string::npos) << s;
 }
 
@@ -95,15 +101,9 @@ TEST(MoeCudaStream, IsTheDefaultAtDecodeSizes) {
 // (the stream reads it once per slot), and explain says why.
 TEST(MoeCudaStream, PlannerPrefersChunkEntriesWhenExpertsAreShared) {
   SKIP_WITHOUT_GPU();
-  MoeCase c;
-  c.t = 16, c.e = 8, c.k = 2, c.d = 256, c.hidden = 512, c.d_out = 256, c.gated = true;
-  c.xt = c.wt = c.rt = FMLP_DTYPE_BF16;
-  MoeData m;
-  make(c, 4, &m);
-  DeviceCase dc(c, m);
-  ASSERT_EQ(fmlp_moe_kernel_supports(&dc.args(), "moe_sm80_stream"), FMLP_SUCCESS)
-      << fmlp_last_error();
-  const std::string s = explain_cuda(dc.args());
+  std::string why;
+  const std::string s = explain_tokens(16, 4, &why);
+  ASSERT_EQ(why, "");
   EXPECT_EQ(s.find("chosen   moe_sm80_stream"), std::string::npos) << s;
   EXPECT_NE(s.find("expected slots per hit expert >"), std::string::npos) << s;
 }

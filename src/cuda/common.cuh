@@ -97,6 +97,24 @@ template <>
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) {
   return __bfloat162float(v);
 }
+// Programmatic dependent launch (sm_90; no-ops before, and in a plain launch): a kernel launched
+// with it (launch_ex, launch_util.hpp) may start while the previous kernel on the stream drains.
+// pdl_wait_previous_grid() waits until that grid has completed and its memory is visible; only
+// what no kernel of the stream writes (weights) may be read before it. pdl_allow_next_grid() lets
+// the next such kernel start; called after the wait, it also tells that kernel that every input
+// this grid waited for is complete. Measured on an H200: llama3-8b decode M = 1 95.5 -> 93.4 us,
+// 4096 -> 4096 26.5 -> 24.0 us (docs/cuda-decode.md).
+__device__ __forceinline__ void pdl_wait_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 template <typename T>
 __device__ __forceinline__ T from_f(float v);
 template <>

@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstddef>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -23,6 +24,40 @@ inline fmlp_status_t launch_status(const char* name, const std::string& detail =
   if (e == cudaSuccess) return FMLP_SUCCESS;
   return fail(FMLP_ERROR_CUDA, "{} launch{} failed: {}", name,
               detail.empty() ? "" : " (" + detail + ")", cudaGetErrorString(e));
+}
+
+// Whether kernels that support it launch with programmatic dependent launch on a device of
+// compute capability cc (major * 10 + minor): sm_90 and newer, unless FMLP_STREAM_PDL=0 (for
+// measurements).
+inline bool pdl_enabled(int cc) {
+  static const bool env_on = [] {
+    const char* e = std::getenv("FMLP_STREAM_PDL");
+    return !(e && e[0] == '0');
+  }();
+  return env_on && cc >= 90;
+}
+
+// KERNEL<<<grid, block, smem, s>>>(args...), with programmatic dependent launch when pdl (the
+// kernel then orders its reads with pdl_wait_previous_grid, common.cuh); FMLP_ERROR_CUDA naming
+// `name` when the launch failed.
+template <typename KERNEL, typename... ARGS>
+fmlp_status_t launch_ex(KERNEL kernel, dim3 grid, dim3 block, size_t smem, bool pdl, cudaStream_t s,
+                        const char* name, const ARGS&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  if (const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...); e != cudaSuccess) {
+    cudaGetLastError();
+    return fail(FMLP_ERROR_CUDA, "{} launch failed: {}", name, cudaGetErrorString(e));
+  }
+  return launch_status(name);
 }
 
 // Dynamic shared memory one block may opt into on `device`, less `static_bytes` of the kernel's

@@ -26,17 +26,12 @@ using fmlp::cuda::kStreamU;
 using fmlp::cuda::kStreamWarps;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::store_scalar;
-using fmlp::cuda::stream_allow_next_grid;
+using fmlp::cuda::stream_begin;
 using fmlp::cuda::stream_grid;
-using fmlp::cuda::stream_launch;
-using fmlp::cuda::stream_load;
-using fmlp::cuda::stream_pdl;
-using fmlp::cuda::stream_prefetch_l2;
 using fmlp::cuda::stream_resident_blocks;
 using fmlp::cuda::stream_run;
 using fmlp::cuda::stream_shape;
 using fmlp::cuda::stream_span;
-using fmlp::cuda::stream_wait_previous_grid;
 using fmlp::cuda::StreamFp8;
 using fmlp::cuda::StreamShape;
 
@@ -137,10 +132,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
   const auto sp = stream_span<WT>(p.s);
   auto row_ptr = [&](int row) { return static_cast<const WT*>(p.w) + int64_t(row) * p.w_ld; };
   uint4 cur[kStreamU];
-  stream_load<WT>(cur, p.s, sp, row_ptr, blockIdx.x, 0);  // in flight while x is staged
-  stream_prefetch_l2<WT>(p.s, sp, row_ptr, p.prefetch_groups);
-  stream_wait_previous_grid();  // x may come from the previous kernel, y may be its input
-  stream_allow_next_grid();
+  stream_begin<WT>(cur, p.s, sp, row_ptr, p.prefetch_groups);  // in flight while x is staged
   if constexpr (kFp8)
     stage_x_f16<MT>(p, xs, inv, amax);
   else
@@ -174,8 +166,8 @@ fmlp_status_t launch(const StreamParams& p, size_t smem, int device, cudaStream_
     return st;
   const int grid =
       stream_grid(p.s.groups, stream_resident_blocks(kernel, smem, device, cuda_sm_count(device)));
-  return stream_launch(kernel, dim3(grid), smem, stream_pdl(cuda_compute_capability(device)), s,
-                       "linear_sm80_stream", p);
+  return launch_ex(kernel, dim3(grid), dim3(kStreamThreads), smem,
+                   pdl_enabled(cuda_compute_capability(device)), s, "linear_sm80_stream", p);
 }
 
 template <typename WT, typename XT>

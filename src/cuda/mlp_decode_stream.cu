@@ -50,17 +50,12 @@ using fmlp::cuda::load_scalar;
 using fmlp::cuda::opt;
 using fmlp::cuda::stage_tokens_as;
 using fmlp::cuda::store_scalar;
-using fmlp::cuda::stream_allow_next_grid;
+using fmlp::cuda::stream_begin;
 using fmlp::cuda::stream_grid;
-using fmlp::cuda::stream_launch;
-using fmlp::cuda::stream_load;
-using fmlp::cuda::stream_pdl;
-using fmlp::cuda::stream_prefetch_l2;
 using fmlp::cuda::stream_resident_blocks;
 using fmlp::cuda::stream_run;
 using fmlp::cuda::stream_shape;
 using fmlp::cuda::stream_span;
-using fmlp::cuda::stream_wait_previous_grid;
 using fmlp::cuda::StreamShape;
 
 constexpr int kMaxTokens = 4;
@@ -82,9 +77,8 @@ struct StreamMlpParams : DecodeOperands {
   int up_prefetch_groups, down_prefetch_groups;
 };
 
-// Both kernels are launched with programmatic dependent launch (stream_gemv.cuh): each requests
-// its first weight batch and prefetches (weights are never written by a kernel of the call's
-// stream), then waits for the previous grid before it touches x, h, y or the workspace.
+// Both kernels are launched with programmatic dependent launch: stream_begin requests the first
+// weights, then waits for the previous grid before x, h, y or the workspace are touched.
 template <typename WT, int M>
 __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
     mlp_decode_sm80_stream_up(const StreamMlpParams p) {
@@ -102,11 +96,8 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
                      : static_cast<const WT*>(p.wg) + int64_t(row >> 1) * p.wg_ld;
   };
   uint4 cur[kStreamU];
-  stream_load<WT>(cur, p.up, sp, row_ptr, blockIdx.x, 0);  // in flight while x is staged
-  stream_prefetch_l2<WT>(p.up, sp, row_ptr, p.up_prefetch_groups);
-  stream_wait_previous_grid();
-  stream_allow_next_grid();
-  stage_tokens_as<kStreamThreads, M>(p, xs, scratch);  // ends with __syncthreads
+  stream_begin<WT>(cur, p.up, sp, row_ptr, p.up_prefetch_groups);  // in flight while x is staged
+  stage_tokens_as<kStreamThreads, M>(p, xs, scratch);              // ends with __syncthreads
   WT* h = static_cast<WT*>(p.hbuf);
   if (gated) {
     auto finish = [&](int row, int t, const float(&v)[2]) {
@@ -135,11 +126,8 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
   const auto sp = stream_span<WT>(p.down);
   auto row_ptr = [&](int row) { return static_cast<const WT*>(p.w2) + int64_t(row) * p.w2_ld; };
   uint4 cur[kStreamU];
-  stream_load<WT>(cur, p.down, sp, row_ptr, blockIdx.x, 0);  // in flight while h is staged
-  stream_prefetch_l2<WT>(p.down, sp, row_ptr, p.down_prefetch_groups);
-  stream_wait_previous_grid();  // h is complete
-  stream_allow_next_grid();
-  const int vecs = M * p.h / 8;  // hidden is a multiple of 8
+  stream_begin<WT>(cur, p.down, sp, row_ptr, p.down_prefetch_groups);  // then h is complete
+  const int vecs = M * p.h / 8;                                        // hidden is a multiple of 8
   uint4* hbuf = static_cast<uint4*>(p.hbuf);
   for (int i = threadIdx.x; i < vecs; i += kStreamThreads) smem_v[i] = __ldcg(hbuf + i);
   __syncthreads();  // this block's reads of h are done
@@ -172,16 +160,17 @@ fmlp_status_t launch(const StreamMlpParams& p, cudaStream_t s, int device) {
       st != FMLP_SUCCESS)
     return st;
   const int sms = cuda_sm_count(device);
-  const bool pdl = stream_pdl(cuda_compute_capability(device));
+  const bool pdl = pdl_enabled(cuda_compute_capability(device));
   if (p.up.groups > 0) {  // hidden = 0: h is empty
     const int grid = stream_grid(p.up.groups, stream_resident_blocks(up, smem_up, device, sms));
-    if (fmlp_status_t st =
-            stream_launch(up, dim3(grid), smem_up, pdl, s, "mlp_decode_sm80_stream_up", p);
+    if (fmlp_status_t st = launch_ex(up, dim3(grid), dim3(kStreamThreads), smem_up, pdl, s,
+                                     "mlp_decode_sm80_stream_up", p);
         st != FMLP_SUCCESS)
       return st;
   }
   const int grid = stream_grid(p.down.groups, stream_resident_blocks(down, smem_down, device, sms));
-  return stream_launch(down, dim3(grid), smem_down, pdl, s, "mlp_decode_sm80_stream_down", p);
+  return launch_ex(down, dim3(grid), dim3(kStreamThreads), smem_down, pdl, s,
+                   "mlp_decode_sm80_stream_down", p);
 }
 
 template <typename WT>

@@ -43,16 +43,15 @@ using fmlp::cuda::kStreamThreads;
 using fmlp::cuda::kStreamU;
 using fmlp::cuda::kStreamWarps;
 using fmlp::cuda::load_scalar;
+using fmlp::cuda::pdl_allow_next_grid;
+using fmlp::cuda::pdl_wait_previous_grid;
 using fmlp::cuda::store_scalar;
-using fmlp::cuda::stream_allow_next_grid;
-using fmlp::cuda::stream_launch;
+using fmlp::cuda::stream_begin;
 using fmlp::cuda::stream_load;
-using fmlp::cuda::stream_pdl;
 using fmlp::cuda::stream_resident_blocks;
 using fmlp::cuda::stream_run_rows;
 using fmlp::cuda::stream_shape;
 using fmlp::cuda::stream_span;
-using fmlp::cuda::stream_wait_previous_grid;
 using fmlp::cuda::StreamShape;
 
 static_assert(kMoeStreamMaxTopK <= kStreamWarps, "a row's k slot sums must fit one group");
@@ -72,8 +71,8 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   __shared__ float red[2][kStreamWarps][1];
   __shared__ int eid[kMoeStreamMaxTopK];
   const int t = blockIdx.y, k = p.top_k;
-  stream_wait_previous_grid();  // the routing (programmatic dependent launch, stream_gemv.cuh)
-  stream_allow_next_grid();
+  pdl_wait_previous_grid();  // for the routing (programmatic dependent launch, common.cuh)
+  pdl_allow_next_grid();
   if (threadIdx.x < k) eid[threadIdx.x] = __ldcg(p.ids + t * k + threadIdx.x);
   __syncthreads();
   const auto sp = stream_span<WT>(s);
@@ -145,11 +144,9 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
     return e < 0 ? nullptr : w2 + int64_t(e) * p.w2_e + int64_t(v / KP) * p.w2_ld;
   };
   uint4 cur[kStreamU];
-  stream_load<WT, true>(cur, s, sp, row_ptr, blockIdx.x, 0);  // in flight while h is staged
   // The routing read above is complete: every block of the up launch let this launch start only
-  // after its own wait for the route kernel. h is not, until this wait.
-  stream_wait_previous_grid();
-  stream_allow_next_grid();
+  // after its own wait for the route kernel. h is not, until stream_begin's wait.
+  stream_begin<WT, true>(cur, s, sp, row_ptr, 0);   // in flight while h is staged
   const int64_t words = int64_t(k) * p.hidden / 8;  // hidden is a multiple of 8
   const uint4* src = p.hbuf + int64_t(t) * words;
   for (int64_t i = threadIdx.x; i < words; i += kStreamThreads) smem_v[i] = __ldcg(src + i);
@@ -188,58 +185,56 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   stream_run_rows<WT, WT, 1, KP, true>(s, sp, x_rows, row_ptr, finish, cur, red);
 }
 
-// Blocks per token: the resident blocks shared by the T token rows of the grid, so every block
-// is resident at once (the down launch's last block to stage h counts on it only for speed).
-int current_device() {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError(), device = 0;
-  return device;
-}
+// Where the launches go: the caller's stream, its device, programmatic dependent launch or not.
+struct Where {
+  cudaStream_t st;
+  int device;
+  bool pdl;
+};
 
-template <typename KERNEL>
-int blocks_per_token(KERNEL kernel, size_t smem, int groups, int tokens) {
-  const int device = current_device();
-  const int resident = stream_resident_blocks(kernel, smem, device, cuda_sm_count(device));
-  return std::max(1, std::min(groups, resident / std::max(1, tokens)));
+// KERNEL over a grid of (blocks per token, T): the resident blocks shared by the T token rows, so
+// every block is resident at once (the down launch's last block to stage h counts on it only for
+// speed).
+template <auto KERNEL>
+fmlp_status_t launch_rows(const MoeParams& p, const StreamShape& s, size_t smem, const Where& w,
+                          const char* name) {
+  if (fmlp_status_t e = allow_dynamic_smem<KERNEL>(smem, name); e != FMLP_SUCCESS) return e;
+  const int resident = stream_resident_blocks(KERNEL, smem, w.device, cuda_sm_count(w.device));
+  const int blocks = std::max(1, std::min(s.groups, resident / std::max(1, p.tokens)));
+  return launch_ex(KERNEL, dim3(unsigned(blocks), unsigned(p.tokens)), dim3(kStreamThreads), smem,
+                   w.pdl, w.st, name, p, s);
 }
 
 template <typename WT, typename XT>
-fmlp_status_t launch_up(const MoeParams& p, const StreamShape& s, cudaStream_t st) {
-  constexpr auto kernel = &moe_sm80_stream_up<WT, XT>;
-  const size_t smem = size_t(p.d) * sizeof(XT);
-  if (fmlp_status_t e = allow_dynamic_smem<kernel>(smem, "moe_sm80_stream_up"); e != FMLP_SUCCESS)
-    return e;
-  const dim3 grid(unsigned(blocks_per_token(kernel, smem, s.groups, p.tokens)), unsigned(p.tokens));
-  return stream_launch(kernel, grid, smem, stream_pdl(cuda_compute_capability(current_device())),
-                       st, "moe_sm80_stream_up", p, s);
+fmlp_status_t launch_up(const MoeParams& p, const StreamShape& s, const Where& w) {
+  return launch_rows<&moe_sm80_stream_up<WT, XT>>(p, s, size_t(p.d) * sizeof(XT), w,
+                                                  "moe_sm80_stream_up");
 }
 
 template <typename WT, int KP>
-fmlp_status_t launch_down(const MoeParams& p, const StreamShape& s, cudaStream_t st) {
-  constexpr auto kernel = &moe_sm80_stream_down<WT, KP>;
-  const size_t smem = size_t(p.top_k) * size_t(p.hidden) * sizeof(WT);
-  if (fmlp_status_t e = allow_dynamic_smem<kernel>(smem, "moe_sm80_stream_down"); e != FMLP_SUCCESS)
-    return e;
-  const dim3 grid(unsigned(blocks_per_token(kernel, smem, s.groups, p.tokens)), unsigned(p.tokens));
-  return stream_launch(kernel, grid, smem, stream_pdl(cuda_compute_capability(current_device())),
-                       st, "moe_sm80_stream_down", p, s);
+fmlp_status_t launch_down(const MoeParams& p, const StreamShape& s, const Where& w) {
+  return launch_rows<&moe_sm80_stream_down<WT, KP>>(
+      p, s, size_t(p.top_k) * size_t(p.hidden) * sizeof(WT), w, "moe_sm80_stream_down");
 }
 
 template <typename WT>
 fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError(), device = 0;
+  const Where w{st, device, pdl_enabled(cuda_compute_capability(device))};
   const int rows1 = p.gated ? 2 * p.hidden : p.hidden;
   const int kp = moe_stream_pair(p.top_k);
   const StreamShape up = stream_shape(int64_t(p.top_k) * rows1, p.d, 2, p.gated ? 2 : 1);
   const StreamShape down = stream_shape(int64_t(kp) * p.d_out, p.hidden, 2, kp);
-  fmlp_status_t e = p.x_t == FMLP_DTYPE_F32   ? launch_up<WT, float>(p, up, st)
-                    : p.x_t == FMLP_DTYPE_F16 ? launch_up<WT, __half>(p, up, st)
-                                              : launch_up<WT, __nv_bfloat16>(p, up, st);
+  fmlp_status_t e = p.x_t == FMLP_DTYPE_F32   ? launch_up<WT, float>(p, up, w)
+                    : p.x_t == FMLP_DTYPE_F16 ? launch_up<WT, __half>(p, up, w)
+                                              : launch_up<WT, __nv_bfloat16>(p, up, w);
   if (e != FMLP_SUCCESS) return e;
   switch (kp) {
-    case 1: return launch_down<WT, 1>(p, down, st);
-    case 2: return launch_down<WT, 2>(p, down, st);
-    case 4: return launch_down<WT, 4>(p, down, st);
-    default: return launch_down<WT, 8>(p, down, st);
+    case 1: return launch_down<WT, 1>(p, down, w);
+    case 2: return launch_down<WT, 2>(p, down, w);
+    case 4: return launch_down<WT, 4>(p, down, w);
+    default: return launch_down<WT, 8>(p, down, w);
   }
 }
 

@@ -50,7 +50,6 @@
 #include <tuple>
 #include <type_traits>
 
-#include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
 
@@ -147,60 +146,6 @@ inline int stream_grid(int groups, int resident) {
   return (groups + rounds - 1) / rounds;
 }
 
-// Programmatic dependent launch (sm_90): a stream kernel launched with it may start while the
-// previous kernel on the stream drains. It requests its first weight batch (and prefetches) at
-// once, since no kernel of the stream writes weights, then waits for the previous grid to
-// complete before it reads or writes anything else (griddepcontrol.wait; a no-op in a plain
-// launch), and lets the next kernel launch early (griddepcontrol.launch_dependents) after that
-// wait, so a dependent that reads this grid's inputs before its own wait still sees them
-// complete. Measured on an H200: llama3-8b decode M = 1 95.5 -> 93.4 us, 4096 -> 4096 26.5 ->
-// 24.0 us. FMLP_STREAM_PDL=0 launches plainly.
-__device__ __forceinline__ void stream_wait_previous_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void stream_allow_next_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// Whether to launch with programmatic dependent launch on a device of compute capability cc
-// (major * 10 + minor).
-inline bool stream_pdl(int cc) {
-  static const bool env_on = [] {
-    const char* e = std::getenv("FMLP_STREAM_PDL");
-    return !(e && e[0] == '0');
-  }();
-  return env_on && cc >= 90;
-}
-
-// KERNEL<<<grid, kStreamThreads, smem, s>>>(args...), with programmatic dependent launch when pdl.
-template <typename KERNEL, typename... ARGS>
-fmlp_status_t stream_launch(KERNEL kernel, dim3 grid, size_t smem, bool pdl, cudaStream_t s,
-                            const char* name, const ARGS&... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kStreamThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return fmlp::detail::fail(FMLP_ERROR_CUDA, "{} launch failed: {}", name, cudaGetErrorString(e));
-  }
-  const cudaError_t late = cudaGetLastError();
-  if (late == cudaSuccess) return FMLP_SUCCESS;
-  return fmlp::detail::fail(FMLP_ERROR_CUDA, "{} launch failed: {}", name,
-                            cudaGetErrorString(late));
-}
-
 // This warp's part of a row: chunks [begin, end).
 struct StreamSpan {
   int begin, end;
@@ -250,6 +195,20 @@ __device__ __forceinline__ void stream_prefetch_l2(const StreamShape& s, StreamS
     for (uintptr_t a = first + uintptr_t(lane) * 128; a < end; a += 32 * 128)
       asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
   }
+}
+
+// The prologue of a stream kernel launched with programmatic dependent launch (launch_ex,
+// launch_util.hpp; weights are never written by a kernel of the caller's stream): the first batch
+// of group blockIdx.x into `cur` and the block's first `prefetch_groups` groups into L2 are
+// requested before the wait for the previous grid, so they arrive while that grid drains;
+// everything else the kernel reads or writes comes after it.
+template <typename WT, bool SKIP = false, typename RowPtr>
+__device__ __forceinline__ void stream_begin(uint4 (&cur)[kStreamU], const StreamShape& s,
+                                             StreamSpan sp, RowPtr row_ptr, int prefetch_groups) {
+  stream_load<WT, SKIP>(cur, s, sp, row_ptr, blockIdx.x, 0);
+  stream_prefetch_l2<WT>(s, sp, row_ptr, prefetch_groups);
+  pdl_wait_previous_grid();
+  pdl_allow_next_grid();
 }
 
 // Eight x values of chunk c of a staged token row as fp32.
