@@ -5,7 +5,11 @@ Models: GPT-2 small (GPT2Config defaults), a ~1B Llama (hidden 2048, intermediat
 16 layers, 32 heads, 8 KV heads) and a small Mixtral (hidden 2048, 8 experts of 4096, top-2,
 8 layers; --models mixtral-small), bf16 on one CUDA device.
 
-Modes, each run identically for the unpatched and the patched model:
+Variants (--patch): the unpatched model, then "mlp" = fusedmlp.patch(model) (MLP blocks and their
+pre-norm) and "mlp+linears" = fusedmlp.patch(model, linears=True) (also the attention projections
+and the LM head as FusedLinear), each on a fresh copy of the same model (same seed).
+
+Modes, each run identically for the unpatched model and every variant:
   generate  model.generate(cache_implementation="static"): transformers compiles the decode step
             (torch.compile, CUDA graphs) by itself. tokens/s = (N - 1) / (t(N) - t(1)), so the
             prefill and the first token are left out; median of --repeats.
@@ -19,9 +23,13 @@ row), and how many generated tokens agree (random weights give near-ties, so a l
 is not an error). The same diff is measured for a second oracle, the unpatched model with its MLP
 blocks run in fp32 (more exact math, no fusedmlp): the patched diff is judged against that
 "reference noise", the spread bf16 rounding alone causes (in MoE models one flipped near-tie
-routing decision moves a whole position's logits). JSON to --json.
+routing decision moves a whole position's logits; the noise oracle keeps the attention in bf16, so
+it understates what mlp+linears may move). JSON to --json: per model the "mlp" variant in the
+top-level fields (patch, patched, speedup, ...) and "mlp+linears" under "patched_linears" (the
+same fields), with its speedups also as "speedup_linears".
 
 Usage (GPU machine): python3 bench/e2e_decode.py --json out/e2e.json [--models gpt2,llama1b]
+[--patch mlp,mlp+linears]
 """
 
 import argparse
@@ -206,6 +214,40 @@ def measure(torch, transformers, model, ids, n, modes, repeats):
     return results, tokens
 
 
+_VARIANTS = {"mlp": {}, "mlp+linears": {"linears": True}}
+
+
+def run_variant(torch, transformers, fusedmlp, name, variant, args, modes, ids, ref_logits,
+                base, base_tokens):
+    """Builds the model afresh, patches it the variant's way and measures it like the unpatched
+    one: the fields of one variant's JSON entry."""
+    model = build(transformers, torch, name, ids.device)
+    with torch.no_grad():  # the diff below is the patch's only if the build repeats exactly
+        rebuilt = torch.equal(model(input_ids=ids).logits.float(), ref_logits)
+    patch_report = fusedmlp.patch(model, strict=True, **_VARIANTS[variant])
+    print(f"  [{variant}] {patch_report}", flush=True)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    rms = ref_logits.pow(2).mean(-1, keepdim=True).sqrt()
+    rel = ((logits - ref_logits).abs() / rms).max().item()
+    fused, fused_tokens = measure(torch, transformers, model, ids, args.new_tokens, modes,
+                                  args.repeats)
+    print(f"  [{variant}] patched {json.dumps(fused)[:400]}", flush=True)
+    del model
+    torch.cuda.empty_cache()
+    entry = {"patch": str(patch_report), "patched": fused, "logits_max_abs_diff_over_rms": rel,
+             "rebuild_identical": rebuilt,
+             "argmax_agree_prefill": bool((logits[:, -1].argmax(-1)
+                                           == ref_logits[:, -1].argmax(-1)).all()),
+             "tokens_agree": {m: agreement(base_tokens[m], fused_tokens[m])
+                              for m in base_tokens if m in fused_tokens},
+             "speedup": {m: fused[m]["tok_s"] / base[m]["tok_s"] for m in modes
+                         if "tok_s" in base.get(m, {}) and "tok_s" in fused.get(m, {})}}
+    print(f"  [{variant}] speedup {entry['speedup']}  logits diff/rms {rel:.3g}  tokens agree "
+          f"{entry['tokens_agree']}", flush=True)
+    return entry
+
+
 def agreement(a, b):
     k = 0
     while k < min(len(a), len(b)) and a[k] == b[k]:
@@ -217,6 +259,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="gpt2,llama1b")
     ap.add_argument("--modes", default="generate,graph,eager")
+    ap.add_argument("--patch", default="mlp,mlp+linears",
+                    help="patched variants to measure: " + ", ".join(_VARIANTS))
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
@@ -244,6 +288,10 @@ def main():
         return _write(args.json, report)
 
     modes = [m for m in args.modes.split(",") if m]
+    variants = [v for v in args.patch.split(",") if v]
+    unknown = [v for v in variants if v not in _VARIANTS]
+    if unknown:
+        ap.error(f"--patch {','.join(unknown)}: expected some of {', '.join(_VARIANTS)}")
     dev = torch.device("cuda", 0)
     for name in args.models.split(","):
         print(f"== {name}", flush=True)
@@ -258,31 +306,25 @@ def main():
         base, base_tokens = measure(torch, transformers, model, ids, args.new_tokens, modes,
                                     args.repeats)
         print(f"  unpatched {json.dumps(base)[:400]}", flush=True)
-        patch_report = fusedmlp.patch(model, strict=True)
-        print(patch_report, flush=True)
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits.float()
-        rms = ref_logits.pow(2).mean(-1, keepdim=True).sqrt()
-        rel = ((logits - ref_logits).abs() / rms).max().item()
-        fused, fused_tokens = measure(torch, transformers, model, ids, args.new_tokens, modes,
-                                      args.repeats)
-        print(f"  patched   {json.dumps(fused)[:400]}", flush=True)
-        entry = {"params": sum(p.numel() for p in model.parameters()),
-                 "patch": str(patch_report), "unpatched": base, "patched": fused,
-                 "logits_max_abs_diff_over_rms": rel,
-                 "reference_noise_diff_over_rms": noise,
-                 "argmax_agree_prefill": bool((logits[:, -1].argmax(-1)
-                                               == ref_logits[:, -1].argmax(-1)).all()),
-                 "tokens_agree": {m: agreement(base_tokens[m], fused_tokens[m])
-                                  for m in base_tokens if m in fused_tokens},
-                 "speedup": {m: fused[m]["tok_s"] / base[m]["tok_s"] for m in modes
-                             if "tok_s" in base.get(m, {}) and "tok_s" in fused.get(m, {})}}
-        report["models"][name] = entry
-        print(f"  speedup {entry['speedup']}  logits diff/rms {rel:.3g} (reference noise "
-              f"{noise:.3g})  tokens agree "
-              f"{entry['tokens_agree']}", flush=True)
-        del model
+        entry = {"params": sum(p.numel() for p in model.parameters()), "unpatched": base,
+                 "reference_noise_diff_over_rms": noise}
+        del model  # each variant patches a fresh build (the same seed: the same weights)
         torch.cuda.empty_cache()
+        for variant in variants:
+            try:
+                fields = run_variant(torch, transformers, fusedmlp, name, variant, args, modes,
+                                     ids, ref_logits, base, base_tokens)
+            except Exception as e:  # recorded: the other variant's numbers still count
+                fields = {"error": f"{type(e).__name__}: {e}",
+                          "trace": traceback.format_exc(limit=6)[-1500:]}
+                print(f"  [{variant}] failed: {fields['error']}", flush=True)
+                torch.cuda.empty_cache()
+            if variant == "mlp":  # the fields of the MLP-only patch stay where they were
+                entry.update(fields)
+            else:
+                entry["patched_linears"] = fields
+                entry["speedup_linears"] = fields.get("speedup", {})
+        report["models"][name] = entry
     _write(args.json, report)
 
 

@@ -570,7 +570,9 @@ int main(int argc, char** argv) {
   const Shape all[] = {{"gpt2-small", 768, 3072, FMLP_ACT_GELU_TANH, false},
                        {"seed-4096", 4096, 4096, FMLP_ACT_GELU, false},
                        {"llama3-8b", 4096, 14336, FMLP_ACT_SILU, true},
-                       {"llama3-70b", 8192, 28672, FMLP_ACT_SILU, true}};
+                       {"llama3-70b", 8192, 28672, FMLP_ACT_SILU, true},
+                       // one rank's shard of llama3-70b at tensor parallelism 2 (issue #9)
+                       {"llama3-70b-tp2", 8192, 14336, FMLP_ACT_SILU, true}};
   std::vector<int64_t> ms;
   for (size_t p0 = 0; p0 < ms_arg.size();) {
     ms.push_back(std::atoll(ms_arg.c_str() + p0));
@@ -585,7 +587,8 @@ int main(int argc, char** argv) {
   std::printf("%-11s %3s %9s %9s %9s %7s %s\n", "shape", "M", "us", "floor_us", "GB/s", "%floor",
               "check");
   for (const Shape& sh : all) {
-    if (shapes_arg.find(sh.name) == std::string::npos) continue;
+    if (("," + shapes_arg + ",").find("," + std::string(sh.name) + ",") == std::string::npos)
+      continue;
     const int64_t rows1 = sh.gated ? 2 * sh.h : sh.h;
     const double wbytes = double(rows1 * sh.d + sh.d * sh.h) * double(esize(g_wt));
     const int copies = std::max(1, int(std::ceil(3.0 * prop.l2CacheSize / wbytes)));

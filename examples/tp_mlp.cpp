@@ -196,7 +196,7 @@ int main(int argc, char** argv) {
       for (uint16_t v : ref) ss += double(fmlp::bf16_to_float(v)) * fmlp::bf16_to_float(v);
       rms = std::sqrt(ss / double(n));
     }
-    double one_us = 0;
+    double one_us = 0, shard_us = 0;
     for (size_t mode = 0; mode < o.p2p.size(); ++mode) {
       // Every rank switches at the same point: (un)registering is collective.
       if (o.p2p[mode])
@@ -250,6 +250,18 @@ int main(int argc, char** argv) {
         CK(cudaGraphDestroy(g));
         one_us = graph_us_bracketed(one_exec, s, o.reps, full_copies);
       }
+      if (mode == 0) {  // this rank's shard alone: tp_us - shard_us is what the reduction costs
+        cudaGraphExec_t shard_exec;
+        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+        for (int i = 0; i < copies; ++i)
+          FK(fmlp_mlp_packed_run(ps[size_t(i)], &yv[size_t(i)], &xv[size_t(i)], nullptr, ws,
+                                 ws_bytes, s));
+        CK(cudaStreamEndCapture(s, &g));
+        CK(cudaGraphInstantiate(&shard_exec, g, 0));
+        CK(cudaGraphDestroy(g));
+        shard_us = graph_us_bracketed(shard_exec, s, o.reps, copies);
+        CK(cudaGraphExecDestroy(shard_exec));
+      }
       const double tp_us = graph_us_bracketed(tp_exec, s, o.reps, copies);
       CK(cudaGetLastError());
       if (root) {
@@ -258,21 +270,22 @@ int main(int argc, char** argv) {
         failures += !ok;
         std::printf(
             "M=%-5lld [%-4s] tp %9.2f us  single %9.2f us  tp/single %.3f  speedup %.2fx  "
-            "%.1f TFLOP/s  floor(shard bytes) %.2f us (%.1f%%)  check %s (max err %.2e of "
-            "|y|+rms, tol 2^-6)\n         all-reduce: %s\n",
+            "%.1f TFLOP/s  floor(shard bytes) %.2f us (%.1f%%)  shard alone %.2f us  check %s "
+            "(max err %.2e of |y|+rms, tol 2^-6)\n         all-reduce: %s\n",
             (long long)m, path, tp_us, one_us, tp_us / one_us, one_us / tp_us, flops / tp_us * 1e-6,
-            floor_us, 100 * floor_us / tp_us, ok ? "ok" : "FAIL", max_err, about.c_str());
+            floor_us, 100 * floor_us / tp_us, shard_us, ok ? "ok" : "FAIL", max_err, about.c_str());
         std::fflush(stdout);
         char row[1024];
         std::snprintf(row, sizeof row,
                       "%s{\"M\": %lld, \"allreduce\": \"%s\", \"allreduce_requested\": \"%s\", "
                       "\"allreduce_detail\": \"%s\", \"tp_us\": %.3f, \"single_us\": %.3f, "
                       "\"tp_over_single\": %.4f, \"speedup\": %.4f, \"tp_tflops\": %.2f, "
-                      "\"shard_floor_us\": %.3f, \"copies\": %d, \"check_ok\": %s, "
-                      "\"max_err\": %.3e}",
+                      "\"shard_floor_us\": %.3f, \"shard_us\": %.3f, \"copies\": %d, "
+                      "\"check_ok\": %s, \"max_err\": %.3e}",
                       rows.empty() ? "" : ", ", (long long)m, path, o.p2p[mode] ? "p2p" : "nccl",
                       about.c_str(), tp_us, one_us, tp_us / one_us, one_us / tp_us,
-                      flops / tp_us * 1e-6, floor_us, copies, ok ? "true" : "false", max_err);
+                      flops / tp_us * 1e-6, floor_us, shard_us, copies, ok ? "true" : "false",
+                      max_err);
         rows += row;
       }
       CK(cudaGraphExecDestroy(tp_exec));

@@ -649,9 +649,10 @@ def kernels(op="mlp"):
     return _ext.kernels(op)
 
 
-def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_group=None):
-    """Swaps the MLP blocks of a Hugging Face model for fused ones in place; see
-    fusedmlp.torch.patch (needs torch)."""
+def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_group=None,
+          linears=False):
+    """Swaps the MLP blocks (with linears=True also the attention projections and the LM head)
+    of a Hugging Face model for fused ones in place; see fusedmlp.torch.patch (needs torch)."""
     from .torch import patch as _patch
     return _patch(model, strict=strict, probe=probe, backend=backend, fuse_norm=fuse_norm,
-                  tp_group=tp_group)
+                  tp_group=tp_group, linears=linears)

@@ -13,6 +13,11 @@ With fuse_norm (default), the pre-MLP norm of decoder blocks whose wiring is kno
 `h + mlp(norm(h))` (GPT2Block's ln_2; post_attention_layernorm of Llama, Mistral, Qwen2, Qwen3
 decoder layers) moves into the fused op: the norm module becomes a passthrough and the fused MLP
 normalises its input itself, one launch fewer per layer (several for the eager RMSNorm).
+
+With linears=True, the projections of attention modules (c_attn/c_proj/q_attn of GPT-2,
+q/k/v/o_proj, query/key/value, dense, ...: _ATTENTION_PROJECTIONS under a module whose class
+name says Attention or Attn) and every `lm_head` also become FusedLinear modules
+(torch.ops.fusedmlp.linear, a GEMV at decode's few rows).
 """
 
 import dataclasses
@@ -20,7 +25,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from .torch import FusedMLP, FusedMoE, _activation, _describe, _linear_weight
+from .torch import (FusedLinear, FusedMLP, FusedMoE, _activation, _describe, _is_conv1d,
+                    _linear_weight)
 
 # Probe tolerance per dtype of the model's weights: an output element passes when
 # |fused - original| <= rtol * (|original| + rms(original row)). Both sides carry their own
@@ -46,17 +52,24 @@ class PatchError(RuntimeError):
 
 @dataclasses.dataclass
 class PatchReport:
-    """What patch() did: replaced module names (with what they became and, when probed, the
-    largest error relative to the tolerance: 1.0 = at the limit), skipped ones with reasons."""
+    """What patch() did: replaced MLP/MoE blocks (`replaced`) and, with linears=True, linears
+    (`linears`), each with what it became and, when probed, the largest error relative to the
+    tolerance (1.0 = at the limit); skipped ones with reasons."""
     replaced: list = dataclasses.field(default_factory=list)
     skipped: list = dataclasses.field(default_factory=list)  # (name, reason)
     details: dict = dataclasses.field(default_factory=dict)  # name -> description
     errors: dict = dataclasses.field(default_factory=dict)  # name -> error / tolerance
+    linears: list = dataclasses.field(default_factory=list)  # names now FusedLinear
 
     def __str__(self):
-        lines = [f"fusedmlp.patch: replaced {len(self.replaced)} MLP block(s), skipped "
+        heads = sum(n.rpartition(".")[2] == "lm_head" for n in self.linears)
+        lin = ""
+        if self.linears:
+            lin = (f", {len(self.linears) - heads} projection(s)"
+                   f"{' + lm_head' if heads else ''} by FusedLinear")
+        lines = [f"fusedmlp.patch: replaced {len(self.replaced)} MLP block(s){lin}, skipped "
                  f"{len(self.skipped)}"]
-        for name in self.replaced:
+        for name in self.replaced + self.linears:
             err = self.errors.get(name)
             probe = "" if err is None else f", probe error {err:.3g} of tolerance"
             lines.append(f"  replaced {name}: {self.details.get(name, '')}{probe}")
@@ -179,6 +192,7 @@ class _Plan:
     detail: str
     select: object = None  # callable(x) -> bool [rows]: the probe rows to compare
     probe_rows: int = 8  # rows of the default probe
+    linear: bool = False  # a FusedLinear (report.linears) rather than an MLP block
 
 
 def _bert_plan(name, layer, backend):
@@ -231,6 +245,49 @@ def _collect(module, prefix, backend, plans, report, skip=(), fuse_norm=True):
         _collect(child, name, backend, plans, report, fuse_norm=fuse_norm)
 
 
+# Linear children of attention modules that linears=True replaces, by attribute name: GPT-2
+# (Conv1D), Llama / Mistral / Qwen / Mixtral, Phi-3, BERT (query/key/value in the self-attention,
+# dense in its output), GPT-NeoX / Falcon, OPT / BART / CLIP.
+_ATTENTION_PROJECTIONS = frozenset({
+    "c_attn", "c_proj", "q_attn", "q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query",
+    "key", "value", "dense", "query_key_value", "out_proj"})
+
+
+def _is_attention(m):
+    """An attention module by class name; not blocks named after their attention
+    (ResidualAttentionBlock), and not nn.MultiheadAttention, whose forward reads out_proj's
+    weight without calling it."""
+    name = type(m).__name__.lower()
+    return (("attention" in name or "attn" in name) and not name.endswith(("block", "layer"))
+            and not isinstance(m, nn.MultiheadAttention))
+
+
+def _collect_linears(module, prefix, plans, report, taken, in_attention=False):
+    """Plans replacing the attention projections and lm_head under `module` by FusedLinear.
+    in_attention: module is an attention module or a direct child of one (BERT's
+    attention.output holds the output dense). Modules in `taken` (replaced by an MLP plan, or
+    skipped) are left alone, children included."""
+    for child_name, child in module.named_children():
+        name = f"{prefix}.{child_name}" if prefix else child_name
+        if id(child) in taken or isinstance(child, (FusedLinear, FusedMLP, FusedMoE)):
+            continue
+        if isinstance(child, nn.Linear) or _is_conv1d(child):
+            if child_name == "lm_head" or (in_attention and child_name in _ATTENTION_PROJECTIONS):
+                try:
+                    fused = FusedLinear.from_module(child).train(child.training)
+                except (NotImplementedError, ValueError) as e:
+                    report.skipped.append((name, str(e)))
+                    continue
+                plans.append(_Plan(name, module, {child_name: fused}, child, fused,
+                                   fused.in_features, fused.weight,
+                                   f"{type(child).__name__} -> FusedLinear "
+                                   f"({fused.extra_repr()})", linear=True))
+            continue
+        if not isinstance(child, nn.MultiheadAttention):
+            _collect_linears(child, name, plans, report, taken,
+                             _is_attention(child) or _is_attention(module))
+
+
 def _probe_input(probe, plan):
     w = plan.weight
     if isinstance(probe, torch.Tensor) and probe.shape[-1] == plan.d_in:
@@ -259,7 +316,8 @@ def _probe_error(plan, probe):
     return float(err.nan_to_num(nan=float("inf")).max()) if err.numel() else 0.0
 
 
-def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_group=None):
+def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_group=None,
+          linears=False):
     """Replaces the MLP blocks of `model` in place by FusedMLP modules (packed once for the
     weights' device) and returns a PatchReport (print it).
 
@@ -276,14 +334,32 @@ def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_gr
     tp_group: a torch.distributed NCCL process group: each rank replaces the MLP blocks by its
     tensor-parallel shard (fusedmlp.tp.TPFusedMLP, all-reduce over the group) and the sparse-MoE
     blocks by its range of the experts (fusedmlp.tp.TPFusedMoE, likewise); every rank must
-    call it on an identical model; strict, probe and fuse_norm do not apply. Inference only: call model.eval() (dropout before a fused residual add raises).
+    call it on an identical model; strict, probe and fuse_norm do not apply.
+    linears=True: also replaces, after the MLP work, the projections of attention modules (GPT-2
+    c_attn/c_proj as transposed copies of the Conv1D weights; nn.Linear q/k/v/o_proj,
+    query/key/value, attention output dense, ...) and every `lm_head` by fusedmlp.torch.FusedLinear
+    modules (torch.ops.fusedmlp.linear). An nn.Linear keeps its Parameters (a tied lm_head stays
+    tied, no memory is added); MoE routers, modules the MLP patch replaced or skipped and linears
+    the op cannot take (dtype, tensor subclass, nn.Linear subclass) are left alone, the latter
+    listed in report.skipped. Replaced names go to report.linears (report.replaced keeps the MLP
+    blocks); strict and probe check them like the blocks. Not with tp_group.
+    Inference only: call model.eval() (dropout before a fused residual add raises).
     """
     if tp_group is not None:  # tensor parallel: every rank keeps its shard (fusedmlp.tp)
+        if linears:
+            raise NotImplementedError("fusedmlp.patch(tp_group=..., linears=True): the attention "
+                                      "projections would need sharding with the attention "
+                                      "itself, which fusedmlp does not do; pass linears=False")
         from .tp import patch_tp
         return PatchReport(replaced=patch_tp(model, tp_group=tp_group, backend=backend))
     report = PatchReport()
     plans = []
     _collect(model, "", backend, plans, report, fuse_norm=fuse_norm)
+    if linears:
+        modules = dict(model.named_modules())
+        taken = {id(getattr(p.parent, a)) for p in plans for a in p.attrs}
+        taken |= {id(modules[n]) for n, _ in report.skipped if n in modules}
+        _collect_linears(model, "", plans, report, taken)
     check = strict or probe is not None
     accepted, failures = [], []
     for plan in plans:
@@ -305,6 +381,6 @@ def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_gr
     for plan in accepted:
         for attr, new in plan.attrs.items():
             setattr(plan.parent, attr, new)
-        report.replaced.append(plan.name)
+        (report.linears if plan.linear else report.replaced).append(plan.name)
         report.details[plan.name] = plan.detail
     return report

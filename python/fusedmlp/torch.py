@@ -13,8 +13,9 @@ workspaces are cached apart from the others': they carry its count of out-of-ran
 expert ids (moe_device_errors reads it).
 
 FusedMLP is an nn.Module that packs its weights once (again after .to()/.half()); FusedMoE runs
-a Mixtral-style sparse MoE block; patch() swaps the MLP and MoE blocks of Hugging Face models
-for them.
+a Mixtral-style sparse MoE block; FusedLinear stands in for an nn.Linear or a transformers Conv1D;
+patch() swaps the MLP and MoE blocks (and, with linears=True, the attention projections and the
+LM head) of Hugging Face models for them.
 """
 
 import contextlib
@@ -29,7 +30,7 @@ from . import (_ACTIVATIONS, _BACKENDS, _NORMS, _SCORINGS, _ext, _lookup, _routi
                _routing_weights, _workspace_bytes)
 
 __all__ = ["mlp", "moe", "linear", "softmax", "log_softmax", "moe_device_errors", "FusedMLP",
-           "FusedMoE", "patch", "PatchReport", "PatchError", "PROBE_RTOL"]
+           "FusedMoE", "FusedLinear", "patch", "PatchReport", "PatchError", "PROBE_RTOL"]
 
 _WORKSPACES = {}
 
@@ -386,6 +387,78 @@ class FusedMLP(nn.Module):
                 f"norm={self.norm}, packed for {self.w1.device}")
 
 
+_LINEAR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _is_conv1d(m):
+    """A transformers Conv1D (GPT-2's linears: weight [in, out]), told by name so that
+    transformers need not be imported."""
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf")
+
+
+class FusedLinear(nn.Module):
+    """y = x W^T + b through torch.ops.fusedmlp.linear (on CUDA a GEMV at few rows), in place of
+    an nn.Linear or a transformers Conv1D.
+
+    weight [out, in] and bias [out] are the module's own Parameters when it is an nn.Linear
+    (shared, not copied: weight tying and memory stay as they were); a Conv1D's weight [in, out]
+    is transposed once into a new contiguous Parameter. forward(x): x [..., in] -> [..., out] in
+    x's dtype, which must be the weight's (nn.Linear raises on a mismatch too; autocast does not
+    apply: the op runs in the weight's dtype). Inference only: no backward.
+    """
+
+    def __init__(self, weight, bias=None):
+        super().__init__()
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight)
+            raise ValueError(f"weight is {shape}; expected a 2-D tensor [out, in]")
+        for name, t in (("weight", weight), ("bias", bias)):
+            if t is None:
+                continue
+            if type(t) not in (torch.Tensor, nn.Parameter):
+                raise NotImplementedError(f"{name} is a {type(t).__name__} (a tensor subclass, "
+                                          "e.g. quantized or sharded); FusedLinear takes plain "
+                                          "tensors")
+            if t.dtype not in _LINEAR_DTYPES:
+                raise NotImplementedError(f"{name} has dtype {t.dtype}; FusedLinear takes "
+                                          "float32, float16 or bfloat16")
+            if t.device.type not in ("cpu", "cuda"):
+                raise NotImplementedError(f"{name} is on {t.device}; FusedLinear runs on cpu or "
+                                          "cuda tensors")
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected [{weight.shape[0]}]")
+        if weight.shape[1] > 1 and weight.stride(1) != 1:
+            raise NotImplementedError(f"weight has strides {weight.stride()}; the op reads rows "
+                                      "with contiguous elements (stride 1 along in)")
+        self.weight = weight if isinstance(weight, nn.Parameter) else _param(weight)
+        self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else _param(bias)
+        self.in_features, self.out_features = int(weight.shape[1]), int(weight.shape[0])
+
+    @classmethod
+    def from_module(cls, module):
+        """A FusedLinear computing what `module` (nn.Linear or transformers Conv1D) computes.
+        Raises NotImplementedError naming what does not fit (other modules, nn.Linear
+        subclasses with their own forward, e.g. quantized ones, dtypes the op does not take)."""
+        if isinstance(module, nn.Linear):
+            if type(module).forward is not nn.Linear.forward:
+                raise NotImplementedError(f"{type(module).__name__} subclasses nn.Linear with its "
+                                          "own forward; only plain nn.Linear is replaced")
+            return cls(module.weight, module.bias)
+        if _is_conv1d(module):
+            return cls(_param(module.weight.t().contiguous()), module.bias)
+        raise NotImplementedError(f"{type(module).__name__} is not an nn.Linear or a Conv1D")
+
+    def forward(self, x):
+        if x.dtype != self.weight.dtype:
+            raise RuntimeError(f"FusedLinear: x has dtype {x.dtype} but the weight "
+                               f"{self.weight.dtype}; cast x first (nn.Linear raises here too)")
+        return torch.ops.fusedmlp.linear(x, self.weight, self.bias, None)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+
 def _activation(act):
     """fusedmlp's name for an activation module or function, or NotImplementedError."""
     name = type(act).__name__
@@ -411,7 +484,7 @@ def _linear_weight(layer, name):
     """nn.Linear layout [out, in] of an nn.Linear or a transformers Conv1D ([in, out])."""
     if isinstance(layer, nn.Linear):
         return layer.weight, layer.bias
-    if type(layer).__name__ == "Conv1D":
+    if _is_conv1d(layer):
         return layer.weight.t().contiguous(), layer.bias
     raise NotImplementedError(f"{name} is a {type(layer).__name__}; expected nn.Linear or "
                               "Conv1D")

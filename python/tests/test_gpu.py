@@ -125,8 +125,9 @@ def test_compile_cuda_modes():
             torch.testing.assert_close(compiled(x), ref)
 
 
+@pytest.mark.parametrize("linears", [False, True], ids=["mlp", "mlp+linears"])
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_patch_bf16_models_on_cuda(arch):
+def test_patch_bf16_models_on_cuda(arch, linears):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if arch == "gpt2":
@@ -141,8 +142,9 @@ def test_patch_bf16_models_on_cuda(arch):
     ids = torch.randint(0, 512, (1, 9), device=DEV)
     with torch.no_grad():
         ref = model(ids).logits.float()
-    report = fusedmlp.patch(model, strict=True)
+    report = fusedmlp.patch(model, strict=True, linears=linears)
     assert len(report.replaced) == 2, str(report)
+    assert len(report.linears) == (0 if not linears else 5 if arch == "gpt2" else 9), str(report)
     with torch.no_grad():
         got = model(ids).logits.float()
     rms = ref.pow(2).mean(-1, keepdim=True).sqrt()
@@ -151,6 +153,28 @@ def test_patch_bf16_models_on_cuda(arch):
     static = {"cache_implementation": "static"} if arch == "llama" else {}
     out = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, **static)
     assert out.shape == (1, 17)
+
+
+@pytest.mark.parametrize("n,k", [(2304, 768), (50257, 768), (77, 45)])
+def test_fused_linear_cuda_graph(n, k):
+    """A FusedLinear at M = 1 (decode) captured in a CUDA graph, replayed on new inputs."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(k, n).to(DEV, torch.bfloat16)
+    fused = ft.FusedLinear.from_module(lin)
+    x = torch.randn(1, 1, k, device=DEV, dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.no_grad():
+        fused(x)  # warm-up outside the graph: the workspace is cached here
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        y = fused(x)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        ref = x.double() @ lin.weight.double().T + lin.bias.double()
+        assert_close(y, ref, rtol=RTOL_GPU[torch.bfloat16])
 
 
 def test_cupy_arrays():

@@ -3,8 +3,8 @@ is downloaded): GPT-2, Llama, BERT and Mixtral (sparse-MoE blocks -> FusedMoE).
 Skipped when torch or transformers is not installed.
 
 Whole-model tolerance: the patched model's output against the unpatched one, both fp32 on CPU,
-|a - b| <= 1e-3 * (|b| + rms(b row)); each block is also probed by patch(strict=True) at
-fusedmlp.torch.PROBE_RTOL."""
+|a - b| <= 1e-3 * (|b| + rms(b row)); each block (and with linears=True each replaced attention
+projection and lm_head) is also probed by patch(strict=True) at fusedmlp.torch.PROBE_RTOL."""
 
 import pytest
 
@@ -82,12 +82,14 @@ def test_patch_matches_unpatched(make, names, kind, norm, fuse_norm):
     assert fusedmlp.patch(model).replaced == []  # idempotent: nothing left to swap
 
 
-def test_patch_bf16_llama_generate():
+@pytest.mark.parametrize("linears", [False, True], ids=["mlp", "mlp+linears"])
+def test_patch_bf16_llama_generate(linears):
     torch.manual_seed(0)
     model = llama().to(torch.bfloat16).eval()
     x = ids(128, (1, 5))
     ref = output(model, x).float()
-    fusedmlp.patch(model, strict=True)
+    report = fusedmlp.patch(model, strict=True, linears=linears)
+    assert len(report.linears) == (9 if linears else 0), str(report)
     close(output(model, x).float(), ref, rtol=2.0**-4)
     out = model.generate(x, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 9)
@@ -172,13 +174,132 @@ def test_unknown_activation_is_skipped():
     assert "QuickGELUActivation" in report.skipped[0][1]
 
 
-def test_compile_patched_gpt2_fullgraph():
+@pytest.mark.parametrize("linears", [False, True], ids=["mlp", "mlp+linears"])
+def test_compile_patched_gpt2_fullgraph(linears):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = gpt2().eval()
     x = ids(128)
     ref = output(model, x)
-    fusedmlp.patch(model)
+    fusedmlp.patch(model, linears=linears)
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad():
         close(compiled(input_ids=x).logits, ref)
+
+
+def _gpt2_odd():  # Conv1D widths the vector paths do not divide: 63 -> 189, vocab 97
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=63, n_head=7, vocab_size=97, n_positions=32)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+_GPT2_ATTN = [f"transformer.h.{i}.attn.{p}" for i in range(2) for p in ("c_attn", "c_proj")]
+_LLAMA_ATTN = [f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"]
+_BERT_ATTN = [f"encoder.layer.{i}.attention.{p}" for i in range(2)
+              for p in ("self.query", "self.key", "self.value", "output.dense")]
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "plain"])
+@pytest.mark.parametrize("make,vocab,names,mlps", [
+    (gpt2, 128, _GPT2_ATTN + ["lm_head"], 2),
+    (_gpt2_odd, 97, _GPT2_ATTN + ["lm_head"], 2),
+    (llama, 128, _LLAMA_ATTN + ["lm_head"], 2),
+    (bert, 128, _BERT_ATTN, 2),
+], ids=["gpt2", "gpt2_odd", "llama", "bert"])
+def test_patch_linears_matches_unpatched(make, vocab, names, mlps, strict):
+    torch.manual_seed(0)
+    model = make().eval()
+    x = ids(vocab)
+    ref = output(model, x)
+    head = getattr(model, "lm_head", None)
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    params = sum(p.numel() for p in model.parameters())
+    report = fusedmlp.patch(model, strict=strict, linears=True)
+    assert len(report.replaced) == mlps and report.linears == names, str(report)
+    assert report.skipped == [] and "FusedLinear" in str(report)
+    assert all(0 <= report.errors[n] <= 1 for n in names) if strict else report.errors == {}
+    fused = {n for n, m in model.named_modules() if isinstance(m, ft.FusedLinear)}
+    assert fused == set(names)
+    if head is not None:  # the same Parameter: tying and memory as before
+        assert model.lm_head.weight is head.weight
+        assert tied == (model.lm_head.weight is model.get_input_embeddings().weight)
+    assert sum(p.numel() for p in model.parameters()) == params
+    close(output(model, x), ref)
+    again = fusedmlp.patch(model, linears=True)  # idempotent
+    assert again.replaced == [] and again.linears == []
+
+
+def test_gpt2_lm_head_stays_tied():
+    model = gpt2().eval()
+    wte = model.transformer.wte.weight
+    assert model.lm_head.weight is wte
+    fusedmlp.patch(model, linears=True)
+    assert isinstance(model.lm_head, ft.FusedLinear) and model.lm_head.weight is wte
+
+
+def test_linears_off_leaves_attention_alone():
+    for make in (gpt2, llama, bert):
+        model = make().eval()
+        report = fusedmlp.patch(model)
+        assert report.linears == [] and len(report.replaced) == 2
+        assert not any(isinstance(m, ft.FusedLinear) for m in model.modules())
+        assert "FusedLinear" not in str(report)
+
+
+def test_linears_leave_router_and_experts_alone():
+    model = mixtral()
+    report = fusedmlp.patch(model, linears=True)
+    assert report.replaced == ["model.layers.0.mlp", "model.layers.1.mlp"], str(report)
+    assert report.linears == _LLAMA_ATTN + ["lm_head"], str(report)
+
+
+def test_linears_unsupported_are_skipped_with_reason():
+    class Quantized(torch.nn.Linear):  # a subclass with its own forward, e.g. a quantized one
+        def forward(self, x):
+            return super().forward(x)
+
+    class TinyAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = torch.nn.Linear(8, 8)
+            self.k_proj = torch.nn.Linear(8, 8).double()
+            self.v_proj = Quantized(8, 8)
+            self.rotary = torch.nn.Linear(8, 8)  # not a projection name: left alone
+
+    model = torch.nn.Sequential(TinyAttention())
+    report = fusedmlp.patch(model, strict=True, linears=True)
+    assert report.linears == ["0.q_proj"], str(report)
+    reasons = dict(report.skipped)
+    assert "float64" in reasons["0.k_proj"] and "own forward" in reasons["0.v_proj"]
+    assert "0.rotary" not in reasons
+    assert type(model[0].k_proj) is torch.nn.Linear and type(model[0].v_proj) is Quantized
+    assert type(model[0].rotary) is torch.nn.Linear
+
+
+def test_linears_under_skipped_block_are_left_alone():
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
+                                  activation_function="quick_gelu")
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    report = fusedmlp.patch(model, linears=True)  # the block (its norm + MLP) is skipped
+    assert report.replaced == [] and report.skipped[0][0] == "transformer.h.0"
+    assert report.linears == ["lm_head"]
+    assert type(model.transformer.h[0].attn.c_attn).__name__ == "Conv1D"
+    report = fusedmlp.patch(model, fuse_norm=False, linears=True)  # now the MLP alone
+    assert report.replaced == [] and report.skipped[0][0] == "transformer.h.0.mlp"
+    assert report.linears == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj"]
+    assert type(model.transformer.h[0].mlp.c_proj).__name__ == "Conv1D"
+
+
+def test_linears_strict_refuses_and_leaves_model_unchanged(monkeypatch):
+    model = llama().eval()
+    before = [id(m) for m in model.modules()]
+    real = ft.FusedLinear.forward
+    monkeypatch.setattr(ft.FusedLinear, "forward", lambda self, x: real(self, x) * 1.01)
+    with pytest.raises(ft.PatchError, match="self_attn.q_proj") as info:
+        fusedmlp.patch(model, strict=True, linears=True)
+    assert [id(m) for m in model.modules()] == before
+    assert len(info.value.report.skipped) == len(_LLAMA_ATTN) + 1
+
+
+def test_linears_with_tp_group_raise():
+    with pytest.raises(NotImplementedError, match="linears"):
+        fusedmlp.patch(gpt2(), tp_group=object(), linears=True)

@@ -1,7 +1,9 @@
 """fusedmlp.torch on CPU tensors: the custom ops against float64 references and under
-torch.library.opcheck and torch.compile(fullgraph=True), and FusedMLP against the modules it
-replaces. Skipped when torch is not installed. Tolerance as in test_mlp.py (rtol per dtype on
-|ref| + rms of the row): f32 1e-4, bf16 2^-6."""
+torch.library.opcheck and torch.compile(fullgraph=True), and FusedMLP and FusedLinear against the
+modules they replace. Skipped when torch is not installed. Tolerance as in test_mlp.py (rtol per
+dtype on |ref| + rms of the row): f32 1e-4, bf16 2^-6."""
+
+import copy
 
 import pytest
 
@@ -166,7 +168,6 @@ def test_fused_mlp_residual_and_errors():
 
 
 def test_fused_mlp_copies_share_the_pack():
-    import copy
     import gc
     m = ft.FusedMLP(**weights(), activation="silu")
     twin = copy.deepcopy(m)
@@ -207,3 +208,74 @@ def test_zero_rows():
     assert ft.FusedMLP(**kw)(torch.randn(0, 32)).shape == (0, 32)
     assert ft.linear(torch.randn(0, 32), torch.randn(5, 32)).shape == (0, 5)
     assert ft.softmax(torch.randn(0, 7)).shape == (0, 7)
+
+
+class Conv1D(nn.Module):  # transformers' Conv1D (GPT-2): weight [in, out], y = x W + b
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) / nx**0.5)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(
+            *x.shape[:-1], self.nf)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.Linear(37, 53), lambda: nn.Linear(64, 17, bias=False), lambda: Conv1D(45, 29)],
+    ids=["linear", "linear_nobias", "conv1d"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_fused_linear_matches_module(make, dtype):
+    torch.manual_seed(0)
+    module = make().to(dtype).eval()
+    fused = ft.FusedLinear.from_module(module)
+    k = fused.in_features
+    if isinstance(module, nn.Linear):  # the same Parameters, not copies
+        assert fused.weight is module.weight and fused.bias is module.bias
+    else:
+        assert fused.weight.shape == (module.nf, k) and fused.weight.is_contiguous()
+        assert fused.bias is module.bias
+    assert "bias=" in repr(fused)
+    xs = [torch.randn(k), torch.randn(5, k), torch.randn(2, 3, k),
+          torch.randn(4, 2 * k)[:, ::2],  # inner dim strided: copied by the op
+          torch.randn(6, k + 8)[:, :k],  # rows strided, inner dim contiguous
+          torch.randn(k, 3).t(), torch.randn(0, k)]
+    exact = copy.deepcopy(module).double()
+    for x in xs:
+        x = x.to(dtype)
+        with torch.no_grad():
+            y = fused(x)
+            ref = exact(x.double())
+        assert y.dtype == dtype
+        assert_close(y, ref, rtol=RTOL[dtype] * 2)
+
+
+def test_fused_linear_refuses_what_linear_refuses():
+    fused = ft.FusedLinear.from_module(nn.Linear(16, 8))
+    with pytest.raises(RuntimeError, match="dtype"):  # nn.Linear raises too: no silent cast
+        fused(torch.randn(3, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="x"):
+        fused(torch.randn(3, 15))
+    with pytest.raises(NotImplementedError, match="float64"):
+        ft.FusedLinear.from_module(nn.Linear(16, 8).double())
+
+    class Quantized(nn.Linear):
+        def forward(self, x):
+            return super().forward(x)
+    with pytest.raises(NotImplementedError, match="own forward"):
+        ft.FusedLinear.from_module(Quantized(16, 8))
+    with pytest.raises(NotImplementedError, match="Conv2d"):
+        ft.FusedLinear.from_module(nn.Conv2d(3, 3, 1))
+
+
+def test_fused_linear_compile_fullgraph():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), Conv1D(24, 40)).eval()
+    fused = nn.Sequential(*(m if isinstance(m, nn.ReLU) else ft.FusedLinear.from_module(m)
+                            for m in module))
+    x = torch.randn(2, 3, 24)
+    with torch.no_grad():
+        compiled = torch.compile(fused, fullgraph=True)
+        assert_close(compiled(x), module(x).double())

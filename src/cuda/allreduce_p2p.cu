@@ -15,6 +15,12 @@
 // finished reading; so call n + 1's pushes (set (n + 1) & 1) can only overlap a peer still reading
 // call n (set n & 1): the two sets never collide, and no flag can run ahead by two (no ABA).
 //
+// Launch: with programmatic dependent launch (sm_90+, launch_ex) the kernel is resident before
+// the grid that writes y has drained, so the launch latency between the last mlp kernel and the
+// exchange is hidden; it waits for that grid before touching anything, then lets the next kernel
+// of the stream start (a weight stream then requests its first weights while this one waits for
+// the peers' flags).
+//
 // Blocks: the message splits into per-block chunks that depend only on n and the dtype (never on
 // a rank's pointer alignment), so block b of every rank covers the same elements and waits only
 // for block b of its peers. At most kP2pMaxBlocks (64) blocks, all resident on a Hopper GPU.
@@ -27,6 +33,7 @@
 #include "cuda/allreduce_p2p.hpp"
 #include "cuda/common.cuh"
 #include "cuda/launch_util.hpp"
+#include "cuda/ops.cuh"
 
 namespace fmlp::detail {
 namespace {
@@ -113,6 +120,8 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     allreduce_sm80_p2p_oneshot(const __grid_constant__ P2pPeers p, T* y, int64_t n, bool vec,
                                int64_t groups_per_block) {
+  fmlp::cuda::pdl_wait_previous_grid();
+  fmlp::cuda::pdl_allow_next_grid();
   const int b = int(blockIdx.x), tid = int(threadIdx.x);
   char* own = p.bufs[p.rank];
   volatile uint64_t* counters = reinterpret_cast<volatile uint64_t*>(own);
@@ -169,15 +178,20 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T>
 fmlp_status_t launch(const P2pPeers& p, void* y, int64_t n, cudaStream_t stream) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return fail(FMLP_ERROR_CUDA, "allreduce_sm80_p2p_oneshot: no current CUDA device");
+  }
   constexpr int64_t E = Group<T>::kElems;
   const int64_t groups = (n + E - 1) / E;
   const int64_t blocks = std::min<int64_t>(
       kP2pMaxBlocks, std::max<int64_t>(1, (groups * 16 + kChunkBytes - 1) / kChunkBytes));
   const int64_t per_block = (groups + blocks - 1) / blocks;
   const bool vec = reinterpret_cast<uintptr_t>(y) % 16 == 0;
-  allreduce_sm80_p2p_oneshot<T>
-      <<<unsigned(blocks), kThreads, 0, stream>>>(p, static_cast<T*>(y), n, vec, per_block);
-  return launch_status("allreduce_sm80_p2p_oneshot", fmt::format("{} blocks", blocks));
+  return launch_ex(allreduce_sm80_p2p_oneshot<T>, dim3(unsigned(blocks)), dim3(kThreads), 0,
+                   pdl_enabled(cuda_compute_capability(device)), stream,
+                   "allreduce_sm80_p2p_oneshot", p, static_cast<T*>(y), n, vec, per_block);
 }
 
 }  // namespace
