@@ -18,7 +18,7 @@ TEST(CudaGraph, CaptureThenReplayOnNewInputsMatchesReference) {
 #ifndef FMLP_TEST_WITH_CUDA
   GTEST_SKIP() << device_unavailable_reason();
 #else
-  std::vector<MlpCase> cases(3);
+  std::vector<MlpCase> cases(5);
   cases[0].m = 16, cases[0].d_in = cases[0].d_out = 256, cases[0].hidden = 1024;
   cases[0].b1 = cases[0].b2 = FMLP_DTYPE_F32;
   cases[1].m = 5, cases[1].d_in = cases[1].d_out = 768, cases[1].hidden = 3072;
@@ -28,6 +28,15 @@ TEST(CudaGraph, CaptureThenReplayOnNewInputsMatchesReference) {
   cases[2].m = 100, cases[2].d_in = cases[2].d_out = 127, cases[2].hidden = 769;
   cases[2].gate = Gate::kSeparate, cases[2].x_dtype = cases[2].w_dtype = FMLP_DTYPE_F16;
   cases[2].misaligned = cases[2].strided = true, cases[2].residual = Residual::kSeparate;
+  // Few tokens: the weight streams, two launches with programmatic dependent launch, captured
+  // like any other launch.
+  cases[3].m = 1, cases[3].d_in = cases[3].d_out = 1024, cases[3].hidden = 2816;
+  cases[3].gate = Gate::kStacked, cases[3].act = FMLP_ACT_SILU, cases[3].b2 = FMLP_DTYPE_BF16;
+  cases[3].x_dtype = cases[3].w_dtype = FMLP_DTYPE_BF16, cases[3].residual = Residual::kSeparate;
+  cases[4].m = 3, cases[4].d_in = cases[4].d_out = 768, cases[4].hidden = 3072;
+  cases[4].act = FMLP_ACT_GELU_TANH, cases[4].b1 = cases[4].b2 = FMLP_DTYPE_F16;
+  cases[4].x_dtype = cases[4].w_dtype = FMLP_DTYPE_F16, cases[4].norm = FMLP_NORM_LAYERNORM;
+  cases[4].gamma = FMLP_DTYPE_F16;
   int ran = 0;
   for (const MlpCase& c : cases) {
     PlacedCase p(c, /*device=*/true);

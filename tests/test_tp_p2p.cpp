@@ -1,4 +1,4 @@
-// The one-shot p2p all-reduce of the tensor-parallel ops (fmlp_tp_all_reduce, fmlp_tp_p2p_*):
+// The one-shot LL p2p all-reduce of the tensor-parallel ops (fmlp_tp_all_reduce, fmlp_tp_p2p_*):
 // bad input on any machine; on >= 2 GPUs with NCCL, its sums against NCCL's and the host's,
 // fallbacks, the environment switch, back-to-back calls, graph replay and per-rank setup.
 #include <gtest/gtest.h>
@@ -63,7 +63,7 @@ TEST(TpBadInput, P2pAndAllReduce) {
 
 #ifdef FMLP_TEST_WITH_CUDA
 
-// ---- devices: the one-shot p2p all-reduce (fmlp_tp_all_reduce, fmlp_tp_p2p_*) ----
+// ---- devices: the one-shot LL p2p all-reduce (fmlp_tp_all_reduce, fmlp_tp_p2p_*) ----
 
 std::vector<unsigned char> encode(const std::vector<float>& v, fmlp_dtype_t t) {
   const size_t es = fmlp::dtype_size(t);
@@ -350,6 +350,62 @@ TEST_F(TpP2p, CapturedGraphReplaysAdvanceTheEpoch) {
   for (size_t b = 0; b < ys.size(); ++b) {
     SCOPED_TRACE("n " + std::to_string(sizes[b]));
     expect_bitwise(ys[b], want[b]);
+  }
+}
+
+// LL lines: every call's lines must be told from those of any earlier call of the same slot set,
+// whatever its size and dtype. Five calls per replay, so a buffer's call alternates between the
+// two sets from one replay to the next; sizes shrink and grow (the largest leaves lines that the
+// smaller ones never rewrite), units end mid-line (f32 n odd, f16 and bf16 n not a multiple of 4)
+// and y is 8-byte aligned on one rank, not on the other.
+TEST_F(TpP2p, GraphOfMixedDtypesAndOddSizesReusesBothSets) {
+  struct Call {
+    fmlp_dtype_t t;
+    int64_t n;
+    int64_t offset[kRanks];
+  };
+  const Call calls[] = {{FMLP_DTYPE_F32, int64_t(max_elems(FMLP_DTYPE_F32)) - 1, {1, 0}},
+                        {FMLP_DTYPE_BF16, 8191, {0, 3}},
+                        {FMLP_DTYPE_F32, 7, {0, 1}},
+                        {FMLP_DTYPE_F16, 4099, {2, 1}},
+                        {FMLP_DTYPE_BF16, 1, {0, 0}}};
+  constexpr int kReplays = 24;
+  std::vector<Ranked> ys(std::size(calls));
+  std::vector<std::vector<float>> want(std::size(calls));
+  for (size_t c = 0; c < std::size(calls); ++c) {
+    const fmlp_dtype_t t = calls[c].t;
+    std::vector<float> vals[kRanks];
+    for (int r = 0; r < kRanks; ++r) {
+      vals[r] = random_values(t, calls[c].n, 3000 + c * 2 + uint64_t(r));
+      // 2^(kReplays + 1) * 2^-12 stays below f16's 65504; re-rounded where f16 goes subnormal.
+      for (float& v : vals[r]) v = round_to(std::ldexp(v, -12), t);
+    }
+    make(&ys[c], t, vals, calls[c].offset);
+    want[c] = rank_order_sum(vals, t);
+    for (float& v : want[c]) v = std::ldexp(v, kReplays - 1);
+  }
+  cudaGraphExec_t exec[kRanks] = {};
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+    cudaGraph_t g;
+    ASSERT_EQ(cudaStreamBeginCapture(streams_[r], cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    for (Ranked& y : ys)
+      EXPECT_EQ(fmlp_tp_all_reduce(&y.t[r], comms_[r], r, kRanks, streams_[r]), FMLP_SUCCESS)
+          << fmlp_last_error();
+    ASSERT_EQ(cudaStreamEndCapture(streams_[r], &g), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec[r], g, 0), cudaSuccess);
+    ASSERT_EQ(cudaGraphDestroy(g), cudaSuccess);
+  }
+  for (int i = 0; i < kReplays; ++i)
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+      ASSERT_EQ(cudaGraphLaunch(exec[r], streams_[r]), cudaSuccess);
+    }
+  sync();
+  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(cudaGraphExecDestroy(exec[r]), cudaSuccess);
+  for (size_t c = 0; c < ys.size(); ++c) {
+    SCOPED_TRACE(std::string(fmlp_dtype_name(calls[c].t)) + " n " + std::to_string(calls[c].n));
+    expect_bitwise(ys[c], want[c]);
   }
 }
 

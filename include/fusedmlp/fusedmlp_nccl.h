@@ -99,10 +99,10 @@ FMLP_API fmlp_status_t fmlp_tp_group_end(void);
 /* ---- one-shot all-reduce over peer memory (decode-sized messages) ----
  * With a p2p registration, fmlp_tp_mlp / fmlp_tp_mlp_packed (FMLP_TP_ALL_REDUCE) and
  * fmlp_tp_all_reduce sum messages of up to max_bytes with one kernel instead of ncclAllReduce:
- * each rank stores its partial into every peer's buffer over NVLink, raises a flag per peer, waits
- * for the peers' flags and sums the partials in fp32 in rank order, so every rank gets bitwise the
- * same y (within one rounding of NCCL's sum, whose order is its own). About one
- * NVLink round trip (a few us) against NCCL's ~10-15 us for a 16 KB message. Larger messages and
+ * each rank stores its partial into every peer's buffer over NVLink as LL lines (data and flag in
+ * each 16-byte store), waits for its peers' lines and sums the partials in fp32 in rank order, so
+ * every rank gets bitwise the same y (within one rounding of NCCL's sum, whose order is its own).
+ * About one one-way NVLink trip (a few us) against NCCL's ~10-15 us for 16 KB. Larger messages and
  * FMLP_TP_REDUCE_SCATTER use NCCL. Asynchronous, no host synchronisation, capturable in a CUDA
  * graph (state lives on the device, so replays advance it); the ranks must make the same sequence
  * of calls (as with any collective), keep a communicator's calls in one stream order, and run
@@ -118,7 +118,7 @@ FMLP_API fmlp_status_t fmlp_tp_group_end(void);
 #define FMLP_TP_P2P_DEFAULT_MAX_BYTES ((size_t)1 << 20)
 
 /* Registers comm (rank `rank` of `size`, on its CUDA device) for messages up to max_bytes
- * (1 .. 64 MiB; the buffer is 2 x size x max_bytes). Collective: every rank calls it, each from its
+ * (1 .. 64 MiB; the buffer is 4 x size x max_bytes). Collective: every rank calls it, each from its
  * own thread or process (a thread driving several ranks uses fmlp_tp_p2p_init_all). Replaces an
  * earlier registration of comm. Synchronises; not while capturing. Returns FMLP_SUCCESS also when
  * the path stays off (ranks on several hosts, no peer access, FMLP_TP_P2P=0, one rank, more than

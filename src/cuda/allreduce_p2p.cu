@@ -1,29 +1,39 @@
-// allreduce_sm80_p2p_oneshot: every rank pushes its partial into each peer's buffer over NVLink
-// (16-byte stores through the peer mappings), raises one flag per peer, waits for every peer's
-// flag and sums the P partials locally. One round trip instead of NCCL's 2(P-1) ring steps, which
-// is what a latency-bound decode all-reduce (16 KB) pays for.
+// allreduce_sm80_p2p_ll: every rank pushes its partial into each peer's buffer over NVLink as LL
+// ("low latency") lines and sums the P partials locally once its peers' lines are there. One
+// one-way NVLink trip on the critical path, where NCCL's ring pays 2(P-1) steps: what a
+// latency-bound decode all-reduce (16 KB) is made of.
 //
-// Ordering: the pushes are made visible system-wide (fence.sc.sys per thread, then the block
-// barrier) before the flag is stored with release semantics at system scope; the reader polls
-// with acquire at system scope and reads the partials past L1 (ld.cg), so neither a stale line
-// nor a reordered load can show it an older call's data.
+// LL lines: each 16-byte line carries 8 bytes of the message as two 64-bit halves
+// {data word | flag << 32}, written with one st.relaxed.sys.global.v2.u64 and polled with
+// ld.relaxed.sys.global.v2.u64 until both halves carry this call's flag. PTX models a vector
+// access as one access per element, each 64-bit element single-copy atomic: a half that shows the
+// flag shows its own data word with it, whatever order the halves arrive in. So there is no fence
+// and no separate flag (which cost a system fence, i.e. an NVLink round trip, plus a second
+// one-way trip for the flag); the price is twice the bytes on the link, nothing at decode sizes.
 //
 // Epochs and reuse: epoch n of a call is kept on the device (graph replay advances it), the same
-// on every rank because every rank makes the same sequence of calls. Flags only grow, so a flag
-// >= n means "call n's partial is here". A rank can start pushing call n + 1 only after its call n
-// completed, which needed every peer's call-n flag, which each peer raised after its call n - 1
-// finished reading; so call n + 1's pushes (set (n + 1) & 1) can only overlap a peer still reading
-// call n (set n & 1): the two sets never collide, and no flag can run ahead by two (no ABA).
+// on every rank because every rank makes the same sequence of calls; the flag is derived from it
+// (never 0). A rank can start pushing call n + 1 only after its call n completed, which needed
+// every peer's call-n lines, which each peer pushed after its call n - 1 finished reading; so
+// call n + 1's lines (set (n + 1) & 1) can only overlap a peer still reading call n (set n & 1):
+// the two sets never collide. The reader zeroes each line once it has taken it (a local store,
+// issued while it still waits for others), so when call n polls a line it holds zeros or call n's
+// line: never an older call's, whichever sizes earlier calls had and however far the 32-bit flag
+// has wrapped. flag == this call's flag is the test.
 //
 // Launch: with programmatic dependent launch (sm_90+, launch_ex) the kernel is resident before
 // the grid that writes y has drained, so the launch latency between the last mlp kernel and the
 // exchange is hidden; it waits for that grid before touching anything, then lets the next kernel
 // of the stream start (a weight stream then requests its first weights while this one waits for
-// the peers' flags).
+// the peers' lines).
 //
-// Blocks: the message splits into per-block chunks that depend only on n and the dtype (never on
-// a rank's pointer alignment), so block b of every rank covers the same elements and waits only
-// for block b of its peers. At most kP2pMaxBlocks (64) blocks, all resident on a Hopper GPU.
+// Blocks: the message splits into per-block chunks of lines that depend only on n and the dtype
+// (never on a rank's pointer alignment), so block b of every rank covers the same lines and waits
+// only for block b of its peers. One line per thread while that needs at most kP2pMaxBlocks (64)
+// blocks: a decode y of 16 KB (2048 lines) takes 4 blocks of 512 threads, so its 32 KB of pushes
+// and its polling leave from 4 SMs at once (one SM's store and L2 bandwidth would add ~0.3 us)
+// and every thread waits for a single line per peer. Larger messages keep 64 blocks and give
+// each thread up to kLinesPerThread lines per batch, their loads in flight together.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -39,140 +49,191 @@ namespace fmlp::detail {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int64_t kChunkBytes = 16 * 1024;  // per block: one block for a decode-sized y
+constexpr int kLinesPerThread = 4;
+constexpr int64_t kBatchLines = int64_t(kThreads) * kLinesPerThread;
 
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
+struct Line {
+  uint64_t lo, hi;
+};
+
+__device__ __forceinline__ void st_line(char* p, uint64_t lo, uint64_t hi) {
+  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(lo), "l"(hi)
+               : "memory");
 }
 
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+__device__ __forceinline__ Line ld_line(const char* p) {
+  Line l;
+  asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];"
+               : "=l"(l.lo), "=l"(l.hi)
+               : "l"(p)
+               : "memory");
+  return l;
 }
 
-// Bounded back-off: tight polling first (a peer usually arrives within a microsecond), then
-// sleeps growing to 1 us so a long wait (a peer still in its previous kernel) leaves the SM's
-// issue slots to others.
-__device__ __forceinline__ void wait_flag(const uint64_t* p, uint64_t epoch) {
-  unsigned sleep_ns = 0;
-  for (int spins = 0; ld_acquire_sys(p) < epoch; ++spins) {
-    if (spins < 256) continue;
-    sleep_ns = sleep_ns == 0 ? 32 : min(sleep_ns * 2, 1024u);
-    __nanosleep(sleep_ns);
-  }
+__device__ __forceinline__ uint64_t with_flag(uint32_t data, uint32_t flag) {
+  return uint64_t(data) | uint64_t(flag) << 32;
+}
+
+__device__ __forceinline__ bool carries(const Line& l, uint32_t flag) {
+  return uint32_t(l.lo >> 32) == flag && uint32_t(l.hi >> 32) == flag;
 }
 
 using fmlp::cuda::from_f;
 using fmlp::cuda::to_f;
 
-// 16 bytes of elements; the part of the last group past n is zero (pushed, never stored back).
+// The 8 bytes of elements one line carries; the part of the last unit past n is zero (pushed,
+// never stored back).
 template <typename T>
-union Group {
-  static constexpr int kElems = 16 / int(sizeof(T));
-  uint4 raw;
+union Unit {
+  static constexpr int kElems = 8 / int(sizeof(T));
+  uint2 raw;
   T e[kElems];
 };
 
 template <typename T>
-__device__ __forceinline__ Group<T> load_group(const T* y, int64_t g, int64_t n, bool vec) {
-  constexpr int E = Group<T>::kElems;
-  Group<T> v;
-  const int64_t first = g * E;
+__device__ __forceinline__ Unit<T> load_unit(const T* y, int64_t u, int64_t n, bool vec) {
+  constexpr int E = Unit<T>::kElems;
+  Unit<T> v;
+  const int64_t first = u * E;
   if (vec && first + E <= n) {
-    v.raw = *reinterpret_cast<const uint4*>(y + first);
+    v.raw = *reinterpret_cast<const uint2*>(y + first);
     return v;
   }
-  v.raw = make_uint4(0, 0, 0, 0);
+  v.raw = make_uint2(0, 0);
   for (int i = 0; i < E; ++i)
     if (first + i < n) v.e[i] = y[first + i];
   return v;
 }
 
 template <typename T>
-__device__ __forceinline__ void store_group(T* y, int64_t g, int64_t n, bool vec,
-                                            const Group<T>& v) {
-  constexpr int E = Group<T>::kElems;
-  const int64_t first = g * E;
+__device__ __forceinline__ void store_unit(T* y, int64_t u, int64_t n, bool vec, const Unit<T>& v) {
+  constexpr int E = Unit<T>::kElems;
+  const int64_t first = u * E;
   if (vec && first + E <= n) {
-    *reinterpret_cast<uint4*>(y + first) = v.raw;
+    *reinterpret_cast<uint2*>(y + first) = v.raw;
     return;
   }
   for (int i = 0; i < E; ++i)
     if (first + i < n) y[first + i] = v.e[i];
 }
 
-__device__ __forceinline__ uint64_t* flag_at(char* buf, int set, int source, int block) {
-  return reinterpret_cast<uint64_t*>(buf + kP2pFlagsOffset) +
-         (size_t(set) * kP2pMaxRanks + size_t(source)) * kP2pMaxBlocks + size_t(block);
+// Takes this thread's lines of one source slot (line first + k * kThreads, below end) once they
+// carry `flag`, then zeroes them for the next call of this set. Bounded back-off: tight polling
+// first (a peer usually arrives within a microsecond), then sleeps growing to 1 us so a long wait
+// (a peer still in its previous kernel) leaves the SM's issue slots to others.
+template <typename T>
+__device__ __forceinline__ void take_lines(char* slot, int64_t first, int64_t end, uint32_t flag,
+                                           Unit<T> (&v)[kLinesPerThread]) {
+  bool pending[kLinesPerThread];
+#pragma unroll
+  for (int k = 0; k < kLinesPerThread; ++k) {
+    pending[k] = first + int64_t(k) * kThreads < end;
+    v[k].raw = make_uint2(0, 0);
+  }
+  unsigned sleep_ns = 0;
+  for (int spins = 0;; ++spins) {
+    bool waiting = false;
+#pragma unroll
+    for (int k = 0; k < kLinesPerThread; ++k) {
+      if (!pending[k]) continue;
+      char* line = slot + (first + int64_t(k) * kThreads) * int64_t(kP2pLineBytes);
+      const Line l = ld_line(line);
+      if (carries(l, flag)) {
+        v[k].raw = make_uint2(uint32_t(l.lo), uint32_t(l.hi));
+        pending[k] = false;
+        st_line(line, 0, 0);
+      } else {
+        waiting = true;
+      }
+    }
+    if (!waiting) return;
+    if (spins < 256) continue;
+    sleep_ns = sleep_ns == 0 ? 32 : min(sleep_ns * 2, 1024u);
+    __nanosleep(sleep_ns);
+  }
 }
 
-__device__ __forceinline__ uint4* group_at(const P2pPeers& p, char* buf, int set, int source,
-                                           int64_t g) {
-  return reinterpret_cast<uint4*>(buf + kP2pDataOffset +
-                                  (size_t(set) * size_t(p.size) + size_t(source)) * p.slot_bytes) +
-         g;
-}
-
-// y: n elements; vec: y is 16-byte aligned (a rank-local choice: it only changes how this rank
-// touches its own y, never the chunking). groups_per_block: ceil(groups / gridDim.x).
+// y: n elements; vec: y is 8-byte aligned (a rank-local choice: it only changes how this rank
+// touches its own y, never the chunking). lines_per_block: ceil(lines / gridDim.x).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    allreduce_sm80_p2p_oneshot(const __grid_constant__ P2pPeers p, T* y, int64_t n, bool vec,
-                               int64_t groups_per_block) {
+    allreduce_sm80_p2p_ll(const __grid_constant__ P2pPeers p, T* y, int64_t n, bool vec,
+                          int64_t lines_per_block) {
+  constexpr int E = Unit<T>::kElems;
   fmlp::cuda::pdl_wait_previous_grid();
   fmlp::cuda::pdl_allow_next_grid();
   const int b = int(blockIdx.x), tid = int(threadIdx.x);
   char* own = p.bufs[p.rank];
   volatile uint64_t* counters = reinterpret_cast<volatile uint64_t*>(own);
-  __shared__ uint64_t epoch_s;
-  if (tid == 0) {
-    const uint64_t e = counters[b] + 1;
-    counters[b] = e;
-    // Block slots this launch leaves idle advance too, so every slot holds the call count.
-    if (b == 0)
-      for (int i = int(gridDim.x); i < kP2pMaxBlocks; ++i) counters[i] = e;
-    epoch_s = e;
-  }
-  __syncthreads();
-  const uint64_t epoch = epoch_s;
-  const int set = int(epoch & 1);
-  const int64_t groups = (n + Group<T>::kElems - 1) / Group<T>::kElems;
-  const int64_t g0 = int64_t(b) * groups_per_block;
-  const int64_t g1 = min(groups, g0 + groups_per_block);
+  // Every thread reads the count itself, while its first units of y load; the block barrier of
+  // the first batch orders all these reads before thread 0 advances it.
+  const uint64_t epoch = counters[b] + 1;
+  const uint32_t flag = uint32_t(epoch % 0xffffffffu) + 1u;  // never 0: zeroed lines never match
+  const size_t set_offset = kP2pDataOffset + size_t(epoch & 1) * size_t(p.size) * p.slot_bytes;
+  const int64_t lines = (n + E - 1) / E;
+  const int64_t l0 = int64_t(b) * lines_per_block;
+  const int64_t l1 = min(lines, l0 + lines_per_block);
 
-  for (int64_t g = g0 + tid; g < g1; g += kThreads) {
-    const Group<T> v = load_group(y, g, n, vec);
-    for (int q = 0; q < p.size; ++q)
-      if (q != p.rank) *group_at(p, p.bufs[q], set, p.rank, g) = v.raw;
-  }
-  __threadfence_system();
-  __syncthreads();
-  if (tid < p.size && tid != p.rank) {
-    st_release_sys(flag_at(p.bufs[tid], set, p.rank, b), epoch);
-    wait_flag(flag_at(own, set, tid, b), epoch);
-  }
-  __syncthreads();
+  // The same number of batches in every block and thread (the barrier is in the first).
+  for (int64_t base = l0; base < l0 + lines_per_block; base += kBatchLines) {
+    const int64_t first = base + tid;
+    Unit<T> mine[kLinesPerThread];
+#pragma unroll
+    for (int k = 0; k < kLinesPerThread; ++k) {
+      mine[k].raw = make_uint2(0, 0);
+      if (first + int64_t(k) * kThreads < l1)
+        mine[k] = load_unit(y, first + int64_t(k) * kThreads, n, vec);
+    }
+    if (base == l0) {
+      __syncthreads();
+      if (tid == 0) {
+        counters[b] = epoch;
+        // Block slots this launch leaves idle advance too, so every slot holds the call count.
+        if (b == 0)
+          for (int i = int(gridDim.x); i < kP2pMaxBlocks; ++i) counters[i] = epoch;
+      }
+    }
+    // Rank r pushes to r + 1 first, so the ranks do not all queue on rank 0's links at once.
+    for (int i = 1; i < p.size; ++i) {
+      const int q = (p.rank + i) % p.size;
+      char* slot = p.bufs[q] + set_offset + size_t(p.rank) * p.slot_bytes;
+#pragma unroll
+      for (int k = 0; k < kLinesPerThread; ++k) {
+        const int64_t line = first + int64_t(k) * kThreads;
+        if (line < l1)
+          st_line(slot + line * int64_t(kP2pLineBytes), with_flag(mine[k].raw.x, flag),
+                  with_flag(mine[k].raw.y, flag));
+      }
+    }
 
-  for (int64_t g = g0 + tid; g < g1; g += kThreads) {
-    // Unrolled over the rank bound so that the P loads issue together and acc stays in registers.
-    float acc[Group<T>::kElems];
+    float acc[kLinesPerThread][E];
+    // Unrolled over the rank bound so that acc stays in registers; waits in rank order, which
+    // costs nothing: the sum needs every peer's lines anyway.
 #pragma unroll
     for (int q = 0; q < kP2pMaxRanks; ++q) {
       if (q >= p.size) break;
-      Group<T> v;
-      if (q == p.rank)
-        v = load_group(y, g, n, vec);
-      else
-        v.raw = __ldcg(group_at(p, own, set, q, g));
+      Unit<T> v[kLinesPerThread];
+      if (q == p.rank) {
 #pragma unroll
-      for (int i = 0; i < Group<T>::kElems; ++i)  // from the first partial on: -0 + -0 stays -0
-        acc[i] = q == 0 ? to_f(v.e[i]) : acc[i] + to_f(v.e[i]);
+        for (int k = 0; k < kLinesPerThread; ++k) v[k] = mine[k];
+      } else {
+        take_lines(own + set_offset + size_t(q) * p.slot_bytes, first, l1, flag, v);
+      }
+#pragma unroll
+      for (int k = 0; k < kLinesPerThread; ++k)
+#pragma unroll
+        for (int i = 0; i < E; ++i)  // from the first partial on: -0 + -0 stays -0
+          acc[k][i] = q == 0 ? to_f(v[k].e[i]) : acc[k][i] + to_f(v[k].e[i]);
     }
-    Group<T> out;
 #pragma unroll
-    for (int i = 0; i < Group<T>::kElems; ++i) out.e[i] = from_f<T>(acc[i]);
-    store_group(y, g, n, vec, out);
+    for (int k = 0; k < kLinesPerThread; ++k) {
+      const int64_t line = first + int64_t(k) * kThreads;
+      if (line >= l1) continue;
+      Unit<T> out;
+#pragma unroll
+      for (int i = 0; i < E; ++i) out.e[i] = from_f<T>(acc[k][i]);
+      store_unit(y, line, n, vec, out);
+    }
   }
 }
 
@@ -181,17 +242,17 @@ fmlp_status_t launch(const P2pPeers& p, void* y, int64_t n, cudaStream_t stream)
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();
-    return fail(FMLP_ERROR_CUDA, "allreduce_sm80_p2p_oneshot: no current CUDA device");
+    return fail(FMLP_ERROR_CUDA, "allreduce_sm80_p2p_ll: no current CUDA device");
   }
-  constexpr int64_t E = Group<T>::kElems;
-  const int64_t groups = (n + E - 1) / E;
-  const int64_t blocks = std::min<int64_t>(
-      kP2pMaxBlocks, std::max<int64_t>(1, (groups * 16 + kChunkBytes - 1) / kChunkBytes));
-  const int64_t per_block = (groups + blocks - 1) / blocks;
-  const bool vec = reinterpret_cast<uintptr_t>(y) % 16 == 0;
-  return launch_ex(allreduce_sm80_p2p_oneshot<T>, dim3(unsigned(blocks)), dim3(kThreads), 0,
-                   pdl_enabled(cuda_compute_capability(device)), stream,
-                   "allreduce_sm80_p2p_oneshot", p, static_cast<T*>(y), n, vec, per_block);
+  constexpr int64_t E = Unit<T>::kElems;
+  const int64_t lines = (n + E - 1) / E;
+  const int64_t blocks =
+      std::min<int64_t>(kP2pMaxBlocks, std::max<int64_t>(1, (lines + kThreads - 1) / kThreads));
+  const int64_t per_block = (lines + blocks - 1) / blocks;
+  const bool vec = reinterpret_cast<uintptr_t>(y) % 8 == 0;
+  return launch_ex(allreduce_sm80_p2p_ll<T>, dim3(unsigned(blocks)), dim3(kThreads), 0,
+                   pdl_enabled(cuda_compute_capability(device)), stream, "allreduce_sm80_p2p_ll", p,
+                   static_cast<T*>(y), n, vec, per_block);
 }
 
 }  // namespace

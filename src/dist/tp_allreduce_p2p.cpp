@@ -1,4 +1,5 @@
-// The one-shot all-reduce's setup and registry (kernel: src/cuda/allreduce_p2p.cu).
+// The one-shot LL all-reduce's setup and registry (kernel allreduce_sm80_p2p_ll:
+// src/cuda/allreduce_p2p.cu).
 //
 // A registration belongs to one communicator and holds this rank's peer-mapped buffer plus the
 // peers' buffers as mapped here. Setup is collective and agreed: every rank gathers every rank's
@@ -45,6 +46,8 @@ namespace fmlp::detail {
 #if FMLP_WITH_NCCL
 namespace {
 
+// In message bytes, as max_bytes everywhere: the buffer holds 2 sets x size slots of twice that
+// (LL lines carry 8 bytes in 16), 2 GiB per GPU at 8 ranks and this bound.
 constexpr size_t kMaxCapacity = size_t(64) << 20;
 
 enum Mode : int32_t { kAuto = 0, kOff = 1, kForce = 2 };
@@ -245,7 +248,8 @@ void close_opened(const std::vector<void*>& opened) {
 
 std::string describe_on(int size, size_t max_bytes, const char* how) {
   return fmt::format(
-      "one-shot p2p all-reduce over peer memory ({} ranks, {}) up to {} bytes, ncclAllReduce above",
+      "one-shot LL all-reduce over peer memory (allreduce_sm80_p2p_ll, {} ranks, {}) up to {} "
+      "bytes, ncclAllReduce above",
       size, how, max_bytes);
 }
 
@@ -263,8 +267,9 @@ fmlp_status_t setup_rank(const Exchange& x, int device, size_t max_bytes, Mode m
   if (mode != kOff) {
     const size_t bytes = p2p_buffer_bytes(x.size, max_bytes);
     cudaError_t e = cudaMalloc(&r->own, bytes);
-    // Zeroed on the exchange's stream: done before this rank's gather completes, so before any
-    // peer can push (after the second exchange).
+    // Zeroed (the LL lines' flags start at 0, which no call's flag is) on the exchange's stream:
+    // done before this rank's gather completes, so before any peer can push (after the second
+    // exchange).
     if (e == cudaSuccess) e = cudaMemsetAsync(r->own, 0, bytes, x.stream);
     if (e == cudaSuccess) e = cudaIpcGetMemHandle(&me.handle, r->own);
     if (e == cudaSuccess) {
@@ -370,7 +375,7 @@ std::string off_by_config(int size, Mode mode) {
   if (mode == kOff) return "FMLP_TP_P2P=0";
   if (size == 1) return "one rank has nothing to exchange";
   if (size > kP2pMaxRanks)
-    return fmt::format("{} ranks; the one-shot kernel takes up to {}", size, kP2pMaxRanks);
+    return fmt::format("{} ranks; allreduce_sm80_p2p_ll takes up to {}", size, kP2pMaxRanks);
   return "";
 }
 
@@ -494,7 +499,7 @@ fmlp_status_t fmlp_tp_p2p_init_all(int32_t size, void* const* comms, size_t max_
     }
     void* buf = nullptr;
     cudaError_t e = cudaMalloc(&buf, bytes);
-    if (e == cudaSuccess) e = cudaMemset(buf, 0, bytes);
+    if (e == cudaSuccess) e = cudaMemset(buf, 0, bytes);  // LL flags start at 0, no call's
     if (e == cudaSuccess) e = cudaDeviceSynchronize();
     if (buf != nullptr) group->buffers.emplace_back(devices[size_t(i)], buf);
     if (e != cudaSuccess && why.empty()) {
