@@ -232,7 +232,7 @@ int main(int argc, char** argv) {
 
       // Timing: one graph = one call per weight copy.
       cudaGraph_t g;
-      cudaGraphExec_t tp_exec, one_exec = nullptr;
+      cudaGraphExec_t tp_exec;
       CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
       for (int i = 0; i < copies; ++i)
         FK(fmlp_tp_mlp_packed(ps[size_t(i)], &yv[size_t(i)], &xv[size_t(i)], nullptr, comm, o.rank,
@@ -240,28 +240,24 @@ int main(int argc, char** argv) {
       CK(cudaStreamEndCapture(s, &g));
       CK(cudaGraphInstantiate(&tp_exec, g, 0));
       CK(cudaGraphDestroy(g));
-      if (root && mode == 0) {  // the other ranks wait inside their first all-reduce meanwhile
+      // One graph of n calls of the packed weights `packs` (no collective), timed.
+      auto time_local = [&](const std::vector<fmlp_mlp_packed_t*>& packs, int n) {
+        cudaGraphExec_t exec;
         CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-        for (int i = 0; i < full_copies; ++i)
-          FK(fmlp_mlp_packed_run(pf[size_t(i)], &yv[size_t(i)], &xv[size_t(i)], nullptr, ws,
+        for (int i = 0; i < n; ++i)
+          FK(fmlp_mlp_packed_run(packs[size_t(i)], &yv[size_t(i)], &xv[size_t(i)], nullptr, ws,
                                  ws_bytes, s));
         CK(cudaStreamEndCapture(s, &g));
-        CK(cudaGraphInstantiate(&one_exec, g, 0));
+        CK(cudaGraphInstantiate(&exec, g, 0));
         CK(cudaGraphDestroy(g));
-        one_us = graph_us_bracketed(one_exec, s, o.reps, full_copies);
-      }
-      if (mode == 0) {  // this rank's shard alone: tp_us - shard_us is what the reduction costs
-        cudaGraphExec_t shard_exec;
-        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-        for (int i = 0; i < copies; ++i)
-          FK(fmlp_mlp_packed_run(ps[size_t(i)], &yv[size_t(i)], &xv[size_t(i)], nullptr, ws,
-                                 ws_bytes, s));
-        CK(cudaStreamEndCapture(s, &g));
-        CK(cudaGraphInstantiate(&shard_exec, g, 0));
-        CK(cudaGraphDestroy(g));
-        shard_us = graph_us_bracketed(shard_exec, s, o.reps, copies);
-        CK(cudaGraphExecDestroy(shard_exec));
-      }
+        const double us = graph_us_bracketed(exec, s, o.reps, n);
+        CK(cudaGraphExecDestroy(exec));
+        return us;
+      };
+      // The other ranks wait inside their first all-reduce meanwhile.
+      if (root && mode == 0) one_us = time_local(pf, full_copies);
+      // This rank's shard alone: tp_us - shard_us is what the reduction costs.
+      if (mode == 0) shard_us = time_local(ps, copies);
       const double tp_us = graph_us_bracketed(tp_exec, s, o.reps, copies);
       CK(cudaGetLastError());
       if (root) {
@@ -289,7 +285,6 @@ int main(int argc, char** argv) {
         rows += row;
       }
       CK(cudaGraphExecDestroy(tp_exec));
-      if (one_exec) CK(cudaGraphExecDestroy(one_exec));
     }
     CK(cudaFree(ws));
     for (int i = 0; i < nx; ++i) {

@@ -170,6 +170,30 @@ class TpP2p : public TpDevices {
     ASSERT_EQ(fmlp_tp_group_end(), FMLP_SUCCESS) << fmlp_last_error();
   }
 
+  // Captures the all-reduce of every y (in order) into one graph per rank and replays it
+  // `replays` times on every rank, then synchronises.
+  void replay_graph(std::vector<Ranked>& ys, int replays) {
+    cudaGraphExec_t exec[kRanks] = {};
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+      cudaGraph_t g;
+      ASSERT_EQ(cudaStreamBeginCapture(streams_[r], cudaStreamCaptureModeThreadLocal), cudaSuccess);
+      for (Ranked& y : ys)
+        EXPECT_EQ(fmlp_tp_all_reduce(&y.t[r], comms_[r], r, kRanks, streams_[r]), FMLP_SUCCESS)
+            << fmlp_last_error();
+      ASSERT_EQ(cudaStreamEndCapture(streams_[r], &g), cudaSuccess);
+      ASSERT_EQ(cudaGraphInstantiate(&exec[r], g, 0), cudaSuccess);
+      ASSERT_EQ(cudaGraphDestroy(g), cudaSuccess);
+    }
+    for (int i = 0; i < replays; ++i)
+      for (int r = 0; r < kRanks; ++r) {
+        ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+        ASSERT_EQ(cudaGraphLaunch(exec[r], streams_[r]), cudaSuccess);
+      }
+    sync();
+    for (int r = 0; r < kRanks; ++r) EXPECT_EQ(cudaGraphExecDestroy(exec[r]), cudaSuccess);
+  }
+
   void sync() {
     for (int r = 0; r < kRanks; ++r) {
       ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
@@ -328,25 +352,7 @@ TEST_F(TpP2p, CapturedGraphReplaysAdvanceTheEpoch) {
     want[b] = rank_order_sum(vals, t);
     for (float& v : want[b]) v = std::ldexp(v, kReplays - 1);
   }
-  cudaGraphExec_t exec[kRanks] = {};
-  for (int r = 0; r < kRanks; ++r) {
-    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
-    cudaGraph_t g;
-    ASSERT_EQ(cudaStreamBeginCapture(streams_[r], cudaStreamCaptureModeThreadLocal), cudaSuccess);
-    for (Ranked& y : ys)
-      EXPECT_EQ(fmlp_tp_all_reduce(&y.t[r], comms_[r], r, kRanks, streams_[r]), FMLP_SUCCESS)
-          << fmlp_last_error();
-    ASSERT_EQ(cudaStreamEndCapture(streams_[r], &g), cudaSuccess);
-    ASSERT_EQ(cudaGraphInstantiate(&exec[r], g, 0), cudaSuccess);
-    ASSERT_EQ(cudaGraphDestroy(g), cudaSuccess);
-  }
-  for (int i = 0; i < kReplays; ++i)
-    for (int r = 0; r < kRanks; ++r) {
-      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
-      ASSERT_EQ(cudaGraphLaunch(exec[r], streams_[r]), cudaSuccess);
-    }
-  sync();
-  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(cudaGraphExecDestroy(exec[r]), cudaSuccess);
+  replay_graph(ys, kReplays);
   for (size_t b = 0; b < ys.size(); ++b) {
     SCOPED_TRACE("n " + std::to_string(sizes[b]));
     expect_bitwise(ys[b], want[b]);
@@ -384,25 +390,7 @@ TEST_F(TpP2p, GraphOfMixedDtypesAndOddSizesReusesBothSets) {
     want[c] = rank_order_sum(vals, t);
     for (float& v : want[c]) v = std::ldexp(v, kReplays - 1);
   }
-  cudaGraphExec_t exec[kRanks] = {};
-  for (int r = 0; r < kRanks; ++r) {
-    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
-    cudaGraph_t g;
-    ASSERT_EQ(cudaStreamBeginCapture(streams_[r], cudaStreamCaptureModeThreadLocal), cudaSuccess);
-    for (Ranked& y : ys)
-      EXPECT_EQ(fmlp_tp_all_reduce(&y.t[r], comms_[r], r, kRanks, streams_[r]), FMLP_SUCCESS)
-          << fmlp_last_error();
-    ASSERT_EQ(cudaStreamEndCapture(streams_[r], &g), cudaSuccess);
-    ASSERT_EQ(cudaGraphInstantiate(&exec[r], g, 0), cudaSuccess);
-    ASSERT_EQ(cudaGraphDestroy(g), cudaSuccess);
-  }
-  for (int i = 0; i < kReplays; ++i)
-    for (int r = 0; r < kRanks; ++r) {
-      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
-      ASSERT_EQ(cudaGraphLaunch(exec[r], streams_[r]), cudaSuccess);
-    }
-  sync();
-  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(cudaGraphExecDestroy(exec[r]), cudaSuccess);
+  replay_graph(ys, kReplays);
   for (size_t c = 0; c < ys.size(); ++c) {
     SCOPED_TRACE(std::string(fmlp_dtype_name(calls[c].t)) + " n " + std::to_string(calls[c].n));
     expect_bitwise(ys[c], want[c]);

@@ -32,7 +32,7 @@ __all__ = ["mlp", "explain", "mlp_workspace_size", "pack", "PackedMlp", "moe", "
            "moe_workspace_size", "moe_device_errors", "linear",
            "linear_explain", "linear_workspace_size", "softmax", "log_softmax",
            "softmax_explain", "softmax_workspace_size", "quantize_fp8", "available",
-           "build_info", "devices", "kernels", "patch", "__version__"]
+           "build_info", "devices", "kernels", "patch", "register_experts", "__version__"]
 __version__ = _ext.version()
 
 _ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
@@ -650,9 +650,18 @@ def kernels(op="mlp"):
 
 
 def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_group=None,
-          linears=False):
+          linears=False, moe="fused"):
     """Swaps the MLP blocks (with linears=True also the attention projections and the LM head)
     of a Hugging Face model for fused ones in place; see fusedmlp.torch.patch (needs torch)."""
     from .torch import patch as _patch
     return _patch(model, strict=strict, probe=probe, backend=backend, fuse_norm=fuse_norm,
-                  tp_group=tp_group, linears=linears)
+                  tp_group=tp_group, linears=linears, moe=moe)
+
+
+def register_experts(name="fusedmlp"):
+    """Registers fusedmlp as the experts implementation `name` of transformers 5's experts
+    registry, so that model.set_experts_implementation(name) (or from_pretrained(...,
+    experts_implementation=name)) runs MoE experts through fusedmlp; True when registered, False
+    when transformers has no registry. See fusedmlp.torch.register_experts (needs torch)."""
+    from .torch import register_experts as _register
+    return _register(name)

@@ -6,8 +6,11 @@ up stacked by the pack), fc1/activation_fn/fc2 blocks, and BERT-style encoder la
 (intermediate.dense + act, then output.dense + dropout + LayerNorm(h + input)): the two linears,
 the activation and the residual add are fused, the LayerNorm stays a torch op. Sparse
 mixture-of-experts blocks (Mixtral, Qwen3-MoE: router, top-k, experts and weighted sum) become
-FusedMoE modules (fusedmlp.torch.FusedMoE.from_module); other MoE blocks are skipped with the
-reason.
+FusedMoE modules (fusedmlp.torch.FusedMoE.from_module). Other MoE blocks whose experts use the
+transformers 5 experts registry (@use_experts_implementation: OLMoE, Qwen2-MoE, DeepSeek-V3, ...)
+keep their router and get their experts computed by fusedmlp: the model's experts implementation
+becomes "fusedmlp" (fusedmlp.torch.register_experts, fusedmlp/_experts.py). The remaining MoE
+blocks are skipped with the reason.
 
 With fuse_norm (default), the pre-MLP norm of decoder blocks whose wiring is known to be
 `h + mlp(norm(h))` (GPT2Block's ln_2; post_attention_layernorm of Llama, Mistral, Qwen2, Qwen3
@@ -25,6 +28,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from ._experts import experts_probe, is_registry_experts, switch_experts
 from .torch import (FusedLinear, FusedMLP, FusedMoE, _activation, _describe, _is_conv1d,
                     _linear_weight)
 
@@ -52,14 +56,16 @@ class PatchError(RuntimeError):
 
 @dataclasses.dataclass
 class PatchReport:
-    """What patch() did: replaced MLP/MoE blocks (`replaced`) and, with linears=True, linears
-    (`linears`), each with what it became and, when probed, the largest error relative to the
-    tolerance (1.0 = at the limit); skipped ones with reasons."""
+    """What patch() did: replaced MLP/MoE blocks (`replaced`), experts modules now run by
+    fusedmlp through the transformers experts registry (`experts`) and, with linears=True,
+    linears (`linears`), each with what it became and, when probed, the largest error relative
+    to the tolerance (1.0 = at the limit); skipped ones with reasons."""
     replaced: list = dataclasses.field(default_factory=list)
     skipped: list = dataclasses.field(default_factory=list)  # (name, reason)
     details: dict = dataclasses.field(default_factory=dict)  # name -> description
     errors: dict = dataclasses.field(default_factory=dict)  # name -> error / tolerance
     linears: list = dataclasses.field(default_factory=list)  # names now FusedLinear
+    experts: list = dataclasses.field(default_factory=list)  # experts modules now on fusedmlp
 
     def __str__(self):
         heads = sum(n.rpartition(".")[2] == "lm_head" for n in self.linears)
@@ -67,12 +73,15 @@ class PatchReport:
         if self.linears:
             lin = (f", {len(self.linears) - heads} projection(s)"
                    f"{' + lm_head' if heads else ''} by FusedLinear")
+        if self.experts:
+            lin += f", {len(self.experts)} experts module(s) by the experts registry"
         lines = [f"fusedmlp.patch: replaced {len(self.replaced)} MLP block(s){lin}, skipped "
                  f"{len(self.skipped)}"]
-        for name in self.replaced + self.linears:
+        for name in self.replaced + self.experts + self.linears:
             err = self.errors.get(name)
             probe = "" if err is None else f", probe error {err:.3g} of tolerance"
-            lines.append(f"  replaced {name}: {self.details.get(name, '')}{probe}")
+            verb = "switched" if name in self.experts else "replaced"
+            lines.append(f"  {verb} {name}: {self.details.get(name, '')}{probe}")
         for name, reason in self.skipped:
             lines.append(f"  skipped  {name}: {reason}")
         return "\n".join(lines)
@@ -122,6 +131,40 @@ def _moe_plan(name, parent, child_name, block, backend):
                  f"{type(block).__name__} -> FusedMoE ({fused.extra_repr()})",
                  select=lambda x: fused.routing_margin(x) > PROBE_RTOL.get(x.dtype, 2.0**-4),
                  probe_rows=64)
+
+
+def _experts_plan(name, experts):
+    """The plan switching a registry experts module to fusedmlp (see experts_probe)."""
+    original, fused, d_in, weight, detail = experts_probe(experts)
+    return _Plan(name, experts, {}, original, fused, d_in, weight, detail, probe_rows=32,
+                 experts=experts)
+
+
+def _already_switched(m):
+    return (getattr(m.config, "_experts_implementation", None) == "fusedmlp"
+            and "_fusedmlp_previous" in m.__dict__)
+
+
+def _moe_or_experts_plan(name, module, child_name, block, backend, moe):
+    """FusedMoE for the blocks it maps (unless moe="experts"), else the experts-registry plan
+    for a block whose experts use the registry; None when those already run on fusedmlp."""
+    experts = getattr(block, "experts", None)
+    registry = is_registry_experts(experts)
+    if registry and _already_switched(experts):
+        return None
+    if not (registry and moe == "experts"):
+        try:
+            return _moe_plan(name, module, child_name, block, backend)
+        except NotImplementedError as e:
+            if not registry:
+                raise
+            fused_reason = str(e)
+    try:
+        return _experts_plan(f"{name}.experts", experts)
+    except NotImplementedError as e:
+        if moe == "experts":
+            raise
+        raise NotImplementedError(f"{fused_reason}; {e}") from None
 
 
 def _is_bert_layer(m):
@@ -193,6 +236,7 @@ class _Plan:
     select: object = None  # callable(x) -> bool [rows]: the probe rows to compare
     probe_rows: int = 8  # rows of the default probe
     linear: bool = False  # a FusedLinear (report.linears) rather than an MLP block
+    experts: nn.Module = None  # a registry experts module switched to fusedmlp (no attrs)
 
 
 def _bert_plan(name, layer, backend):
@@ -211,7 +255,7 @@ def _bert_plan(name, layer, backend):
                  f"({fused.extra_repr()}) + LayerNorm")
 
 
-def _collect(module, prefix, backend, plans, report, skip=(), fuse_norm=True):
+def _collect(module, prefix, backend, plans, report, skip=(), fuse_norm=True, moe="fused"):
     for child_name, child in module.named_children():
         if child_name in skip:
             continue
@@ -219,19 +263,25 @@ def _collect(module, prefix, backend, plans, report, skip=(), fuse_norm=True):
         if isinstance(child, (FusedMLP, FusedMoE)):  # patched before
             continue
         try:
+            if is_registry_experts(child):  # outside a block that _is_moe recognises
+                if not _already_switched(child):
+                    plans.append(_experts_plan(name, child))
+                continue
             if _is_moe(child):
-                plans.append(_moe_plan(name, module, child_name, child, backend))
+                plan = _moe_or_experts_plan(name, module, child_name, child, backend, moe)
+                if plan is not None:
+                    plans.append(plan)
                 continue
             if _is_bert_layer(child):
                 plans.append(_bert_plan(name, child, backend))
                 _collect(child, name, backend, plans, report, skip=("intermediate", "output"),
-                         fuse_norm=fuse_norm)
+                         fuse_norm=fuse_norm, moe=moe)
                 continue
             plan = _fused_norm_plan(name, child, backend) if fuse_norm else None
             if plan is not None:
                 plans.append(plan)
                 _collect(child, name, backend, plans, report, skip=tuple(plan.attrs),
-                         fuse_norm=fuse_norm)
+                         fuse_norm=fuse_norm, moe=moe)
                 continue
             if _is_mlp_candidate(child):
                 fused = FusedMLP(**_describe(child), backend=backend).train(child.training)
@@ -242,7 +292,7 @@ def _collect(module, prefix, backend, plans, report, skip=(), fuse_norm=True):
         except (NotImplementedError, ValueError) as e:
             report.skipped.append((name, str(e)))
             continue
-        _collect(child, name, backend, plans, report, fuse_norm=fuse_norm)
+        _collect(child, name, backend, plans, report, fuse_norm=fuse_norm, moe=moe)
 
 
 # Linear children of attention modules that linears=True replaces, by attribute name: GPT-2
@@ -317,7 +367,7 @@ def _probe_error(plan, probe):
 
 
 def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_group=None,
-          linears=False):
+          linears=False, moe="fused"):
     """Replaces the MLP blocks of `model` in place by FusedMLP modules (packed once for the
     weights' device) and returns a PatchReport (print it).
 
@@ -329,12 +379,21 @@ def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_gr
     fuse_norm: also fuse the pre-MLP LayerNorm/RMSNorm of the decoder blocks listed in
     _NORM_BEFORE_MLP (the norm module becomes a passthrough). Sparse-MoE blocks of Mixtral and
     Qwen3-MoE become FusedMoE modules (their probe compares the whole block's output on the
-    probe rows whose routing is unambiguous: see PROBE_RTOL). Blocks that cannot be fused
-    (unknown activation, other mixtures of experts, ...) are skipped with the reason.
+    probe rows whose routing is unambiguous: see PROBE_RTOL). Other MoE blocks whose experts
+    module uses the transformers 5 experts registry keep their router and their experts run
+    through fusedmlp: "fusedmlp" is registered and becomes the model's experts implementation
+    (model.set_experts_implementation; the setting is per config, so experts modules that
+    fusedmlp cannot express, or that the probe refused, keep the implementation they had). Their
+    probe runs the experts module's eager forward and fusedmlp on the same seeded routing
+    (32 rows); they are listed in report.experts. moe="experts" takes that path for Mixtral and
+    Qwen3-MoE too (default "fused": FusedMoE, which fuses the router as well). Blocks that
+    cannot be fused (unknown activation, other mixtures of experts, ...) are skipped with the
+    reason.
     tp_group: a torch.distributed NCCL process group: each rank replaces the MLP blocks by its
     tensor-parallel shard (fusedmlp.tp.TPFusedMLP, all-reduce over the group) and the sparse-MoE
     blocks by its range of the experts (fusedmlp.tp.TPFusedMoE, likewise); every rank must
-    call it on an identical model; strict, probe and fuse_norm do not apply.
+    call it on an identical model; strict, probe and fuse_norm do not apply, and the experts
+    registry path is not taken (its experts would not be sharded).
     linears=True: also replaces, after the MLP work, the projections of attention modules (GPT-2
     c_attn/c_proj as transposed copies of the Conv1D weights; nn.Linear q/k/v/o_proj,
     query/key/value, attention output dense, ...) and every `lm_head` by fusedmlp.torch.FusedLinear
@@ -352,9 +411,12 @@ def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_gr
                                       "itself, which fusedmlp does not do; pass linears=False")
         from .tp import patch_tp
         return PatchReport(replaced=patch_tp(model, tp_group=tp_group, backend=backend))
+    if moe not in ("fused", "experts"):
+        raise ValueError(f"moe is {moe!r}; expected 'fused' (FusedMoE where it maps the block) "
+                         "or 'experts' (the experts registry where the block's experts use it)")
     report = PatchReport()
     plans = []
-    _collect(model, "", backend, plans, report, fuse_norm=fuse_norm)
+    _collect(model, "", backend, plans, report, fuse_norm=fuse_norm, moe=moe)
     if linears:
         modules = dict(model.named_modules())
         taken = {id(getattr(p.parent, a)) for p in plans for a in p.attrs}
@@ -370,6 +432,9 @@ def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_gr
                 failures.append(plan)
                 continue
         accepted.append(plan)
+    for p in plans if strict and failures else failures:  # drop the probes' converted copies
+        if p.experts is not None:
+            p.experts.__dict__.pop("_fusedmlp_layout", None)
     if strict and failures:
         names = ", ".join(f"{p.name} ({report.errors[p.name]:.3g}x tolerance)" for p in failures)
         for p in failures:
@@ -381,6 +446,8 @@ def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_gr
     for plan in accepted:
         for attr, new in plan.attrs.items():
             setattr(plan.parent, attr, new)
-        (report.linears if plan.linear else report.replaced).append(plan.name)
+        (report.linears if plan.linear else report.experts if plan.experts is not None
+         else report.replaced).append(plan.name)
         report.details[plan.name] = plan.detail
+    switch_experts(model, [p.experts for p in accepted if p.experts is not None])
     return report

@@ -30,7 +30,8 @@ from . import (_ACTIVATIONS, _BACKENDS, _NORMS, _SCORINGS, _ext, _lookup, _routi
                _routing_weights, _workspace_bytes)
 
 __all__ = ["mlp", "moe", "linear", "softmax", "log_softmax", "moe_device_errors", "FusedMLP",
-           "FusedMoE", "FusedLinear", "patch", "PatchReport", "PatchError", "PROBE_RTOL"]
+           "FusedMoE", "FusedLinear", "patch", "PatchReport", "PatchError", "PROBE_RTOL",
+           "fusedmlp_experts_forward", "register_experts"]
 
 _WORKSPACES = {}
 
@@ -518,3 +519,4 @@ def _describe(m):
 
 from ._moe import FusedMoE  # noqa: E402
 from ._patch import PROBE_RTOL, PatchError, PatchReport, patch  # noqa: E402
+from ._experts import fusedmlp_experts_forward, register_experts  # noqa: E402

@@ -1,0 +1,297 @@
+"""fusedmlp as an experts implementation of transformers 5 (the experts registry,
+transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS).
+
+Experts classes decorated with @use_experts_implementation dispatch their forward(hidden_states
+[T, d], top_k_index [T, k], top_k_weights [T, k]) -> [T, d] on config._experts_implementation;
+register_experts() adds "fusedmlp" there, so `model.set_experts_implementation("fusedmlp")` (or
+from_pretrained(..., experts_implementation="fusedmlp")) runs the experts through
+torch.ops.fusedmlp.moe with the model's own routing (the router stays a torch op).
+
+Weights, as the decorator's flags describe them (E experts, hidden size d, intermediate I):
+- gate_up_proj [E, 2I, d], gate rows then up rows (is_concatenated), is fusedmlp's stacked gated
+  w1 as it is; down_proj [E, d, I] is w2; gate_up_proj_bias [E, 2I] / down_proj_bias [E, d]
+  (has_bias) are b1 / b2. Without a gate (has_gate=False) up_proj [E, I, d] is a dense w1 and
+  act_fn the activation.
+- is_transposed ([E, d, 2I] / [E, I, d]) and interleaved gate/up rows (is_concatenated=False:
+  gate_0, up_0, gate_1, ...; the gate is then act(rows 0, 2, ...) * rows 1, 3, ...) are copied
+  once into that layout and cached on the module (`_fusedmlp_layout`): the expert weights' memory
+  once more. The copy is remade when a source tensor's (data_ptr, _version) changes, i.e. after
+  .to() or an in-place edit (writes through .data bypass the version counter: delete
+  `_fusedmlp_layout` after those). Under torch.compile the cached copy is used unchecked, or the
+  conversion is traced into the graph when there is none yet.
+Modules it cannot express run their own eager forward (or, after patch(), the implementation
+the model had), with a one-time warning naming the class and the reason: a custom _apply_gate
+(gpt-oss' clamped gate, ...), a post-expert norm, expert parallelism (sentinel ids), an
+activation fusedmlp lacks, weights that are not plain float32/float16/bfloat16 tensors (fp8 or
+other quantised experts, tensor subclasses), float32 experts on CUDA, shapes that do not fit,
+or a call the op refuses (NotImplementedError: no kernel of the device takes the shape or the
+alignment; remembered per module, dtype and device). Under torch.compile such a refusal is not
+caught (it would be a graph break): run the model once eagerly first, as patch() does. Inference
+only: backward through the op raises.
+"""
+
+import warnings
+
+import torch
+from torch import nn
+
+from .torch import _activation
+
+__all__ = ["fusedmlp_experts_forward", "register_experts"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_WARNED = set()
+
+
+def _moe_module():
+    """transformers.integrations.moe when transformers has the experts registry, else None."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return None
+    return moe if hasattr(moe, "ALL_EXPERTS_FUNCTIONS") else None
+
+
+def register_experts(name="fusedmlp"):
+    """Registers fusedmlp_experts_forward as the experts implementation `name` of transformers'
+    experts registry; True when it is there (again: idempotent), False when the installed
+    transformers has no registry."""
+    moe = _moe_module()
+    if moe is None:
+        return False
+    moe.ALL_EXPERTS_FUNCTIONS.register(name, fusedmlp_experts_forward)
+    return True
+
+
+def is_registry_experts(m):
+    """An experts module whose class forward dispatches through the registry
+    (@use_experts_implementation: the wrapped forward, a config with _experts_implementation)."""
+    return (isinstance(m, nn.Module) and _wrapped_forward(m) is not None
+            and hasattr(getattr(m, "config", None), "_experts_implementation")
+            and (hasattr(m, "has_gate") or hasattr(m, "gate_up_proj")))
+
+
+def _wrapped_forward(m):
+    for cls in type(m).__mro__:
+        forward = cls.__dict__.get("forward")
+        if forward is not None:
+            return getattr(forward, "__wrapped__", None)
+    return None
+
+
+def _flags(m):
+    gated = bool(getattr(m, "has_gate", True))
+    return (gated, bool(getattr(m, "has_bias", False)), bool(getattr(m, "is_transposed", False)),
+            gated and not getattr(m, "is_concatenated", True))
+
+
+def _sources(m):
+    """(w1, w2, b1, b2) as the module stores them (None for absent biases)."""
+    gated, biased, _, _ = _flags(m)
+    up = "gate_up_proj" if gated else "up_proj"
+    return (getattr(m, up, None), getattr(m, "down_proj", None),
+            getattr(m, f"{up}_bias", None) if biased else None,
+            getattr(m, "down_proj_bias", None) if biased else None)
+
+
+def unsupported(m):
+    """Why fusedmlp_experts_forward cannot compute what experts module m computes; None when it
+    can."""
+    skip = getattr(m, "_fusedmlp_skip", None)
+    if skip:
+        return skip
+    refused = m.__dict__.get("_fusedmlp_refused")
+    if refused is not None and refused[0] == _dispatch_key(m):
+        return refused[1]
+    if getattr(m, "_is_expert_parallel", False):
+        return "it is expert-parallel (its sentinel expert ids are not fusedmlp's)"
+    if getattr(m, "has_post_expert_norm", False):
+        return "it has a post-expert norm"
+    gated, biased, transposed, _ = _flags(m)
+    gate = getattr(type(m), "_apply_gate", None)
+    if gated and gate is not None:
+        moe = _moe_module()
+        if gate is not getattr(moe, "_default_apply_gate", object()):
+            return "it has its own _apply_gate (fusedmlp computes act(gate) * up only)"
+    try:
+        _activation(getattr(m, "act_fn", None))
+    except NotImplementedError as e:
+        return str(e)
+    w1, w2, b1, b2 = _sources(m)
+    names = ("gate_up_proj" if gated else "up_proj", "down_proj")
+    for name, t in zip(names + tuple(f"{n}_bias" for n in names), (w1, w2, b1, b2)):
+        if t is None and (name.endswith("proj") or biased):
+            return f"it has no {name}"
+        if t is None:
+            continue
+        if type(t) not in (torch.Tensor, nn.Parameter):
+            return f"{name} is a {type(t).__name__} (quantised or sharded weights)"
+        if t.dtype not in _DTYPES:
+            return f"{name} has dtype {t.dtype}; fusedmlp takes float32, float16 or bfloat16"
+        if t.device.type not in ("cpu", "cuda"):
+            return f"{name} is on {t.device}; fusedmlp runs on cpu or cuda"
+    if w1.device.type == "cuda" and w1.dtype == torch.float32:
+        return "float32 experts on CUDA (the cuda moe kernels take bfloat16 or float16 ones)"
+    if w1.dim() != 3 or w2.dim() != 3 or w1.dtype != w2.dtype:
+        return (f"{names[0]} {tuple(w1.shape)} and down_proj {tuple(w2.shape)} are not 3-D "
+                "tensors of one dtype")
+    rows, d = (w1.shape[2], w1.shape[1]) if transposed else (w1.shape[1], w1.shape[2])
+    inter, d2 = (w2.shape[1], w2.shape[2]) if transposed else (w2.shape[2], w2.shape[1])
+    if w2.shape[0] != w1.shape[0] or d2 != d or rows != (2 * inter if gated else inter) or (
+            b1 is not None and tuple(b1.shape) != (w1.shape[0], rows)) or (
+            b2 is not None and tuple(b2.shape) != (w1.shape[0], d)):
+        return (f"its shapes do not fit one expert MLP: {names[0]} {tuple(w1.shape)}, down_proj "
+                f"{tuple(w2.shape)}, transposed={transposed}")
+    return None
+
+
+def _dispatch_key(m):
+    w1 = _sources(m)[0]
+    return None if w1 is None else (w1.dtype, w1.device, tuple(w1.shape))
+
+
+def _convert(m):
+    """(w1, w2, b1, b2) in fusedmlp's layout: w1 [E, rows, d] (gated: gate rows, then up rows),
+    w2 [E, d, I]."""
+    w1, w2, b1, b2 = _sources(m)
+    _, _, transposed, interleaved = _flags(m)
+    if transposed:
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    if interleaved:
+        w1 = torch.cat([w1[:, 0::2], w1[:, 1::2]], dim=1)
+        b1 = None if b1 is None else torch.cat([b1[:, 0::2], b1[:, 1::2]], dim=1).contiguous()
+    return w1.detach().contiguous(), w2.detach().contiguous(), b1, b2
+
+
+def _weights(m):
+    _, _, transposed, interleaved = _flags(m)
+    if not (transposed or interleaved):
+        return _sources(m)
+    cached = m.__dict__.get("_fusedmlp_layout")
+    if torch.compiler.is_compiling():
+        return cached[1] if cached is not None else _convert(m)
+    key = tuple(None if t is None else (t.data_ptr(), t._version, t.dtype, t.device)
+                for t in _sources(m))
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, _convert(m))
+        m.__dict__["_fusedmlp_layout"] = cached
+    return cached[1]
+
+
+def _fallback(m, reason, warn):
+    """The forward m runs instead: the implementation it had before patch() switched it
+    (`_fusedmlp_previous`), else its own eager forward. patch() marks the modules it did not
+    take with `_fusedmlp_skip` (reported there, so no warning here)."""
+    key = (type(m).__name__, reason)
+    if warn and key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"fusedmlp experts: {type(m).__name__} runs without fusedmlp: {reason}",
+                      RuntimeWarning, stacklevel=3)
+    previous = m.__dict__.get("_fusedmlp_previous")
+    original = _wrapped_forward(m)
+    moe = _moe_module()
+    if previous not in (None, "eager", "fusedmlp") and moe is not None:
+        return moe.ALL_EXPERTS_FUNCTIONS.get(previous, original)
+    return original
+
+
+def fusedmlp_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The experts computation of a transformers experts module (self) through
+    torch.ops.fusedmlp.moe with the routing given: out[t] = sum_j top_k_weights[t, j] *
+    expert_{top_k_index[t, j]}(hidden_states[t]), hidden_states [T, d] -> [T, d] in its dtype.
+    Modules it cannot express run their own forward (see the module docstring)."""
+    reason = unsupported(self)
+    if reason is not None:
+        forward = _fallback(self, reason, warn=not getattr(self, "_fusedmlp_skip", None))
+        return forward(self, hidden_states, top_k_index, top_k_weights)
+    if torch.compiler.is_compiling():
+        return _run(self, hidden_states, top_k_index, top_k_weights)
+    try:
+        return _run(self, hidden_states, top_k_index, top_k_weights)
+    except NotImplementedError as e:  # no kernel of the device takes it (shape, alignment)
+        reason = f"the fusedmlp op refuses it: {e}"
+        self.__dict__["_fusedmlp_refused"] = (_dispatch_key(self), reason)
+        self.__dict__.pop("_fusedmlp_layout", None)
+        return _fallback(self, reason, True)(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _run(m, hidden_states, top_k_index, top_k_weights):
+    w1, w2, b1, b2 = _weights(m)
+    return torch.ops.fusedmlp.moe(hidden_states, w1, w2, top_k_index.shape[-1], None, None,
+                                  top_k_index, top_k_weights, b1, b2, None,
+                                  _activation(m.act_fn), _flags(m)[0], "softmax", False, False,
+                                  "auto", 0, 0, False, None, None)
+
+
+# ---- fusedmlp.patch's use (python/fusedmlp/_patch.py) ----
+
+def _probe_routing(rows, num_experts, top_k, dtype, device):
+    """Seeded routing for an experts probe: top_k distinct experts per row, positive weights
+    summing to 1 (the same on both sides of the comparison)."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.rand(rows, num_experts, generator=gen).argsort(dim=-1)[:, :top_k]
+    weights = torch.rand(rows, top_k, generator=gen) + 0.25
+    return ids.to(device), (weights / weights.sum(-1, keepdim=True)).to(device, dtype)
+
+
+def experts_probe(experts):
+    """(original, fused, d, weight, detail) for patch()'s probe of a registry experts module:
+    its eager forward and fusedmlp_experts_forward, each x [rows, d] -> [rows, d] on the same
+    seeded routing (the model's router is left out: both sides would get the same top_k_index
+    from it). NotImplementedError when fusedmlp cannot express the module."""
+    reason = unsupported(experts)
+    if reason is not None:
+        raise NotImplementedError(f"{type(experts).__name__} cannot run through fusedmlp: "
+                                  f"{reason}")
+    w1 = _sources(experts)[0]
+    gated, biased, transposed, interleaved = _flags(experts)
+    num_experts, d = int(w1.shape[0]), int(w1.shape[1] if transposed else w1.shape[2])
+    top_k = getattr(experts.config, "num_experts_per_tok", 2)
+    top_k = min(max(top_k if isinstance(top_k, int) else 2, 1), num_experts)
+    eager = _wrapped_forward(experts)
+    try:  # NotImplementedError now (a skip with the reason), not at the first forward
+        with torch.no_grad():
+            _run(experts, torch.zeros(1, d, dtype=w1.dtype, device=w1.device),
+                 torch.arange(top_k, device=w1.device)[None],
+                 torch.ones(1, top_k, dtype=w1.dtype, device=w1.device))
+    except NotImplementedError as e:
+        experts.__dict__.pop("_fusedmlp_layout", None)
+        raise NotImplementedError(f"{type(experts).__name__}: the fusedmlp op refuses it: "
+                                  f"{e}") from None
+
+    def run(forward, x):
+        return forward(experts, x, *_probe_routing(x.shape[0], num_experts, top_k, x.dtype,
+                                                   x.device))
+    copy = ", a converted copy of the weights" if transposed or interleaved else ""
+    detail = (f"{type(experts).__name__} -> experts_implementation 'fusedmlp' (transformers "
+              f"experts registry: {num_experts} experts, {'gated ' if gated else ''}"
+              f"{_activation(experts.act_fn)}{', biased' if biased else ''}{copy})")
+    return (lambda x: run(eager, x), lambda x: run(fusedmlp_experts_forward, x), d, w1, detail)
+
+
+def switch_experts(model, chosen):
+    """Registers "fusedmlp" and makes it the experts implementation of the configs of the
+    `chosen` experts modules. Every registry experts module of the model records the
+    implementation it had (`_fusedmlp_previous`), which it keeps running whenever fusedmlp does
+    not take it; those not chosen are marked `_fusedmlp_skip` (the setting is per config, and
+    set_experts_implementation spreads it to the sub-models)."""
+    if not chosen:
+        return
+    register_experts()
+    ids = {id(m) for m in chosen}
+    for m in model.modules():
+        if is_registry_experts(m):
+            if "_fusedmlp_previous" not in m.__dict__:
+                m._fusedmlp_previous = m.config._experts_implementation
+            if id(m) not in ids and not getattr(m, "_fusedmlp_skip", None):
+                m._fusedmlp_skip = "fusedmlp.patch did not take it (see its report)"
+    setter = getattr(model, "set_experts_implementation", None)
+    if callable(setter):
+        try:
+            setter("fusedmlp")
+        except (ValueError, RuntimeError, KeyError):
+            pass  # e.g. an implementation locked at load time; the configs are set below
+    for m in chosen:
+        if m.config._experts_implementation != "fusedmlp":
+            m.config._experts_implementation = "fusedmlp"
