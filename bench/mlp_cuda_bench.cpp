@@ -9,6 +9,8 @@
 //
 // usage: fusedmlp_cuda_bench [--json FILE] [--shapes a,b] [--ms 1,4] [--reps N] [--skip-matrix]
 //                            [--kernel NAME] [--wdtype bf16|f8]
+// shapes: gpt2-small, seed-4096, llama3-8b, llama3-70b (the default set) and llama3-70b-tp2 (one
+// rank's shard of llama3-70b at tensor parallelism 2)
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -145,6 +145,21 @@ def unsupported(m):
     return None
 
 
+def _verdict(m):
+    """unsupported(m), kept on the module for as long as what it depends on stays the same (the
+    source tensors' storage and dtype, the markers patch() and a refusal leave, the flags, the
+    activation): the full check costs ~30 us of Python per call, a decode step's budget."""
+    key = (tuple(None if t is None else (t.data_ptr(), t.dtype) for t in _sources(m)),
+           m.__dict__.get("_fusedmlp_skip"), m.__dict__.get("_fusedmlp_refused"), _flags(m),
+           getattr(m, "_is_expert_parallel", False), getattr(m, "has_post_expert_norm", False),
+           id(getattr(m, "act_fn", None)))
+    cached = m.__dict__.get("_fusedmlp_verdict")
+    if cached is None or cached[0] != key:
+        cached = (key, unsupported(m))
+        m.__dict__["_fusedmlp_verdict"] = cached
+    return cached[1]
+
+
 def _dispatch_key(m):
     w1 = _sources(m)[0]
     return None if w1 is None else (w1.dtype, w1.device, tuple(w1.shape))
@@ -201,7 +216,7 @@ def fusedmlp_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     torch.ops.fusedmlp.moe with the routing given: out[t] = sum_j top_k_weights[t, j] *
     expert_{top_k_index[t, j]}(hidden_states[t]), hidden_states [T, d] -> [T, d] in its dtype.
     Modules it cannot express run their own forward (see the module docstring)."""
-    reason = unsupported(self)
+    reason = unsupported(self) if torch.compiler.is_compiling() else _verdict(self)
     if reason is not None:
         forward = _fallback(self, reason, warn=not getattr(self, "_fusedmlp_skip", None))
         return forward(self, hidden_states, top_k_index, top_k_weights)

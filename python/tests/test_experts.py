@@ -186,6 +186,27 @@ def test_converted_copy_is_cached_and_refreshed():
         close(ex(x, idx, w), eager(ex, x, idx, w), rtol=1e-4)
 
 
+def test_cached_verdict_follows_the_module():
+    """The support verdict is kept per module; a change it depends on after the first call (new
+    storage of another dtype, expert parallelism switched on) must send the call to eager."""
+    fe._WARNED.clear()
+    ex = make_experts()
+    x = torch.randn(4, 24, generator=torch.Generator().manual_seed(9))
+    idx, w = routing(4, 5, 2)
+    with torch.no_grad():
+        close(ex(x, idx, w), eager(ex, x, idx, w), rtol=1e-4)
+        ex.double()
+        with pytest.warns(RuntimeWarning, match="float64"):
+            got = ex(x.double(), idx, w.double())
+        assert torch.equal(got, eager(ex, x.double(), idx, w.double()))
+        ex.float()
+        close(ex(x, idx, w), eager(ex, x, idx, w), rtol=1e-4)
+        ex._is_expert_parallel = True
+        with pytest.warns(RuntimeWarning, match="expert-parallel"):
+            got = ex(x, idx, w)
+        assert torch.equal(got, eager(ex, x, idx, w))
+
+
 def _custom_gate(self, gate_up):
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.sigmoid(gate) * up
