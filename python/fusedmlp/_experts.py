@@ -43,13 +43,20 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _WARNED = set()
 
 
+_MOE = []  # [transformers.integrations.moe or None], found once
+
+
 def _moe_module():
-    """transformers.integrations.moe when transformers has the experts registry, else None."""
-    try:
-        from transformers.integrations import moe
-    except ImportError:
-        return None
-    return moe if hasattr(moe, "ALL_EXPERTS_FUNCTIONS") else None
+    """transformers.integrations.moe when transformers has the experts registry, else None.
+    Looked up once (register_experts does it first): a call traced by torch.compile must not
+    import it, since some transformers releases hand dynamo a lazy module there."""
+    if not _MOE:
+        try:
+            from transformers.integrations import moe
+        except ImportError:
+            return None
+        _MOE.append(moe if hasattr(moe, "ALL_EXPERTS_FUNCTIONS") else None)
+    return _MOE[0]
 
 
 def register_experts(name="fusedmlp"):
