@@ -63,6 +63,20 @@ __device__ __forceinline__ void red_add_f32(float* p, float v) {
   asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
 }
 
+// Four consecutive floats at a 16-byte aligned p: one reduction request instead of four on sm_90.
+__device__ __forceinline__ void red_add_v4_f32(float* p, float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c),
+               "f"(d)
+               : "memory");
+#else
+  red_add_f32(p, a);
+  red_add_f32(p + 1, b);
+  red_add_f32(p + 2, c);
+  red_add_f32(p + 3, d);
+#endif
+}
+
 __device__ __forceinline__ void red_add_v2_f32(float* p, float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");

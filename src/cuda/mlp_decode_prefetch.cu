@@ -11,6 +11,12 @@
 // group lands (h never leaves the chip), multiplies it by the W2 columns when those land, and
 // adds the partial outputs into an fp32 workspace; the last block to finish writes y
 // (finish_last_block). One DRAM latency, the transfer at full bandwidth, one reduction.
+// Launched with programmatic dependent launch (sm_90): the weight copies are issued before the
+// wait for the previous grid (weights are never written on the stream), so back-to-back calls
+// (the layers of a decode step) overlap one call's weight transfer with the previous one's tail;
+// x, the accumulators and the counter are touched only after the wait. The partial outputs go out
+// as 16-byte reductions where d_out allows (a quarter of the requests on the few accumulator lines
+// every block adds into).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -22,6 +28,7 @@
 #include "cuda/device_scope.hpp"
 #include "cuda/launch_util.hpp"
 #include "cuda/mlp_decode.cuh"
+#include "cuda/ops.cuh"
 
 namespace fmlp::detail {
 namespace {
@@ -29,7 +36,10 @@ namespace {
 using fmlp::cuda::activate;
 using fmlp::cuda::finish_last_block;
 using fmlp::cuda::opt;
+using fmlp::cuda::pdl_allow_next_grid;
+using fmlp::cuda::pdl_wait_previous_grid;
 using fmlp::cuda::red_add_f32;
+using fmlp::cuda::red_add_v4_f32;
 using fmlp::cuda::stage_tokens;
 using fmlp::cuda::warp_sum;
 using fmlp::cuda::widen8;
@@ -91,6 +101,8 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm80_prefetch(const Pr
   }
   cp_async_commit();
 
+  pdl_wait_previous_grid();
+  pdl_allow_next_grid();
   stage_tokens<kThreads, M>(p, xs, scratch);
   cp_async_wait<1>();  // this thread's W1 copies; the barrier publishes everyone's
   __syncthreads();
@@ -129,11 +141,13 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm80_prefetch(const Pr
   __syncthreads();
 
   // Output partials: a thread per output row, the slice's W2 columns of that row from shared
-  // memory (h is read as a broadcast).
-  for (int o = threadIdx.x; o < p.n; o += kThreads) {
+  // memory (h is read as a broadcast). Every lane runs each round (shuffles below).
+  const bool vec4 = p.n % 4 == 0;
+  for (int o0 = 0; o0 < p.n; o0 += kThreads) {
+    const int o = o0 + int(threadIdx.x);
     float part[M] = {};
-    const WT* wr = w2s + size_t(o) * slice;
-    for (int t = 0; t < slice; t += kTile) {
+    const WT* wr = w2s + size_t(min(o, p.n - 1)) * slice;
+    for (int t = 0; t < (o < p.n ? slice : 0); t += kTile) {
       float w[8];
       widen8<WT>(*reinterpret_cast<const uint4*>(wr + t), w);
 #pragma unroll
@@ -145,7 +159,16 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm80_prefetch(const Pr
       }
     }
 #pragma unroll
-    for (int m = 0; m < M; ++m) red_add_f32(p.acc + m * p.n + o, part[m]);
+    for (int m = 0; m < M; ++m) {
+      if (vec4) {  // lanes 4i..4i+3 hold outputs o..o+3 (o0 and n are multiples of 4)
+        const float b = __shfl_down_sync(0xffffffffu, part[m], 1);
+        const float c = __shfl_down_sync(0xffffffffu, part[m], 2);
+        const float d = __shfl_down_sync(0xffffffffu, part[m], 3);
+        if (lane % 4 == 0 && o < p.n) red_add_v4_f32(p.acc + m * p.n + o, part[m], b, c, d);
+      } else if (o < p.n) {
+        red_add_f32(p.acc + m * p.n + o, part[m]);
+      }
+    }
   }
   finish_last_block<kThreads, M>(p, p.acc, p.counter);
 }
@@ -167,24 +190,22 @@ size_t smem_bytes(const MlpDesc& d, int blocks) {
 }
 
 template <int M, typename WT, bool GATED>
-fmlp_status_t launch(const PrefetchParams& p, int blocks, size_t smem, cudaStream_t stream) {
+fmlp_status_t launch(const PrefetchParams& p, int blocks, size_t smem, bool pdl,
+                     cudaStream_t stream) {
   constexpr auto kernel = &mlp_decode_sm80_prefetch<M, WT, GATED>;
   if (const fmlp_status_t st = allow_dynamic_smem<kernel>(smem, "mlp_decode_sm80_prefetch");
       st != FMLP_SUCCESS)
     return st;
-  kernel<<<blocks, kThreads, smem, stream>>>(p);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return fail(FMLP_ERROR_CUDA, "mlp_decode_sm80_prefetch launch failed: {}",
-                cudaGetErrorString(e));
-  return FMLP_SUCCESS;
+  return launch_ex(kernel, dim3(blocks), dim3(kThreads), smem, pdl, stream,
+                   "mlp_decode_sm80_prefetch", p);
 }
 
 template <int M, typename WT>
 fmlp_status_t launch_m(const PrefetchParams& p, const MlpDesc& d, int blocks, size_t smem,
                        cudaStream_t s) {
-  return d.gated ? launch<M, WT, true>(p, blocks, smem, s)
-                 : launch<M, WT, false>(p, blocks, smem, s);
+  const bool pdl = pdl_enabled(cuda_compute_capability(d.device_id));
+  return d.gated ? launch<M, WT, true>(p, blocks, smem, pdl, s)
+                 : launch<M, WT, false>(p, blocks, smem, pdl, s);
 }
 
 template <typename WT>
