@@ -70,7 +70,11 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 template <int M, typename WT, bool GATED>
-__global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm80_prefetch(const PrefetchParams p) {
+// Two blocks' registers per multiprocessor where the accumulators allow it (M <= 2: <= 64 registers
+// without spills), so the next call's blocks (programmatic dependent launch) can become resident
+// and start their weight copies while this call's blocks finish.
+__global__ void __launch_bounds__(kThreads, M <= 2 ? 2 : 1)
+    mlp_decode_sm80_prefetch(const PrefetchParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ float scratch[kWarps];
   const int tiles = p.h / kTile;

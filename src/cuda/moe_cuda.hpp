@@ -37,14 +37,19 @@ constexpr int kMoeMaxExperts = 512;  // the route kernel keeps per-expert tables
 // Routed slot ids other than a local expert index: never used as an index.
 constexpr int32_t kMoeSlotBad = -1;     // a given id outside [0, global experts): NaN row
 constexpr int32_t kMoeSlotRemote = -2;  // an expert of another range: contributes nothing
-constexpr int kMoeSubTiles = 16;        // 16-unit hidden tiles a block keeps on chip at a time
-constexpr int kMoeHsStride = 288;       // elements per row of h in shared memory: 256 + 32, so the
-                                        // 8 rows a fragment load touches fall in distinct banks
-constexpr int kMoeHsStrideF8 = 264;     // fp8 experts' fp16 h rows: lanes 16 columns apart read
-                                        // them, 264 spreads a quarter-warp over distinct banks
-constexpr int kMoeH32Stride = 260;      // fp8 experts' fp32 h rows before the scaled staging
-constexpr int kMoeResRows = 64;         // layer-1 rows summed across warps in shared memory (<= 4
-                                        // tiles: column splits only happen below 8 tiles)
+// The split router (moe_route.cu): router rows per block, and the token blocks up to which a
+// route launch splits the rows over grid y (a decode step's router is otherwise one block reading
+// every row in passes of 16).
+constexpr int kRouteSplitExperts = 16;
+constexpr int kRouteSplitMaxBlocks = 32;
+constexpr int kMoeSubTiles = 16;     // 16-unit hidden tiles a block keeps on chip at a time
+constexpr int kMoeHsStride = 288;    // elements per row of h in shared memory: 256 + 32, so the
+                                     // 8 rows a fragment load touches fall in distinct banks
+constexpr int kMoeHsStrideF8 = 264;  // fp8 experts' fp16 h rows: lanes 16 columns apart read
+                                     // them, 264 spreads a quarter-warp over distinct banks
+constexpr int kMoeH32Stride = 260;   // fp8 experts' fp32 h rows before the scaled staging
+constexpr int kMoeResRows = 64;      // layer-1 rows summed across warps in shared memory (<= 4
+                                     // tiles: column splits only happen below 8 tiles)
 
 // At workspace offset 0, so fmlp_moe_device_errors can find the error count without the shapes.
 struct MoeHeader {
@@ -61,8 +66,10 @@ struct MoePlan {
   int tiles = 0;           // 16-unit tiles of the hidden dimension
   bool partial = true;     // per-slice partials summed in order (deterministic), else red.add
   int route_tokens = 4;    // tokens per route block
+  int route_split = 1;     // router blocks per token block (expert groups of the router rows)
   size_t counts = 0, ids = 0, wts = 0, perm = 0, chunk_expert = 0, chunk_start = 0, chunk_len = 0,
-         out = 0, hbuf = 0, total = 0;  // workspace layout in bytes (hbuf: grouped only)
+         logits = 0, route_parts = 0, out = 0, hbuf = 0,
+         total = 0;  // workspace layout in bytes (hbuf: grouped only)
   // fp8 experts (moe_fp8.cuh), inside the hbuf region (which combine re-zeroes): x as fp16 and
   // its per-token factors; grouped only: h in fp32 before its staging as fp16 (into hbuf) and
   // its per-slot factors. 0 when absent.
@@ -79,6 +86,7 @@ struct MoeParams {
   int tokens, d, hidden, d_out, experts, top_k, slots, chunk, slices, tiles, out_slices;
   int first_expert, global_experts;  // local expert i is global id first_expert + i
   int route_tokens;
+  int route_split;  // > 1: grid y splits the router rows; logits meet in `logits` (moe_route.cu)
   bool gated, partial, renormalize, sigmoid, given;
   bool round_logits;  // router logits rounded to x's dtype (x_t is f16 or bf16 then)
   fmlp_activation_t act;
@@ -114,8 +122,10 @@ struct MoeParams {
   MoeHeader* hdr;
   // ids: per slot, the local expert index or a kMoeSlot* value.
   int32_t *counts, *ids, *perm, *chunk_expert, *chunk_start, *chunk_len;
-  float *wts, *out;  // out: [out_slices][slots][d_out] fp32
-  uint4* hbuf;       // grouped: h [slots][hidden] in chunk order, in the weights' dtype (fp8: fp16)
+  float *wts, *out;       // out: [out_slices][slots][d_out] fp32
+  float* logits;          // split router: [tokens][global experts] fp32, zero between calls
+  uint32_t* route_parts;  // split router: router blocks done per token block, zero between calls
+  uint4* hbuf;  // grouped: h [slots][hidden] in chunk order, in the weights' dtype (fp8: fp16)
   int64_t hbuf_words;  // its 16-byte words (0 for the chunked path), re-zeroed by combine
   int max_chunks;
   size_t experts_smem;

@@ -21,6 +21,7 @@
 // last block clears the routing, so the workspace is left zero-filled (the error count aside).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 
 #include "core/error.hpp"
@@ -41,7 +42,7 @@ using fmlp::cuda::warp_sum;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRouteTokens = 4;
-constexpr int kRouteExperts = 16;  // router rows per pass of router_logits_columns
+constexpr int kRouteExperts = kRouteSplitExperts;  // router rows per pass of router_logits_columns
 constexpr unsigned kFull = 0xffffffffu;
 
 struct RouteShared {
@@ -108,13 +109,15 @@ __device__ void router_logits(const MoeParams& p, int t0, int tn, RouteShared& s
 // under ncu: 78 us of a 136 us call). Each x piece is read once per pass and serves the pass's
 // rows. Sums: per thread over its pieces in order, then the warp's lanes, then the warps in order:
 // deterministic.
+// Router rows [e_begin, e_end) only.
 template <typename RT>
-__device__ void router_logits_columns(const MoeParams& p, int t0, int tn, RouteShared& sh) {
+__device__ void router_logits_columns(const MoeParams& p, int t0, int tn, RouteShared& sh,
+                                      int e_begin, int e_end) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, pieces = p.d / 8;
   const size_t xs = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
   const RT* rw = static_cast<const RT*>(p.rw);
-  for (int e0 = 0; e0 < p.global_experts; e0 += kRouteExperts) {
-    const int ne = min(kRouteExperts, p.global_experts - e0);
+  for (int e0 = e_begin; e0 < e_end; e0 += kRouteExperts) {
+    const int ne = min(kRouteExperts, e_end - e0);
     float acc[kRouteExperts][kMaxRouteTokens] = {};
     for (int c = threadIdx.x; c < pieces; c += kThreads) {
       uint4 w[kRouteExperts];
@@ -298,12 +301,41 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_route(const MoeParams p) {
         atomicAdd(p.counts + local, 1);
       }
     }
+  } else if (p.route_split > 1) {
+    // Split router (host: 16-bit rows in 16-byte pieces): this block's kRouteExperts rows into
+    // the logits buffer; the last of the token block's gridDim.y blocks to arrive takes all of
+    // them back (re-zeroing the buffer and the counter) and selects. One pass per block instead
+    // of E / 16 dependent passes in one block.
+    const int E = p.global_experts, e0 = blockIdx.y * kRouteExperts;
+    const int e1 = min(E, e0 + kRouteExperts);
+    if (p.rw_t == FMLP_DTYPE_BF16)
+      router_logits_columns<__nv_bfloat16>(p, t0, tn, sh, e0, e1);
+    else
+      router_logits_columns<__half>(p, t0, tn, sh, e0, e1);
+    for (int i = threadIdx.x; i < tn * (e1 - e0); i += kThreads) {
+      const int tk = i / (e1 - e0), e = e0 + i % (e1 - e0);
+      p.logits[int64_t(t0 + tk) * E + e] = sh.scores[tk][e];
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) sh.last = atomicAdd(p.route_parts + blockIdx.x, 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!sh.last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < tn * E; i += kThreads) {
+      float* l = p.logits + int64_t(t0) * E + i;
+      sh.scores[i / E][i % E] = __ldcg(l);
+      *l = 0.f;
+    }
+    if (threadIdx.x == 0) p.route_parts[blockIdx.x] = 0;
+    __syncthreads();
+    if (warp < tn) select_topk(p, t0 + warp, sh.scores[warp], sh.taken[warp]);
   } else {
     const bool columns = p.rw_vec16 && p.d % 8 == 0;
     if (columns && p.rw_t == FMLP_DTYPE_BF16)
-      router_logits_columns<__nv_bfloat16>(p, t0, tn, sh);
+      router_logits_columns<__nv_bfloat16>(p, t0, tn, sh, 0, p.global_experts);
     else if (columns && p.rw_t == FMLP_DTYPE_F16)
-      router_logits_columns<__half>(p, t0, tn, sh);
+      router_logits_columns<__half>(p, t0, tn, sh, 0, p.global_experts);
     else
       router_logits(p, t0, tn, sh);
     __syncthreads();
@@ -397,7 +429,8 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_combine(const MoeParams p, 
 
 fmlp_status_t moe_launch_route(const MoeParams& p, cudaStream_t s) {
   const int blocks = (p.tokens + p.route_tokens - 1) / p.route_tokens;
-  moe_sm80_route<<<blocks, kThreads, 0, s>>>(p);
+  moe_sm80_route<<<dim3(unsigned(blocks), unsigned(std::max(1, p.route_split))), kThreads, 0, s>>>(
+      p);
   return launch_status("moe_sm80_route");
 }
 
