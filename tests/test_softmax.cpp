@@ -283,5 +283,82 @@ TEST(SoftmaxSemantics, PlusInfRowIsNaNLikeTorch) {
   }
 }
 
+// softmax_sm80_ticket on the shapes of its targets and its corner cases; its op-table instance
+// above also runs the shared cases. Each of these shapes must be taken (unless
+// FMLP_SOFTMAX_TICKET=0 turns the entry off). The two longest rows have more parts than the grid
+// has blocks, so blocks hold several parts of one row (the "extra" parts, re-read at the end).
+constexpr const char* kTicket = "softmax_sm80_ticket";
+
+class SoftmaxTicket : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (fmlp_backend_available(FMLP_BACKEND_CUDA) != FMLP_SUCCESS)
+      GTEST_SKIP() << "cuda backend unavailable: " << fmlp_last_error();
+    if (!device_unavailable_reason().empty()) GTEST_SKIP() << device_unavailable_reason();
+  }
+  // "" when the case ran and matched; a skip (entry off) or failure otherwise.
+  static void check(const SmCase& c, uint64_t seed, RunMode mode = {}) {
+    const std::string err = run_case(c, kTicket, true, mix_seed(test_seed(), seed), mode);
+    if (skipped(err) && err.find("FMLP_SOFTMAX_TICKET=0") != std::string::npos) GTEST_SKIP() << err;
+    EXPECT_TRUE(err.empty()) << "[" << c.name() << "] (FMLP_TEST_SEED=" << test_seed()
+                             << "): " << err;
+  }
+};
+
+SmCase sm_case(int64_t rows, int64_t n, fmlp_dtype_t t = FMLP_DTYPE_F32) {
+  SmCase c;
+  c.rows = rows, c.n = n, c.t = t;
+  return c;
+}
+
+TEST_F(SoftmaxTicket, MatchesReference) {
+  std::vector<SmCase> v;
+  v.push_back(sm_case(1, 128256));
+  v.push_back(sm_case(1, 128256)), v.back().log = true;
+  v.push_back(sm_case(1, 1000003)), v.back().temperature = 2.f;
+  v.push_back(sm_case(3, 100003)), v.back().log = true, v.back().temperature = 0.7f;
+  v.push_back(sm_case(8, 128256));
+  v.push_back(sm_case(8, 128256)), v.back().in_place = true;
+  v.push_back(sm_case(256, 128256));
+  v.push_back(sm_case(4, 100003)), v.back().nonfinite = true;  // NaN, +Inf, all -Inf, some -Inf
+  v.push_back(sm_case(5, 128256, FMLP_DTYPE_BF16)), v.back().log = true;
+  v.push_back(sm_case(3, 65537, FMLP_DTYPE_F16)), v.back().temperature = 0.7f;
+  v.push_back(sm_case(4, 65537, FMLP_DTYPE_BF16)), v.back().nonfinite = true;
+  v.push_back(sm_case(7, 50000)), v.back().strided = true;  // rows off 16 bytes: scalar path
+  v.push_back(sm_case(6, 40000, FMLP_DTYPE_F16)), v.back().misaligned = true;
+  v.push_back(sm_case(5, 32768)), v.back().strided = true, v.back().in_place = true;
+  v.push_back(sm_case(1, 15000001));  // 60 MB: more parts than blocks
+  v.push_back(sm_case(1, 20000001, FMLP_DTYPE_BF16)), v.back().log = true;
+  uint64_t seed = 500;
+  for (const SmCase& c : v) check(c, ++seed);
+}
+
+// The same input gives the same bits: every block of a row combines the row's partials in one
+// fixed order, whichever blocks took which parts.
+TEST_F(SoftmaxTicket, RerunsAreBitwiseEqual) {
+  for (const SmCase& c : {sm_case(1, 128256), sm_case(8, 128256), sm_case(1, 15000001),
+                          sm_case(3, 65537, FMLP_DTYPE_BF16)}) {
+    std::vector<unsigned char> first, second;
+    RunMode mode;
+    mode.y_bytes = &first;
+    check(c, 600, mode);
+    mode.y_bytes = &second;
+    check(c, 600, mode);
+    EXPECT_TRUE(first == second) << "[" << c.name() << "]: two runs differ";
+  }
+}
+
+// Captured once, replayed on refreshed inputs: each replay reads the new input and leaves the
+// workspace zero-filled for the next.
+TEST_F(SoftmaxTicket, GraphReplayMatchesReference) {
+  RunMode mode;
+  mode.graph = true;
+  SmCase log1 = sm_case(1, 128256);
+  log1.log = true;
+  uint64_t seed = 700;
+  for (const SmCase& c : {log1, sm_case(8, 128256), sm_case(256, 128256), sm_case(1, 15000001)})
+    check(c, ++seed, mode);
+}
+
 }  // namespace
 }  // namespace fmlp_test

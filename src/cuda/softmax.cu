@@ -26,24 +26,20 @@
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
-#include "cuda/common.cuh"
-#include "cuda/decode_common.cuh"
 #include "cuda/device_scope.hpp"
 #include "cuda/launch_util.hpp"
 #include "cuda/ops.cuh"
+#include "cuda/softmax_common.cuh"
 
 namespace fmlp::detail {
 namespace {
 
 namespace cg = cooperative_groups;
-using fmlp::cuda::load_scalar;
-using fmlp::cuda::store_scalar;
-using fmlp::cuda::widen8;
+using namespace softmax;
 
 constexpr int kSplitThreads = 256;
 constexpr int kMaxThreads = 1024;
 constexpr int kCacheBytes = 200 * 1024;
-constexpr float kLog2e = 1.4426950408889634f;
 
 struct SoftmaxParams {
   const void* x;
@@ -61,105 +57,6 @@ struct SoftmaxParams {
   float2* stats;       // [rows]: max, sum
   unsigned* counters;  // [rows], zero between calls
 };
-
-struct Ms {
-  float m, s;
-};
-
-// Sums are relative to max(m, 0 when m is -Inf), so rows of -Inf add 0 instead of a NaN.
-__device__ __forceinline__ Ms combine(Ms a, Ms b, float sc2) {
-  const float m = fmaxf(a.m, b.m);
-  const float ms = m == -INFINITY ? 0.f : m;
-  return {m, a.s * exp2f((a.m - ms) * sc2) + b.s * exp2f((b.m - ms) * sc2)};
-}
-
-template <int E>
-__device__ __forceinline__ void accumulate(Ms& a, const float (&v)[E], float sc2) {
-  float mb = a.m;
-#pragma unroll
-  for (int e = 0; e < E; ++e) mb = fmaxf(mb, v[e]);
-  if (mb > a.m) {
-    a.s *= exp2f((a.m - mb) * sc2);
-    a.m = mb;
-  }
-  const float ms = a.m == -INFINITY ? 0.f : a.m;
-#pragma unroll
-  for (int e = 0; e < E; ++e) a.s += exp2f((v[e] - ms) * sc2);
-}
-
-// Every thread gets the block's combination, reduced in a fixed order.
-__device__ Ms block_reduce(Ms v, float sc2, Ms* scratch) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1)
-    v = combine(v, {__shfl_xor_sync(~0u, v.m, o), __shfl_xor_sync(~0u, v.s, o)}, sc2);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < int(blockDim.x / 32) ? scratch[lane] : Ms{-INFINITY, 0.f};
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1)
-    v = combine(v, {__shfl_xor_sync(~0u, v.m, o), __shfl_xor_sync(~0u, v.s, o)}, sc2);
-  return v;
-}
-
-template <typename T, bool VEC>
-constexpr int kWidth = VEC ? 16 / int(sizeof(T)) : 1;
-
-template <typename T, bool VEC>
-__device__ __forceinline__ void unpack(const uint4& raw, float (&f)[kWidth<T, VEC>]) {
-  if constexpr (!VEC) {
-    f[0] = __uint_as_float(raw.x);  // element loads never go through here
-  } else if constexpr (std::is_same_v<T, float>) {
-    f[0] = __uint_as_float(raw.x), f[1] = __uint_as_float(raw.y);
-    f[2] = __uint_as_float(raw.z), f[3] = __uint_as_float(raw.w);
-  } else {
-    widen8<T>(raw, f);
-  }
-}
-
-template <typename T, bool VEC>
-__device__ __forceinline__ void load(const char* row, int64_t i, fmlp_dtype_t t,
-                                     float (&f)[kWidth<T, VEC>], uint4* raw_out = nullptr) {
-  if constexpr (VEC) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(row + i * 16);
-    if (raw_out) *raw_out = raw;
-    unpack<T, VEC>(raw, f);
-  } else {
-    f[0] = load_scalar(row, t, i);
-  }
-}
-
-template <typename T, bool VEC>
-__device__ __forceinline__ void store(char* row, int64_t i, fmlp_dtype_t t,
-                                      const float (&f)[kWidth<T, VEC>]) {
-  if constexpr (!VEC) {
-    store_scalar(row, t, i, f[0]);
-  } else if constexpr (std::is_same_v<T, float>) {
-    *reinterpret_cast<float4*>(row + i * 16) = make_float4(f[0], f[1], f[2], f[3]);
-  } else {
-    uint32_t w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if constexpr (std::is_same_v<T, __half>) {
-        const __half2 h = __floats2half2_rn(f[2 * k], f[2 * k + 1]);
-        w[k] = *reinterpret_cast<const uint32_t*>(&h);
-      } else {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);
-        w[k] = *reinterpret_cast<const uint32_t*>(&h);
-      }
-    }
-    *reinterpret_cast<uint4*>(row + i * 16) = make_uint4(w[0], w[1], w[2], w[3]);
-  }
-}
-
-template <int E>
-__device__ __forceinline__ void finish(float (&f)[E], const SoftmaxParams& p, Ms tot) {
-  const float inv_s = 1.f / tot.s, log_s = logf(tot.s);
-#pragma unroll
-  for (int e = 0; e < E; ++e)
-    f[e] = p.log ? (f[e] - tot.m) * p.inv_t - log_s : exp2f((f[e] - tot.m) * p.sc2) * inv_s;
-}
 
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kMaxThreads) softmax_sm80_fused(const SoftmaxParams p) {
@@ -185,7 +82,7 @@ __global__ void __launch_bounds__(kMaxThreads) softmax_sm80_fused(const SoftmaxP
         unpack<T, VEC>(cache[i], f);
       else
         load<T, VEC>(x, i, p.t, f);
-      finish<E>(f, p, tot);
+      finish<E>(f, p.log, p.inv_t, p.sc2, tot);
       store<T, VEC>(y, i, p.t, f);
     }
   }
@@ -251,7 +148,7 @@ __global__ void __launch_bounds__(kSplitThreads) softmax_sm80_split_write(const 
   for (int64_t i = b + threadIdx.x; i < e; i += kSplitThreads) {
     float f[E];
     load<T, VEC>(x, i, p.t, f);
-    finish<E>(f, p, {st.x, st.y});
+    finish<E>(f, p.log, p.inv_t, p.sc2, {st.x, st.y});
     store<T, VEC>(y, i, p.t, f);
   }
 }
@@ -436,7 +333,7 @@ __global__ void __launch_bounds__(kClusterThreads) softmax_sm90_cluster(const So
   for (int64_t i = threadIdx.x; i < nv; i += kClusterThreads) {
     float f[E];
     load<T, VEC>(reinterpret_cast<const char*>(part), i, p.t, f);
-    finish<E>(f, p, tot);
+    finish<E>(f, p.log, p.inv_t, p.sc2, tot);
     store<T, VEC>(y, i, p.t, f);
   }
   asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
@@ -604,8 +501,10 @@ fmlp_status_t softmax_cluster_run(const fmlp_softmax_args_t& a, const SoftmaxDes
   return FMLP_SUCCESS;
 }
 
-// The cluster entry first: it is preferred wherever it applies.
+// The ticket entry first, then the cluster entry: each is preferred wherever it applies.
 const SoftmaxKernel kCudaKernels[] = {
+    {"softmax_sm80_ticket", FMLP_BACKEND_CUDA, softmax_ticket_supports, softmax_ticket_workspace,
+     softmax_ticket_run},
     {"softmax_sm90_cluster", FMLP_BACKEND_CUDA, softmax_cluster_supports, softmax_cluster_workspace,
      softmax_cluster_run},
     {"softmax_sm80_rows", FMLP_BACKEND_CUDA, rows_supports, rows_workspace, rows_run},
@@ -614,7 +513,7 @@ const SoftmaxKernel kCudaKernels[] = {
 }  // namespace
 
 SoftmaxKernelList cuda_softmax_kernels() {
-  return {kCudaKernels, 2};
+  return {kCudaKernels, 3};
 }
 
 }  // namespace fmlp::detail
