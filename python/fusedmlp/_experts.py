@@ -118,7 +118,8 @@ def unsupported(m):
     gate = getattr(type(m), "_apply_gate", None)
     if gated and gate is not None:
         moe = _moe_module()
-        if gate is not getattr(moe, "_default_apply_gate", object()):
+        default = getattr(moe, "_default_apply_gate", None)  # no object() here: dynamo traces it
+        if default is None or gate is not default:
             return "it has its own _apply_gate (fusedmlp computes act(gate) * up only)"
     try:
         _activation(getattr(m, "act_fn", None))
