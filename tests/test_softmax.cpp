@@ -317,16 +317,15 @@ TEST_F(SoftmaxTicket, MatchesReference) {
   v.push_back(sm_case(1, 128256)), v.back().log = true;
   v.push_back(sm_case(1, 1000003)), v.back().temperature = 2.f;
   v.push_back(sm_case(3, 100003)), v.back().log = true, v.back().temperature = 0.7f;
-  v.push_back(sm_case(8, 128256));
-  v.push_back(sm_case(8, 128256)), v.back().in_place = true;
-  v.push_back(sm_case(256, 128256));
+  v.push_back(sm_case(4, 128256));
+  v.push_back(sm_case(2, 128256)), v.back().in_place = true;
   v.push_back(sm_case(4, 100003)), v.back().nonfinite = true;  // NaN, +Inf, all -Inf, some -Inf
-  v.push_back(sm_case(5, 128256, FMLP_DTYPE_BF16)), v.back().log = true;
+  v.push_back(sm_case(4, 128256, FMLP_DTYPE_BF16)), v.back().log = true;
   v.push_back(sm_case(3, 65537, FMLP_DTYPE_F16)), v.back().temperature = 0.7f;
   v.push_back(sm_case(4, 65537, FMLP_DTYPE_BF16)), v.back().nonfinite = true;
-  v.push_back(sm_case(7, 50000)), v.back().strided = true;  // rows off 16 bytes: scalar path
-  v.push_back(sm_case(6, 40000, FMLP_DTYPE_F16)), v.back().misaligned = true;
-  v.push_back(sm_case(5, 32768)), v.back().strided = true, v.back().in_place = true;
+  v.push_back(sm_case(3, 50000)), v.back().strided = true;  // rows off 16 bytes: scalar path
+  v.push_back(sm_case(4, 40000, FMLP_DTYPE_F16)), v.back().misaligned = true;
+  v.push_back(sm_case(2, 32768)), v.back().strided = true, v.back().in_place = true;
   v.push_back(sm_case(1, 15000001));  // 60 MB: more parts than blocks
   v.push_back(sm_case(1, 20000001, FMLP_DTYPE_BF16)), v.back().log = true;
   uint64_t seed = 500;
@@ -336,7 +335,7 @@ TEST_F(SoftmaxTicket, MatchesReference) {
 // The same input gives the same bits: every block of a row combines the row's partials in one
 // fixed order, whichever blocks took which parts.
 TEST_F(SoftmaxTicket, RerunsAreBitwiseEqual) {
-  for (const SmCase& c : {sm_case(1, 128256), sm_case(8, 128256), sm_case(1, 15000001),
+  for (const SmCase& c : {sm_case(1, 128256), sm_case(4, 128256), sm_case(1, 15000001),
                           sm_case(3, 65537, FMLP_DTYPE_BF16)}) {
     std::vector<unsigned char> first, second;
     RunMode mode;
@@ -356,7 +355,7 @@ TEST_F(SoftmaxTicket, GraphReplayMatchesReference) {
   SmCase log1 = sm_case(1, 128256);
   log1.log = true;
   uint64_t seed = 700;
-  for (const SmCase& c : {log1, sm_case(8, 128256), sm_case(256, 128256), sm_case(1, 15000001)})
+  for (const SmCase& c : {log1, sm_case(4, 128256), sm_case(3, 262147), sm_case(1, 15000001)})
     check(c, ++seed, mode);
 }
 

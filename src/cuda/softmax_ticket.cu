@@ -59,10 +59,14 @@ constexpr int kThreads = 256;
 constexpr int kMaxParts = 2048;               // the block's list of extra parts in shared memory
 constexpr int64_t kMinRowBytes = 16 * 1024;   // shorter rows: softmax_sm80_rows
 constexpr int64_t kMaxPartBytes = 32 * 1024;  // 8 vectors per thread and register set
-constexpr int64_t kManyRowsPartBytes = 16 * 1024;
-constexpr int64_t kMinPartBytes = 2 * 1024;
+constexpr int64_t kMinPartBytes = 4 * 1024;
+constexpr int64_t kTargetTickets = 128;
+// Every ticket is an atomic on one counter, which serialises at ~22 ns a ticket on an H200:
+// 256 x 128256 fp32 took 200 us in 16 KB parts (8192 tickets), 1467 us in 2 KB parts, against
+// 86 us for softmax_sm90_cluster. So this kernel takes few rows only, where its one launch over
+// the whole GPU wins (1 x 128256 fp32 4.9 us against 6.0; 1 x 1M 7.7 against 10.4).
+constexpr int64_t kMaxRows = 4;
 constexpr int64_t kPartGrain = 512;  // a warp's 16-byte vectors
-constexpr int kMinPartsPerRow = 8;
 
 struct TicketParams {
   const void* x;
@@ -348,17 +352,16 @@ int64_t round_up(int64_t v, int64_t g) {
   return (v + g - 1) / g * g;
 }
 
-// Few rows: parts of ~2 per multiprocessor in all (2-16 KB), so the whole input is in flight at
-// once; many rows: 16 KB parts. At least 8 parts per row where that keeps parts >= 2 KB.
-// FMLP_SOFTMAX_PART_KB overrides. Parts only grow past that to keep P <= kMaxParts.
+// FMLP_SOFTMAX_PART_KB overrides the part size. Parts only grow past it to keep P <= kMaxParts.
 Plan plan_for(const SoftmaxDesc& d) {
   const int64_t es = int64_t(dtype_size(d.dtype)), row = d.n * es;
-  const int64_t sms = std::max(1, cuda_sm_count(d.device_id));
   int64_t part = env_part_bytes();
   if (part == 0) {
-    const int64_t spread = round_up((d.rows * row + 2 * sms - 1) / (2 * sms), kPartGrain);
-    part = std::clamp(spread, kMinPartBytes, kManyRowsPartBytes);
-    part = std::max(kMinPartBytes, std::min(part, round_up(row / kMinPartsPerRow, kPartGrain)));
+    // ~128 tickets in all, 4-32 KB each: measured on an H200 (part sweep, session 9), 1 x 128256
+    // fp32 5.58 / 4.93 / 5.06 / 6.59 us at 2 / 4 / 8 / 32 KB, 1 x 1M fp32 16.1 / 11.4 / 9.1 /
+    // 7.7 us.
+    part = std::clamp(round_up((d.rows * row + kTargetTickets - 1) / kTargetTickets, kPartGrain),
+                      kMinPartBytes, kMaxPartBytes);
   }
   part = std::min(kMaxPartBytes,
                   std::max(part, round_up((row + kMaxParts - 1) / kMaxParts, kPartGrain)));
@@ -440,6 +443,12 @@ bool softmax_ticket_supports(const SoftmaxDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (!ticket_enabled()) return (*why = "turned off by FMLP_SOFTMAX_TICKET=0", false);
   const int64_t row = d.n * int64_t(dtype_size(d.dtype));
+  if (d.rows > kMaxRows)
+    return (*why = fmt::format("{} rows: this kernel takes up to {} (one atomic ticket per part "
+                               "serialises many rows); softmax_sm90_cluster and "
+                               "softmax_sm80_rows take more",
+                               d.rows, kMaxRows),
+            false);
   if (row < kMinRowBytes)
     return (*why = fmt::format("rows of {} bytes: this kernel takes rows of >= {} bytes; "
                                "softmax_sm80_rows takes shorter ones",
