@@ -4,6 +4,7 @@
 // (fp8 x with per-row or per-tensor x_scale) follow torch._scaled_mm's semantics.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -25,6 +26,7 @@ struct LinCase {
   bool wide_x = false;        // |x| log-uniform over 2^-20..2^10 in every row
   fmlp_dtype_t yt = kAbsent;  // y's dtype when x is f8_e4m3 (W8A8); else x's
   bool x_per_row = false;     // W8A8: x_scale [M] rather than [1]
+  int64_t w_pad = 0;          // W rows padded by this many elements (poison) past K: ldw > K
   fmlp_dtype_t out() const { return yt != kAbsent ? yt : xt; }
   std::string name() const {
     return "M=" + std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k) +
@@ -36,7 +38,8 @@ struct LinCase {
                                      : "") +
            (misaligned ? " misaligned" : "") + (x_misaligned ? " x-misaligned" : "") +
            (strided ? " strided" : "") + (x_strided ? " x-strided" : "") +
-           (nonfinite ? " nonfinite" : "") + (w_nan ? " w-nan" : "") + (wide_x ? " wide-x" : "");
+           (nonfinite ? " nonfinite" : "") + (w_nan ? " w-nan" : "") + (wide_x ? " wide-x" : "") +
+           (w_pad ? " w-pad=" + std::to_string(w_pad) : "");
   }
 };
 
@@ -87,7 +90,17 @@ std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t
     for (int64_t i = 0; i < c.n; ++i) b.set(0, i, 0.1 * nd(rng));
   }
   PlacedTensor px(c.xt, c.m, c.k, device, c.misaligned || c.x_misaligned, c.strided || c.x_strided);
-  PlacedTensor pw(c.wt, c.n, c.k, device, c.misaligned, c.strided);
+  PlacedTensor pw(c.wt, c.n, c.k + c.w_pad, device, c.misaligned, c.strided);
+  HostMatrix wp =
+      w;  // padded rows: bytes 0x7f (NaN or near the largest finite) that must not count
+  if (c.w_pad) {
+    const size_t es = fmlp::dtype_size(c.wt), row = size_t(c.k) * es;
+    wp = matrix(c.wt, c.n, c.k + c.w_pad);
+    std::fill(wp.bytes.begin(), wp.bytes.end(), 0x7f);
+    for (int64_t i = 0; i < c.n; ++i)
+      std::memcpy(wp.bytes.data() + size_t(i) * (row + size_t(c.w_pad) * es),
+                  w.bytes.data() + size_t(i) * row, row);
+  }
   PlacedTensor py(c.out(), c.m, c.n, device, c.misaligned || c.x_misaligned,
                   c.strided || c.x_strided);
   PlacedTensor ps(FMLP_DTYPE_F32, 1, s.cols, device, false, false);
@@ -97,10 +110,11 @@ std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t
   for (int64_t i = 0; i < c.m; ++i)
     for (int64_t j = 0; j < c.k; ++j) stale.set(i, j, nd(rng));
   px.upload(mode.graph ? stale : x);
-  pw.upload(w);
+  pw.upload(wp);
   ps.upload(s);
   pxs.upload(xsc);
   fmlp_linear_args_t a{py.view(), px.view(), pw.view(), fmlp_tensor_none(), fmlp_tensor_none()};
+  a.w.shape[1] = c.k;  // of the c.k + c.w_pad columns placed
   if (c.wt == FMLP_DTYPE_F8_E4M3) a.w_scale = ps.vector_view();
   if (x8) a.x_scale = pxs.vector_view();
   if (c.bt != kAbsent) {
@@ -276,6 +290,45 @@ std::vector<LinCase> cases() {
     c.m = n == 3 ? 5 : 1, c.n = n, c.k = 8192;
     c.xt = c.wt = FMLP_DTYPE_BF16;
     c.bt = FMLP_DTYPE_BF16;
+    v.push_back(c);
+  }
+  // The weight stream's partitions (linear_sm80_stream, stream_gemv.cuh). On an H200 the first
+  // nine take flat runs: several short rows per warp (K = 768: 4 per run, 3 whole batches), runs
+  // that end mid-row (K = 776, 1408, 2056), N not a multiple of a group's rows, W rows padded past
+  // K, bf16 / f16 / fp8 weights, fp32 x, 1 and 2 tokens (per-row accumulators); then row runs of
+  // short rows (K = 8, 24, 96), long rows (14336, 14344: 1793 chunks), M = 3 and 4, N = 1.
+  // FMLP_STREAM_FLAT=2 runs the flat loop at every size, =0 session 8's partition.
+  struct StreamEdge {
+    int64_t m, n, k;
+    fmlp_dtype_t x, w;
+    int64_t pad;
+  };
+  const fmlp_dtype_t bf = FMLP_DTYPE_BF16, hf = FMLP_DTYPE_F16, f8 = FMLP_DTYPE_F8_E4M3;
+  int edge = 0;
+  for (const StreamEdge& e : {StreamEdge{1, 16411, 768, bf, bf, 0},
+                              {1, 8452, 768, FMLP_DTYPE_F32, bf, 0},
+                              {1, 10454, 776, hf, hf, 0},
+                              {1, 8191, 1408, bf, bf, 8},
+                              {2, 4231, 1408, bf, bf, 0},
+                              {1, 4099, 2056, bf, bf, 0},
+                              {2, 3062, 2056, hf, hf, 8},
+                              {1, 8191, 768, bf, f8, 0},
+                              {1, 10454, 1408, hf, f8, 16},
+                              {3, 127, 24, hf, hf, 8},
+                              {4, 769, 8, bf, bf, 0},
+                              {1, 7, 96, FMLP_DTYPE_F32, bf, 0},
+                              {4, 5000, 96, bf, bf, 8},
+                              {2, 1, 14336, bf, bf, 0},
+                              {1, 127, 14344, bf, bf, 8},
+                              {1, 263, 14336, hf, hf, 0},
+                              {2, 769, 2056, FMLP_DTYPE_F32, hf, 0}}) {
+    LinCase c;
+    c.m = e.m, c.n = e.n, c.k = e.k;
+    c.xt = e.x, c.wt = e.w, c.w_pad = e.pad;
+    c.bt = edge % 3 == 1 ? FMLP_DTYPE_F32 : edge % 3 == 2 ? e.x : kAbsent;
+    c.per_row = edge % 2;
+    c.x_misaligned = edge % 4 == 3;
+    ++edge;
     v.push_back(c);
   }
   return v;

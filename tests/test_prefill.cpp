@@ -12,6 +12,7 @@
 // kW8A8Rtol per element plus kW8A8RmsBound over each case, from the error model stated there.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -458,6 +459,180 @@ TEST(Planner, Fp8DecodeAtFewTokensW8A8AtMany) {
       EXPECT_TRUE(cmp.ok) << "M=" << m << ": " << cmp.detail;
     }
   }
+}
+
+// ---- gated 16-bit GEMM1 as one sm_90a kernel (gemm_sm90_wgmma_gated) ----
+// Gated bf16/f16 requests with 16-byte aligned x, weights and rows run GEMM1 + bias + activation
+// + gate product as one wgmma kernel on compute capability 9.0 (FMLP_PREFILL_WGMMA=0 switches
+// it off); elsewhere, and for misaligned views, the cuBLASLt path. Same tolerance as above: the
+// fused kernel rounds only h (not G) to the activation dtype, one rounding fewer.
+
+bool device_is_sm90() {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0) != cudaSuccess)
+    return false;
+  return major == 9 && minor == 0;
+}
+
+bool wgmma_switched_off() {
+  const char* e = std::getenv("FMLP_PREFILL_WGMMA");
+  return e && std::string(e) == "0";
+}
+
+// run_kernel with explicit arguments (views narrowed or shifted from a PlacedCase's buffers).
+RunOutcome run_args(const fmlp_mlp_args_t& args, const char* kernel) {
+  size_t bytes = 0;
+  fmlp_status_t s = fmlp_mlp_kernel_workspace_size(&args, kernel, &bytes);
+  if (s != FMLP_SUCCESS) return {s, fmlp_last_error()};
+  Buffer ws(bytes, true);
+  ws.fill(0);
+  s = fmlp_mlp_with_kernel(&args, kernel, ws.data(), bytes, nullptr);
+  RunOutcome out{s, fmlp_last_error()};
+  if (s == FMLP_SUCCESS) {
+    const cudaError_t e = cudaDeviceSynchronize();
+    if (e != cudaSuccess)
+      out = {FMLP_ERROR_CUDA, std::string("after the run: ") + cudaGetErrorString(e)};
+  }
+  return out;
+}
+
+std::vector<MlpCase> wgmma_cases() {
+  struct Shape {
+    int64_t m, k, h;
+  };
+  // Tile edges (M 127/128/129, H not a multiple of 128, K below one 64-wide k block and not a
+  // multiple of it) and one deep K.
+  const Shape shapes[] = {{1, 64, 128},     {7, 72, 200},     {127, 200, 1000}, {128, 64, 1408},
+                          {129, 4096, 200}, {769, 200, 1000}, {769, 72, 1408},  {128, 4096, 128},
+                          {129, 64, 200},   {4096, 200, 1000}};
+  const fmlp_activation_t acts[] = {FMLP_ACT_SILU, FMLP_ACT_GELU, FMLP_ACT_GELU_TANH,
+                                    FMLP_ACT_RELU};
+  std::vector<MlpCase> v;
+  uint64_t k = 0;
+  for (const Shape& sh : shapes)
+    for (const Gate g : {Gate::kStacked, Gate::kSeparate}) {
+      MlpCase c = base_case(sh.m, sh.k, sh.h, 64, k % 2 ? FMLP_DTYPE_F16 : FMLP_DTYPE_BF16);
+      c.gate = g, c.act = acts[k % 4];
+      c.b1 = k % 3 == 0 ? kAbsent : k % 3 == 1 ? FMLP_DTYPE_F32 : c.x_dtype;
+      if (g == Gate::kSeparate) c.b_up = k % 5 == 0 ? kAbsent : FMLP_DTYPE_BF16;
+      c.b2 = k % 2 ? c.x_dtype : kAbsent;
+      c.residual = k % 3 == 0   ? Residual::kInPlace
+                   : k % 3 == 1 ? Residual::kSeparate
+                                : Residual::kNone;
+      c.norm = k % 4 == 3 ? FMLP_NORM_RMSNORM : FMLP_NORM_NONE;  // x from the norm's scratch
+      c.gamma = c.norm != FMLP_NORM_NONE ? FMLP_DTYPE_F32 : kAbsent;
+      ++k;
+      v.push_back(c);
+    }
+  for (MlpCase& c : v) normalize(&c);
+  return v;
+}
+
+TEST(PrefillWgmma, MatchesReference) {
+  SKIP_WITHOUT_GPU();
+  int i = 1000;
+  for (const MlpCase& c : wgmma_cases()) {
+    const std::string err = check_case(c, kPrefill, uint64_t(++i));
+    EXPECT_TRUE(err.empty()) << "[" << c.name() << "]: " << err
+                             << " (FMLP_TEST_SEED=" << test_seed() << ")";
+  }
+}
+
+TEST(PrefillWgmma, ExplainNamesTheFusedGemm1) {
+  SKIP_WITHOUT_GPU();
+  MlpCase c = base_case(512, 256, 512, 256, FMLP_DTYPE_BF16);
+  c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU;
+  normalize(&c);
+  PlacedCase p(c, true);
+  const std::string report = explain(p.args());
+  const bool fused = device_is_sm90() && !wgmma_switched_off();
+  EXPECT_EQ(report.find("gemm_sm90_wgmma_gated") != std::string::npos, fused) << report;
+  EXPECT_EQ(report.find("GEMM1: cuBLASLt") != std::string::npos, !fused) << report;
+}
+
+// NaN and +Inf rows of x through the wgmma accumulators and the epilogue.
+TEST(PrefillWgmma, NonFiniteInputsPropagate) {
+  SKIP_WITHOUT_GPU();
+  int i = 1100;
+  for (const fmlp_activation_t act :
+       {FMLP_ACT_RELU, FMLP_ACT_GELU, FMLP_ACT_GELU_TANH, FMLP_ACT_SILU})
+    for (const Gate g : {Gate::kStacked, Gate::kSeparate}) {
+      MlpCase c =
+          base_case(130, 72, 200, 64, g == Gate::kStacked ? FMLP_DTYPE_BF16 : FMLP_DTYPE_F16);
+      c.gate = g, c.act = act, c.nonfinite = true, c.b1 = FMLP_DTYPE_F32;
+      normalize(&c);
+      const std::string err = check_case(c, kPrefill, uint64_t(++i));
+      EXPECT_TRUE(err.empty()) << "[" << c.name() << "]: " << err;
+    }
+}
+
+// Row strides above d_in (ldx = ldw = d_in + 8, 16-byte multiples, so the fused kernel takes
+// them): a case with 8 more input columns whose x columns are zero, run on views narrowed to the
+// first d_in columns; the reference of the wide case is the narrow case's.
+// shift_x: x's view starts one element in (misaligned: the fused kernel declines, cuBLASLt runs
+// or refuses with a reason and y untouched); the reference then reads x shifted by one column.
+void check_narrowed(Gate g, fmlp_dtype_t t, bool shift_x, uint64_t salt) {
+  const int64_t k = 136;
+  MlpCase c = base_case(300, k + 8, 264, 72, t);
+  c.gate = g, c.act = FMLP_ACT_SILU, c.b1 = FMLP_DTYPE_F32, c.b2 = t;
+  c.residual = Residual::kSeparate;
+  if (g == Gate::kSeparate) c.b_up = t;
+  normalize(&c);
+  PlacedCase p(c, true);
+  CaseData data = make_data(c, mix_seed(test_seed(), salt));
+  for (int64_t r = 0; r < c.m; ++r)
+    for (int64_t j = k; j < k + 8; ++j) data.x.set(r, j, 0.0);
+  p.upload(data);
+  CaseData ref_data = data;
+  if (shift_x)
+    for (int64_t r = 0; r < c.m; ++r)
+      for (int64_t j = 0; j < k; ++j) ref_data.x.set(r, j, data.x.get(r, j + 1));
+  fmlp_mlp_args_t args = p.args();
+  args.x.shape[1] = k;
+  if (shift_x) args.x.data = static_cast<char*>(args.x.data) + 2;
+  args.weights.w1.shape[1] = k;
+  if (g == Gate::kSeparate) args.weights.w_up.shape[1] = k;
+  const std::vector<unsigned char> before = p.y_bytes();
+  const RunOutcome run = run_args(args, kPrefill);
+  const std::string name = c.name() + (shift_x ? " x+1" : "");
+  if (shift_x && run.status == FMLP_ERROR_NOT_SUPPORTED) {
+    EXPECT_NE(run.error.find("cuBLASLt has no algorithm"), std::string::npos) << run.error;
+    EXPECT_EQ(p.y_bytes(), before) << "[" << name << "]: y written on refusal";
+    std::printf("[fmlp] %s refused: %s\n", name.c_str(), run.error.c_str());
+    return;
+  }
+  ASSERT_EQ(run.status, FMLP_SUCCESS) << "[" << name << "]: " << run.error;
+  std::string stray;
+  const std::vector<double> out = p.download_y(&stray);
+  EXPECT_TRUE(stray.empty()) << stray;
+  const CompareOutcome cmp = compare(c, out, reference(c, ref_data), /*gemm_composed=*/true);
+  EXPECT_TRUE(cmp.ok) << "[" << name << "]: " << cmp.bad << " wrong; " << cmp.detail;
+}
+
+TEST(PrefillWgmma, StridedViews) {
+  SKIP_WITHOUT_GPU();
+  check_narrowed(Gate::kStacked, FMLP_DTYPE_BF16, false, 1200);
+  check_narrowed(Gate::kSeparate, FMLP_DTYPE_F16, false, 1201);
+}
+
+TEST(PrefillWgmma, MisalignedXFallsBackToCublasLt) {
+  SKIP_WITHOUT_GPU();
+  check_narrowed(Gate::kStacked, FMLP_DTYPE_BF16, true, 1210);
+  check_narrowed(Gate::kSeparate, FMLP_DTYPE_F16, true, 1211);
+}
+
+TEST(PrefillWgmma, GraphCaptureAfterWarmCall) {
+  SKIP_WITHOUT_GPU();
+  MlpCase c = base_case(769, 200, 1000, 128, FMLP_DTYPE_F16);
+  c.gate = Gate::kSeparate, c.act = FMLP_ACT_GELU, c.residual = Residual::kInPlace;
+  c.b1 = FMLP_DTYPE_F32, c.b_up = FMLP_DTYPE_F16, c.b2 = FMLP_DTYPE_F16;
+  normalize(&c);
+  expect_graph_replays_after_warm_call(
+      c, 1300, [&](const std::vector<double>& out, const Reference& ref) {
+        const CompareOutcome cmp = compare(c, out, ref, /*gemm_composed=*/true);
+        return cmp.ok ? std::string() : std::to_string(cmp.bad) + " wrong; " + cmp.detail;
+      });
 }
 
 #endif  // FMLP_TEST_WITH_CUDA

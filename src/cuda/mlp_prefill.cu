@@ -12,6 +12,9 @@
 //   3. h = act(G_gate + bg) * (G_up + bu) (gated) or act(G + b1) (dense, unless fused in 2),
 //      written in place over the gate half, rounded to the activation dtype as PyTorch does
 //   4. y = h W2^T + b2 (+ residual as C with beta = 1; in place when residual is y)
+// Gated 16-bit requests on sm_90a replace 2 and 3 with one kernel (gemm_sm90_gated.cu: wgmma,
+// the bias + activation + gate product in its epilogue) writing h straight into the gate half of
+// G; FMLP_PREFILL_WGMMA=0 keeps the cuBLASLt GEMM1 (for A/B measurements).
 // The scratch (and the cuBLASLt workspace bytes the chosen algorithms touched) is zeroed again at
 // the end, so the workspace contract of fusedmlp.h (left zero-filled) holds for every kernel.
 #include <cuda_bf16.h>
@@ -19,15 +22,19 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "cuda/common.cuh"
 #include "cuda/device_scope.hpp"
+#include "cuda/gemm_sm90_gated.cuh"
 #include "cuda/launch_util.hpp"
 #include "cuda/mlp_prefill.cuh"
 #include "cuda/mlp_prefill_common.cuh"
 #include "cuda/mlp_prefill_cublaslt.cuh"
+#include "cuda/ops.cuh"
 
 namespace fmlp::detail {
 namespace {
@@ -43,6 +50,49 @@ constexpr int kThreads = 256;
 // spec (src/ref/activation.hpp) propagates.
 bool gelu_in_epilogue(const MlpDesc& d) {
   return !d.gated && d.activation == FMLP_ACT_GELU_TANH && d.act_dtype != FMLP_DTYPE_F32;
+}
+
+bool wgmma_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("FMLP_PREFILL_WGMMA");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
+
+// GEMM1 + bias/activation as gemm_sm90_wgmma_gated: gated, 16-bit, wgmma not switched off (the
+// kernel's own supports() then checks the device and the pointers of each pass).
+bool wgmma_candidate(const MlpDesc& d) {
+  return d.gated && d.act_dtype == d.w_dtype &&
+         (d.act_dtype == FMLP_DTYPE_BF16 || d.act_dtype == FMLP_DTYPE_F16) && wgmma_enabled();
+}
+
+// The fused GEMM1's arguments for one pass of mc tokens (x rows at xin, stride ldx): the gate and
+// up rows and biases as prefill_bias_act reads them, h into the gate half of G.
+GatedGemmArgs fused_gemm1_args(const MlpDesc& d, const fmlp_mlp_weights_t& w, const void* xin,
+                               int64_t ldx, int64_t mc, void* g, int64_t ldg) {
+  const int64_t H = d.hidden;
+  GatedGemmArgs ga;
+  ga.device = d.device_id;
+  ga.dtype = d.act_dtype;
+  ga.act = d.activation;
+  ga.m = mc, ga.k = d.d_in, ga.h = H;
+  ga.x = xin, ga.ldx = ldx;
+  ga.wg = w.w1.data, ga.ldwg = w.w1.stride[0];
+  if (d.stacked_gate_up) {
+    ga.wu = offset(w.w1.data, H * w.w1.stride[0], dtype_size(d.w_dtype));
+    ga.ldwu = w.w1.stride[0];
+  } else {
+    ga.wu = w.w_up.data, ga.ldwu = w.w_up.stride[0];
+  }
+  if (d.has_b1) ga.bg = w.b1.data, ga.bg_t = w.b1.dtype;
+  if (d.stacked_gate_up && d.has_b1) {
+    ga.bu = offset(w.b1.data, H, dtype_size(w.b1.dtype)), ga.bu_t = w.b1.dtype;
+  } else if (d.has_b_up) {
+    ga.bu = w.b_up.data, ga.bu_t = w.b_up.dtype;
+  }
+  ga.out = g, ga.ldo = ldg;
+  return ga;
 }
 
 // Byte offsets of the scratch regions from the 256-aligned workspace base.
@@ -212,6 +262,14 @@ fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base,
       ldx = l.ldn;
     }
 
+    // h = act(x Wg^T + bg) * (x Wu^T + bu) in one kernel, into the gate half of G.
+    const GatedGemmArgs ga = fused_gemm1_args(d, w, xin, ldx, mc, g, l.ldg);
+    std::string why;
+    const bool fused = wgmma_candidate(d) && gemm_sm90_gated_supports(ga, &why);
+    if (fused) {
+      if (const fmlp_status_t st = gemm_sm90_gated_run(ga, s); st != FMLP_SUCCESS) return st;
+    }
+
     // GEMM1 into G [mc, ldg].
     LtGemm g1;
     g1.n = mc;
@@ -227,8 +285,10 @@ fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base,
       g1.epilogue = b1_lt ? LtEpilogue::kGeluTanhBias : LtEpilogue::kGeluTanh;
       g1.bias = b1_lt;
     }
-    if (const fmlp_status_t st = gemm(g1); st != FMLP_SUCCESS) return st;
-    if (d.gated && !d.stacked_gate_up) {
+    if (!fused) {
+      if (const fmlp_status_t st = gemm(g1); st != FMLP_SUCCESS) return st;
+    }
+    if (!fused && d.gated && !d.stacked_gate_up) {
       LtGemm gu = g1;
       gu.a = w.w_up.data;
       gu.lda = w.w_up.stride[0];
@@ -237,7 +297,7 @@ fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base,
     }
 
     // Bias + activation (+ gate product) in place, unless the epilogue did it.
-    if (!gelu_epi) {
+    if (!gelu_epi && !fused) {
       ActParams ap{g, l.ldg, H, mc, H, nullptr, nullptr, w.b1.dtype, w.b1.dtype, d.activation};
       if (d.has_b1) ap.bg = w.b1.data;
       if (d.gated && d.stacked_gate_up && d.has_b1) {
@@ -291,6 +351,15 @@ fmlp_status_t run_typed(const fmlp_mlp_args_t& a, const MlpDesc& d, void* worksp
 }
 
 }  // namespace
+
+const char* mlp_prefill_gemm1_note(const MlpDesc& d) {
+  if (!d.gated || d.w_dtype == FMLP_DTYPE_F8_E4M3) return "";
+  if (wgmma_candidate(d) && d.weights_vec16 && d.d_in % 8 == 0 &&
+      cuda_compute_capability(d.device_id) == 90)
+    return "; GEMM1 + bias + activation + gate product: gemm_sm90_wgmma_gated (one sm_90a "
+           "kernel; cuBLASLt + prefill_bias_act when x or its row stride is not 16-byte aligned)";
+  return "; GEMM1: cuBLASLt, then prefill_bias_act";
+}
 
 bool mlp_prefill_sm90_cublaslt_supports(const MlpDesc& d, std::string* why) {
   if (d.device != FMLP_DEVICE_CUDA) return (*why = "needs CUDA device memory", false);

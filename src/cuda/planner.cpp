@@ -5,6 +5,7 @@
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
+#include "cuda/gemm_sm90_gated.cuh"
 #include "cuda/mlp_prefill.cuh"
 
 namespace fmlp::detail {
@@ -109,8 +110,9 @@ const MlpKernel* cuda_plan(const MlpDesc& d, std::string* reason) {
   if (d.m >= c.m && prefill != nullptr) {
     if (prefill->supports(d, &why)) {
       if (reason)
-        *reason = fmt::format("M={} >= crossover {} ({}) for {}: prefill path{}", d.m, c.m,
-                              c.source, shape_text(d), fp8_note(d, true));
+        *reason =
+            fmt::format("M={} >= crossover {} ({}) for {}: prefill path{}{}", d.m, c.m, c.source,
+                        shape_text(d), fp8_note(d, true), mlp_prefill_gemm1_note(d));
       return prefill;
     }
   }
