@@ -463,8 +463,9 @@ TEST(Planner, Fp8DecodeAtFewTokensW8A8AtMany) {
 
 // ---- gated 16-bit GEMM1 as one sm_90a kernel (gemm_sm90_wgmma_gated) ----
 // Gated bf16/f16 requests with 16-byte aligned x, weights and rows run GEMM1 + bias + activation
-// + gate product as one wgmma kernel on compute capability 9.0 (FMLP_PREFILL_WGMMA=0 switches
-// it off); elsewhere, and for misaligned views, the cuBLASLt path. Same tolerance as above: the
+// + gate product as one wgmma kernel on compute capability 9.0 when FMLP_PREFILL_WGMMA=1 (ctest
+// runs these tests that way too: tests/CMakeLists.txt); elsewhere, and for misaligned views, the
+// cuBLASLt path. Same tolerance as above: the
 // fused kernel rounds only h (not G) to the activation dtype, one rounding fewer.
 
 bool device_is_sm90() {
@@ -475,9 +476,9 @@ bool device_is_sm90() {
   return major == 9 && minor == 0;
 }
 
-bool wgmma_switched_off() {
+bool wgmma_switched_on() {
   const char* e = std::getenv("FMLP_PREFILL_WGMMA");
-  return e && std::string(e) == "0";
+  return e && std::string(e) == "1";
 }
 
 // run_kernel with explicit arguments (views narrowed or shifted from a PlacedCase's buffers).
@@ -546,7 +547,7 @@ TEST(PrefillWgmma, ExplainNamesTheFusedGemm1) {
   normalize(&c);
   PlacedCase p(c, true);
   const std::string report = explain(p.args());
-  const bool fused = device_is_sm90() && !wgmma_switched_off();
+  const bool fused = device_is_sm90() && wgmma_switched_on();
   EXPECT_EQ(report.find("gemm_sm90_wgmma_gated") != std::string::npos, fused) << report;
   EXPECT_EQ(report.find("GEMM1: cuBLASLt") != std::string::npos, !fused) << report;
 }

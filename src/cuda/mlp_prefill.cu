@@ -12,9 +12,11 @@
 //   3. h = act(G_gate + bg) * (G_up + bu) (gated) or act(G + b1) (dense, unless fused in 2),
 //      written in place over the gate half, rounded to the activation dtype as PyTorch does
 //   4. y = h W2^T + b2 (+ residual as C with beta = 1; in place when residual is y)
-// Gated 16-bit requests on sm_90a replace 2 and 3 with one kernel (gemm_sm90_gated.cu: wgmma,
-// the bias + activation + gate product in its epilogue) writing h straight into the gate half of
-// G; FMLP_PREFILL_WGMMA=0 keeps the cuBLASLt GEMM1 (for A/B measurements).
+// With FMLP_PREFILL_WGMMA=1, gated 16-bit requests on sm_90a replace 2 and 3 with one kernel
+// (gemm_sm90_gated.cu: wgmma, the bias + activation + gate product in its epilogue) writing h
+// straight into the gate half of G. Off by default: measured on an H200 (session 9) it is not yet
+// faster than cuBLASLt's GEMM plus the bias/activation pass (llama3-8b M = 4096 2175 against 2158
+// us, M = 256 173.7 against 164.8; docs/cuda-prefill.md).
 // The scratch (and the cuBLASLt workspace bytes the chosen algorithms touched) is zeroed again at
 // the end, so the workspace contract of fusedmlp.h (left zero-filled) holds for every kernel.
 #include <cuda_bf16.h>
@@ -55,12 +57,12 @@ bool gelu_in_epilogue(const MlpDesc& d) {
 bool wgmma_enabled() {
   static const bool on = [] {
     const char* e = std::getenv("FMLP_PREFILL_WGMMA");
-    return !(e && std::strcmp(e, "0") == 0);
+    return e && std::strcmp(e, "1") == 0;
   }();
   return on;
 }
 
-// GEMM1 + bias/activation as gemm_sm90_wgmma_gated: gated, 16-bit, wgmma not switched off (the
+// GEMM1 + bias/activation as gemm_sm90_wgmma_gated: gated, 16-bit, wgmma switched on (the
 // kernel's own supports() then checks the device and the pointers of each pass).
 bool wgmma_candidate(const MlpDesc& d) {
   return d.gated && d.act_dtype == d.w_dtype &&

@@ -21,11 +21,11 @@
 //     (kc: chunks per row; R any multiple of the rows a finish needs) into whole batches per
 //     warp, a run crossing rows where it ends mid-row, so only a warp's last batch of a group
 //     may be partial. R (and the kind of run) is the candidate with the fewest batch round trips
-//     per warp, ceil(groups / resident blocks) x batches per group: 768 -> 50257 gets R = 32
-//     (3 whole batches per warp, 4 rows each: 9 round trips against 12), 14336 -> 4096 row runs
-//     of R = 4 (7 whole batches per warp: 14 against 16), the moe down of hidden 1408 at k = 8
-//     R = 16 (2.75 of 3 batches used instead of 1.375 of 2). FMLP_STREAM_FLAT=0 keeps session
-//     8's partition, =2 takes flat runs wherever they fit (stream_flat_mode),
+//     per warp, ceil(groups / resident blocks) x batches per group, for rows shorter than one
+//     batch (the only case where it measured faster: stream_shape): 768 -> 50257 gets R = 32
+//     (3 whole batches per warp, 4 rows each: 9 round trips against 12; 29.2 -> 24.4 us).
+//     FMLP_STREAM_FLAT=0 keeps session 8's partition everywhere, =2 takes flat runs wherever
+//     they fit (stream_flat_mode),
 //   - the next batch (of this group or the block's next one) is requested before the current
 //     one is used, so every lane has a batch in flight also across groups; the caller issues the
 //     first batch (stream_load) before staging x,
@@ -184,7 +184,13 @@ inline StreamShape stream_shape(int64_t n, int64_t k, int elem_bytes, int min_ro
   while (rows < min_rows || (rows < kStreamWarps && row_bytes * rows * 2 <= group)) rows *= 2;
   StreamShape best = stream_shape_rows(n, k, kc, rows);
   const int mode = stream_flat_mode();
-  if (mode == 0 || kc == 0 || n == 0) return best;
+  // Measured on an H200 (session 9, FMLP_STREAM_FLAT=0 against the costed choice, M = 1 bf16):
+  // the costed choice won only where a row is shorter than one batch (768 -> 50257: 29.2 ->
+  // 24.4 us) and lost where it re-partitioned longer rows (14336 -> 4096 34.7 -> 36.8,
+  // mistral's 4096 -> 32000 lm head 70.1 -> 85.2, 18944 -> 3584 40.6 -> 49.2, the moe down of
+  // hidden 1408 at E = 64 T = 1 67.9 -> 73.4 us): the model leaves out what a group's barrier
+  // and reduction cost. So only rows of less than one batch leave the reference.
+  if (mode == 0 || kc == 0 || n == 0 || (mode == 1 && kc >= kStreamBatch)) return best;
   const int64_t res = std::max(1, resident);
   auto cost = [&](const StreamShape& s) { return (s.groups + res - 1) / res * s.batches; };
   int64_t best_cost = mode == 2 ? INT64_MAX : cost(best);
