@@ -292,12 +292,10 @@ std::vector<LinCase> cases() {
     c.bt = FMLP_DTYPE_BF16;
     v.push_back(c);
   }
-  // The weight stream's partitions (linear_sm80_stream, stream_gemv.cuh). On an H200 the first
-  // nine take flat runs: several short rows per warp (K = 768: 4 per run, 3 whole batches), runs
-  // that end mid-row (K = 776, 1408, 2056), N not a multiple of a group's rows, W rows padded past
-  // K, bf16 / f16 / fp8 weights, fp32 x, 1 and 2 tokens (per-row accumulators); then row runs of
-  // short rows (K = 8, 24, 96), long rows (14336, 14344: 1793 chunks), M = 3 and 4, N = 1.
-  // FMLP_STREAM_FLAT=2 runs the flat loop at every size, =0 session 8's partition.
+  // The weight stream's partition edges (linear_sm80_stream, stream_gemv.cuh): short rows (K = 8,
+  // 24, 96, 768, 776: one partial batch per warp), rows that end mid-batch (1408, 2056, 14336,
+  // 14344), N not a multiple of a group's rows, W rows padded past K, bf16 / f16 / fp8 weights,
+  // fp32 x, M = 1..4, N = 1.
   struct StreamEdge {
     int64_t m, n, k;
     fmlp_dtype_t x, w;

@@ -57,9 +57,8 @@ std::vector<MoeCase> stream_cases() {
   big.t = 16, big.e = 64, big.k = 8, big.d = 256, big.hidden = 136, big.d_out = 264;
   big.gated = true, big.xt = big.wt = FMLP_DTYPE_BF16, big.rt = FMLP_DTYPE_BF16, big.residual = 1;
   v.push_back(big);
-  // Short down-stream rows: hidden 24 and 40 (3 and 5 chunks), and 1408 (176 chunks: flat runs
-  // over 16 rows on an H200 at T = 4, top-6 padded to 8 slots); FMLP_STREAM_FLAT=2 takes flat runs
-  // for all three.
+  // Short down-stream rows: hidden 24 and 40 (3 and 5 chunks), and 1408 (176 chunks: 1.375
+  // batches per warp; top-6 padded to 8 slots).
   for (int64_t h : {24, 40, 1408}) {
     MoeCase c;
     c.t = h == 1408 ? 4 : 2, c.e = 64, c.k = h == 40 ? 8 : 6;

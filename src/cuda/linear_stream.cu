@@ -23,6 +23,7 @@ namespace {
 
 using fmlp::cuda::kStreamThreads;
 using fmlp::cuda::kStreamU;
+using fmlp::cuda::kStreamWarps;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::store_scalar;
 using fmlp::cuda::stream_begin;
@@ -32,7 +33,6 @@ using fmlp::cuda::stream_run;
 using fmlp::cuda::stream_shape;
 using fmlp::cuda::stream_span;
 using fmlp::cuda::StreamFp8;
-using fmlp::cuda::StreamRed;
 using fmlp::cuda::StreamShape;
 
 constexpr int kMaxXsBytes = 48 * 1024;  // staged x: four blocks per multiprocessor
@@ -48,7 +48,7 @@ struct StreamParams {
   int64_t x_ld, y_ld, w_ld;
   fmlp_dtype_t x_t, y_t, bias_t;
   int m;
-  StreamShape s;        // n and k only until launch() picks the partition
+  StreamShape s;
   int prefetch_groups;  // groups per block requested into L2 before the previous grid is done
 };
 
@@ -125,11 +125,11 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
   using XS = std::conditional_t<kFp8, __half, XT>;  // staged x
   extern __shared__ uint4 smem_v[];
   XS* xs = reinterpret_cast<XS*>(smem_v);  // [MT][k]
-  __shared__ StreamRed<MT> red;
+  __shared__ float red[2][kStreamWarps][MT];
   __shared__ float inv[MT];  // fp8: the per-token factor undoing the staging's power of two
   __shared__ unsigned amax[MT];
   if (int(blockIdx.x) >= p.s.groups) return;
-  const auto sp = stream_span(p.s);
+  const auto sp = stream_span<WT>(p.s);
   auto row_ptr = [&](int row) { return static_cast<const WT*>(p.w) + int64_t(row) * p.w_ld; };
   uint4 cur[kStreamU];
   stream_begin<WT>(cur, p.s, sp, row_ptr, p.prefetch_groups);  // in flight while x is staged
@@ -164,11 +164,10 @@ fmlp_status_t launch(const StreamParams& p, size_t smem, int device, cudaStream_
   if (const fmlp_status_t st = allow_dynamic_smem<kernel>(smem, "linear_sm80_stream");
       st != FMLP_SUCCESS)
     return st;
-  const int resident = stream_resident_blocks(kernel, smem, device, cuda_sm_count(device));
-  StreamParams q = p;
-  q.s = stream_shape(p.s.n, p.s.k, int(sizeof(WT)), 1, MT, resident);
-  return launch_ex(kernel, dim3(stream_grid(q.s.groups, resident)), dim3(kStreamThreads), smem,
-                   pdl_enabled(cuda_compute_capability(device)), s, "linear_sm80_stream", q);
+  const int grid =
+      stream_grid(p.s.groups, stream_resident_blocks(kernel, smem, device, cuda_sm_count(device)));
+  return launch_ex(kernel, dim3(grid), dim3(kStreamThreads), smem,
+                   pdl_enabled(cuda_compute_capability(device)), s, "linear_sm80_stream", p);
 }
 
 template <typename WT, typename XT>
@@ -248,12 +247,11 @@ fmlp_status_t linear_stream_run(const fmlp_linear_args_t& a, const LinearDesc& d
   p.x_t = d.act_dtype;
   p.y_t = d.out_dtype;
   p.m = int(d.m);
-  p.s.n = int(d.n);
-  p.s.k = int(d.k);
+  p.s = stream_shape(d.n, d.k, fp8 ? 1 : 2);
   // Each block's first group into L2 while the previous kernel drains, where W outgrows the L2
   // (mlp_decode_stream.cu measured prefetching to hurt where most of the matrix fits it).
   p.prefetch_groups = d.n * d.k * (fp8 ? 1 : 2) > cuda_l2_bytes(d.device_id) ? 1 : 0;
-  if (d.n == 0) return FMLP_SUCCESS;  // nothing to write
+  if (p.s.groups == 0) return FMLP_SUCCESS;  // N = 0: nothing to write
   const int mt = token_tile(d.m);
   const size_t smem = smem_bytes(d, mt);
   const DeviceScope scope(d.device_id);

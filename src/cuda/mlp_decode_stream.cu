@@ -56,7 +56,6 @@ using fmlp::cuda::stream_resident_blocks;
 using fmlp::cuda::stream_run;
 using fmlp::cuda::stream_shape;
 using fmlp::cuda::stream_span;
-using fmlp::cuda::StreamRed;
 using fmlp::cuda::StreamShape;
 
 constexpr int kMaxTokens = 4;
@@ -70,13 +69,12 @@ template <int M>
 constexpr int kMinBlocks = M <= 2 ? 4 : 3;
 
 struct StreamMlpParams : DecodeOperands {
-  void* hbuf;            // [m, hidden] in the weights' dtype, workspace, zero between calls
-  unsigned* counter;     // blocks of the down launch that staged h, zero between calls
-  StreamShape up, down;  // picked by launch()
+  void* hbuf;         // [m, hidden] in the weights' dtype, workspace, zero between calls
+  unsigned* counter;  // blocks of the down launch that staged h, zero between calls
+  StreamShape up, down;
   // Groups per block requested into L2 before the previous grid is complete (W1: its first; W2:
   // up to 64 KiB, 32 MiB over an H200's resident blocks, about half its L2), or none.
   int up_prefetch_groups, down_prefetch_groups;
-  bool prefetch;  // whether to (W2 outgrows the L2)
 };
 
 // Both kernels are launched with programmatic dependent launch: stream_begin requests the first
@@ -86,11 +84,11 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
     mlp_decode_sm80_stream_up(const StreamMlpParams p) {
   extern __shared__ uint4 smem_v[];
   WT* xs = reinterpret_cast<WT*>(smem_v);  // [M][k]
-  __shared__ StreamRed<M> red;
+  __shared__ float red[2][kStreamWarps][M];
   __shared__ float scratch[kStreamWarps];
   if (int(blockIdx.x) >= p.up.groups) return;
   const bool gated = p.wu != nullptr;
-  const auto sp = stream_span(p.up);
+  const auto sp = stream_span<WT>(p.up);
   // Gated: virtual row 2j is gate row j, 2j + 1 up row j.
   auto row_ptr = [&](int row) {
     if (!gated) return static_cast<const WT*>(p.wg) + int64_t(row) * p.wg_ld;
@@ -122,10 +120,10 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
     mlp_decode_sm80_stream_down(const StreamMlpParams p) {
   extern __shared__ uint4 smem_v[];
   WT* hs = reinterpret_cast<WT*>(smem_v);  // [M][hidden]
-  __shared__ StreamRed<M> red;
+  __shared__ float red[2][kStreamWarps][M];
   __shared__ unsigned is_last;
   if (int(blockIdx.x) >= p.down.groups) return;
-  const auto sp = stream_span(p.down);
+  const auto sp = stream_span<WT>(p.down);
   auto row_ptr = [&](int row) { return static_cast<const WT*>(p.w2) + int64_t(row) * p.w2_ld; };
   uint4 cur[kStreamU];
   stream_begin<WT>(cur, p.down, sp, row_ptr, p.down_prefetch_groups);  // then h is complete
@@ -163,27 +161,16 @@ fmlp_status_t launch(const StreamMlpParams& p, cudaStream_t s, int device) {
     return st;
   const int sms = cuda_sm_count(device);
   const bool pdl = pdl_enabled(cuda_compute_capability(device));
-  const int es = int(sizeof(WT)), res_up = stream_resident_blocks(up, smem_up, device, sms),
-            res_down = stream_resident_blocks(down, smem_down, device, sms);
-  const bool gated = p.wu != nullptr;
-  StreamMlpParams q = p;
-  q.up = stream_shape(gated ? 2 * int64_t(p.h) : p.h, p.k, es, gated ? 2 : 1, M, res_up);
-  q.down = stream_shape(p.n, p.h, es, 1, M, res_down);
-  q.up_prefetch_groups = p.prefetch ? 1 : 0;
-  q.down_prefetch_groups =
-      p.prefetch
-          ? int(std::max<int64_t>(
-                1, (int64_t(64) << 10) / std::max<int64_t>(1, int64_t(q.down.rows) * p.h * es)))
-          : 0;
-  if (q.up.groups > 0) {  // hidden = 0: h is empty
-    if (fmlp_status_t st =
-            launch_ex(up, dim3(stream_grid(q.up.groups, res_up)), dim3(kStreamThreads), smem_up,
-                      pdl, s, "mlp_decode_sm80_stream_up", q);
+  if (p.up.groups > 0) {  // hidden = 0: h is empty
+    const int grid = stream_grid(p.up.groups, stream_resident_blocks(up, smem_up, device, sms));
+    if (fmlp_status_t st = launch_ex(up, dim3(grid), dim3(kStreamThreads), smem_up, pdl, s,
+                                     "mlp_decode_sm80_stream_up", p);
         st != FMLP_SUCCESS)
       return st;
   }
-  return launch_ex(down, dim3(stream_grid(q.down.groups, res_down)), dim3(kStreamThreads),
-                   smem_down, pdl, s, "mlp_decode_sm80_stream_down", q);
+  const int grid = stream_grid(p.down.groups, stream_resident_blocks(down, smem_down, device, sms));
+  return launch_ex(down, dim3(grid), dim3(kStreamThreads), smem_down, pdl, s,
+                   "mlp_decode_sm80_stream_down", p);
 }
 
 template <typename WT>
@@ -243,6 +230,8 @@ fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc
   p.counter = reinterpret_cast<unsigned*>(
       base + align_up(size_t(d.m) * size_t(d.hidden) * dtype_size(d.w_dtype)));
   const int es = int(dtype_size(d.w_dtype));
+  p.up = stream_shape(d.gated ? 2 * d.hidden : d.hidden, d.d_in, es, d.gated ? 2 : 1);
+  p.down = stream_shape(d.d_out, d.hidden, es);
   // Prefetching helps where W2 outgrows the L2 (llama3-8b M = 1: 91.6 us against 92.7 without)
   // and hurt where most of W2 fits it (4096 -> 4096: 28.0 against 23.8), measured on an H200.
   // FMLP_STREAM_PREFETCH=0 turns it off, =1 on, for measurements.
@@ -251,7 +240,14 @@ fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc
     return e ? (e[0] == '0' ? 0 : 1) : -1;
   }();
   const int64_t w2_bytes = d.d_out * d.hidden * es;
-  p.prefetch = prefetch_env >= 0 ? prefetch_env == 1 : w2_bytes > cuda_l2_bytes(d.device_id);
+  const bool prefetch =
+      prefetch_env >= 0 ? prefetch_env == 1 : w2_bytes > cuda_l2_bytes(d.device_id);
+  p.up_prefetch_groups = prefetch ? 1 : 0;
+  p.down_prefetch_groups =
+      prefetch ? int(std::max<int64_t>(
+                     1, (int64_t(64) << 10) /
+                            std::max<int64_t>(1, int64_t(p.down.rows) * d.hidden * es)))
+               : 0;
   if (d.d_out == 0) return FMLP_SUCCESS;
   const DeviceScope scope(d.device_id);
   if (scope.status() != FMLP_SUCCESS) return scope.status();

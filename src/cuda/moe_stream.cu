@@ -52,7 +52,6 @@ using fmlp::cuda::stream_resident_blocks;
 using fmlp::cuda::stream_run_rows;
 using fmlp::cuda::stream_shape;
 using fmlp::cuda::stream_span;
-using fmlp::cuda::StreamRed;
 using fmlp::cuda::StreamShape;
 
 static_assert(kMoeStreamMaxTopK <= kStreamWarps, "a row's k slot sums must fit one group");
@@ -69,14 +68,14 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
     moe_sm80_stream_up(const MoeParams p, const StreamShape s) {
   extern __shared__ uint4 smem_v[];
   XT* xs = reinterpret_cast<XT*>(smem_v);  // [d]: this block's token
-  __shared__ StreamRed<1> red;
+  __shared__ float red[2][kStreamWarps][1];
   __shared__ int eid[kMoeStreamMaxTopK];
   const int t = blockIdx.y, k = p.top_k;
   pdl_wait_previous_grid();  // for the routing (programmatic dependent launch, common.cuh)
   pdl_allow_next_grid();
   if (threadIdx.x < k) eid[threadIdx.x] = __ldcg(p.ids + t * k + threadIdx.x);
   __syncthreads();
-  const auto sp = stream_span(s);
+  const auto sp = stream_span<WT>(s);
   const WT* w1 = static_cast<const WT*>(p.w1);
   const bool gated = p.gated;
   // Virtual row v: pair q = v / 2 (gated; else q = v) is hidden unit i = q / k of slot j = q % k.
@@ -121,7 +120,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
     moe_sm80_stream_down(const MoeParams p, const StreamShape s) {
   extern __shared__ uint4 smem_v[];
   WT* hs = reinterpret_cast<WT*>(smem_v);  // [k][hidden]: this block's token's slots
-  __shared__ StreamRed<1> red;
+  __shared__ float red[2][kStreamWarps][1];
   __shared__ int eid[KP];
   __shared__ float wt[KP];
   __shared__ int bad;
@@ -137,7 +136,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
     if (e == kMoeSlotBad) bad = 1;  // an expert id was out of range: the row becomes NaN
   }
   __syncthreads();
-  const auto sp = stream_span(s);
+  const auto sp = stream_span<WT>(s);
   const WT* w2 = static_cast<const WT*>(p.w2);
   // Virtual row v: output r = v / KP of slot j = v % KP (padding slots j >= k have eid < 0).
   auto row_ptr = [&](int v) -> const WT* {
@@ -193,37 +192,29 @@ struct Where {
   bool pdl;
 };
 
-// The virtual rows of a stream: n rows of k weights, at least min_rows per group.
-struct Rows {
-  int64_t n, k;
-  int min_rows;
-};
-
 // KERNEL over a grid of (blocks per token, T): the resident blocks shared by the T token rows, so
 // every block is resident at once (the down launch's last block to stage h counts on it only for
-// speed); the partition is picked for that many blocks per token.
-template <auto KERNEL, typename WT>
-fmlp_status_t launch_rows(const MoeParams& p, const Rows& r, size_t smem, const Where& w,
+// speed).
+template <auto KERNEL>
+fmlp_status_t launch_rows(const MoeParams& p, const StreamShape& s, size_t smem, const Where& w,
                           const char* name) {
   if (fmlp_status_t e = allow_dynamic_smem<KERNEL>(smem, name); e != FMLP_SUCCESS) return e;
   const int resident = stream_resident_blocks(KERNEL, smem, w.device, cuda_sm_count(w.device));
-  const int per_token = std::max(1, resident / std::max(1, p.tokens));
-  const StreamShape s = stream_shape(r.n, r.k, int(sizeof(WT)), r.min_rows, 1, per_token);
-  const int blocks = std::max(1, std::min(s.groups, per_token));
+  const int blocks = std::max(1, std::min(s.groups, resident / std::max(1, p.tokens)));
   return launch_ex(KERNEL, dim3(unsigned(blocks), unsigned(p.tokens)), dim3(kStreamThreads), smem,
                    w.pdl, w.st, name, p, s);
 }
 
 template <typename WT, typename XT>
-fmlp_status_t launch_up(const MoeParams& p, const Rows& r, const Where& w) {
-  return launch_rows<&moe_sm80_stream_up<WT, XT>, WT>(p, r, size_t(p.d) * sizeof(XT), w,
-                                                      "moe_sm80_stream_up");
+fmlp_status_t launch_up(const MoeParams& p, const StreamShape& s, const Where& w) {
+  return launch_rows<&moe_sm80_stream_up<WT, XT>>(p, s, size_t(p.d) * sizeof(XT), w,
+                                                  "moe_sm80_stream_up");
 }
 
 template <typename WT, int KP>
-fmlp_status_t launch_down(const MoeParams& p, const Rows& r, const Where& w) {
-  return launch_rows<&moe_sm80_stream_down<WT, KP>, WT>(
-      p, r, size_t(p.top_k) * size_t(p.hidden) * sizeof(WT), w, "moe_sm80_stream_down");
+fmlp_status_t launch_down(const MoeParams& p, const StreamShape& s, const Where& w) {
+  return launch_rows<&moe_sm80_stream_down<WT, KP>>(
+      p, s, size_t(p.top_k) * size_t(p.hidden) * sizeof(WT), w, "moe_sm80_stream_down");
 }
 
 template <typename WT>
@@ -233,8 +224,8 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
   const Where w{st, device, pdl_enabled(cuda_compute_capability(device))};
   const int rows1 = p.gated ? 2 * p.hidden : p.hidden;
   const int kp = moe_stream_pair(p.top_k);
-  const Rows up{int64_t(p.top_k) * rows1, p.d, p.gated ? 2 : 1};
-  const Rows down{int64_t(kp) * p.d_out, p.hidden, kp};
+  const StreamShape up = stream_shape(int64_t(p.top_k) * rows1, p.d, 2, p.gated ? 2 : 1);
+  const StreamShape down = stream_shape(int64_t(kp) * p.d_out, p.hidden, 2, kp);
   fmlp_status_t e = p.x_t == FMLP_DTYPE_F32   ? launch_up<WT, float>(p, up, w)
                     : p.x_t == FMLP_DTYPE_F16 ? launch_up<WT, __half>(p, up, w)
                                               : launch_up<WT, __nv_bfloat16>(p, up, w);

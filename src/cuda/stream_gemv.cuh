@@ -6,35 +6,18 @@
 // faster than a warp-per-row GEMV that starts every row at once (33.5 MB on an H200: 9.1 us
 // against 15.6): the GEMV has a few KB of every row in flight at the same time, scattered over
 // all of W, while the probe's requests cover one contiguous window sliding through it. So:
-//   - a block iteration (a "group") is R whole consecutive rows; each of the block's 8 warps
-//     reads one contiguous run of the group's 16-byte chunks as batches of 4 chunks per lane
-//     (2 KB); the resident blocks take consecutive groups, so the bytes in flight stay one
+//   - a block iteration (a "group") is R whole consecutive rows, about stream_group_bytes() of
+//     W (R a power of two up to 8); its rows are split between the block's 8 warps (8 / R per
+//     row, each a contiguous run of the row's 16-byte chunks, read as batches of 4 chunks per
+//     lane); the resident blocks take consecutive groups, so the bytes in flight stay one
 //     window sliding through W,
-//   - the partition (stream_shape): a warp keeps one batch in flight, so what a lane leaves idle
-//     in a batch is lost from the bytes in flight, and on an H200 those are just enough when
-//     full (~4.3 TB/s x ~2 us loaded latency ~ 8.6 MB ~ 528 resident blocks x 8 warps x 2 KB).
-//     Session 8's row runs (R a power of two up to 8, each row split over 8 / R warps) leave
-//     partial batches where a warp's part of a row is not whole batches, and measure so on an
-//     H200 (M = 1, % of the copy floor): rows of 768 bf16 (96 chunks, one batch 75 % used) 73 %,
-//     14336 / 18944 (1.75 / 2.3 batches per warp) 86-88 %, whole batches 90-100 %, the moe down
-//     stream's rows of 1408 (1.375 batches) ~1.8 TB/s. Flat runs cut the group's R * kc chunks
-//     (kc: chunks per row; R any multiple of the rows a finish needs) into whole batches per
-//     warp, a run crossing rows where it ends mid-row, so only a warp's last batch of a group
-//     may be partial. R (and the kind of run) is the candidate with the fewest batch round trips
-//     per warp, ceil(groups / resident blocks) x batches per group, for rows shorter than one
-//     batch (the only case where it measured faster: stream_shape): 768 -> 50257 gets R = 32
-//     (3 whole batches per warp, 4 rows each: 9 round trips against 12; 29.2 -> 24.4 us).
-//     FMLP_STREAM_FLAT=0 keeps session 8's partition everywhere, =2 takes flat runs wherever
-//     they fit (stream_flat_mode),
 //   - the next batch (of this group or the block's next one) is requested before the current
 //     one is used, so every lane has a batch in flight also across groups; the caller issues the
 //     first batch (stream_load) before staging x,
 //   - x is staged by the caller in shared memory, [MT][k] in XS (the whole K: blocks are
 //     resident and loop over groups),
-//   - a lane of a flat run keeps one accumulator per row of its run (at most stream_slots) and
-//     token; per row, the warps reduce with shuffles and through shared memory, summed in warp
-//     order (deterministic), double-buffered by group parity so one __syncthreads per group
-//     suffices; then
+//   - a row's warps reduce with shuffles and through shared memory in warp order (deterministic),
+//     double-buffered by group parity so one __syncthreads per group suffices; then
 //     `finish(row, t, sums)` runs for token t and each run of PAIR consecutive rows of the group
 //     (threads [0, R / PAIR * MT)), sums[i] the dot product of row + i: PAIR = 2 hands a gated
 //     MLP's interleaved gate and up rows to one thread,
@@ -81,32 +64,21 @@ using StreamFp8 = unsigned char;             // e4m3 bits
 template <typename WT>
 constexpr int kStreamPerChunk = 16 / int(sizeof(WT));  // W elements per 16-byte chunk
 
-// The partition of an [n, k] stream (computed on the host by stream_shape below). Positions in a
-// group are flat: chunk f of a group is column f % kc of its row f / kc.
+// The partition of an [n, k] stream (computed on the host by stream_shape below).
 struct StreamShape {
   int n, k;
-  int kc;        // 16-byte chunks per row
-  int rows;      // R: W rows per group
-  int flat;      // 1: flat runs (warp w reads [w * cpw, (w + 1) * cpw)); 0: row runs
-  int wpr;       // row runs: warps per row, kStreamWarps / R
-  int cpw;       // chunks per warp (row runs: of its row; the last warp of a row may have fewer)
-  int batches;   // batches per warp and group
-  int groups;    // ceil(n / R)
-  uint32_t div;  // flat runs: f / kc == umulhi(f, div) for every f of a group (stream_shape)
+  int rows;     // R: W rows per group
+  int wpr;      // warps per row: kStreamWarps / R
+  int cpw;      // 16-byte chunks of a row per warp (the last warp of a row may have fewer)
+  int batches;  // batches per warp and group
+  int groups;   // ceil(n / R)
 };
-
-// Rows of a group one warp's flat run may touch, at most (the per-row accumulators a lane keeps
-// for them cost registers: 4 tokens of fp32 x already fill 64).
-constexpr int stream_slots(int tokens) {
-  return tokens <= 1 ? 4 : tokens == 2 ? 2 : 1;
-}
 
 // W bytes per group: 16 KB for weights under 16 MiB (few groups per block: a short group keeps
 // more blocks busy), 32 KB up to 1 GiB, 64 KB beyond. Measured on an H200 (the session of
 // commit 0bcccd9), us at 16 / 32 / 64 KB: 4096x4096 bf16 11.9 / 11.0 / 10.9; 14336x4096
 // 32.7 / 31.0 / 32.5; 1024x4096 5.2 / 5.1 / 5.8; 768x3072 4.1 / 4.2 / 4.6; qwen2.5-7b lm head
-// 268 / 249 / 245. FMLP_LINEAR_STREAM_KB overrides it for measurements. Row runs use it as is;
-// flat runs may take groups up to four times it (stream_shape).
+// 268 / 249 / 245. FMLP_LINEAR_STREAM_KB overrides it for measurements.
 inline int64_t stream_group_bytes(int64_t weight_bytes) {
   static const int env_kb = [] {
     const char* e = std::getenv("FMLP_LINEAR_STREAM_KB");
@@ -119,102 +91,23 @@ inline int64_t stream_group_bytes(int64_t weight_bytes) {
                                              : 64 * 1024;
 }
 
-// Row runs of R rows per group: each row split between kStreamWarps / R warps.
-inline StreamShape stream_shape_rows(int64_t n, int64_t k, int64_t kc, int rows) {
+// The partition of an [n, k] stream of `elem_bytes` weights, at least `min_rows` rows per group
+// (a power of two up to kStreamWarps).
+inline StreamShape stream_shape(int64_t n, int64_t k, int elem_bytes, int min_rows = 1) {
   StreamShape s{};
-  s.n = int(n), s.k = int(k), s.kc = int(kc), s.rows = rows;
-  s.wpr = kStreamWarps / rows;
-  s.cpw = int((kc + s.wpr - 1) / s.wpr);
-  s.batches = (s.cpw + kStreamBatch - 1) / kStreamBatch;
-  s.groups = int((n + rows - 1) / rows);
-  return s;
-}
-
-// Flat runs of R rows per group: the group's R * kc chunks in whole batches per warp.
-inline StreamShape stream_shape_flat(int64_t n, int64_t k, int64_t kc, int rows) {
-  StreamShape s{};
-  s.n = int(n), s.k = int(k), s.kc = int(kc), s.rows = rows, s.flat = 1;
-  const int64_t total = int64_t(rows) * kc, span = int64_t(kStreamWarps) * kStreamBatch;
-  s.batches = int((total + span - 1) / span);
-  s.cpw = s.batches * kStreamBatch;
-  s.groups = int((n + rows - 1) / rows);
-  s.div = uint32_t((uint64_t(1) << 32) / uint64_t(kc) + 1);  // exact while f * kc < 2^32, kc > 1
-  return s;
-}
-
-// Rows the widest flat run of `s` touches.
-inline int stream_flat_rows(const StreamShape& s) {
-  const int64_t total = int64_t(s.rows) * s.kc;
-  int most = 0;
-  for (int w = 0; w < kStreamWarps; ++w) {
-    const int64_t b = std::min<int64_t>(total, int64_t(w) * s.cpw);
-    const int64_t e = std::min<int64_t>(total, b + s.cpw);
-    if (b < e) most = std::max(most, int((e - 1) / s.kc - b / s.kc + 1));
-  }
-  return most;
-}
-
-// FMLP_STREAM_FLAT (read once): 0 keeps session 8's row runs (an A/B on the GPU), 2 takes flat
-// runs wherever they fit (tests: every stream through the flat loop, also at sizes the costing
-// leaves to row runs); otherwise stream_shape's choice.
-inline int stream_flat_mode() {
-  static const int mode = [] {
-    const char* e = std::getenv("FMLP_STREAM_FLAT");
-    return e && e[0] == '0' ? 0 : e && e[0] == '2' ? 2 : 1;
-  }();
-  return mode;
-}
-
-// The partition of an [n, k] stream of `elem_bytes` weights for blocks of `tokens` staged rows,
-// at least `min_rows` rows per group (a power of two up to kStreamWarps that R must be a multiple
-// of), `resident` blocks running at once (the grid stream_grid gives).
-// Session 8's rule (row runs, R from stream_group_bytes) is the reference; with flat runs on,
-// every row-run R and every flat R (multiples of min_rows, groups up to 4x the group bytes, runs
-// within stream_slots(tokens) rows) is costed as the batch rounds a warp waits for: each batch
-// round trip moves what the warps have in flight, so the time is about
-// ceil(groups / resident) * batches. The cheapest wins; the reference unless another is over
-// 3 % cheaper (the model leaves out the per-group barrier and reduction: mixtral's up stream,
-// 56 -> 55, keeps it); among equals the smaller group (FMLP_STREAM_FLAT=2: the larger, for more
-// rows per run).
-inline StreamShape stream_shape(int64_t n, int64_t k, int elem_bytes, int min_rows, int tokens,
-                                int resident) {
-  const int64_t row_bytes = k * elem_bytes, kc = row_bytes / 16;
+  s.n = int(n);
+  s.k = int(k);
+  const int64_t row_bytes = k * elem_bytes;
   const int64_t group = stream_group_bytes(n * row_bytes);
-  int rows = 1;
-  while (rows < min_rows || (rows < kStreamWarps && row_bytes * rows * 2 <= group)) rows *= 2;
-  StreamShape best = stream_shape_rows(n, k, kc, rows);
-  const int mode = stream_flat_mode();
-  // Measured on an H200 (session 9, FMLP_STREAM_FLAT=0 against the costed choice, M = 1 bf16):
-  // the costed choice won only where a row is shorter than one batch (768 -> 50257: 29.2 ->
-  // 24.4 us) and lost where it re-partitioned longer rows (14336 -> 4096 34.7 -> 36.8,
-  // mistral's 4096 -> 32000 lm head 70.1 -> 85.2, 18944 -> 3584 40.6 -> 49.2, the moe down of
-  // hidden 1408 at E = 64 T = 1 67.9 -> 73.4 us): the model leaves out what a group's barrier
-  // and reduction cost. So only rows of less than one batch leave the reference.
-  if (mode == 0 || kc == 0 || n == 0 || (mode == 1 && kc >= kStreamBatch)) return best;
-  const int64_t res = std::max(1, resident);
-  auto cost = [&](const StreamShape& s) { return (s.groups + res - 1) / res * s.batches; };
-  int64_t best_cost = mode == 2 ? INT64_MAX : cost(best);
-  bool reference = mode != 2;
-  auto consider = [&](const StreamShape& s) {
-    const int64_t c = cost(s);
-    const int64_t t = s.rows * int64_t(s.kc), bt = best.rows * int64_t(best.kc);
-    const bool better = reference
-                            ? c * 100 < best_cost * 97
-                            : c < best_cost || (c == best_cost && (mode == 2 ? t > bt : t < bt));
-    if (better) best = s, best_cost = c, reference = false;
-  };
-  for (int r = std::max(1, min_rows); r <= kStreamWarps && mode == 1; r *= 2)
-    consider(stream_shape_rows(n, k, kc, r));
-  const int slots = stream_slots(tokens), step = std::max(1, min_rows);
-  for (int64_t r = step; r <= kStreamWarps * slots && r * row_bytes <= 4 * group &&
-                         r < std::max<int64_t>(n, 1) + step;
-       r += step) {
-    const StreamShape s = stream_shape_flat(n, k, kc, int(r));
-    if (kc >= 2 && (int64_t(s.cpw) * kStreamWarps + kStreamBatch) * kc < (int64_t(1) << 32) &&
-        stream_flat_rows(s) <= slots)
-      consider(s);
-  }
-  return best;
+  s.rows = 1;
+  while (s.rows < min_rows || (s.rows < kStreamWarps && row_bytes * s.rows * 2 <= group))
+    s.rows *= 2;
+  s.wpr = kStreamWarps / s.rows;
+  const int64_t kchunks = row_bytes / 16;
+  s.cpw = int((kchunks + s.wpr - 1) / s.wpr);
+  s.batches = (s.cpw + kStreamBatch - 1) / kStreamBatch;
+  s.groups = int((n + s.rows - 1) / s.rows);
+  return s;
 }
 
 // Blocks of KERNEL (kStreamThreads threads, `smem` dynamic bytes) resident on `device` at once:
@@ -253,95 +146,54 @@ inline int stream_grid(int groups, int resident) {
   return (groups + rounds - 1) / rounds;
 }
 
-// This warp's run of a group: flat chunks [begin, end), rows r0 .. r0 + slots - 1 of the group
-// (slots = 0: an empty run); col0 = begin - r0 * kc (row runs read columns [col0, end - r0 * kc)).
+// This warp's part of a row: chunks [begin, end).
 struct StreamSpan {
-  int begin, end, r0, slots, col0;
+  int begin, end;
 };
 
-// Row f / kc of flat chunk f of a group (flat runs; exact: stream_shape_flat).
-__host__ __device__ __forceinline__ int stream_row_of(const StreamShape& s, int f) {
-  return int((uint64_t(uint32_t(f)) * s.div) >> 32);
-}
-
-// Warp w's run.
-__host__ __device__ __forceinline__ StreamSpan stream_span_of(const StreamShape& s, int w) {
-  StreamSpan sp;
-  if (s.flat) {
-    const int total = s.rows * s.kc;
-    sp.begin = w * s.cpw < total ? w * s.cpw : total;
-    sp.end = sp.begin + s.cpw < total ? sp.begin + s.cpw : total;
-    sp.r0 = stream_row_of(s, sp.begin);
-    sp.slots = sp.begin < sp.end ? stream_row_of(s, sp.end - 1) - sp.r0 + 1 : 0;
-  } else {
-    sp.r0 = w / s.wpr;
-    const int sub = w % s.wpr, a = sub * s.cpw, b = a + s.cpw;
-    sp.begin = sp.r0 * s.kc + (a < s.kc ? a : s.kc);
-    sp.end = sp.r0 * s.kc + (b < s.kc ? b : s.kc);
-    sp.slots = sp.begin < sp.end ? 1 : 0;
-  }
-  sp.col0 = sp.begin - sp.r0 * s.kc;
-  return sp;
-}
-
-// This warp's run.
+template <typename WT>
 __device__ __forceinline__ StreamSpan stream_span(const StreamShape& s) {
-  return stream_span_of(s, threadIdx.x / 32);
+  const int sub = (threadIdx.x / 32) % s.wpr;
+  const int kchunks = s.k / kStreamPerChunk<WT>;
+  const int b = sub * s.cpw;
+  return {b, min(kchunks, b + s.cpw)};
 }
 
-// Batch b of this warp's run of group `group`; row_ptr(row) gives W row `row` (< n).
+// Batch b of this warp's part of group `group`'s row; row_ptr(row) gives W row `row` (< n).
 // SKIP: row_ptr may return nullptr for a row that is not read (its sums are zero).
 template <typename WT, bool SKIP = false, typename RowPtr>
 __device__ __forceinline__ void stream_load(uint4 (&v)[kStreamU], const StreamShape& s,
-                                            const StreamSpan& sp, RowPtr row_ptr, int group,
-                                            int b) {
-  const int lane = threadIdx.x % 32, row0 = group * s.rows;
-  const int f0 = sp.begin + b * kStreamBatch + lane;
-  if (!s.flat) {  // one row: one row pointer per batch
-    const int row = row0 + sp.r0;
-    const WT* wr = row_ptr(min(row, s.n - 1));
-#pragma unroll
-    for (int u = 0; u < kStreamU; ++u) {
-      const int f = f0 + u * 32;
-      v[u] = row < s.n && (!SKIP || wr != nullptr) && f < sp.end
-                 ? ld_stream_v4(wr + int64_t(f - sp.r0 * s.kc) * kStreamPerChunk<WT>)
-                 : make_uint4(0, 0, 0, 0);
-    }
-    return;
-  }
+                                            StreamSpan sp, RowPtr row_ptr, int group, int b) {
+  const int row = group * s.rows + (threadIdx.x / 32) / s.wpr;
+  const WT* wr = row_ptr(min(row, s.n - 1));
+  const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int u = 0; u < kStreamU; ++u) {
-    const int f = f0 + u * 32, r = stream_row_of(s, f), row = row0 + r;
-    const WT* wr = row_ptr(min(row, s.n - 1));
-    v[u] = row < s.n && (!SKIP || wr != nullptr) && f < sp.end
-               ? ld_stream_v4(wr + int64_t(f - r * s.kc) * kStreamPerChunk<WT>)
+    const int c = sp.begin + b * kStreamBatch + u * 32 + lane;
+    v[u] = row < s.n && (!SKIP || wr != nullptr) && c < sp.end
+               ? ld_stream_v4(wr + int64_t(c) * kStreamPerChunk<WT>)
                : make_uint4(0, 0, 0, 0);
   }
 }
 
-// Requests this warp's run of the block's first `groups` groups (from group blockIdx.x, every
+// Requests this warp's part of the block's first `groups` groups (from group blockIdx.x, every
 // gridDim.x) into L2, one prefetch per 128-byte line, no registers held: a kernel launched
 // early (programmatic dependent launch) issues it before it waits for the previous grid, so its
 // first groups arrive while that grid drains instead of after.
 template <typename WT, typename RowPtr>
-__device__ __forceinline__ void stream_prefetch_l2(const StreamShape& s, const StreamSpan& sp,
+__device__ __forceinline__ void stream_prefetch_l2(const StreamShape& s, StreamSpan sp,
                                                    RowPtr row_ptr, int groups) {
   const int lane = threadIdx.x % 32;
   int g = blockIdx.x;
   for (int i = 0; i < groups && g < s.groups; ++i, g += gridDim.x) {
-    for (int r = sp.r0; r < sp.r0 + sp.slots; ++r) {
-      const int row = g * s.rows + r;
-      if (row >= s.n) return;
-      const char* base = reinterpret_cast<const char*>(row_ptr(row));
-      if (base == nullptr) continue;
-      const int cb = max(sp.begin, r * s.kc) - r * s.kc,
-                ce = min(sp.end, (r + 1) * s.kc) - r * s.kc;
-      const uintptr_t first =
-          (reinterpret_cast<uintptr_t>(base) + uintptr_t(cb) * 16) & ~uintptr_t(127);
-      const uintptr_t end = reinterpret_cast<uintptr_t>(base) + uintptr_t(ce) * 16;
-      for (uintptr_t a = first + uintptr_t(lane) * 128; a < end; a += 32 * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-    }
+    const int row = g * s.rows + (threadIdx.x / 32) / s.wpr;
+    if (row >= s.n || sp.begin >= sp.end) return;
+    const char* base = reinterpret_cast<const char*>(row_ptr(row));
+    const uintptr_t first =
+        (reinterpret_cast<uintptr_t>(base) + uintptr_t(sp.begin) * 16) & ~uintptr_t(127);
+    const uintptr_t end = reinterpret_cast<uintptr_t>(base) + uintptr_t(sp.end) * 16;
+    for (uintptr_t a = first + uintptr_t(lane) * 128; a < end; a += 32 * 128)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
   }
 }
 
@@ -352,8 +204,7 @@ __device__ __forceinline__ void stream_prefetch_l2(const StreamShape& s, const S
 // everything else the kernel reads or writes comes after it.
 template <typename WT, bool SKIP = false, typename RowPtr>
 __device__ __forceinline__ void stream_begin(uint4 (&cur)[kStreamU], const StreamShape& s,
-                                             const StreamSpan& sp, RowPtr row_ptr,
-                                             int prefetch_groups) {
+                                             StreamSpan sp, RowPtr row_ptr, int prefetch_groups) {
   stream_load<WT, SKIP>(cur, s, sp, row_ptr, blockIdx.x, 0);
   stream_prefetch_l2<WT>(s, sp, row_ptr, prefetch_groups);
   pdl_wait_previous_grid();
@@ -419,125 +270,73 @@ __device__ __forceinline__ float stream_dot16_f16(const uint32_t (&h)[8], const 
   return f.x + f.y;
 }
 
-// The reduction buffer of stream_run_rows, in shared memory: the warps' sums per row of their run
-// and token, double-buffered by group parity, and the rows each warp's run covers.
-template <int MT>
-struct StreamRed {
-  float v[2][kStreamWarps][stream_slots(MT)][MT];
-  int lo[kStreamWarps], hi[kStreamWarps];
-};
-
-// Row `row`'s staged x: x_rows itself (one x for every row) or x_rows(row).
-template <typename XS, typename XRows>
-__device__ __forceinline__ const XS* stream_xrow(XRows x_rows, int row) {
-  if constexpr (std::is_pointer_v<XRows>)
-    return x_rows;
-  else
-    return x_rows(row);
-}
-
-// Chunk c (a column) of row xs's staged tokens times the 16-byte chunk w, one fp32 sum per token
-// added to acc (fp8: through fp16 pairs, file comment).
-template <typename WT, typename XS, int MT>
-__device__ __forceinline__ void stream_chunk(const uint4& w, const XS* xs, int k, int c,
-                                             float (&acc)[MT]) {
-  if constexpr (std::is_same_v<WT, StreamFp8>) {
-    uint32_t h[8];
-    const bool finite = stream_widen_e4m3(w, h);
-#pragma unroll
-    for (int t = 0; t < MT; ++t)
-      acc[t] += finite ? stream_dot16_f16(h, xs + int64_t(t) * k, c) : __int_as_float(0x7fffffff);
-  } else {
-    float wf[8];
-    widen8<WT>(w, wf);
-#pragma unroll
-    for (int t = 0; t < MT; ++t) {
-      float xf[8];
-      stream_x8<XS>(xs + int64_t(t) * k, c, xf);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[t] = fmaf(wf[e], xf[e], acc[t]);
-    }
-  }
-}
-
 // The stream itself, from group blockIdx.x on (< s.groups) with `cur` holding its first batch
 // (stream_load<WT, SKIP>(cur, s, sp, row_ptr, blockIdx.x, 0)) and x staged; every thread of the
 // block calls it. x_rows is the staged x ([MT][k]) of every row, or a functor whose x_rows(row)
-// gives row `row`'s own (the moe stream's slots each have theirs). PAIR divides R.
-// Row runs accumulate each lane's chunks in one chain per token (session 8's loop); flat runs
-// sum each chunk on its own and add it to the accumulator of its row (one per row of the run and
-// token, chosen by unrolled compares: no local memory). Then, per row of the run, a warp sum into
-// red; finish adds the warps' sums of a row in warp order: deterministic.
+// gives row `row`'s own (the moe stream's slots each have theirs). `red` is [2][kStreamWarps][MT]
+// shared floats. PAIR divides R.
 template <typename WT, typename XS, int MT, int PAIR = 1, bool SKIP = false, typename XRows,
           typename RowPtr, typename Finish>
-__device__ __forceinline__ void stream_run_rows(const StreamShape& s, const StreamSpan& sp,
-                                                XRows x_rows, RowPtr row_ptr, Finish finish,
-                                                uint4 (&cur)[kStreamU], StreamRed<MT>& red) {
-  constexpr int kSlots = stream_slots(MT);
+__device__ __forceinline__ void stream_run_rows(const StreamShape& s, StreamSpan sp, XRows x_rows,
+                                                RowPtr row_ptr, Finish finish,
+                                                uint4 (&cur)[kStreamU],
+                                                float (*red)[kStreamWarps][MT]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) red.lo[warp] = sp.r0, red.hi[warp] = sp.r0 + sp.slots - 1;
-  float acc[kSlots][MT] = {};
+  float acc[MT] = {};
   int parity = 0;
   for (int g = blockIdx.x; g < s.groups; g += gridDim.x) {
-    const int row0 = g * s.rows;
-    const XS* xg = stream_xrow<XS>(x_rows, min(row0 + sp.r0, s.n - 1));
+    const XS* xs;
+    if constexpr (std::is_pointer_v<XRows>)
+      xs = x_rows;
+    else
+      xs = x_rows(min(g * s.rows + warp / s.wpr, s.n - 1));
     for (int b = 0; b < s.batches; ++b) {
       const bool last = b + 1 == s.batches;
       const int gn = last ? g + int(gridDim.x) : g, bn = last ? 0 : b + 1;
       uint4 nxt[kStreamU];
       if (gn < s.groups) stream_load<WT, SKIP>(nxt, s, sp, row_ptr, gn, bn);
-      const int f0 = sp.begin + b * kStreamBatch + lane;
-      if (kSlots == 1 || !s.flat) {
 #pragma unroll
-        for (int u = 0; u < kStreamU; ++u) {
-          const int f = f0 + u * 32;
-          if (f < sp.end)
-            stream_chunk<WT, XS, MT>(cur[u], xg, s.k, sp.col0 + (f - sp.begin), acc[0]);
-        }
-      } else {
+      for (int u = 0; u < kStreamU; ++u) {
+        const int c = sp.begin + b * kStreamBatch + u * 32 + lane;
+        if (c >= sp.end) continue;
+        if constexpr (std::is_same_v<WT, StreamFp8>) {
+          uint32_t h[8];
+          const bool finite = stream_widen_e4m3(cur[u], h);
 #pragma unroll
-        for (int u = 0; u < kStreamU; ++u) {
-          const int f = f0 + u * 32;
-          if (f >= sp.end) continue;
-          const int r = stream_row_of(s, f), slot = r - sp.r0;
-          float d[MT] = {};
-          stream_chunk<WT, XS, MT>(cur[u], stream_xrow<XS>(x_rows, min(row0 + r, s.n - 1)), s.k,
-                                   f - r * s.kc, d);
+          for (int t = 0; t < MT; ++t)
+            acc[t] +=
+                finite ? stream_dot16_f16(h, xs + int64_t(t) * s.k, c) : __int_as_float(0x7fffffff);
+        } else {
+          float wf[8];
+          widen8<WT>(cur[u], wf);
 #pragma unroll
-          for (int j = 0; j < kSlots; ++j)
+          for (int t = 0; t < MT; ++t) {
+            float xf[8];
+            stream_x8<XS>(xs + int64_t(t) * s.k, c, xf);
 #pragma unroll
-            for (int t = 0; t < MT; ++t)
-              if (slot == j) acc[j][t] += d[t];
+            for (int e = 0; e < 8; ++e) acc[t] = fmaf(wf[e], xf[e], acc[t]);
+          }
         }
       }
 #pragma unroll
       for (int u = 0; u < kStreamU; ++u) cur[u] = nxt[u];
     }
 #pragma unroll
-    for (int j = 0; j < kSlots; ++j) {
-      if (j >= sp.slots) break;  // warp-uniform
-#pragma unroll
-      for (int t = 0; t < MT; ++t) {
-        const float v = warp_sum(acc[j][t]);
-        if (lane == 0) red.v[parity][warp][j][t] = v;
-        acc[j][t] = 0.f;
-      }
+    for (int t = 0; t < MT; ++t) {
+      const float v = warp_sum(acc[t]);
+      if (lane == 0) red[parity][warp][t] = v;
+      acc[t] = 0.f;
     }
     __syncthreads();
-    // R <= kStreamWarps * stream_slots(MT) (stream_shape), so R / PAIR * MT <= 32 threads.
     if (threadIdx.x < s.rows / PAIR * MT) {
       const int r = threadIdx.x / MT * PAIR, t = threadIdx.x % MT;
-      const int row = row0 + r;
+      const int row = g * s.rows + r;
       if (row < s.n) {
         float v[PAIR];
 #pragma unroll
-        for (int q = 0; q < PAIR; ++q) v[q] = 0.f;
-#pragma unroll 1
-        for (int w = 0; w < kStreamWarps; ++w) {
-          const int lo = red.lo[w], hi = red.hi[w];
-#pragma unroll
-          for (int q = 0; q < PAIR; ++q)
-            if (lo <= r + q && r + q <= hi) v[q] += red.v[parity][w][r + q - lo][t];
+        for (int i = 0; i < PAIR; ++i) {
+          v[i] = 0.f;
+          for (int q = 0; q < s.wpr; ++q) v[i] += red[parity][(r + i) * s.wpr + q][t];
         }
         finish(row, t, v);
       }
@@ -548,9 +347,9 @@ __device__ __forceinline__ void stream_run_rows(const StreamShape& s, const Stre
 
 // stream_run_rows with one staged x ([MT][k] at xs) for every row.
 template <typename WT, typename XS, int MT, int PAIR = 1, typename RowPtr, typename Finish>
-__device__ __forceinline__ void stream_run(const StreamShape& s, const StreamSpan& sp, const XS* xs,
+__device__ __forceinline__ void stream_run(const StreamShape& s, StreamSpan sp, const XS* xs,
                                            RowPtr row_ptr, Finish finish, uint4 (&cur)[kStreamU],
-                                           StreamRed<MT>& red) {
+                                           float (*red)[kStreamWarps][MT]) {
   stream_run_rows<WT, XS, MT, PAIR>(s, sp, xs, row_ptr, finish, cur, red);
 }
 
