@@ -6,6 +6,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "fusedmlp/fusedmlp.h"
 
 namespace fmlp::cuda {
@@ -29,6 +31,18 @@ __device__ __forceinline__ void store_scalar(void* p, fmlp_dtype_t t, int64_t i,
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo_k, float hi_k) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo_k, hi_k);  // .x = lo_k at the lower address
   return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// An fp32 pair as two values of the 16-bit dtype WT (__half or __nv_bfloat16), lo at the lower
+// address.
+template <typename WT>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<WT, __half>) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    return pack_bf16x2(lo, hi);
+  }
 }
 
 // v ~= hi + lo with both bf16: 16 significant bits, enough for fp32-grade results (1e-5). An

@@ -203,17 +203,6 @@ __device__ __forceinline__ void tile_coords(int t, int m_tiles, int n_tiles, int
   *nt = idx / rows;
 }
 
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  } else {
-    const __half2 v = __floats2half2_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-}
-
 template <fmlp_activation_t ACT>
 __device__ __forceinline__ float gated(float g, float u) {
   return fmlp::cuda::activate(ACT, g) * u;
@@ -243,7 +232,7 @@ __device__ __forceinline__ void store_h(const Epilogue& e, const float (&d)[128]
       const float h1 = gated<ACT>(d[4 * j + 2 * i + 1] + bg[1], d[64 + 4 * j + 2 * i + 1] + bu[1]);
       T* p = out + int64_t(row) * e.ldo + col;
       if (col + 1 < e.h)
-        *reinterpret_cast<uint32_t*>(p) = pack2<T>(h0, h1);
+        *reinterpret_cast<uint32_t*>(p) = fmlp::cuda::pack2<T>(h0, h1);
       else
         *p = fmlp::cuda::from_f<T>(h0);
     }

@@ -1,10 +1,8 @@
 // Device helpers of the moe kernels: eight activations of any dtype as fp32 (vector loads when the
-// row allows them) and fp32 pairs packed as the weights' 16-bit dtype.
+// row allows them).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-
-#include <type_traits>
 
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
@@ -33,16 +31,6 @@ __device__ __forceinline__ void load8(const void* row, fmlp_dtype_t t, int c, in
   }
 #pragma unroll
   for (int i = 0; i < 8; ++i) f[i] = c + i < n ? load_scalar(row, t, c + i) : 0.f;
-}
-
-template <typename WT>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same_v<WT, __half>) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  } else {
-    return pack_bf16x2(lo, hi);
-  }
 }
 
 }  // namespace fmlp::cuda
