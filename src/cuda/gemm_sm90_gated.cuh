@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <string>
 
-#include "core/mlp_desc.hpp"
 #include "fusedmlp/fusedmlp.h"
 
 namespace fmlp::detail {
@@ -35,8 +34,5 @@ struct GatedGemmArgs {
 bool gemm_sm90_gated_supports(const GatedGemmArgs& a, std::string* why);
 // Enqueues the kernel on s; `a` must pass supports().
 fmlp_status_t gemm_sm90_gated_run(const GatedGemmArgs& a, cudaStream_t s);
-
-// For explain (mlp_prefill.cu): which GEMM1 the prefill path runs for d ("" when not gated).
-const char* mlp_prefill_gemm1_note(const MlpDesc& d);
 
 }  // namespace fmlp::detail

@@ -2,11 +2,14 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 
 #include "core/error.hpp"
 
@@ -24,6 +27,29 @@ inline fmlp_status_t launch_status(const char* name, const std::string& detail =
   if (e == cudaSuccess) return FMLP_SUCCESS;
   return fail(FMLP_ERROR_CUDA, "{} launch{} failed: {}", name,
               detail.empty() ? "" : " (" + detail + ")", cudaGetErrorString(e));
+}
+
+// Blocks of KERNEL (`threads` threads, `smem` dynamic bytes) one multiprocessor of the current
+// device holds at once, >= 1 (1 when the occupancy query fails): the resident grids of the
+// persistent and streaming kernels. Asked once per kernel, block shape and device.
+template <typename KERNEL>
+int blocks_per_sm(KERNEL kernel, int threads, size_t smem, int device) {
+  using Key = std::tuple<const void*, int, size_t, int>;
+  static std::mutex mu;
+  static std::map<Key, int> cache;
+  const Key key{reinterpret_cast<const void*>(kernel), threads, smem, device};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    int per_sm = 1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      per_sm = 1;
+    }
+    it = cache.emplace(key, std::max(1, per_sm)).first;
+  }
+  return it->second;
 }
 
 // Whether kernels that support it launch with programmatic dependent launch on a device of

@@ -31,9 +31,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <tuple>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
@@ -325,25 +322,8 @@ size_t gemv_workspace(const LinearDesc& d) {
 // their staged x.
 template <typename KERNEL>
 int grid_for(KERNEL kernel, const Config& c, size_t smem, int device) {
-  using Key = std::tuple<const void*, size_t, int>;  // occupancy, asked once per shape class
-  static std::mutex mu;
-  static std::map<Key, int> cache;
-  const Key key{reinterpret_cast<const void*>(kernel), smem, device};
-  int per_sm = 1;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = cache.find(key);
-    if (it == cache.end()) {
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) !=
-          cudaSuccess) {
-        cudaGetLastError();
-        per_sm = 1;
-      }
-      it = cache.emplace(key, std::max(1, per_sm)).first;
-    }
-    per_sm = it->second;
-  }
-  const int64_t resident = int64_t(std::max(1, cuda_sm_count(device))) * per_sm;
+  const int64_t resident =
+      int64_t(std::max(1, cuda_sm_count(device))) * blocks_per_sm(kernel, kThreads, smem, device);
   return int(c.blocks <= 16 * resident ? c.blocks : resident);
 }
 

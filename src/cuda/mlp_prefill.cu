@@ -69,6 +69,24 @@ bool wgmma_candidate(const MlpDesc& d) {
          (d.act_dtype == FMLP_DTYPE_BF16 || d.act_dtype == FMLP_DTYPE_F16) && wgmma_enabled();
 }
 
+// The gate and up biases (up: the second half of a stacked b1, or b_up), nullptr when absent.
+struct GateUpBias {
+  const void* bg = nullptr;
+  const void* bu = nullptr;
+  fmlp_dtype_t bg_t = FMLP_DTYPE_F32, bu_t = FMLP_DTYPE_F32;
+};
+
+GateUpBias gate_up_bias(const MlpDesc& d, const fmlp_mlp_weights_t& w) {
+  GateUpBias b;
+  b.bg_t = b.bu_t = w.b1.dtype;
+  if (d.has_b1) b.bg = w.b1.data;
+  if (d.gated && d.stacked_gate_up && d.has_b1)
+    b.bu = offset(w.b1.data, d.hidden, dtype_size(w.b1.dtype));
+  else if (d.has_b_up)
+    b.bu = w.b_up.data, b.bu_t = w.b_up.dtype;
+  return b;
+}
+
 // The fused GEMM1's arguments for one pass of mc tokens (x rows at xin, stride ldx): the gate and
 // up rows and biases as prefill_bias_act reads them, h into the gate half of G.
 GatedGemmArgs fused_gemm1_args(const MlpDesc& d, const fmlp_mlp_weights_t& w, const void* xin,
@@ -87,12 +105,8 @@ GatedGemmArgs fused_gemm1_args(const MlpDesc& d, const fmlp_mlp_weights_t& w, co
   } else {
     ga.wu = w.w_up.data, ga.ldwu = w.w_up.stride[0];
   }
-  if (d.has_b1) ga.bg = w.b1.data, ga.bg_t = w.b1.dtype;
-  if (d.stacked_gate_up && d.has_b1) {
-    ga.bu = offset(w.b1.data, H, dtype_size(w.b1.dtype)), ga.bu_t = w.b1.dtype;
-  } else if (d.has_b_up) {
-    ga.bu = w.b_up.data, ga.bu_t = w.b_up.dtype;
-  }
+  const GateUpBias b = gate_up_bias(d, w);
+  ga.bg = b.bg, ga.bg_t = b.bg_t, ga.bu = b.bu, ga.bu_t = b.bu_t;
   ga.out = g, ga.ldo = ldg;
   return ga;
 }
@@ -264,50 +278,48 @@ fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base,
       ldx = l.ldn;
     }
 
-    // h = act(x Wg^T + bg) * (x Wu^T + bu) in one kernel, into the gate half of G.
-    const GatedGemmArgs ga = fused_gemm1_args(d, w, xin, ldx, mc, g, l.ldg);
-    std::string why;
-    const bool fused = wgmma_candidate(d) && gemm_sm90_gated_supports(ga, &why);
-    if (fused) {
-      if (const fmlp_status_t st = gemm_sm90_gated_run(ga, s); st != FMLP_SUCCESS) return st;
-    }
-
-    // GEMM1 into G [mc, ldg].
-    LtGemm g1;
-    g1.n = mc;
-    g1.k = d.d_in;
-    g1.b = xin;
-    g1.ldb = ldx;
-    g1.d = g;
-    g1.ldd = l.ldg;
-    g1.a = w.w1.data;
-    g1.lda = w.w1.stride[0];
-    g1.m = d.gated && d.stacked_gate_up ? 2 * H : H;
-    if (gelu_epi) {
-      g1.epilogue = b1_lt ? LtEpilogue::kGeluTanhBias : LtEpilogue::kGeluTanh;
-      g1.bias = b1_lt;
-    }
-    if (!fused) {
-      if (const fmlp_status_t st = gemm(g1); st != FMLP_SUCCESS) return st;
-    }
-    if (!fused && d.gated && !d.stacked_gate_up) {
-      LtGemm gu = g1;
-      gu.a = w.w_up.data;
-      gu.lda = w.w_up.stride[0];
-      gu.d = g + H;
-      if (const fmlp_status_t st = gemm(gu); st != FMLP_SUCCESS) return st;
-    }
-
-    // Bias + activation (+ gate product) in place, unless the epilogue did it.
-    if (!gelu_epi && !fused) {
-      ActParams ap{g, l.ldg, H, mc, H, nullptr, nullptr, w.b1.dtype, w.b1.dtype, d.activation};
-      if (d.has_b1) ap.bg = w.b1.data;
-      if (d.gated && d.stacked_gate_up && d.has_b1) {
-        ap.bu = offset(w.b1.data, H, dtype_size(w.b1.dtype));
-      } else if (d.has_b_up) {
-        ap.bu = w.b_up.data;
-        ap.bu_t = w.b_up.dtype;
+    // h = act(x Wg^T + bg) * (x Wu^T + bu) in one kernel, into the gate half of G, where switched
+    // on and this pass's pointers allow it.
+    bool fused = false;
+    if (wgmma_candidate(d)) {
+      const GatedGemmArgs ga = fused_gemm1_args(d, w, xin, ldx, mc, g, l.ldg);
+      std::string why;
+      if (gemm_sm90_gated_supports(ga, &why)) {
+        if (const fmlp_status_t st = gemm_sm90_gated_run(ga, s); st != FMLP_SUCCESS) return st;
+        fused = true;
       }
+    }
+
+    if (!fused) {
+      // GEMM1 into G [mc, ldg].
+      LtGemm g1;
+      g1.n = mc;
+      g1.k = d.d_in;
+      g1.b = xin;
+      g1.ldb = ldx;
+      g1.d = g;
+      g1.ldd = l.ldg;
+      g1.a = w.w1.data;
+      g1.lda = w.w1.stride[0];
+      g1.m = d.gated && d.stacked_gate_up ? 2 * H : H;
+      if (gelu_epi) {
+        g1.epilogue = b1_lt ? LtEpilogue::kGeluTanhBias : LtEpilogue::kGeluTanh;
+        g1.bias = b1_lt;
+      }
+      if (const fmlp_status_t st = gemm(g1); st != FMLP_SUCCESS) return st;
+      if (d.gated && !d.stacked_gate_up) {
+        LtGemm gu = g1;
+        gu.a = w.w_up.data;
+        gu.lda = w.w_up.stride[0];
+        gu.d = g + H;
+        if (const fmlp_status_t st = gemm(gu); st != FMLP_SUCCESS) return st;
+      }
+    }
+
+    // Bias + activation (+ gate product) in place, unless an epilogue did it.
+    if (!gelu_epi && !fused) {
+      const GateUpBias b = gate_up_bias(d, w);
+      const ActParams ap{g, l.ldg, H, mc, H, b.bg, b.bu, b.bg_t, b.bu_t, d.activation};
       const dim3 grid(unsigned((H + 8 * kThreads - 1) / (8 * kThreads)),
                       unsigned(std::min<int64_t>(mc, 65535)));
       if (!d.gated)

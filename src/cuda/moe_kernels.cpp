@@ -201,12 +201,14 @@ void lay_out(const MoeDesc& d, size_t out_bytes, size_t h_bytes, size_t h32_byte
   pl->chunk_expert = take(size_t(pl->max_chunks) * 4);
   pl->chunk_start = take(size_t(pl->max_chunks) * 4);
   pl->chunk_len = take(size_t(pl->max_chunks) * 4);
-  // The split router's logits and counters (a few KB at decode sizes; taken whenever there is a
-  // router, so the layout does not depend on pointers).
+  // The split router's logits and counters (a few KB at decode sizes): 16-bit router rows in
+  // 16-byte pieces (router_logits_columns; moe_params falls back to one block per token block
+  // when the router's pointer or row stride is not 16-byte aligned), few token blocks.
   const int64_t token_blocks = (d.tokens + pl->route_tokens - 1) / pl->route_tokens;
-  pl->route_split = d.given_routing || token_blocks > kRouteSplitMaxBlocks
-                        ? 1
-                        : int((d.global_experts + kRouteSplitExperts - 1) / kRouteSplitExperts);
+  const bool split = !d.given_routing && token_blocks <= kRouteSplitMaxBlocks && d.d % 8 == 0 &&
+                     (d.router_dtype == FMLP_DTYPE_BF16 || d.router_dtype == FMLP_DTYPE_F16);
+  pl->route_split =
+      split ? int((d.global_experts + kRouteSplitExperts - 1) / kRouteSplitExperts) : 1;
   if (pl->route_split > 1) {
     pl->logits = take(size_t(d.tokens) * size_t(d.global_experts) * 4);
     pl->route_parts = take(size_t(token_blocks) * 4);
@@ -310,7 +312,6 @@ MoeParams moe_params(const fmlp_moe_args_t& a, const MoeDesc& d, const MoePlan& 
   p.chunk = pl.chunk, p.slices = pl.slices, p.tiles = pl.tiles;
   p.out_slices = pl.partial ? pl.slices : 1;
   p.route_tokens = pl.route_tokens;
-  // The split router reads 16-bit router rows in 16-byte pieces (router_logits_columns).
   p.route_split = pl.route_split;
   p.gated = d.gated, p.partial = pl.partial, p.renormalize = d.renormalize;
   p.sigmoid = d.scoring == FMLP_MOE_SCORING_SIGMOID, p.given = d.given_routing;
@@ -322,9 +323,7 @@ MoeParams moe_params(const fmlp_moe_args_t& a, const MoeDesc& d, const MoePlan& 
   p.y = a.y.data, p.y_ld = a.y.stride[0];
   if (d.has_residual) p.res = a.residual.data, p.res_ld = a.residual.stride[0];
   moe_routing_inputs(&p, a, d);
-  if (!p.rw_vec16 || d.d % 8 != 0 ||
-      (d.router_dtype != FMLP_DTYPE_BF16 && d.router_dtype != FMLP_DTYPE_F16))
-    p.route_split = 1;
+  if (!p.rw_vec16) p.route_split = 1;
   p.w1 = a.w1.data, p.w1_e = a.w1.stride[0], p.w1_ld = a.w1.stride[1];
   p.w2 = a.w2.data, p.w2_e = a.w2.stride[0], p.w2_ld = a.w2.stride[1];
   p.w_t = d.w_dtype;

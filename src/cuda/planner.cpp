@@ -5,7 +5,6 @@
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
-#include "cuda/gemm_sm90_gated.cuh"
 #include "cuda/mlp_prefill.cuh"
 
 namespace fmlp::detail {

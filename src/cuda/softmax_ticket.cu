@@ -36,8 +36,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <map>
-#include <mutex>
 #include <utility>
 
 #include "core/dtype.hpp"
@@ -387,30 +385,11 @@ Layout layout_for(const SoftmaxDesc& d, const Plan& pl) {
   return l;
 }
 
-// Blocks of KERNEL resident at once on `device` (occupancy query, cached per device and kernel).
-template <auto KERNEL>
-int resident_blocks(int device) {
-  static std::mutex mu;
-  static std::map<int, int> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  if (auto it = cache.find(device); it != cache.end()) return it->second;
-  int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, KERNEL, kThreads, 0) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  const int blocks = per_sm * std::max(1, cuda_sm_count(device));
-  cache.emplace(device, blocks);
-  return blocks;
-}
-
 template <typename T, bool VEC, int V>
 fmlp_status_t launch(const TicketParams& p, int device, cudaStream_t s) {
   constexpr auto kernel = &softmax_sm80_ticket<T, VEC, V>;
-  const int resident = resident_blocks<kernel>(device);
-  if (resident <= 0)
-    return fail(FMLP_ERROR_CUDA, "softmax_sm80_ticket: the occupancy query failed on cuda:{}",
-                device);
+  const int resident =
+      blocks_per_sm(kernel, kThreads, 0, device) * std::max(1, cuda_sm_count(device));
   const unsigned grid = std::min(unsigned(resident), p.total);
   return launch_ex(kernel, dim3(grid), dim3(kThreads), 0,
                    pdl_enabled(cuda_compute_capability(device)), s, "softmax_sm80_ticket", p);

@@ -45,13 +45,11 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <map>
-#include <mutex>
-#include <tuple>
 #include <type_traits>
 
 #include "cuda/common.cuh"
 #include "cuda/decode_common.cuh"
+#include "cuda/launch_util.hpp"
 
 namespace fmlp::cuda {
 
@@ -111,25 +109,10 @@ inline StreamShape stream_shape(int64_t n, int64_t k, int elem_bytes, int min_ro
 }
 
 // Blocks of KERNEL (kStreamThreads threads, `smem` dynamic bytes) resident on `device` at once:
-// the stream kernels' grid. Asked once per kernel, size and device.
+// the stream kernels' grid.
 template <typename KERNEL>
 int stream_resident_blocks(KERNEL kernel, size_t smem, int device, int sms) {
-  using Key = std::tuple<const void*, size_t, int>;
-  static std::mutex mu;
-  static std::map<Key, int> cache;
-  const Key key{reinterpret_cast<const void*>(kernel), smem, device};
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(key);
-  if (it == cache.end()) {
-    int per_sm = 1;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStreamThreads, smem) !=
-        cudaSuccess) {
-      cudaGetLastError();
-      per_sm = 1;
-    }
-    it = cache.emplace(key, std::max(1, per_sm) * std::max(1, sms)).first;
-  }
-  return it->second;
+  return fmlp::detail::blocks_per_sm(kernel, kStreamThreads, smem, device) * std::max(1, sms);
 }
 
 // The resident grid cut to the fewest blocks that still take every group in the same number of
