@@ -364,6 +364,13 @@ TEST_P(LinearKernelTest, GraphReplayMatchesReference) {
   v[3].bt = FMLP_DTYPE_BF16;
   v[4].m = 64, v[4].n = 769, v[4].k = 8192, v[4].xt = v[4].wt = FMLP_DTYPE_F16;
   v[4].strided = true;
+  for (int64_t m : {1, 4}) {  // fp8 weight-only, k split over slices (linear_sm90_wgmma_fp8)
+    LinCase c;
+    c.m = m, c.n = 300, c.k = 8192;
+    c.xt = m == 1 ? FMLP_DTYPE_BF16 : FMLP_DTYPE_F16, c.wt = FMLP_DTYPE_F8_E4M3;
+    c.per_row = m == 1, c.bt = FMLP_DTYPE_F32;
+    v.push_back(c);
+  }
   for (int q = 0; q < 4; ++q) {  // cuBLASLt's fp8 GEMM (no bias: its fp8 heuristic offers none)
     LinCase c;
     c.m = 16, c.n = q % 2 ? 256 : 528, c.k = q < 2 ? 512 : 1024;

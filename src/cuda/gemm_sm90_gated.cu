@@ -18,8 +18,6 @@
 // - Persistent: one block per SM walks the tiles with the M tiles of a group of kGroupM fastest:
 //   the concurrent blocks share a few weight column tiles (read once from HBM) and the group's x
 //   rows (16 MiB at d_in 4096), which stay in L2 while the weights stream.
-#include <cuda.h>          // CUtensorMap and its enums (types only: libcuda is not linked)
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -33,15 +31,16 @@
 #include "cuda/gemm_sm90_gated.cuh"
 #include "cuda/launch_util.hpp"
 #include "cuda/ops.cuh"
+#include "cuda/sm90_async.cuh"
 
-// The kernel body exists only in the sm_90a compile; the portable (sm_80 + PTX) compile gets an
-// empty stub that supports() never lets launch (it requires compute capability 9.0).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define FMLP_GATED_SM90A 1
-#endif
+// The kernel body exists only in the sm_90a compile (FMLP_SM90A, sm90_async.cuh); the portable
+// (sm_80 + PTX) compile gets an empty stub that supports() never lets launch (it requires compute
+// capability 9.0).
 
 namespace fmlp::detail {
 namespace {
+
+using namespace fmlp::cuda::sm90;
 
 constexpr const char* kName = "gemm_sm90_wgmma_gated";
 constexpr int kBM = 128;  // tokens per tile
@@ -66,77 +65,14 @@ struct Epilogue {
   int m_tiles, n_tiles, k_blocks;
 };
 
-#ifdef FMLP_GATED_SM90A
+#ifdef FMLP_SM90A
 
 constexpr int kGroupM = 16;  // M tiles walked fastest (see the header comment)
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return uint32_t(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-               "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
-// Spins until the phase with the given parity has completed.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred ready;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n"
-      "@!ready bra WAIT;\n"
-      "}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-// One box of a tensor map (inner coordinate k, outer coordinate row) into shared memory; the
-// bytes count against bar's transaction count.
-__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int k,
-                                         int row) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
-      "%3}], [%4];" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(smem_u32(bar))
-      : "memory");
-}
-
-// wgmma shared-memory descriptor of a K-major operand in 128-byte swizzle: start address >> 4
-// (bits 0-13), leading byte offset (bits 16-29; unused for swizzled K-major, 1 by convention),
-// stride byte offset 1024 >> 4 (bits 32-45: the distance between 8-row atoms), base offset 0
-// (bits 49-51), layout 1 = 128-byte swizzle (bits 62-63). Stepping k by 16 elements inside the
-// atom adds 32 bytes to the start address (+2 in the descriptor).
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
-         (uint64_t(1) << 62);
-}
 
 // Keeps the compiler from moving accumulator accesses across the asynchronous wgmma boundaries.
 __device__ __forceinline__ void fence_acc(float (&d)[128]) {
 #pragma unroll
   for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
 // d[64 x 256] (+)= A[64 x 16] B[256 x 16]^T, both K-major in shared memory; scale_d = 0 starts
@@ -239,14 +175,14 @@ __device__ __forceinline__ void store_h(const Epilogue& e, const float (&d)[128]
   }
 }
 
-#endif  // FMLP_GATED_SM90A
+#endif  // FMLP_SM90A
 
 template <typename T, fmlp_activation_t ACT>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_sm90_wgmma_gated(const __grid_constant__ CUtensorMap tx,
                           const __grid_constant__ CUtensorMap tg,
                           const __grid_constant__ CUtensorMap tu, const Epilogue e) {
-#ifdef FMLP_GATED_SM90A
+#ifdef FMLP_SM90A
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -266,9 +202,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x != 0) return;
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tx)) : "memory");
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tg)) : "memory");
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&tu)) : "memory");
+    prefetch_tensormap(&tx);
+    prefetch_tensormap(&tg);
+    prefetch_tensormap(&tu);
     int stage = 0;
     uint32_t phase = 0;
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -322,25 +258,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) mbar_arrive(&empty[prev]);
     store_h<T, ACT>(e, d, mt * kBM + c * 64 + warp * 16 + lane / 4, nt * kBN + 2 * (lane % 4));
   }
-#endif  // FMLP_GATED_SM90A
+#endif  // FMLP_SM90A
 }
 
 // ---- host ----
-
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      p = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
 
 // A [rows, cols] row-major matrix (row stride ld elements) read in 128 x 64 boxes, 128-byte
 // swizzle (the layout the wgmma descriptors describe), zeros outside.

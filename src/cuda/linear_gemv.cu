@@ -395,7 +395,8 @@ fmlp_status_t gemv_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* w
 // Table order is the planner's order past its M = 1 choice (linear_planner.cpp): cuBLASLt first
 // for 16-bit M >= 2 (measured on an H200: our tensor-core entry reached 0.15-0.9x of cuBLAS at
 // M = 4..64), then the tensor-core entry (fp8 weights at M <= 64, W8A8 included), cuBLASLt's fp8
-// GEMM for W8A8 beyond, the GEMV for everything else.
+// GEMM for W8A8 beyond, the streams, the GEMV for everything else. The fp8 wgmma stream sits
+// behind the entries it has not beaten yet (linear_planner.cpp); FMLP_LINEAR_KERNEL forces it.
 const LinearKernel kCudaKernels[] = {
     {"linear_sm90_cublaslt", FMLP_BACKEND_CUDA, linear_cublaslt_supports, linear_cublaslt_workspace,
      linear_cublaslt_run},
@@ -405,6 +406,8 @@ const LinearKernel kCudaKernels[] = {
      linear_cublaslt_fp8_workspace, linear_cublaslt_fp8_run},
     {"linear_sm80_stream", FMLP_BACKEND_CUDA, linear_stream_supports, linear_stream_workspace,
      linear_stream_run},
+    {"linear_sm90_wgmma_fp8", FMLP_BACKEND_CUDA, linear_wgmma_fp8_supports,
+     linear_wgmma_fp8_workspace, linear_wgmma_fp8_run},
     {"linear_sm80_gemv", FMLP_BACKEND_CUDA, gemv_supports, gemv_workspace, gemv_run},
 };
 

@@ -21,7 +21,9 @@ constexpr const char* kMma = "linear_sm80_mma";
 // heads. It is the default wherever it runs; the rows below are the measured exceptions, and
 // shapes it cannot take (x larger than its shared memory, fp32 weights) keep the older rule.
 // fp8 weights: the stream's fp16-pair FMAs win on wide outputs (14336x4096: 24.1 us against 27-36
-// for the tensor-core entry; 28672x8192: 73 against 90), the tensor-core entry on the rest.
+// for the tensor-core entry; 28672x8192: 73 against 90), the tensor-core entry on the rest. The
+// fp8 wgmma stream (linear_sm90_wgmma_fp8) tied or lost on all four (session 10: 12.6-13.0,
+// 26.8, 28.3, 82.3 us), so it is only taken when forced.
 constexpr const char* kMeasured = "measured on NVIDIA H200 (sm_90)";
 constexpr LinearChoice kTable[] = {
     // {n, k, w dtype, entry at M = 1, source}

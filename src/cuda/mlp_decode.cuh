@@ -35,6 +35,12 @@ size_t mlp_decode_sm80_stream_workspace(const MlpDesc& d);
 fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc& d,
                                          void* workspace, void* stream);
 
+// Two fp8 tensor-core weight streams (mlp_decode_wgmma_fp8.cu): M <= 4, e4m3 weights, sm_90a.
+bool mlp_decode_sm90_wgmma_fp8_supports(const MlpDesc& d, std::string* why);
+size_t mlp_decode_sm90_wgmma_fp8_workspace(const MlpDesc& d);
+fmlp_status_t mlp_decode_sm90_wgmma_fp8_run(const fmlp_mlp_args_t& a, const MlpDesc& d,
+                                            void* workspace, void* stream);
+
 bool mlp_decode_sm80_prefetch_supports(const MlpDesc& d, std::string* why);
 size_t mlp_decode_sm80_prefetch_workspace(const MlpDesc& d);
 fmlp_status_t mlp_decode_sm80_prefetch_run(const fmlp_mlp_args_t& a, const MlpDesc& d,

@@ -27,6 +27,12 @@ size_t linear_stream_workspace(const LinearDesc& d);
 fmlp_status_t linear_stream_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
                                 void* stream);
 
+// linear_sm90_wgmma_fp8 (linear_wgmma_fp8.cu): fp8 weights on the tensor cores for M <= 4, sm_90a.
+bool linear_wgmma_fp8_supports(const LinearDesc& d, std::string* why);
+size_t linear_wgmma_fp8_workspace(const LinearDesc& d);
+fmlp_status_t linear_wgmma_fp8_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
+                                   void* stream);
+
 // linear_sm90_cublaslt (linear_cublaslt.cpp): one cuBLASLt GEMM for M >= 2, listed first.
 bool linear_cublaslt_supports(const LinearDesc& d, std::string* why);
 size_t linear_cublaslt_workspace(const LinearDesc& d);
