@@ -61,6 +61,16 @@ struct DecodeOperands {
 
 DecodeOperands decode_operands(const fmlp_mlp_args_t& a, const fmlp::detail::MlpDesc& d);
 
+// fp8 weights: fp32 dequantisation scales of the gate/dense, up and W2 rows; stride 0 is one scale
+// per tensor, 1 one per row (indexed by hidden unit for sg/su, by output for s2). Stacked gate/up
+// scales ([1] or [2 * hidden]) are resolved into the two halves. Filled by fp8_scales().
+struct Fp8Scales {
+  const float *sg, *su, *s2;
+  int sg_stride, su_stride, s2_stride;
+};
+
+Fp8Scales fp8_scales(const fmlp_mlp_args_t& a, const fmlp::detail::MlpDesc& d);
+
 // Sum over a block of THREADS threads; every thread gets the result. `scratch` holds one float
 // per warp.
 template <int THREADS>

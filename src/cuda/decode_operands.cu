@@ -55,6 +55,25 @@ DecodeOperands decode_operands(const fmlp_mlp_args_t& a, const fmlp::detail::Mlp
   return o;
 }
 
+Fp8Scales fp8_scales(const fmlp_mlp_args_t& a, const fmlp::detail::MlpDesc& d) {
+  using fmlp::detail::ScaleKind;
+  Fp8Scales f{};
+  const fmlp_mlp_weights_t& w = a.weights;
+  f.sg = static_cast<const float*>(w.w1_scale.data);
+  f.sg_stride = d.w1_scale == ScaleKind::kPerRow ? 1 : 0;
+  if (!d.gated) {
+  } else if (d.stacked_gate_up) {  // [1] or [2 * hidden]: gate scales, then up scales
+    f.su = f.sg + (f.sg_stride ? d.hidden : 0);
+    f.su_stride = f.sg_stride;
+  } else {
+    f.su = static_cast<const float*>(w.w_up_scale.data);
+    f.su_stride = d.w_up_scale == ScaleKind::kPerRow ? 1 : 0;
+  }
+  f.s2 = static_cast<const float*>(w.w2_scale.data);
+  f.s2_stride = d.w2_scale == ScaleKind::kPerRow ? 1 : 0;
+  return f;
+}
+
 }  // namespace fmlp::cuda
 
 namespace fmlp::detail {

@@ -83,11 +83,6 @@ bool linear_wgmma_fp8_supports(const LinearDesc& d, std::string* why) {
                                "linear_sm80_gemv takes it",
                                fmlp_dtype_name(d.act_dtype), kName),
             false);
-  if (const int cc = cuda_compute_capability(d.device_id); cc != 90)
-    return (*why = fmt::format("{} is sm_90a code (TMA, fp8 wgmma); cuda:{} has compute "
-                               "capability {}.{}",
-                               kName, d.device_id, cc / 10, cc % 10),
-            false);
   if (d.m < 1 || d.m > kWgMaxTokens)
     return (*why = fmt::format("M={}: {} takes 1 to {} rows (more: linear_sm80_mma)", d.m, kName,
                                kWgMaxTokens),
@@ -99,14 +94,8 @@ bool linear_wgmma_fp8_supports(const LinearDesc& d, std::string* why) {
             false);
   if (d.n >= (int64_t(1) << 31) || d.k >= (int64_t(1) << 31))
     return (*why = "N and K must be below 2^31", false);
-  if (fmlp::cuda::sm90::encode_tiled() == nullptr)
-    return (*why = fmt::format("{}: the driver has no cuTensorMapEncodeTiled", kName), false);
-  const size_t smem = fmlp::cuda::wg_smem_bytes(shape_of(d));
-  if (size_t(cuda_max_dynamic_smem(d.device_id, 0)) < smem)
-    return (*why = fmt::format("{} needs {} bytes of shared memory per block; cuda:{} offers {}",
-                               kName, smem, d.device_id, cuda_max_dynamic_smem(d.device_id, 0)),
-            false);
-  return true;
+  return fmlp::cuda::wg_device_supports(kName, d.device_id, fmlp::cuda::wg_smem_bytes(shape_of(d)),
+                                        why);
 }
 
 size_t linear_wgmma_fp8_workspace(const LinearDesc& d) {

@@ -57,7 +57,7 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTokens = 64;
 
-struct ClusterParams : fmlp::cuda::DecodeOperands {
+struct ClusterParams : fmlp::cuda::DecodeOperands, fmlp::cuda::Fp8Scales {
   float* acc;          // [n][mp] fp32 partial outputs, zero between calls
   unsigned* counters;  // [ceil(n / 16)] contributions per output row group, zero between calls
   int tiles;           // hidden / 16
@@ -69,10 +69,6 @@ struct ClusterParams : fmlp::cuda::DecodeOperands {
   int res_rows;        // rows of the phase-1 result buffer (max row groups * 16)
   int region_bytes;    // bytes of the region shared by (results + x chunks) and the cluster slice
   bool x_vec16;        // x rows can be read with 16-byte loads
-  // fp8 weights: fp32 dequantisation scales of the gate/dense, up and W2 rows; stride 0 is one
-  // scale per tensor, 1 one per row (indexed by hidden unit for sg/su, by output for s2).
-  const float *sg, *su, *s2;
-  int sg_stride, su_stride, s2_stride;
 };
 
 // Eight e4m3 weights (two 32-bit words) as eight WT values, exactly: cvt.rn.f16x2.e4m3x2 is exact
@@ -638,21 +634,8 @@ fmlp_status_t mlp_decode_sm90_cluster_run(const fmlp_mlp_args_t& a, const MlpDes
   p.counters = reinterpret_cast<unsigned*>(
       base + align256(size_t(d.d_out) * size_t(token_tiles(int(d.m)) * 8) * 4));
   p.x_vec16 = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && p.x_ld % 8 == 0;
-  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) {
-    const fmlp_mlp_weights_t& w = a.weights;
-    p.sg = static_cast<const float*>(w.w1_scale.data);
-    p.sg_stride = d.w1_scale == ScaleKind::kPerRow ? 1 : 0;
-    if (!d.gated) {
-    } else if (d.stacked_gate_up) {  // [1] or [2 * hidden]: gate scales, then up scales
-      p.su = p.sg + (p.sg_stride ? d.hidden : 0);
-      p.su_stride = p.sg_stride;
-    } else {
-      p.su = static_cast<const float*>(w.w_up_scale.data);
-      p.su_stride = d.w_up_scale == ScaleKind::kPerRow ? 1 : 0;
-    }
-    p.s2 = static_cast<const float*>(w.w2_scale.data);
-    p.s2_stride = d.w2_scale == ScaleKind::kPerRow ? 1 : 0;
-  }
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3)
+    static_cast<fmlp::cuda::Fp8Scales&>(p) = fmlp::cuda::fp8_scales(a, d);
 
   KernelFn k = pick_kernel(d);
   cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -41,10 +41,7 @@ using fmlp::cuda::WgShape;
 
 constexpr const char* kName = "mlp_decode_sm90_wgmma_fp8";
 
-struct WgMlpParams : DecodeOperands {
-  // fp32 dequantisation scales of the gate/dense, up and W2 rows; stride 0: one per tensor.
-  const float *sg, *su, *s2;
-  int sg_stride, su_stride, s2_stride;
+struct WgMlpParams : DecodeOperands, fmlp::cuda::Fp8Scales {
   void* hbuf;              // [m, hidden] in the activation dtype, zero between calls
   unsigned* exit_counter;  // down blocks finished, zero between calls
   WgShape up, down;
@@ -260,11 +257,6 @@ bool mlp_decode_sm90_wgmma_fp8_supports(const MlpDesc& d, std::string* why) {
                                "for bf16/f16; the splitk kernel takes f32",
                                fmlp_dtype_name(d.act_dtype), kName),
             false);
-  if (const int cc = cuda_compute_capability(d.device_id); cc != 90)
-    return (*why = fmt::format("{} is sm_90a code (TMA, fp8 wgmma); cuda:{} has compute "
-                               "capability {}.{}",
-                               kName, d.device_id, cc / 10, cc % 10),
-            false);
   if (d.m < 1 || d.m > kWgMaxTokens)
     return (*why = fmt::format("M={}: {} takes 1 to {} tokens (more: mlp_decode_sm90_cluster)", d.m,
                                kName, kWgMaxTokens),
@@ -279,15 +271,10 @@ bool mlp_decode_sm90_wgmma_fp8_supports(const MlpDesc& d, std::string* why) {
   if (d.d_in >= (int64_t(1) << 30) || d.hidden >= (int64_t(1) << 30) ||
       d.d_out >= (int64_t(1) << 30))
     return (*why = "d_in, hidden and d_out must be below 2^30", false);
-  if (fmlp::cuda::sm90::encode_tiled() == nullptr)
-    return (*why = fmt::format("{}: the driver has no cuTensorMapEncodeTiled", kName), false);
   const Shapes s = shapes_of(d);
-  const size_t smem = std::max(fmlp::cuda::wg_smem_bytes(s.up), fmlp::cuda::wg_smem_bytes(s.down));
-  if (size_t(cuda_max_dynamic_smem(d.device_id, 0)) < smem)
-    return (*why = fmt::format("{} needs {} bytes of shared memory per block; cuda:{} offers {}",
-                               kName, smem, d.device_id, cuda_max_dynamic_smem(d.device_id, 0)),
-            false);
-  return true;
+  return fmlp::cuda::wg_device_supports(
+      kName, d.device_id,
+      std::max(fmlp::cuda::wg_smem_bytes(s.up), fmlp::cuda::wg_smem_bytes(s.down)), why);
 }
 
 size_t mlp_decode_sm90_wgmma_fp8_workspace(const MlpDesc& d) {
@@ -299,19 +286,7 @@ fmlp_status_t mlp_decode_sm90_wgmma_fp8_run(const fmlp_mlp_args_t& a, const MlpD
   if (d.d_out == 0) return FMLP_SUCCESS;  // nothing to write
   WgMlpParams p{};
   static_cast<DecodeOperands&>(p) = fmlp::cuda::decode_operands(a, d);
-  const fmlp_mlp_weights_t& w = a.weights;
-  p.sg = static_cast<const float*>(w.w1_scale.data);
-  p.sg_stride = d.w1_scale == ScaleKind::kPerRow ? 1 : 0;
-  if (!d.gated) {
-  } else if (d.stacked_gate_up) {  // [1] or [2 * hidden]: gate scales, then up scales
-    p.su = p.sg + (p.sg_stride ? d.hidden : 0);
-    p.su_stride = p.sg_stride;
-  } else {
-    p.su = static_cast<const float*>(w.w_up_scale.data);
-    p.su_stride = d.w_up_scale == ScaleKind::kPerRow ? 1 : 0;
-  }
-  p.s2 = static_cast<const float*>(w.w2_scale.data);
-  p.s2_stride = d.w2_scale == ScaleKind::kPerRow ? 1 : 0;
+  static_cast<fmlp::cuda::Fp8Scales&>(p) = fmlp::cuda::fp8_scales(a, d);
   const Shapes s = shapes_of(d);
   p.up = s.up;
   p.down = s.down;

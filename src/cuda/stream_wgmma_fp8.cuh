@@ -42,9 +42,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "core/error.hpp"
 #include "cuda/common.cuh"
+#include "cuda/launch_util.hpp"
+#include "cuda/ops.cuh"
 #include "cuda/sm90_async.cuh"
 
 namespace fmlp::cuda {
@@ -122,6 +125,23 @@ inline size_t wg_partial_bytes(const WgShape& s, int nw) {
 }
 inline size_t wg_counter_bytes(const WgShape& s) {
   return s.slices > 1 ? size_t(s.tiles) * sizeof(unsigned) : 0;
+}
+
+// What every user of the stream needs from the device: sm_90a, the driver's tensor-map encoder and
+// `smem` bytes of shared memory per block; *why (never null) names `kernel` and the lack.
+inline bool wg_device_supports(const char* kernel, int device, size_t smem, std::string* why) {
+  if (const int cc = fmlp::detail::cuda_compute_capability(device); cc != 90)
+    return (*why = fmt::format("{} is sm_90a code (TMA, fp8 wgmma); cuda:{} has compute "
+                               "capability {}.{}",
+                               kernel, device, cc / 10, cc % 10),
+            false);
+  if (sm90::encode_tiled() == nullptr)
+    return (*why = fmt::format("{}: the driver has no cuTensorMapEncodeTiled", kernel), false);
+  if (const int have = fmlp::detail::cuda_max_dynamic_smem(device, 0); size_t(have) < smem)
+    return (*why = fmt::format("{} needs {} bytes of shared memory per block; cuda:{} offers {}",
+                               kernel, smem, device, have),
+            false);
+  return true;
 }
 
 // The tensor map of an [n, k] e4m3 matrix with a row stride of `ld` bytes (a multiple of 16 when
