@@ -30,17 +30,19 @@ enum class Section {
   kRandom,
   kVectorFriendly,
   kLargeM,
-  kFp8
+  kFp8,
+  kFp8Stream
 };
 constexpr Section kAllSections[] = {
     Section::kShapes,         Section::kDtypes, Section::kEpilogue,  Section::kLayout,
     Section::kNonFinite,      Section::kDOut,   Section::kRealistic, Section::kRandom,
-    Section::kVectorFriendly, Section::kFp8};
+    Section::kVectorFriendly, Section::kFp8,    Section::kFp8Stream};
 constexpr int64_t kMaxMacs = 4'000'000;  // per sampled case; keeps the suite within its budget
 
 const char* section_name(Section s) {
-  const char* names[] = {"Shapes",    "Dtypes", "Epilogue",       "Layout", "NonFinite", "DOut",
-                         "Realistic", "Random", "VectorFriendly", "LargeM", "Fp8"};
+  const char* names[] = {"Shapes",         "Dtypes", "Epilogue",  "Layout",
+                         "NonFinite",      "DOut",   "Realistic", "Random",
+                         "VectorFriendly", "LargeM", "Fp8",       "Fp8Stream"};
   return names[int(s)];
 }
 
@@ -241,6 +243,41 @@ std::vector<MlpCase> section_cases(Section s) {
             add(c);
           }
       break;
+    case Section::kFp8Stream:  // fp8 weights the way decode streams them: 16-bit x, M = 1..4,
+                               // weight rows in whole 16-byte chunks, k slices of 128..2064,
+                               // every gate / norm / epilogue, NaN and Inf rows, deterministic
+      for (int64_t m = 1; m <= 4; ++m)
+        for (Gate g : kGates)
+          for (int variant = 0; variant < 3; ++variant) {
+            MlpCase c;
+            const int64_t ins[] = {16, 272, 1040}, hids[] = {144, 784, 2064},
+                          outs[] = {7, 127, 769};
+            c.m = m;
+            c.gate = g;
+            c.d_in = ins[(m + variant) % 3];
+            c.hidden = hids[(m + 2 * variant) % 3];
+            c.d_out = variant == 0 ? c.d_in : outs[(m + variant) % 3];
+            c.act = kActs[(m + variant) % 4];
+            c.x_dtype = (m + variant) % 2 ? FMLP_DTYPE_BF16 : FMLP_DTYPE_F16;
+            c.w_dtype = FMLP_DTYPE_F8_E4M3;
+            c.per_row_scale = variant != 1;
+            c.fp8_all_codes = variant == 2;
+            c.norm = variant == 0   ? FMLP_NORM_NONE
+                     : variant == 1 ? FMLP_NORM_LAYERNORM
+                                    : FMLP_NORM_RMSNORM;
+            c.gamma = variant ? FMLP_DTYPE_F32 : kAbsent;
+            c.beta = variant == 1 ? c.x_dtype : kAbsent;
+            c.b1 = c.b_up = variant == 1 ? FMLP_DTYPE_F32 : kAbsent;
+            c.b2 = variant ? c.x_dtype : kAbsent;
+            c.residual = variant == 0 ? Residual::kInPlace : kResiduals[(m + variant) % 3];
+            if (c.d_out != c.d_in) c.residual = Residual::kNone;
+            c.nonfinite = m >= 3 && variant == 2;
+            c.nan_weights = m == 2 && variant == 1;
+            c.deterministic = variant == 0;
+            c.data_seed = rng();
+            add(c);
+          }
+      break;
   }
   return v;
 }
@@ -355,6 +392,9 @@ TEST_P(KernelTest, Random) {
 TEST_P(KernelTest, Fp8) {
   run_section(Section::kFp8);
 }
+TEST_P(KernelTest, Fp8Stream) {
+  run_section(Section::kFp8Stream);
+}
 
 // A kernel that handles none of the grid is a defect (dead code in the op table).
 TEST_P(KernelTest, SupportsSomeGridCase) {
@@ -389,6 +429,11 @@ TEST_P(KernelTest, DeterministicIsBitwiseReproducible) {
   cases[2].m = 3, cases[2].d_in = cases[2].d_out = 769, cases[2].hidden = 127;
   cases[2].gate = Gate::kSeparate, cases[2].x_dtype = cases[2].w_dtype = FMLP_DTYPE_F16;
   cases[2].norm = FMLP_NORM_LAYERNORM;
+  MlpCase f8;  // fp8 weights split over k slices (the wgmma decode streams' combine order)
+  f8.m = 2, f8.d_in = f8.d_out = 256, f8.hidden = 2064;
+  f8.gate = Gate::kStacked, f8.act = FMLP_ACT_SILU, f8.per_row_scale = true;
+  f8.x_dtype = FMLP_DTYPE_BF16, f8.w_dtype = FMLP_DTYPE_F8_E4M3;
+  cases.push_back(f8);
   int ran = 0;
   for (MlpCase& c : cases) {
     c.deterministic = true;
