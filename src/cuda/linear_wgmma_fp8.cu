@@ -94,8 +94,9 @@ bool linear_wgmma_fp8_supports(const LinearDesc& d, std::string* why) {
             false);
   if (d.n >= (int64_t(1) << 31) || d.k >= (int64_t(1) << 31))
     return (*why = "N and K must be below 2^31", false);
-  return fmlp::cuda::wg_device_supports(kName, d.device_id, fmlp::cuda::wg_smem_bytes(shape_of(d)),
-                                        why);
+  const WgShape s = shape_of(d);
+  return fmlp::cuda::wg_shape_ok(s, kName, why) &&
+         fmlp::cuda::wg_device_supports(kName, d.device_id, fmlp::cuda::wg_smem_bytes(s), why);
 }
 
 size_t linear_wgmma_fp8_workspace(const LinearDesc& d) {

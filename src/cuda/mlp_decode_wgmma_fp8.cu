@@ -272,6 +272,8 @@ bool mlp_decode_sm90_wgmma_fp8_supports(const MlpDesc& d, std::string* why) {
       d.d_out >= (int64_t(1) << 30))
     return (*why = "d_in, hidden and d_out must be below 2^30", false);
   const Shapes s = shapes_of(d);
+  if (!fmlp::cuda::wg_shape_ok(s.up, kName, why) || !fmlp::cuda::wg_shape_ok(s.down, kName, why))
+    return false;
   return fmlp::cuda::wg_device_supports(
       kName, d.device_id,
       std::max(fmlp::cuda::wg_smem_bytes(s.up), fmlp::cuda::wg_smem_bytes(s.down)), why);

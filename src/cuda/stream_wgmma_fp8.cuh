@@ -127,6 +127,17 @@ inline size_t wg_counter_bytes(const WgShape& s) {
   return s.slices > 1 ? size_t(s.tiles) * sizeof(unsigned) : 0;
 }
 
+// Whether wg_shape found a partition: K >= 1 cut into at most one slice per SM of at most
+// kWgMaxSliceK (B's shared memory); *why (never null) says what to use instead otherwise.
+inline bool wg_shape_ok(const WgShape& s, const char* kernel, std::string* why) {
+  if (s.slices > 0) return true;
+  *why = fmt::format(
+      "{}: K={} cannot be cut into slices of at most {} over the SMs' blocks; the "
+      "CUDA-core fp8 entries take it",
+      kernel, s.k, kWgMaxSliceK);
+  return false;
+}
+
 // What every user of the stream needs from the device: sm_90a, the driver's tensor-map encoder and
 // `smem` bytes of shared memory per block; *why (never null) names `kernel` and the lack.
 inline bool wg_device_supports(const char* kernel, int device, size_t smem, std::string* why) {
