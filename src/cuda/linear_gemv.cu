@@ -56,17 +56,7 @@ constexpr int kUnroll = 4;           // 16-byte W loads per lane per batch (two 
 constexpr int kXsBytes = 32 * 1024;  // staged x per block
 using Fp8 = unsigned char;
 
-struct LinearParams {
-  const void* x;
-  void* y;
-  const void* w;
-  const float* scale;    // nullptr: no scale
-  const float* x_scale;  // fp8 x only
-  const void* bias;      // nullptr: no bias
-  int64_t x_ld, y_ld, w_ld;
-  fmlp_dtype_t act_t, y_t, bias_t;
-  int scale_per_row, x_scale_per_row;
-  int m, n, k;
+struct LinearParams : LinearOperands {
   int mtiles, splits, rowgroups;
   int kc;              // K per split, a multiple of the 16-byte sweep of a warp
   int kx;              // K staged per pass, a multiple of it too
@@ -190,9 +180,9 @@ __device__ __forceinline__ void epilogue(const LinearParams& p, int row, int m, 
 
 // x[m][c] as staged: fp8 activations dequantised with their scale.
 __device__ __forceinline__ float load_x(const LinearParams& p, const char* xr, int m, int64_t c) {
-  if (p.act_t == FMLP_DTYPE_F8_E4M3)
+  if (p.x_t == FMLP_DTYPE_F8_E4M3)
     return fp8_to_f32(reinterpret_cast<const Fp8*>(xr)[c]) * p.x_scale[p.x_scale_per_row ? m : 0];
-  return load_scalar(xr, p.act_t, c);
+  return load_scalar(xr, p.x_t, c);
 }
 
 template <typename WT, int MT, bool VEC>
@@ -201,7 +191,7 @@ __global__ void __launch_bounds__(kThreads) linear_sm80_gemv(const LinearParams 
   float* xs = reinterpret_cast<float*>(smem4);  // [MT, kx]
   __shared__ unsigned is_last;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : p.act_t == FMLP_DTYPE_F8_E4M3 ? 1 : 2;
+  const int64_t es = p.x_t == FMLP_DTYPE_F32 ? 4 : p.x_t == FMLP_DTYPE_F8_E4M3 ? 1 : 2;
   const int64_t tasks = int64_t(p.rowgroups) * p.splits * p.mtiles;
   int64_t staged = -1;
   for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
@@ -357,21 +347,7 @@ fmlp_status_t dispatch_mt(const LinearParams& p, const Config& c, bool vec, int 
 fmlp_status_t gemv_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws, void* stream) {
   const Config c = config_for(d);
   LinearParams p{};
-  p.x = a.x.data;
-  p.y = a.y.data;
-  p.w = a.w.data;
-  p.scale = d.w_scale == ScaleKind::kNone ? nullptr : static_cast<const float*>(a.w_scale.data);
-  p.scale_per_row = d.w_scale == ScaleKind::kPerRow;
-  p.x_scale = d.x_scale == ScaleKind::kNone ? nullptr : static_cast<const float*>(a.x_scale.data);
-  p.x_scale_per_row = d.x_scale == ScaleKind::kPerRow;
-  p.y_t = d.out_dtype;
-  p.bias = d.bias_dtype == FMLP_DTYPE_INVALID ? nullptr : a.bias.data;
-  p.bias_t = d.bias_dtype;
-  p.x_ld = a.x.stride[0];
-  p.y_ld = a.y.stride[0];
-  p.w_ld = a.w.stride[0];
-  p.act_t = d.act_dtype;
-  p.m = int(d.m), p.n = int(d.n), p.k = int(d.k);
+  static_cast<LinearOperands&>(p) = linear_operands(a, d);
   p.mtiles = c.mtiles, p.splits = c.splits, p.rowgroups = c.rowgroups, p.kc = c.kc, p.kx = c.kx;
   if (c.splits > 1) {
     char* base = static_cast<char*>(ws);

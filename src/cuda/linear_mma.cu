@@ -59,17 +59,7 @@ constexpr int kMaxTokens = 64;
 constexpr int kMaxXsBytes = 96 * 1024;  // two blocks per sm_90 multiprocessor
 constexpr int kBlocksPerSm = 2;
 
-struct MmaParams {
-  const void* x;
-  void* y;
-  const void* w;
-  const void* bias;      // nullptr: no bias
-  const float* scale;    // fp8 weights: per-row or per-tensor scales
-  const float* x_scale;  // fp8 x: per-row or per-tensor scales
-  int scale_per_row, x_scale_per_row;
-  int64_t x_ld, y_ld, w_ld;
-  fmlp_dtype_t act_t, y_t, bias_t;
-  int m, n, k;
+struct MmaParams : LinearOperands {
   int rgs;             // 16-row groups of W
   int chunks;          // tasks per split (kWarps row groups each)
   int splits;          // K splits
@@ -138,15 +128,15 @@ __device__ __forceinline__ uint4 widen_e4m3x8(uint32_t lo, uint32_t hi) {
 template <int NT>
 __device__ void stage_f16(const MmaParams& p, unsigned short* xs, float* inv, unsigned* amax,
                           int k0, int cols, int width) {
-  const int64_t es = p.act_t == FMLP_DTYPE_F8_E4M3 ? 1 : 2;
-  const bool bf16 = p.act_t == FMLP_DTYPE_BF16;
+  const int64_t es = p.x_t == FMLP_DTYPE_F8_E4M3 ? 1 : 2;
+  const bool bf16 = p.x_t == FMLP_DTYPE_BF16;
   if (threadIdx.x < NT * 8) amax[threadIdx.x] = 0;
   __syncthreads();
   if (bf16)
     for (int i = threadIdx.x; i < p.m * cols; i += kThreads) {
       const int m = i / cols, c = i % cols;
       const float v = fabsf(
-          load_scalar(static_cast<const char*>(p.x) + (int64_t(m) * p.x_ld + k0) * es, p.act_t, c));
+          load_scalar(static_cast<const char*>(p.x) + (int64_t(m) * p.x_ld + k0) * es, p.x_t, c));
       if (v <= 3.4e38f) atomicMax(amax + m, __float_as_uint(v));  // finite: bits order as values
     }
   __syncthreads();
@@ -173,8 +163,8 @@ __device__ void stage_f16(const MmaParams& p, unsigned short* xs, float* inv, un
           const auto* b = reinterpret_cast<const uint8_t*>(row);
           h[i] = e4m3x2_to_f16x2(uint16_t(b[2 * i] | b[2 * i + 1] << 8));
         } else {
-          const __half2 pair = __floats2half2_rn(load_scalar(row, p.act_t, 2 * i) * mul,
-                                                 load_scalar(row, p.act_t, 2 * i + 1) * mul);
+          const __half2 pair = __floats2half2_rn(load_scalar(row, p.x_t, 2 * i) * mul,
+                                                 load_scalar(row, p.x_t, 2 * i + 1) * mul);
           h[i] = *reinterpret_cast<const uint32_t*>(&pair);
         }
       }
@@ -468,21 +458,7 @@ fmlp_status_t linear_mma_run(const fmlp_linear_args_t& a, const LinearDesc& d, v
                              void* stream) {
   const Config c = config_for(d);
   MmaParams p{};
-  p.x = a.x.data;
-  p.y = a.y.data;
-  p.w = a.w.data;
-  p.bias = d.bias_dtype == FMLP_DTYPE_INVALID ? nullptr : a.bias.data;
-  p.bias_t = d.bias_dtype;
-  p.x_ld = a.x.stride[0];
-  p.y_ld = a.y.stride[0];
-  p.w_ld = a.w.stride[0];
-  p.act_t = d.act_dtype;
-  p.y_t = d.out_dtype;
-  p.scale = d.w_scale == ScaleKind::kNone ? nullptr : static_cast<const float*>(a.w_scale.data);
-  p.scale_per_row = d.w_scale == ScaleKind::kPerRow;
-  p.x_scale = d.x_scale == ScaleKind::kNone ? nullptr : static_cast<const float*>(a.x_scale.data);
-  p.x_scale_per_row = d.x_scale == ScaleKind::kPerRow;
-  p.m = int(d.m), p.n = int(d.n), p.k = int(d.k);
+  static_cast<LinearOperands&>(p) = linear_operands(a, d);
   p.rgs = c.rgs, p.chunks = c.chunks, p.splits = c.splits, p.kc = c.kc;
   p.xs_stride = c.xs_stride;
   p.x_vec16 = uintptr_t(p.x) % 16 == 0 && p.x_ld % 8 == 0;

@@ -38,16 +38,7 @@ using fmlp::cuda::StreamShape;
 constexpr int kMaxXsBytes = 48 * 1024;  // staged x: four blocks per multiprocessor
 constexpr int kMaxTokens = 4;
 
-struct StreamParams {
-  const void* x;
-  void* y;
-  const void* w;
-  const void* bias;    // nullptr: no bias
-  const float* scale;  // fp8 weights: [1] or [N]
-  int scale_per_row;
-  int64_t x_ld, y_ld, w_ld;
-  fmlp_dtype_t x_t, y_t, bias_t;
-  int m;
+struct StreamParams : LinearOperands {
   StreamShape s;
   int prefetch_groups;  // groups per block requested into L2 before the previous grid is done
 };
@@ -234,19 +225,7 @@ fmlp_status_t linear_stream_run(const fmlp_linear_args_t& a, const LinearDesc& d
                                 void* stream) {
   const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
   StreamParams p{};
-  p.x = a.x.data;
-  p.y = a.y.data;
-  p.w = a.w.data;
-  p.bias = d.bias_dtype == FMLP_DTYPE_INVALID ? nullptr : a.bias.data;
-  p.bias_t = d.bias_dtype;
-  p.scale = d.w_scale == ScaleKind::kNone ? nullptr : static_cast<const float*>(a.w_scale.data);
-  p.scale_per_row = d.w_scale == ScaleKind::kPerRow;
-  p.x_ld = a.x.stride[0];
-  p.y_ld = a.y.stride[0];
-  p.w_ld = a.w.stride[0];
-  p.x_t = d.act_dtype;
-  p.y_t = d.out_dtype;
-  p.m = int(d.m);
+  static_cast<LinearOperands&>(p) = linear_operands(a, d);
   p.s = stream_shape(d.n, d.k, fp8 ? 1 : 2);
   // Each block's first group into L2 while the previous kernel drains, where W outgrows the L2
   // (mlp_decode_stream.cu measured prefetching to hurt where most of the matrix fits it).

@@ -20,16 +20,7 @@ using fmlp::cuda::WgShape;
 
 constexpr const char* kName = "linear_sm90_wgmma_fp8";
 
-struct LinearWgParams {
-  const void* x;
-  void* y;
-  const void* w;
-  const void* bias;  // nullptr: no bias
-  const float* scale;
-  int scale_per_row;
-  int64_t x_ld, y_ld, w_ld;
-  fmlp_dtype_t x_t, y_t, bias_t;
-  int m;
+struct LinearWgParams : LinearOperands {
   WgShape s;
   float* part;
   unsigned* counters;
@@ -108,19 +99,7 @@ fmlp_status_t linear_wgmma_fp8_run(const fmlp_linear_args_t& a, const LinearDesc
                                    void* stream) {
   if (d.n == 0) return FMLP_SUCCESS;  // nothing to write
   LinearWgParams p{};
-  p.x = a.x.data;
-  p.y = a.y.data;
-  p.w = a.w.data;
-  p.bias = d.bias_dtype == FMLP_DTYPE_INVALID ? nullptr : a.bias.data;
-  p.bias_t = d.bias_dtype;
-  p.scale = static_cast<const float*>(a.w_scale.data);
-  p.scale_per_row = d.w_scale == ScaleKind::kPerRow;
-  p.x_ld = a.x.stride[0];
-  p.y_ld = a.y.stride[0];
-  p.w_ld = a.w.stride[0];
-  p.x_t = d.act_dtype;
-  p.y_t = d.out_dtype;
-  p.m = int(d.m);
+  static_cast<LinearOperands&>(p) = linear_operands(a, d);
   p.s = shape_of(d);
   p.part = static_cast<float*>(ws);
   p.counters = reinterpret_cast<unsigned*>(static_cast<char*>(ws) +
