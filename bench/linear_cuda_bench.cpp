@@ -380,7 +380,13 @@ int main(int argc, char** argv) {
       rows.push_back(bench_softmax(256, 128256, FMLP_DTYPE_F32, log, l2, s, reps)),
           print_row(rows.back(), bw);
     }
+    rows.push_back(bench_softmax(32, 128256, FMLP_DTYPE_F32, false, l2, s, reps)),
+        print_row(rows.back(), bw);
     rows.push_back(bench_softmax(1, 128256, FMLP_DTYPE_BF16, false, l2, s, reps)),
+        print_row(rows.back(), bw);
+    rows.push_back(bench_softmax(256, 128256, FMLP_DTYPE_BF16, false, l2, s, reps)),
+        print_row(rows.back(), bw);
+    rows.push_back(bench_softmax(256, 32000, FMLP_DTYPE_BF16, false, l2, s, reps)),
         print_row(rows.back(), bw);
     rows.push_back(bench_softmax(64, 32000, FMLP_DTYPE_BF16, false, l2, s, reps)),
         print_row(rows.back(), bw);

@@ -2,7 +2,7 @@
 # inputs rotated over more than 3x the L2 so each call reads HBM, each variant replayed from a
 # CUDA graph, median (same method as bench/peers.py). With --ours (fusedmlp_ops_bench's JSON) it
 # prints our time over the peer's for every shape measured by both.
-# usage: python3 bench/peers_ops.py [--json peers_ops.json] [--ours ops.json]
+# usage: python3 bench/peers_ops.py [--json peers_ops.json] [--ours ops.json] [--only softmax]
 import argparse
 import json
 import math
@@ -24,6 +24,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="peers_ops.json")
     ap.add_argument("--ours", default=None)
+    ap.add_argument("--only", choices=("softmax",), default=None, help="skip the linear peers")
     a = ap.parse_args()
     dev = "cuda"
     l2, bw, res = session("rows", dev)
@@ -39,9 +40,10 @@ def main():
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
 
-    cases = [(s, 1) for s in bench_shapes()]
+    cases = [] if a.only else [(s, 1) for s in bench_shapes()]
     for name in ("llama3-8b.q", "llama3-8b.down", "llama3-8b.lm_head", "mixtral.router"):
-        cases += [(s, m) for s in bench_shapes() if s[0] == name for m in (4, 16, 64)]
+        cases += [] if a.only else [(s, m) for s in bench_shapes() if s[0] == name
+                                    for m in (4, 16, 64)]
     for (name, n, k), m in cases:
         wbytes = n * k * 2
         copies = min(64, max(1, math.ceil(3 * l2 / wbytes)))
@@ -61,7 +63,7 @@ def main():
     # and rowwise scales, bf16 out; x is quantised outside the timed graph (favours the peer).
     # Recorded under dtype f8_e4m3 (the key of our weight-only fp8 rows) as the faster of the two.
     fp8_shapes = ("llama3-8b.q", "llama3-8b.down", "llama3-8b.up", "llama3-70b.up")
-    for name, n, k in [s for s in bench_shapes() if s[0] in fp8_shapes]:
+    for name, n, k in [s for s in bench_shapes() if s[0] in fp8_shapes and not a.only]:
         wbytes = n * k
         copies = min(64, max(1, math.ceil(3 * l2 / wbytes)))
         ws = [(torch.randn(n, k, device=dev) / math.sqrt(k) * 64).to(torch.float8_e4m3fn)
@@ -90,8 +92,10 @@ def main():
         del ws
     for log in (False, True):
         for rows, n, dt in ((1, 128256, torch.float32), (256, 128256, torch.float32),
-                            (1, 128256, torch.bfloat16), (64, 32000, torch.bfloat16),
-                            (4096, 1024, torch.float32), (1, 1 << 20, torch.float32)):
+                            (32, 128256, torch.float32), (1, 128256, torch.bfloat16),
+                            (256, 128256, torch.bfloat16), (256, 32000, torch.bfloat16),
+                            (64, 32000, torch.bfloat16), (4096, 1024, torch.float32),
+                            (1, 1 << 20, torch.float32)):
             nbytes = rows * n * (4 if dt == torch.float32 else 2)
             copies = min(256, max(1, math.ceil(3 * l2 / nbytes)))
             xs = [torch.randn(rows, n, device=dev, dtype=dt) * 8 for _ in range(copies)]

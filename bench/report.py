@@ -183,12 +183,48 @@ def ops(a):
             "method": "CUDA-graph replay, inputs rotated over > 3x L2, median; % of copy = "
                       "(bytes read + written) / device copy bandwidth measured in the run"}
     write_rows(a.out, rows, meta)
+    lin = [r for r in rows if r["op"] == "linear" and r["M"] == 1 and r["dtype"] == "bf16"]
+    if lin:
+        linear_plot(a, lin, meta, geo)
+    sm = [r for r in rows if r["op"] in ("softmax", "logsoftm") and r["torch_us"]]
+    if sm:
+        softmax_plot(a.out + ("_softmax" if lin else "") + ".png", sm, meta, a.commit)
+    print("| op | shape | dtype | M | µs | % of copy | torch µs | speedup |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['M']} | {r['ours_us']:.2f} | "
+              f"{r['ours_pct_of_copy']:.1f}% | {r['torch_us']} | {r['speedup']}x |")
+
+
+def softmax_plot(path, sm, meta, commit):
+    """% of the copy floor, ours and torch's (same run), per softmax shape."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lin = [r for r in rows if r["op"] == "linear" and r["M"] == 1 and r["dtype"] == "bf16"]
+    labels = [f"{r['op']} {r['shape']} {r['dtype']}" for r in sm]
+    ours = [r["ours_pct_of_copy"] for r in sm]
+    torch_pct = [r["ours_pct_of_copy"] * r["ours_us"] / r["torch_us"] for r in sm]
+    fig, ax = plt.subplots(figsize=(11, 4))
+    xs = range(len(sm))
+    ax.bar([x - 0.2 for x in xs], ours, width=0.4, label="fusedmlp")
+    ax.bar([x + 0.2 for x in xs], torch_pct, width=0.4, label="torch")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, rotation=40, ha="right", fontsize=7)
+    ax.set_ylabel("% of copy bandwidth (read + write)")
+    ax.set_title(f"softmax / log_softmax, {meta['gpu']}, commit {commit}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def linear_plot(a, lin, meta, geo):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(12, 4))
     ax.bar(range(len(lin)), [r["speedup"] or 0 for r in lin])
     ax.axhline(1.0, color="gray", lw=0.8)
@@ -200,11 +236,6 @@ def ops(a):
     fig.savefig(a.out + ".png", dpi=110)
     print(f"linear M=1 bf16 geomean speedup {geo:.3f}x; slower than torch: "
           f"{meta['linear_m1_bf16_slower_than_torch']}")
-    print("| op | shape | dtype | M | µs | % of copy | torch µs | speedup |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['M']} | {r['ours_us']:.2f} | "
-              f"{r['ours_pct_of_copy']:.1f}% | {r['torch_us']} | {r['speedup']}x |")
 
 
 def gpu_lines(a):

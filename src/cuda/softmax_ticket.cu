@@ -178,7 +178,7 @@ __device__ __forceinline__ Ms part_stats(const uint4 (&v)[V], float sc2) {
 
 template <typename T, bool VEC, int V>
 __device__ __forceinline__ void store_part(const uint4 (&v)[V], const TicketParams& p, unsigned t,
-                                           Ms tot) {
+                                           const RowOut& tot) {
   constexpr int E = 16 / int(sizeof(T));
   const PartSpan s = span_of<T>(p, t);
   T* y = reinterpret_cast<T*>(s.y);
@@ -195,7 +195,7 @@ __device__ __forceinline__ void store_part(const uint4 (&v)[V], const TicketPara
 
 // An extra part: its registers went to later tickets, so it is read again (likely from L2).
 template <typename T, bool VEC, int V>
-__device__ void rewrite_part(const TicketParams& p, unsigned t, Ms tot) {
+__device__ void rewrite_part(const TicketParams& p, unsigned t, const RowOut& tot) {
   constexpr int E = 16 / int(sizeof(T));
   const PartSpan s = span_of<T>(p, t);
   const T* x = reinterpret_cast<const T*>(s.x);
@@ -282,7 +282,7 @@ __device__ __forceinline__ unsigned ticket_step(uint4 (&cur)[V], uint4 (&nxt)[V]
   if (nt < p.total) load_part<T, VEC, V>(nxt, p, nt);
   if (threadIdx.x == 0) wait_row(p, r);
   __syncthreads();
-  const Ms tot = row_total(p, r, sh);
+  const RowOut tot = row_out(row_total(p, r, sh));
   store_part<T, VEC, V>(cur, p, t, tot);
   for (int k = 0; k < extras; ++k) rewrite_part<T, VEC, V>(p, r * p.parts + sh.extra[k], tot);
   if (threadIdx.x == 0) {  // after its stores, so the round trip overlaps their drain
