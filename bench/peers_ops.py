@@ -20,6 +20,18 @@ def bench_shapes():
     return [(n, int(a), int(b)) for n, a, b in re.findall(r'\{"([^"]+)", (\d+), (\d+)\}', src)]
 
 
+def softmax_shapes():
+    """(rows, n, torch dtype) of linear_cuda_bench.cpp's softmax rows, read from its source."""
+    src = open(__file__.replace("peers_ops.py", "linear_cuda_bench.cpp")).read()
+    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    shapes = []
+    for rows, n, dt in re.findall(r"bench_softmax\((\d+), ([^,]+), FMLP_DTYPE_(\w+),", src):
+        n = int(n.split("<<")[0]) << int(n.split("<<")[1]) if "<<" in n else int(n)
+        if (int(rows), n, dtypes[dt]) not in shapes:
+            shapes.append((int(rows), n, dtypes[dt]))
+    return shapes
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="peers_ops.json")
@@ -40,10 +52,10 @@ def main():
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
 
-    cases = [] if a.only else [(s, 1) for s in bench_shapes()]
+    linear = a.only != "softmax"
+    cases = [(s, 1) for s in bench_shapes()] if linear else []
     for name in ("llama3-8b.q", "llama3-8b.down", "llama3-8b.lm_head", "mixtral.router"):
-        cases += [] if a.only else [(s, m) for s in bench_shapes() if s[0] == name
-                                    for m in (4, 16, 64)]
+        cases += [(s, m) for s in bench_shapes() if s[0] == name and linear for m in (4, 16, 64)]
     for (name, n, k), m in cases:
         wbytes = n * k * 2
         copies = min(64, max(1, math.ceil(3 * l2 / wbytes)))
@@ -63,7 +75,7 @@ def main():
     # and rowwise scales, bf16 out; x is quantised outside the timed graph (favours the peer).
     # Recorded under dtype f8_e4m3 (the key of our weight-only fp8 rows) as the faster of the two.
     fp8_shapes = ("llama3-8b.q", "llama3-8b.down", "llama3-8b.up", "llama3-70b.up")
-    for name, n, k in [s for s in bench_shapes() if s[0] in fp8_shapes and not a.only]:
+    for name, n, k in [s for s in bench_shapes() if s[0] in fp8_shapes and linear]:
         wbytes = n * k
         copies = min(64, max(1, math.ceil(3 * l2 / wbytes)))
         ws = [(torch.randn(n, k, device=dev) / math.sqrt(k) * 64).to(torch.float8_e4m3fn)
@@ -91,11 +103,7 @@ def main():
                     "pct_of_copy": 100 * (wbytes + 2 * (n + k)) / bw / (times[best] * 1e-6)})
         del ws
     for log in (False, True):
-        for rows, n, dt in ((1, 128256, torch.float32), (256, 128256, torch.float32),
-                            (32, 128256, torch.float32), (1, 128256, torch.bfloat16),
-                            (256, 128256, torch.bfloat16), (256, 32000, torch.bfloat16),
-                            (64, 32000, torch.bfloat16), (4096, 1024, torch.float32),
-                            (1, 1 << 20, torch.float32)):
+        for rows, n, dt in softmax_shapes():
             nbytes = rows * n * (4 if dt == torch.float32 else 2)
             copies = min(256, max(1, math.ceil(3 * l2 / nbytes)))
             xs = [torch.randn(rows, n, device=dev, dtype=dt) * 8 for _ in range(copies)]
@@ -106,7 +114,8 @@ def main():
                     fn(x, -1)
             us = median_us(graphed(run)) / copies
             record({"op": "logsoftm" if log else "softmax", "shape": f"{rows}x{n}",
-                    "dtype": "f32" if dt == torch.float32 else "bf16", "M": rows, "N": n,
+                    "dtype": {torch.float32: "f32", torch.float16: "f16"}.get(dt, "bf16"),
+                    "M": rows, "N": n,
                     "us": us, "pct_of_copy": 100 * 2 * nbytes / bw / (us * 1e-6)})
             del xs
     if a.ours:
