@@ -131,13 +131,17 @@ struct Row {
   int64_t k, d, h;
 };
 
-// The cuda entry the default dispatch picks for a (the first one of the table that takes it).
+// The cuda entry the default dispatch runs for a: the "chosen" line of fmlp_moe_explain (the
+// planner's pick, which need not be the first entry of the table that takes the call).
 std::string dispatched(const fmlp_moe_args_t& a) {
-  for (int i = 0; i < fmlp_moe_kernel_count(); ++i)
-    if (fmlp_moe_kernel_backend(i) == FMLP_BACKEND_CUDA &&
-        fmlp_moe_kernel_supports(&a, fmlp_moe_kernel_name(i)) == FMLP_SUCCESS)
-      return fmlp_moe_kernel_name(i);
-  return "none";
+  char buf[4096];
+  size_t need = 0;
+  if (fmlp_moe_explain(&a, FMLP_BACKEND_CUDA, buf, sizeof buf, &need) != FMLP_SUCCESS) return "?";
+  const char* p = std::strstr(buf, "chosen");
+  if (p == nullptr) return "none";
+  p += 6;
+  while (*p == ' ') ++p;
+  return std::string(p, p + std::strcspn(p, " \n"));
 }
 
 Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int reps, bool det,

@@ -248,6 +248,14 @@ std::vector<LinCase> cases() {
       c.bt = m == 16 ? c.yt : kAbsent;
       v.push_back(c);
     }
+  // Over 4096 rows whose warp parts end inside a batch (1800 bf16 = 225 chunks a row, 57 a warp
+  // at two rows per group), bf16 and f16 weights, one and three tokens, with a bias.
+  for (auto [m, w] : {std::pair<int64_t, fmlp_dtype_t>{1, FMLP_DTYPE_BF16}, {3, FMLP_DTYPE_F16}}) {
+    LinCase c;
+    c.m = m, c.n = 4100, c.k = 1800;
+    c.xt = c.wt = c.bt = w;
+    v.push_back(c);
+  }
   // x staged in exactly 48 KiB of shared memory by the stream GEMV (the edge where a launch needs
   // the shared-memory opt-in): bf16 and fp8 weights, one and two tokens.
   for (auto [m, k, w] : {std::tuple<int64_t, int64_t, fmlp_dtype_t>{1, 24576, FMLP_DTYPE_BF16},

@@ -68,6 +68,12 @@ std::vector<MoeCase> stream_cases() {
     c.b2 = h == 24 ? FMLP_DTYPE_F32 : kAbsent;
     v.push_back(c);
   }
+  // A token's k rows of h past 64 KiB (8 x 4104 bf16: 64.1 KiB), which the down stream reads in
+  // place rather than staging them in shared memory; T = 2 so two tokens' blocks share each SM.
+  MoeCase wide;
+  wide.t = 2, wide.e = 16, wide.k = 8, wide.d = 136, wide.hidden = 4104, wide.d_out = 72;
+  wide.gated = true, wide.xt = wide.wt = FMLP_DTYPE_BF16, wide.residual = 1;
+  v.push_back(wide);
   return v;
 }
 
@@ -202,14 +208,14 @@ TEST(MoeCudaStream, SaysWhyItDeclines) {
   MoeCase base;
   base.t = 4, base.e = 8, base.k = 2, base.d = 128, base.hidden = 128, base.d_out = 40;
   base.xt = base.wt = FMLP_DTYPE_BF16;
-  MoeCase fp8 = base, many = base, odd = base, wide_h = base, topk = base;
+  MoeCase fp8 = base, many = base, odd = base, wide_x = base, topk = base;
   fp8.wt = FMLP_DTYPE_F8_E4M3;
   many.t = 17, many.e = 64, many.k = 1;
   odd.hidden = 76;
-  wide_h.hidden = 4104, wide_h.k = 8;  // 8 rows of h in bf16: 64.1 KiB
+  wide_x.d = 32776;  // x staged in bf16: 64.02 KiB
   topk.e = 16, topk.k = 9, topk.t = 1;
   const std::pair<MoeCase, const char*> cases[] = {
-      {fp8, "f8_e4m3"}, {many, "T=17"}, {odd, "multiple"}, {wide_h, "KiB"}, {topk, "top_k=9"}};
+      {fp8, "f8_e4m3"}, {many, "T=17"}, {odd, "multiple"}, {wide_x, "KiB"}, {topk, "top_k=9"}};
   for (const auto& [c, hint] : cases) {
     MoeData m;
     make(c, 17, &m);

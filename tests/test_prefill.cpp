@@ -207,6 +207,25 @@ TEST(Prefill, LeavesWorkspaceZeroed) {
   EXPECT_EQ(nonzero, 0u) << "the workspace contract (fusedmlp.h) wants it left zero-filled";
 }
 
+// Weights of 64 MiB and more (here 2 x 8200 x 2048 + 2048 x 8200 bf16: 96 MiB) offer cuBLASLt no
+// workspace (mlp_prefill.cu): still right, and the workspace still left zero-filled.
+TEST(Prefill, LargeWeightsWithoutLtWorkspace) {
+  SKIP_WITHOUT_GPU();
+  MlpCase c = base_case(67, 2048, 8200, 2048, FMLP_DTYPE_BF16);
+  c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.residual = Residual::kSeparate;
+  normalize(&c);
+  EXPECT_EQ(check_case(c, kPrefill, 310), "") << " (FMLP_TEST_SEED=" << test_seed() << ")";
+  PlacedCase p(c, true);
+  p.upload(make_data(c, mix_seed(test_seed(), 311)));
+  Buffer ws;
+  const RunOutcome run = run_kernel(p, kPrefill, &ws);
+  ASSERT_EQ(run.status, FMLP_SUCCESS) << run.error;
+  const std::vector<unsigned char> after = ws.download();
+  size_t nonzero = 0;
+  for (unsigned char b : after) nonzero += b != 0;
+  EXPECT_EQ(nonzero, 0u) << "the workspace contract (fusedmlp.h) wants it left zero-filled";
+}
+
 // A warm call through dispatch (it creates the cuBLASLt handle and caches the heuristic answers,
 // so the captured graph holds only launches), then a graph replayed on three new inputs;
 // check(out, ref) judges each replay ("" when right).

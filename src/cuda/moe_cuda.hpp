@@ -88,6 +88,8 @@ struct MoeParams {
   int route_tokens;
   int route_split;  // > 1: grid y splits the router rows; logits meet in `logits` (moe_route.cu)
   bool gated, partial, renormalize, sigmoid, given;
+  bool ids_only;      // the weight streams follow: the route kernel writes ids and weights only (no
+                      // counts per expert, no chunk plan) and lets their launch start early
   bool round_logits;  // router logits rounded to x's dtype (x_t is f16 or bf16 then)
   fmlp_activation_t act;
   const void* x;

@@ -7,7 +7,8 @@
 // never wins unless it is the lowest unpicked id), optional renormalisation. Given routing is read
 // as is; an id outside [0, global experts) is never used as an index: its slot is marked
 // kMoeSlotBad (combine turns the token's row into NaN) and counted in the workspace header.
-// Per-expert counts by atomics.
+// Per-expert counts by atomics. For the weight streams (ids_only) only ids and weights are written:
+// no counts, no plan, and the streams' launch may start at once (griddepcontrol.launch_dependents).
 // Expert parallelism: routing is over the global experts (router rows, given ids); a slot whose
 // expert is outside the local range is marked kMoeSlotRemote, counted nowhere and never run.
 // The last block to finish (a counter) plans: exclusive scan of the counts, a stable scatter of the
@@ -36,6 +37,7 @@ namespace {
 
 using fmlp::cuda::load8;
 using fmlp::cuda::load_scalar;
+using fmlp::cuda::pdl_allow_next_grid;
 using fmlp::cuda::store_scalar;
 using fmlp::cuda::warp_sum;
 
@@ -71,13 +73,14 @@ __device__ __forceinline__ float finish_logit(const MoeParams& p, float v, int e
   return l;
 }
 
-// Logits of the block's tokens into sh.scores (+ router bias).
+// Logits of the block's tokens (tn <= TN) into sh.scores (+ router bias).
+template <int TN>
 __device__ void router_logits(const MoeParams& p, int t0, int tn, RouteShared& sh) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const size_t rs = p.rw_t == FMLP_DTYPE_F32 ? 4 : 2, xs = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
   for (int e = warp; e < p.global_experts; e += kWarps) {
     const void* wrow = static_cast<const char*>(p.rw) + int64_t(e) * p.rw_ld * rs;
-    float acc[kMaxRouteTokens] = {};
+    float acc[TN] = {};
     // Unrolled so a lane has several router loads in flight: one block routes a decode step, and
     // a loop of dependent round trips to memory would cost microseconds.
 #pragma unroll 8
@@ -85,7 +88,7 @@ __device__ void router_logits(const MoeParams& p, int t0, int tn, RouteShared& s
       float w[8];
       load8(wrow, p.rw_t, c, p.d, p.rw_vec16, w);
 #pragma unroll
-      for (int tk = 0; tk < kMaxRouteTokens; ++tk) {
+      for (int tk = 0; tk < TN; ++tk) {
         if (tk >= tn) break;
         const void* xrow = static_cast<const char*>(p.x) + int64_t(t0 + tk) * p.x_ld * xs;
         float xv[8];
@@ -95,7 +98,7 @@ __device__ void router_logits(const MoeParams& p, int t0, int tn, RouteShared& s
       }
     }
 #pragma unroll
-    for (int tk = 0; tk < kMaxRouteTokens; ++tk) {
+    for (int tk = 0; tk < TN; ++tk) {
       const float v = warp_sum(acc[tk]);
       if (lane == 0 && tk < tn) sh.scores[tk][e] = finish_logit(p, v, e);
     }
@@ -110,7 +113,7 @@ __device__ void router_logits(const MoeParams& p, int t0, int tn, RouteShared& s
 // rows. Sums: per thread over its pieces in order, then the warp's lanes, then the warps in order:
 // deterministic.
 // Router rows [e_begin, e_end) only.
-template <typename RT>
+template <int TN, typename RT>
 __device__ void router_logits_columns(const MoeParams& p, int t0, int tn, RouteShared& sh,
                                       int e_begin, int e_end) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, pieces = p.d / 8;
@@ -118,16 +121,16 @@ __device__ void router_logits_columns(const MoeParams& p, int t0, int tn, RouteS
   const RT* rw = static_cast<const RT*>(p.rw);
   for (int e0 = e_begin; e0 < e_end; e0 += kRouteExperts) {
     const int ne = min(kRouteExperts, e_end - e0);
-    float acc[kRouteExperts][kMaxRouteTokens] = {};
+    float acc[kRouteExperts][TN] = {};
     for (int c = threadIdx.x; c < pieces; c += kThreads) {
       uint4 w[kRouteExperts];
 #pragma unroll
       for (int i = 0; i < kRouteExperts; ++i)
         w[i] = i < ne ? __ldg(reinterpret_cast<const uint4*>(rw + int64_t(e0 + i) * p.rw_ld) + c)
                       : make_uint4(0, 0, 0, 0);
-      float xv[kMaxRouteTokens][8];
+      float xv[TN][8];
 #pragma unroll
-      for (int tk = 0; tk < kMaxRouteTokens; ++tk)
+      for (int tk = 0; tk < TN; ++tk)
         if (tk < tn)
           load8(static_cast<const char*>(p.x) + int64_t(t0 + tk) * p.x_ld * xs, p.x_t, c * 8, p.d,
                 p.x_vec16, xv[tk]);
@@ -136,7 +139,7 @@ __device__ void router_logits_columns(const MoeParams& p, int t0, int tn, RouteS
         float wf[8];
         fmlp::cuda::widen8<RT>(w[i], wf);
 #pragma unroll
-        for (int tk = 0; tk < kMaxRouteTokens; ++tk)
+        for (int tk = 0; tk < TN; ++tk)
           if (tk < tn)
 #pragma unroll
             for (int q = 0; q < 8; ++q) acc[i][tk] = fmaf(wf[q], xv[tk][q], acc[i][tk]);
@@ -145,7 +148,7 @@ __device__ void router_logits_columns(const MoeParams& p, int t0, int tn, RouteS
 #pragma unroll
     for (int i = 0; i < kRouteExperts; ++i)
 #pragma unroll
-      for (int tk = 0; tk < kMaxRouteTokens; ++tk)
+      for (int tk = 0; tk < TN; ++tk)
         if (tk < tn && i < ne) {
           const float v = warp_sum(acc[i][tk]);
           if (lane == 0) sh.red[warp][i][tk] = v;
@@ -205,7 +208,7 @@ __device__ void select_topk(const MoeParams& p, int t, float* s, unsigned char* 
       p.ids[slot0 + j] = here ? local : kMoeSlotRemote;
       p.wts[slot0 + j] = w;  // remote ones too: the renormalisation sums all k
       wsum += w;
-      if (here) atomicAdd(p.counts + local, 1);
+      if (here && !p.ids_only) atomicAdd(p.counts + local, 1);
     }
     __syncwarp();
   }
@@ -281,9 +284,17 @@ __device__ void plan(const MoeParams& p, RouteShared& sh) {
   }
 }
 
+// TN: the most tokens a block routes, a compile-time bound so a decode step's single token does not
+// run (predicated) code for four. A one-block kernel is latency, and much of it is instruction
+// fetch: under ncu on an H200 (Mixtral router, T = 1) it took 26.7 us as TN = 4 and 16.0 us as
+// TN = 1, with most PC samples of the latter stalled on fetch (the whole op: 190.2 -> 185.8 us).
+template <int TN>
 __global__ void __launch_bounds__(kThreads) moe_sm80_route(const MoeParams p) {
   __shared__ RouteShared sh;
-  const int t0 = blockIdx.x * p.route_tokens, tn = min(p.route_tokens, p.tokens - t0);
+  // The weight streams wait for this grid (griddepcontrol.wait) before they read the routing, so
+  // their blocks may become resident now and request weights the moment the routing is complete.
+  if (p.ids_only) pdl_allow_next_grid();
+  const int t0 = blockIdx.x * p.route_tokens, tn = min(min(TN, p.route_tokens), p.tokens - t0);
   const int warp = threadIdx.x / 32;
   if (p.given) {
     for (int i = threadIdx.x; i < tn * p.top_k; i += kThreads) {
@@ -298,7 +309,7 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_route(const MoeParams p) {
       } else {
         p.ids[slot] = local;
         p.wts[slot] = p.given_wts[slot];
-        atomicAdd(p.counts + local, 1);
+        if (!p.ids_only) atomicAdd(p.counts + local, 1);
       }
     }
   } else if (p.route_split > 1) {
@@ -309,9 +320,9 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_route(const MoeParams p) {
     const int E = p.global_experts, e0 = blockIdx.y * kRouteExperts;
     const int e1 = min(E, e0 + kRouteExperts);
     if (p.rw_t == FMLP_DTYPE_BF16)
-      router_logits_columns<__nv_bfloat16>(p, t0, tn, sh, e0, e1);
+      router_logits_columns<TN, __nv_bfloat16>(p, t0, tn, sh, e0, e1);
     else
-      router_logits_columns<__half>(p, t0, tn, sh, e0, e1);
+      router_logits_columns<TN, __half>(p, t0, tn, sh, e0, e1);
     for (int i = threadIdx.x; i < tn * (e1 - e0); i += kThreads) {
       const int tk = i / (e1 - e0), e = e0 + i % (e1 - e0);
       p.logits[int64_t(t0 + tk) * E + e] = sh.scores[tk][e];
@@ -333,14 +344,15 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_route(const MoeParams p) {
   } else {
     const bool columns = p.rw_vec16 && p.d % 8 == 0;
     if (columns && p.rw_t == FMLP_DTYPE_BF16)
-      router_logits_columns<__nv_bfloat16>(p, t0, tn, sh, 0, p.global_experts);
+      router_logits_columns<TN, __nv_bfloat16>(p, t0, tn, sh, 0, p.global_experts);
     else if (columns && p.rw_t == FMLP_DTYPE_F16)
-      router_logits_columns<__half>(p, t0, tn, sh, 0, p.global_experts);
+      router_logits_columns<TN, __half>(p, t0, tn, sh, 0, p.global_experts);
     else
-      router_logits(p, t0, tn, sh);
+      router_logits<TN>(p, t0, tn, sh);
     __syncthreads();
     if (warp < tn) select_topk(p, t0 + warp, sh.scores[warp], sh.taken[warp]);
   }
+  if (p.ids_only) return;
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) sh.last = atomicAdd(&p.hdr->route_done, 1u) == gridDim.x - 1;
@@ -429,8 +441,11 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_combine(const MoeParams p, 
 
 fmlp_status_t moe_launch_route(const MoeParams& p, cudaStream_t s) {
   const int blocks = (p.tokens + p.route_tokens - 1) / p.route_tokens;
-  moe_sm80_route<<<dim3(unsigned(blocks), unsigned(std::max(1, p.route_split))), kThreads, 0, s>>>(
-      p);
+  const dim3 grid(unsigned(blocks), unsigned(std::max(1, p.route_split)));
+  if (p.tokens == 1 || p.route_tokens == 1)
+    moe_sm80_route<1><<<grid, kThreads, 0, s>>>(p);
+  else
+    moe_sm80_route<kMaxRouteTokens><<<grid, kThreads, 0, s>>>(p);
   return launch_status("moe_sm80_route");
 }
 

@@ -12,16 +12,16 @@
 //      (gated: gate row i and up row i adjacent, one thread gets both sums). Epilogue: b1, the
 //      activation, the gating; h[slot][i] stored in the experts' dtype into the workspace (the
 //      rounding PyTorch and moe_sm80_chunked apply).
-//   2. moe_sm80_stream_down, grid (blocks, T): the block stages its token's k rows of h, counts
-//      itself in, and the last block to have staged re-zeroes h and the routing (the workspace
-//      contract). Virtual rows (r, j) with j padded to KP (k rounded up to a power of two), so one
-//      thread gets the k slot sums of output r and adds w_j (sum_j + b2) in slot order, then the
-//      residual, and writes y: no per-slot outputs, no combine.
+//   2. moe_sm80_stream_down, grid (blocks, T): the block reads its token's k rows of h where the
+//      up launch wrote them (through L1), and the last block to finish re-zeroes h and the routing
+//      (the workspace contract). Virtual rows (r, j) with j padded to KP (k rounded up to a power
+//      of two), so one thread gets the k slot sums of output r and adds w_j (sum_j + b2) in slot
+//      order, then the residual, and writes y: no per-slot outputs, no combine.
 // Tokens that share an expert each read its rows, at the same place of the same order at about
 // the same time (all blocks are resident), so the repeats mostly hit L2; the entry declines when
 // the expected repeats would make L2 the bottleneck (moe_kernels.cpp). fp32 accumulation in a
 // fixed order: deterministic. Limits (moe_kernels.cpp): T <= kMoeStreamMaxTokens, k <= 8, the
-// staged x (d in x's dtype) and h (k x hidden in the experts' dtype) within kMoeStreamStageBytes.
+// staged x (d in x's dtype) within kMoeStreamStageBytes.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -118,8 +118,6 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
 template <typename WT, int KP>
 __global__ void __launch_bounds__(kStreamThreads, 4)
     moe_sm80_stream_down(const MoeParams p, const StreamShape s) {
-  extern __shared__ uint4 smem_v[];
-  WT* hs = reinterpret_cast<WT*>(smem_v);  // [k][hidden]: this block's token's slots
   __shared__ float red[2][kStreamWarps][1];
   __shared__ int eid[KP];
   __shared__ float wt[KP];
@@ -146,25 +144,15 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   uint4 cur[kStreamU];
   // The routing read above is complete: every block of the up launch let this launch start only
   // after its own wait for the route kernel. h is not, until stream_begin's wait.
-  stream_begin<WT, true>(cur, s, sp, row_ptr, 0);   // in flight while h is staged
-  const int64_t words = int64_t(k) * p.hidden / 8;  // hidden is a multiple of 8
-  const uint4* src = p.hbuf + int64_t(t) * words;
-  for (int64_t i = threadIdx.x; i < words; i += kStreamThreads) smem_v[i] = __ldcg(src + i);
-  __syncthreads();  // this block's reads of h and of the routing are done
-  if (threadIdx.x == 0) is_last = atomicAdd(&p.hdr->combine_done, 1u) == gridDim.x * gridDim.y - 1;
-  __syncthreads();
-  if (is_last) {  // every block has staged h and read the routing: leave the workspace zeroed
-    for (int64_t i = threadIdx.x; i < p.hbuf_words; i += kStreamThreads)
-      p.hbuf[i] = make_uint4(0, 0, 0, 0);
-    for (int i = threadIdx.x; i < p.slots; i += kStreamThreads)
-      p.ids[i] = 0, p.wts[i] = 0.f, p.perm[i] = 0;
-    for (int i = threadIdx.x; i < p.max_chunks; i += kStreamThreads)
-      p.chunk_expert[i] = p.chunk_start[i] = p.chunk_len[i] = 0;  // the route kernel's plan
-    if (threadIdx.x == 0) p.hdr->chunks = 0, p.hdr->combine_done = 0;
-  }
+  stream_begin<WT, true>(cur, s, sp, row_ptr, 0);
+  // h is read where the up launch left it (L2, then L1: the blocks of one token read the same k
+  // rows) rather than staged: staging k x hidden 16-bit values (56 KiB at Mixtral's k = 2) in
+  // shared memory left three blocks per SM and 74 % of DRAM bandwidth (ncu), and delayed each
+  // block's first FMA by a 56 KiB copy.
+  const WT* hrow = reinterpret_cast<const WT*>(p.hbuf) + int64_t(t) * k * p.hidden;
   auto x_rows = [&](int v) {
     const int j = v % KP;
-    return static_cast<const WT*>(hs) + int64_t(j < k ? j : 0) * p.hidden;
+    return hrow + int64_t(j < k ? j : 0) * p.hidden;
   };
   const size_t es = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
   auto finish = [&](int v, int, const float(&sum)[KP]) {
@@ -183,6 +171,21 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
     store_scalar(static_cast<char*>(p.y) + int64_t(t) * p.y_ld * es, p.x_t, r, acc);
   };
   stream_run_rows<WT, WT, 1, KP, true>(s, sp, x_rows, row_ptr, finish, cur, red);
+  // The last block to finish leaves the workspace zeroed: every block's reads of h and of the
+  // routing are done once its stream is (their values were used).
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(&p.hdr->combine_done, 1u) == gridDim.x * gridDim.y - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int64_t i = threadIdx.x; i < p.hbuf_words; i += kStreamThreads)
+    p.hbuf[i] = make_uint4(0, 0, 0, 0);
+  for (int i = threadIdx.x; i < p.slots; i += kStreamThreads)
+    p.ids[i] = 0, p.wts[i] = 0.f, p.perm[i] = 0;
+  for (int i = threadIdx.x; i < p.max_chunks; i += kStreamThreads)
+    p.chunk_expert[i] = p.chunk_start[i] = p.chunk_len[i] = 0;  // the route kernel's plan
+  if (threadIdx.x == 0) p.hdr->chunks = 0, p.hdr->combine_done = 0;
 }
 
 // Where the launches go: the caller's stream, its device, programmatic dependent launch or not.
@@ -213,8 +216,7 @@ fmlp_status_t launch_up(const MoeParams& p, const StreamShape& s, const Where& w
 
 template <typename WT, int KP>
 fmlp_status_t launch_down(const MoeParams& p, const StreamShape& s, const Where& w) {
-  return launch_rows<&moe_sm80_stream_down<WT, KP>>(
-      p, s, size_t(p.top_k) * size_t(p.hidden) * sizeof(WT), w, "moe_sm80_stream_down");
+  return launch_rows<&moe_sm80_stream_down<WT, KP>>(p, s, 0, w, "moe_sm80_stream_down");
 }
 
 template <typename WT>
