@@ -392,6 +392,8 @@ int main(int argc, char** argv) {
         print_row(rows.back(), bw);
     rows.push_back(bench_softmax(4096, 1024, FMLP_DTYPE_F32, false, l2, s, reps)),
         print_row(rows.back(), bw);
+    rows.push_back(bench_softmax(8192, 2048, FMLP_DTYPE_BF16, false, l2, s, reps)),
+        print_row(rows.back(), bw);
     rows.push_back(bench_softmax(1, 1 << 20, FMLP_DTYPE_F32, false, l2, s, reps)),
         print_row(rows.back(), bw);
   }

@@ -153,6 +153,25 @@ std::vector<SmCase> cases() {
       c.rows = 600, c.n = 1000, c.nonfinite = false, c.misaligned = true;
       v.push_back(c);
     }
+  // Rows of 16-byte vectors up to 4 KB, the warp-per-row entry's (softmax_sm80_warp_rows): one
+  // vector a row, a lane round left partial, exactly 4 KB in fp32 and in bf16; non-finite rows,
+  // both outputs, a temperature, strided views, in place.
+  const std::pair<int64_t, fmlp_dtype_t> short_rows[] = {{8, FMLP_DTYPE_BF16},
+                                                         {200, FMLP_DTYPE_F32},
+                                                         {1000, FMLP_DTYPE_F16},
+                                                         {1024, FMLP_DTYPE_F32},
+                                                         {2048, FMLP_DTYPE_BF16}};
+  int q = 0;
+  for (const auto& [n, t] : short_rows)
+    for (bool log : {false, true}) {
+      SmCase c;
+      c.rows = 261, c.n = n, c.t = t, c.log = log, c.nonfinite = true;
+      c.temperature = log ? 0.7f : 1.f;
+      c.strided = q % 3 == 1;
+      c.in_place = q % 4 == 3;
+      ++q;
+      v.push_back(c);
+    }
   return v;
 }
 
@@ -177,12 +196,13 @@ TEST_P(SoftmaxKernelTest, MatchesReference) {
 // zero-filled.
 TEST_P(SoftmaxKernelTest, GraphReplayMatchesReference) {
   if (!device_) GTEST_SKIP() << "device kernels only";
-  std::vector<SmCase> v(4);
+  std::vector<SmCase> v(5);
   v[0].rows = 1, v[0].n = 128256, v[0].log = true;
   v[1].rows = 3, v[1].n = 8200, v[1].t = FMLP_DTYPE_BF16, v[1].temperature = 0.7f;
   v[1].misaligned = true;
   v[2].rows = 300, v[2].n = 769, v[2].t = FMLP_DTYPE_F16;
   v[3].rows = 5, v[3].n = 32000, v[3].strided = true;
+  v[4].rows = 97, v[4].n = 1024, v[4].log = true;  // rows of 4 KB: one warp each
   int ran = 0, i = 0;
   for (const SmCase& c : v) {
     RunMode mode;
