@@ -221,4 +221,18 @@ inline double copy_bandwidth() {
   return 2.0 * double(bytes) / median(t);
 }
 
+// The entry the default cuda dispatch runs for `args`: the "chosen" line of an fmlp_*_explain
+// report (the planner's pick, which need not be the first entry of the table that takes it).
+template <typename ARGS, typename EXPLAIN>
+std::string chosen_kernel(EXPLAIN explain, const ARGS& args) {
+  char buf[4096];
+  size_t need = 0;
+  if (explain(&args, FMLP_BACKEND_CUDA, buf, sizeof buf, &need) != FMLP_SUCCESS) return "?";
+  const char* p = std::strstr(buf, "chosen");
+  if (p == nullptr) return "none";
+  p += 6;
+  while (*p == ' ') ++p;
+  return std::string(p, p + std::strcspn(p, " \n"));
+}
+
 }  // namespace fmlp_bench

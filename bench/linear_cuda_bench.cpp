@@ -23,6 +23,7 @@
 
 namespace {
 
+using fmlp_bench::chosen_kernel;
 using fmlp_bench::copy_bandwidth;
 using fmlp_bench::graph_us_per_call;
 
@@ -160,19 +161,6 @@ struct Row {
   double us, bytes;
   std::string kernel;  // the cuda entry the dispatch chose
 };
-
-// The "chosen" line of an explain report.
-template <typename ARGS, typename EXPLAIN>
-std::string chosen_kernel(EXPLAIN explain, const ARGS& a) {
-  char buf[4096];
-  size_t need = 0;
-  if (explain(&a, FMLP_BACKEND_CUDA, buf, sizeof buf, &need) != FMLP_SUCCESS) return "?";
-  const char* p = std::strstr(buf, "chosen");
-  if (p == nullptr) return "?";
-  p += 6;
-  while (*p == ' ') ++p;
-  return std::string(p, p + std::strcspn(p, " \n"));
-}
 
 void print_row(const Row& r, double bw) {
   std::printf(

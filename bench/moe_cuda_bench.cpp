@@ -32,6 +32,7 @@
 
 namespace {
 
+using fmlp_bench::chosen_kernel;
 using fmlp_bench::copy_bandwidth;
 using fmlp_bench::graph_us_per_call;
 
@@ -131,19 +132,6 @@ struct Row {
   int64_t k, d, h;
 };
 
-// The cuda entry the default dispatch runs for a: the "chosen" line of fmlp_moe_explain (the
-// planner's pick, which need not be the first entry of the table that takes the call).
-std::string dispatched(const fmlp_moe_args_t& a) {
-  char buf[4096];
-  size_t need = 0;
-  if (fmlp_moe_explain(&a, FMLP_BACKEND_CUDA, buf, sizeof buf, &need) != FMLP_SUCCESS) return "?";
-  const char* p = std::strstr(buf, "chosen");
-  if (p == nullptr) return "none";
-  p += 6;
-  while (*p == ' ') ++p;
-  return std::string(p, p + std::strcspn(p, " \n"));
-}
-
 Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int reps, bool det,
           const char* kernel) {
   const size_t w1n = size_t(L.e * 2 * L.h * L.d), w2n = size_t(L.e * L.d * L.h);
@@ -189,7 +177,8 @@ Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int r
   a.residual = a.router_b = a.b1 = a.b2 = fmlp_tensor_none();
   a.config = fmlp_moe_config_default(int32_t(L.e), int32_t(L.k));
   a.config.gated = 1, a.config.activation = FMLP_ACT_SILU, a.config.deterministic = det;
-  Row r{L.name, "-", kernel ? kernel : dispatched(a), T, 0, 0, 0, 0, L.k, L.d, L.h};
+  Row r{L.name, "-", kernel ? kernel : chosen_kernel(fmlp_moe_explain, a), T, 0, 0, 0, 0, L.k,
+        L.d,    L.h};
   const auto release = [&] {
     for (int c = 0; c < copies; ++c) {
       CK(cudaFree(dw1[size_t(c)]));

@@ -191,13 +191,11 @@ TEST(Prefill, RejectsWithReasons) {
   }
 }
 
-TEST(Prefill, LeavesWorkspaceZeroed) {
-  SKIP_WITHOUT_GPU();
-  MlpCase c = base_case(333, 128, 384, 128, FMLP_DTYPE_BF16);
-  c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.norm = FMLP_NORM_RMSNORM, c.b2 = FMLP_DTYPE_F32;
-  normalize(&c);
+// One prefill run of c on a fresh (zeroed) workspace, which the contract (fusedmlp.h) wants left
+// zero-filled.
+void expect_workspace_left_zeroed(const MlpCase& c, uint64_t salt) {
   PlacedCase p(c, true);
-  p.upload(make_data(c, mix_seed(test_seed(), 300)));
+  p.upload(make_data(c, mix_seed(test_seed(), salt)));
   Buffer ws;
   const RunOutcome run = run_kernel(p, kPrefill, &ws);
   ASSERT_EQ(run.status, FMLP_SUCCESS) << run.error;
@@ -205,6 +203,14 @@ TEST(Prefill, LeavesWorkspaceZeroed) {
   size_t nonzero = 0;
   for (unsigned char b : after) nonzero += b != 0;
   EXPECT_EQ(nonzero, 0u) << "the workspace contract (fusedmlp.h) wants it left zero-filled";
+}
+
+TEST(Prefill, LeavesWorkspaceZeroed) {
+  SKIP_WITHOUT_GPU();
+  MlpCase c = base_case(333, 128, 384, 128, FMLP_DTYPE_BF16);
+  c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.norm = FMLP_NORM_RMSNORM, c.b2 = FMLP_DTYPE_F32;
+  normalize(&c);
+  expect_workspace_left_zeroed(c, 300);
 }
 
 // Weights of 64 MiB and more (here 2 x 8200 x 2048 + 2048 x 8200 bf16: 96 MiB) offer cuBLASLt no
@@ -215,15 +221,7 @@ TEST(Prefill, LargeWeightsWithoutLtWorkspace) {
   c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.residual = Residual::kSeparate;
   normalize(&c);
   EXPECT_EQ(check_case(c, kPrefill, 310), "") << " (FMLP_TEST_SEED=" << test_seed() << ")";
-  PlacedCase p(c, true);
-  p.upload(make_data(c, mix_seed(test_seed(), 311)));
-  Buffer ws;
-  const RunOutcome run = run_kernel(p, kPrefill, &ws);
-  ASSERT_EQ(run.status, FMLP_SUCCESS) << run.error;
-  const std::vector<unsigned char> after = ws.download();
-  size_t nonzero = 0;
-  for (unsigned char b : after) nonzero += b != 0;
-  EXPECT_EQ(nonzero, 0u) << "the workspace contract (fusedmlp.h) wants it left zero-filled";
+  expect_workspace_left_zeroed(c, 311);
 }
 
 // A warm call through dispatch (it creates the cuBLASLt handle and caches the heuristic answers,

@@ -234,8 +234,8 @@ fmlp_status_t dispatch(const SoftmaxParams& p, const Config& c, cudaStream_t s) 
   return c.vec ? launch<T, true>(p, c, s) : launch<T, false>(p, c, s);
 }
 
-fmlp_status_t rows_run(const fmlp_softmax_args_t& a, const SoftmaxDesc& d, void* ws, void* stream) {
-  const Config c = config_for(d, &a);
+// The views, sizes and output formula every launch of this file takes.
+SoftmaxParams row_params(const fmlp_softmax_args_t& a, const SoftmaxDesc& d) {
   SoftmaxParams p{};
   p.x = a.x.data;
   p.y = a.y.data;
@@ -247,6 +247,12 @@ fmlp_status_t rows_run(const fmlp_softmax_args_t& a, const SoftmaxDesc& d, void*
   p.inv_t = 1.f / d.temperature;
   p.sc2 = kLog2e / d.temperature;
   p.log = d.log;
+  return p;
+}
+
+fmlp_status_t rows_run(const fmlp_softmax_args_t& a, const SoftmaxDesc& d, void* ws, void* stream) {
+  const Config c = config_for(d, &a);
+  SoftmaxParams p = row_params(a, d);
   p.chunks = c.chunks;
   p.chunk_len = c.chunk_len;
   p.cache_vecs = c.cache_vecs;
@@ -372,17 +378,7 @@ fmlp_status_t warp_rows_run(const fmlp_softmax_args_t& a, const SoftmaxDesc& d, 
                             void* stream) {
   const Config c = config_for(d, &a);
   if (!c.vec || d.rows == 0) return rows_run(a, d, ws, stream);
-  SoftmaxParams p{};
-  p.x = a.x.data;
-  p.y = a.y.data;
-  p.x_ld = a.x.ndim == 2 ? a.x.stride[0] : 0;
-  p.y_ld = a.y.ndim == 2 ? a.y.stride[0] : 0;
-  p.n = d.n;
-  p.rows = int(d.rows);
-  p.t = d.dtype;
-  p.inv_t = 1.f / d.temperature;
-  p.sc2 = kLog2e / d.temperature;
-  p.log = d.log;
+  SoftmaxParams p = row_params(a, d);
   const DeviceScope scope(d.device_id);
   if (scope.status() != FMLP_SUCCESS) return scope.status();
   auto s = static_cast<cudaStream_t>(stream);
@@ -604,17 +600,7 @@ fmlp_status_t softmax_cluster_run(const fmlp_softmax_args_t& a, const SoftmaxDes
   if (c == 0)
     return fail(FMLP_ERROR_NOT_SUPPORTED, "softmax_sm90_cluster cannot take rows of {} elements",
                 d.n);
-  SoftmaxParams p{};
-  p.x = a.x.data;
-  p.y = a.y.data;
-  p.x_ld = a.x.ndim == 2 ? a.x.stride[0] : 0;
-  p.y_ld = a.y.ndim == 2 ? a.y.stride[0] : 0;
-  p.n = d.n;
-  p.rows = int(d.rows);
-  p.t = d.dtype;
-  p.inv_t = 1.f / d.temperature;
-  p.sc2 = kLog2e / d.temperature;
-  p.log = d.log;
+  SoftmaxParams p = row_params(a, d);
   p.chunks = c;
   p.chunk_len = part_len(d, c);
   const DeviceScope scope(d.device_id);
