@@ -135,8 +135,8 @@ struct MoeParams {
 
 // moe_sm80_stream's limits: tokens (grid rows, and the repeated reads of shared experts), top k
 // (a row's k slot sums go to one thread of a stream group of at most kStreamWarps rows), and the
-// shared memory of one block's staged x (d in x's dtype) or h (k x hidden in the experts' dtype):
-// three blocks per multiprocessor.
+// shared memory of one up block's staged x (d in x's dtype): three blocks per multiprocessor. The
+// down blocks read h in place (moe_stream.cu), so h has no such limit.
 constexpr int kMoeStreamMaxTokens = 16;
 constexpr int kMoeStreamMaxTopK = 8;
 constexpr size_t kMoeStreamStageBytes = 64 * 1024;
