@@ -27,6 +27,12 @@ export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore
 export CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-$(nproc)}
 # ml_dtypes gives numpy bfloat16 and float8_e4m3fn, so the fp8 tests run instead of skipping.
 python3 -m pip install -q pytest numpy scikit-build-core nanobind ml_dtypes
+# torch and transformers: the torch.library ops (opcheck, torch.compile(fullgraph=True)), the
+# FusedMLP / FusedMoE modules and patch() on tiny Hugging Face models are tested only where they
+# import, so a fresh machine needs them (~111 tests skip without them). Pinned: torch as on the GPU
+# machine (2.11), transformers as last checked with it (PyPI's torch wheel is the CUDA build; on
+# a machine without a GPU its CPU path is what the tests use).
+python3 -m pip install -q torch==2.11.0 transformers==5.24.0
 # Without build isolation the build directory (build-python/) stays valid, so reruns are incremental.
 CMAKE_ARGS="-DFMLP_CUDA=${FMLP_CUDA:-AUTO}" python3 -m pip install -q --no-build-isolation .
 python3 -m pytest -q -rs python/tests
