@@ -34,6 +34,13 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// fmaxf skips NaN: a NaN lane does not win unless every lane is NaN.
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
 // An optional vector (biases, norm parameters): `absent` when there is none.
 __device__ __forceinline__ float opt(const void* p, fmlp_dtype_t t, int64_t i, float absent) {
   return p ? load_scalar(p, t, i) : absent;

@@ -89,9 +89,7 @@ __device__ void stage_x_f16(const StreamParams& p, __half* xs, float* inv, unsig
   }
 #pragma unroll
   for (int t = 0; t < MT; ++t) {
-    float v = mx[t];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const float v = fmlp::cuda::warp_max(mx[t]);
     if (threadIdx.x % 32 == 0) atomicMax(amax + t, __float_as_uint(v));
   }
   __syncthreads();

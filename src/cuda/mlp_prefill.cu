@@ -261,11 +261,11 @@ fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base,
     lg.device = d.device_id;
     lg.dtype = d.act_dtype;
     lg.deterministic = d.deterministic;
-    size_t used = 0;
     // An algorithm without workspace is the rule for aligned 16-bit GEMMs; the full offer stays
     // the fallback for anything the heuristic answers only with one.
-    const size_t offer = l.lt_offer == 0 && !lt_available(lg, 0) ? kLtWorkspaceBytes : l.lt_offer;
-    const fmlp_status_t st = lt_matmul(lg, lt_ws, offer, &used, s);
+    lg.ws_fallback = kLtWorkspaceBytes;
+    size_t used = 0;
+    const fmlp_status_t st = lt_matmul(lg, lt_ws, l.lt_offer, &used, s);
     *lt_used = std::max(*lt_used, used);
     return st;
   };

@@ -51,7 +51,7 @@ cublasLtEpilogue_t lt_epilogue(LtEpilogue e) {
   }
 }
 
-using Key = std::array<int64_t, 19>;
+using Key = std::array<int64_t, 20>;
 struct Choice {
   bool ok;  // false: the heuristic had no algorithm (cached too, so supports() asks once)
   cublasLtMatmulAlgo_t algo;
@@ -162,7 +162,8 @@ cublasStatus_t prepare(const LtGemm& g, cublasLtHandle_t h, size_t ws_bytes, Pre
                 g.bias ? alignment(g.bias) : 0,
                 int64_t(g.deterministic),
                 int64_t(ws_bytes),
-                int64_t(g.fp8)};
+                int64_t(g.fp8),
+                int64_t(g.ws_fallback)};
   {
     std::lock_guard<std::mutex> lock(cache_mutex());
     const auto it = cache().find(key);
@@ -191,6 +192,15 @@ cublasStatus_t prepare(const LtGemm& g, cublasLtHandle_t h, size_t ws_bytes, Pre
   if (s == CUBLAS_STATUS_SUCCESS)
     s = cublasLtMatmulAlgoGetHeuristic(h, p->ds.op, p->ds.a, p->ds.b, p->ds.c, p->ds.d, pref, 1,
                                        &result, &count);
+  if ((s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && count == 0)) &&
+      g.ws_fallback > ws_bytes) {
+    const uint64_t more = g.ws_fallback;
+    s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &more,
+                                             sizeof(more));
+    if (s == CUBLAS_STATUS_SUCCESS)
+      s = cublasLtMatmulAlgoGetHeuristic(h, p->ds.op, p->ds.a, p->ds.b, p->ds.c, p->ds.d, pref, 1,
+                                         &result, &count);
+  }
   // A refusal (NOT_SUPPORTED or no result) is an answer worth caching; other failures are not.
   if (s != CUBLAS_STATUS_SUCCESS && s != CUBLAS_STATUS_NOT_SUPPORTED) return s;
   p->choice = {s == CUBLAS_STATUS_SUCCESS && count > 0, result.algo, result.workspaceSize};

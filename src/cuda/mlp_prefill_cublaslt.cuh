@@ -33,6 +33,10 @@ struct LtGemm {
   const void* bias = nullptr;  // [m], for the *Bias epilogues
   bool deterministic = false;  // restricts the heuristic to algorithms without split-K
   bool fp8 = false;
+  // Workspace bytes to offer instead when the heuristic has no algorithm within the call's
+  // ws_bytes (asked once per problem, cached with the answer); 0: no second offer. The buffer
+  // given to lt_matmul must then hold this many bytes.
+  size_t ws_fallback = 0;
   const float* a_scale = nullptr;  // fp8: [m], per weight row
   const float* b_scale = nullptr;  // fp8: [n], per token
 };

@@ -39,6 +39,7 @@ using fmlp::cuda::load8;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::pdl_allow_next_grid;
 using fmlp::cuda::store_scalar;
+using fmlp::cuda::warp_max;
 using fmlp::cuda::warp_sum;
 
 constexpr int kThreads = 256;
@@ -56,12 +57,6 @@ struct RouteShared {
   int valid;                                          // slots with an expert
   bool last;
 };
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
-  return v;
-}
 
 // The logit of token t0 + tk and expert e: + router bias, rounded as a 16-bit router would store
 // it when asked.

@@ -37,6 +37,8 @@ namespace {
 
 namespace cg = cooperative_groups;
 using namespace softmax;
+using fmlp::cuda::warp_max;
+using fmlp::cuda::warp_sum;
 
 constexpr int kSplitThreads = 256;
 constexpr int kMaxThreads = 1024;
@@ -307,8 +309,7 @@ __global__ void __launch_bounds__(kWarpRowsThreads) softmax_sm80_warp_rows(const
 #pragma unroll
     for (int e = 0; e < E; ++e) m = fmaxf(m, f[e]);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
+  m = warp_max(m);
   const float ms = m == -INFINITY ? 0.f : m;  // a row of -Inf sums 0, not NaN (combine's rule)
   float sum = 0.f;
 #pragma unroll
@@ -319,8 +320,7 @@ __global__ void __launch_bounds__(kWarpRowsThreads) softmax_sm80_warp_rows(const
 #pragma unroll
     for (int e = 0; e < E; ++e) sum += ex2((f[e] - ms) * p.sc2);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(~0u, sum, o);
+  sum = warp_sum(sum);
   const RowOut tot = row_out({m, sum});
 #pragma unroll
   for (int j = 0; j < VPL; ++j) {
