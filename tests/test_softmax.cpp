@@ -303,6 +303,30 @@ TEST(SoftmaxSemantics, PlusInfRowIsNaNLikeTorch) {
   }
 }
 
+// softmax_sm80_warp_rows takes rows of whole 16-byte vectors up to 4 KB and declines the others
+// with a reason naming the entry that takes them (unless FMLP_SOFTMAX_WARP_ROWS=0 turns it off).
+TEST(SoftmaxWarpRows, TakesShortRowsAndSaysWhyItDeclines) {
+  if (fmlp_backend_available(FMLP_BACKEND_CUDA) != FMLP_SUCCESS)
+    GTEST_SKIP() << "cuda backend unavailable: " << fmlp_last_error();
+  if (!device_unavailable_reason().empty()) GTEST_SKIP() << device_unavailable_reason();
+  constexpr const char* kWarpRows = "softmax_sm80_warp_rows";
+  SmCase edge;  // exactly 4 KB
+  edge.rows = 33, edge.n = 1024;
+  const std::string ran = run_case(edge, kWarpRows, true, mix_seed(test_seed(), 501));
+  if (skipped(ran) && ran.find("FMLP_SOFTMAX_WARP_ROWS=0") != std::string::npos)
+    GTEST_SKIP() << ran;
+  EXPECT_EQ(ran, "") << edge.name();
+  SmCase longer = edge, odd = edge;
+  longer.n = 1028;  // 4112 bytes
+  odd.n = 7;        // 28 bytes: not whole vectors
+  for (const auto& [c, words] :
+       {std::pair<SmCase, const char*>{longer, "up to 4096 bytes"}, {odd, "16-byte vectors"}}) {
+    const std::string err = run_case(c, kWarpRows, true, mix_seed(test_seed(), 502));
+    EXPECT_TRUE(skipped(err)) << c.name() << ": " << err;
+    EXPECT_NE(err.find(words), std::string::npos) << err;
+  }
+}
+
 // softmax_sm80_ticket on the shapes of its targets and its corner cases; its op-table instance
 // above also runs the shared cases. Each of these shapes must be taken (unless
 // FMLP_SOFTMAX_TICKET=0 turns the entry off). The two longest rows have more parts than the grid
