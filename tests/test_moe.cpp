@@ -525,6 +525,14 @@ TEST(MoeCuda, BadInputIsRejectedAndDeviceYUntouched) {
   EXPECT_NE(std::string(fmlp_last_error()).find("bf16 or f16"), std::string::npos)
       << fmlp_last_error();
   EXPECT_EQ(dc.y_bytes(), before);
+  // A workspace off its 256-byte boundary (the kernels' tables are laid out from the base).
+  a = dc.args();
+  EXPECT_EQ(
+      fmlp_moe(&a, FMLP_BACKEND_CUDA, static_cast<char*>(ws.data()) + 16, ws.size() - 16, nullptr),
+      FMLP_ERROR_MISALIGNED);
+  EXPECT_NE(std::string(fmlp_last_error()).find("not 256-byte aligned"), std::string::npos)
+      << fmlp_last_error();
+  EXPECT_EQ(dc.y_bytes(), before);
 }
 
 // moe_sm80_grouped names why it declines a valid call (and moe_sm80_chunked then takes it).

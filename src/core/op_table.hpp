@@ -13,6 +13,7 @@
 #pragma once
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -95,6 +96,13 @@ struct OpTable {
                   "kernel {} needs a workspace of {} bytes but got {} bytes{}; size it with {}",
                   k.name, need, ws == nullptr ? 0 : ws_bytes, ws == nullptr ? " (NULL)" : "",
                   size_query);
+    // The CUDA kernels lay their tables out on 256-byte boundaries from the base and store 16
+    // bytes at a time into them.
+    if (need > 0 && k.backend == FMLP_BACKEND_CUDA && reinterpret_cast<uintptr_t>(ws) % 256 != 0)
+      return fail(FMLP_ERROR_MISALIGNED,
+                  "workspace {} is not 256-byte aligned; pass memory as cudaMalloc returns it "
+                  "(or offset it by a multiple of 256 bytes)",
+                  ws);
     clear_last_error();
     return k.run(a, d, ws, stream);
   }

@@ -143,6 +143,26 @@ __device__ __forceinline__ void pdl_allow_next_grid() {
 #endif
 }
 
+// One arrival of this block on `counter` (zero between calls) out of `total`: true, in every
+// thread of the block, for the block that arrives last, which may then read what every other
+// block wrote before its arrival. Every thread of the block calls it (with its writes done).
+// One fence per block, by the thread that arrives: the barrier orders the block's writes before
+// that thread's fence, and the fence is cumulative (the pattern of cooperative groups' grid
+// sync); the last block's thread fences again after the atomic, before the barrier releases its
+// block's readers. (A fence in every thread, as the kernels had it before, measured the same on
+// an H200: 4096 blocks of 256 threads storing a word each, 7.0 against 6.8 us.)
+__device__ __forceinline__ bool block_arrive_last(unsigned* counter, unsigned total) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
+    __threadfence();
+    last = atomicAdd(counter, 1u) == total - 1;
+    if (last) __threadfence();
+  }
+  __syncthreads();
+  return last;
+}
+
 template <typename T>
 __device__ __forceinline__ T from_f(float v);
 template <>

@@ -160,13 +160,7 @@ __device__ void stage_tokens_as(const DecodeOperands& p, XS* xs, float* scratch)
 // memset. Every thread of every block calls it after its last add into acc.
 template <int THREADS, int M>
 __device__ void finish_last_block(const DecodeOperands& p, float* acc, unsigned* counter) {
-  __shared__ unsigned is_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
+  if (!block_arrive_last(counter, gridDim.x)) return;
   const size_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
   for (int i = threadIdx.x; i < M * p.n; i += THREADS) {
     const int m = i / p.n, o = i % p.n;

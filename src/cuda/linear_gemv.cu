@@ -189,7 +189,6 @@ template <typename WT, int MT, bool VEC>
 __global__ void __launch_bounds__(kThreads) linear_sm80_gemv(const LinearParams p) {
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);  // [MT, kx]
-  __shared__ unsigned is_last;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t es = p.x_t == FMLP_DTYPE_F32 ? 4 : p.x_t == FMLP_DTYPE_F8_E4M3 ? 1 : 2;
   const int64_t tasks = int64_t(p.rowgroups) * p.splits * p.mtiles;
@@ -239,13 +238,8 @@ __global__ void __launch_bounds__(kThreads) linear_sm80_gemv(const LinearParams 
     if (lane == 0 && row < p.n)
       for (int r = 0; r < mcount; ++r)
         p.partial[(int64_t(split) * p.m + m0 + r) * p.n + row] = acc[r];
-    __threadfence();
-    __syncthreads();
     unsigned* counter = p.counters + int64_t(rg) * p.mtiles + mt;
-    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1u) == unsigned(p.splits - 1);
-    __syncthreads();
-    if (!is_last) continue;
-    __threadfence();
+    if (!fmlp::cuda::block_arrive_last(counter, unsigned(p.splits))) continue;
     if (threadIdx.x < kWarps * MT) {
       const int r = threadIdx.x / kWarps, o = rg * kWarps + threadIdx.x % kWarps;
       if (r < mcount && o < p.n) {

@@ -187,8 +187,7 @@ template <int NT, typename WT, bool FP8, int MINB, int SP, int DEPTH>
 __global__ void __launch_bounds__(kThreads, MINB) linear_sm80_mma(const MmaParams p) {
   extern __shared__ uint4 smem_v[];
   auto* xs = reinterpret_cast<unsigned short*>(smem_v);  // [NT * 8][xs_stride]
-  __shared__ unsigned is_last;
-  __shared__ float inv[NT * 8];      // FP8: per-token factor of the staged tile
+  __shared__ float inv[NT * 8];                          // FP8: per-token factor of the staged tile
   __shared__ unsigned amax[NT * 8];  // FP8: largest finite |x| per token, as bits
   constexpr int SC = FP8 ? 64 : 32;  // columns per 16-byte load step
   constexpr int LC = FP8 ? 16 : 8;   // a lane's columns per step
@@ -280,12 +279,7 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_sm80_mma(const MmaParam
             p.partial[(int64_t(split) * p.m + m) * p.n + row] = FP8 ? c[nt][i] * inv[m] : c[nt][i];
         }
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(p.counters + ch, 1u) == unsigned(p.splits - 1);
-    __syncthreads();
-    if (!is_last) continue;
-    __threadfence();
+    if (!fmlp::cuda::block_arrive_last(p.counters + ch, unsigned(p.splits))) continue;
     const int row0 = ch * kGroupRows, rows = min(kGroupRows, p.n - row0);
     for (int i = threadIdx.x; i < p.m * rows; i += kThreads) {
       const int m = i / rows, row = row0 + i % rows;

@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kThreads) moe_a2a_sm80_dispatch(const MoeA2aPa
 
 __global__ void __launch_bounds__(kThreads) moe_a2a_sm80_combine(const MoeA2aParams p) {
   __shared__ int64_t rows[kMoeMaxExperts];
-  __shared__ bool bad, last;
+  __shared__ bool bad;
   const int t = blockIdx.x, k = p.top_k;
   const int64_t C = p.capacity, sections = int64_t(p.ranks) * C;
   const size_t es = elem_size(p.x_t);
@@ -171,12 +171,7 @@ __global__ void __launch_bounds__(kThreads) moe_a2a_sm80_combine(const MoeA2aPar
   for (int64_t i = b * kThreads + threadIdx.x; i < slots; i += nb * kThreads) p.perm[i] = 0;
   for (int64_t i = b * kThreads + threadIdx.x; i < p.max_chunks; i += nb * kThreads)
     p.chunk_expert[i] = p.chunk_start[i] = p.chunk_len[i] = 0;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(&p.hdr->done, 1u) == unsigned(nb - 1);
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!fmlp::cuda::block_arrive_last(&p.hdr->done, unsigned(nb))) return;
   for (int64_t i = threadIdx.x; i < slots; i += kThreads) p.ids[i] = p.where[i] = 0, p.wts[i] = 0.f;
   for (int64_t i = threadIdx.x; i < sections; i += kThreads) {
     p.send_ids[i] = p.recv_ids[i] = 0;

@@ -16,14 +16,16 @@
 // ranked in warp order, lanes of one step are ranked with __match_any_sync), the chunk list, and
 // the counts re-zeroed.
 //
-// moe_sm80_combine: one (token, column tile) per block; the expert outputs of the token's k slots
-// summed over the hidden slices in a fixed order, weighted, + b2, + residual, stored as y's dtype;
-// remote slots add nothing. Every value read is re-zeroed (and the grouped path's h buffer); the
-// last block clears the routing, so the workspace is left zero-filled (the error count aside).
+// moe_sm80_combine (several output slices; moe_sm80_combine_rows for one): one (token, column
+// tile) per block; the expert outputs of the token's k slots summed over the hidden slices in a
+// fixed order, weighted, + b2, + residual, stored as y's dtype; remote slots add nothing. Every
+// value read is re-zeroed (and the grouped path's h buffer); the last block clears the routing, so
+// the workspace is left zero-filled (the error count aside).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 
 #include "core/error.hpp"
 #include "cuda/common.cuh"
@@ -35,6 +37,7 @@
 namespace fmlp::detail {
 namespace {
 
+using fmlp::cuda::block_arrive_last;
 using fmlp::cuda::load8;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::pdl_allow_next_grid;
@@ -55,7 +58,6 @@ struct RouteShared {
   int off[kMoeMaxExperts], chunk_off[kMoeMaxExperts], count[kMoeMaxExperts];
   float red[kWarps][kRouteExperts][kMaxRouteTokens];  // router_logits_columns: per-warp sums
   int valid;                                          // slots with an expert
-  bool last;
 };
 
 // The logit of token t0 + tk and expert e: + router bias, rounded as a 16-bit router would store
@@ -68,9 +70,9 @@ __device__ __forceinline__ float finish_logit(const MoeParams& p, float v, int e
   return l;
 }
 
-// Logits of the block's tokens (tn <= TN) into sh.scores (+ router bias).
+// Logits of tokens t0 .. t0 + tn - 1 (tn <= TN) into sh.scores[s0 + tk] (+ router bias).
 template <int TN>
-__device__ void router_logits(const MoeParams& p, int t0, int tn, RouteShared& sh) {
+__device__ void router_logits(const MoeParams& p, int t0, int tn, RouteShared& sh, int s0) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const size_t rs = p.rw_t == FMLP_DTYPE_F32 ? 4 : 2, xs = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
   for (int e = warp; e < p.global_experts; e += kWarps) {
@@ -78,7 +80,7 @@ __device__ void router_logits(const MoeParams& p, int t0, int tn, RouteShared& s
     float acc[TN] = {};
     // Unrolled so a lane has several router loads in flight: one block routes a decode step, and
     // a loop of dependent round trips to memory would cost microseconds.
-#pragma unroll 8
+#pragma unroll 1
     for (int c = lane * 8; c < p.d; c += 256) {
       float w[8];
       load8(wrow, p.rw_t, c, p.d, p.rw_vec16, w);
@@ -95,7 +97,7 @@ __device__ void router_logits(const MoeParams& p, int t0, int tn, RouteShared& s
 #pragma unroll
     for (int tk = 0; tk < TN; ++tk) {
       const float v = warp_sum(acc[tk]);
-      if (lane == 0 && tk < tn) sh.scores[tk][e] = finish_logit(p, v, e);
+      if (lane == 0 && tk < tn) sh.scores[s0 + tk][e] = finish_logit(p, v, e);
     }
   }
 }
@@ -110,7 +112,7 @@ __device__ void router_logits(const MoeParams& p, int t0, int tn, RouteShared& s
 // Router rows [e_begin, e_end) only.
 template <int TN, typename RT>
 __device__ void router_logits_columns(const MoeParams& p, int t0, int tn, RouteShared& sh,
-                                      int e_begin, int e_end) {
+                                      int e_begin, int e_end, int s0) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, pieces = p.d / 8;
   const size_t xs = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
   const RT* rw = static_cast<const RT*>(p.rw);
@@ -153,7 +155,7 @@ __device__ void router_logits_columns(const MoeParams& p, int t0, int tn, RouteS
       const int i = threadIdx.x / tn, tk = threadIdx.x % tn;
       float v = 0.f;
       for (int w = 0; w < kWarps; ++w) v += sh.red[w][i][tk];
-      sh.scores[tk][e0 + i] = finish_logit(p, v, e0 + i);
+      sh.scores[s0 + tk][e0 + i] = finish_logit(p, v, e0 + i);
     }
     __syncthreads();  // sh.red is reused by the next pass
   }
@@ -162,24 +164,31 @@ __device__ void router_logits_columns(const MoeParams& p, int t0, int tn, RouteS
 // Scores, top-k and weights of token t (one warp; its logits in s).
 __device__ void select_topk(const MoeParams& p, int t, float* s, unsigned char* taken) {
   const int lane = threadIdx.x % 32, E = p.global_experts;
+#pragma unroll 1
   for (int e = lane; e < E; e += 32) taken[e] = 0;
   if (p.sigmoid) {
+#pragma unroll 1
     for (int e = lane; e < E; e += 32) s[e] = 1.f / (1.f + expf(-s[e]));
   } else {
     float mx = -INFINITY;  // fmaxf skips NaN, as the ref's std::fmax
+#pragma unroll 1
     for (int e = lane; e < E; e += 32) mx = fmaxf(mx, s[e]);
     mx = warp_max(mx);
     float sum = 0.f;
+#pragma unroll 1
     for (int e = lane; e < E; e += 32) sum += (s[e] = expf(s[e] - mx));
     sum = warp_sum(sum);
+#pragma unroll 1
     for (int e = lane; e < E; e += 32) s[e] /= sum;
   }
   __syncwarp();
   const int slot0 = t * p.top_k;
   float wsum = 0.f;
+#pragma unroll 1
   for (int j = 0; j < p.top_k; ++j) {
     int first = INT_MAX, best = INT_MAX;
     float bv = 0.f;
+#pragma unroll 1
     for (int e = lane; e < E; e += 32) {
       if (taken[e]) continue;
       first = min(first, e);
@@ -208,6 +217,7 @@ __device__ void select_topk(const MoeParams& p, int t, float* s, unsigned char* 
     __syncwarp();
   }
   if (lane == 0 && p.renormalize)
+#pragma unroll 1
     for (int j = 0; j < p.top_k; ++j) p.wts[slot0 + j] /= wsum;
 }
 
@@ -289,7 +299,7 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_route(const MoeParams p) {
   // The weight streams wait for this grid (griddepcontrol.wait) before they read the routing, so
   // their blocks may become resident now and request weights the moment the routing is complete.
   if (p.ids_only) pdl_allow_next_grid();
-  const int t0 = blockIdx.x * p.route_tokens, tn = min(min(TN, p.route_tokens), p.tokens - t0);
+  const int t0 = blockIdx.x * p.route_tokens, tn = min(p.route_tokens, p.tokens - t0);
   const int warp = threadIdx.x / 32;
   if (p.given) {
     for (int i = threadIdx.x; i < tn * p.top_k; i += kThreads) {
@@ -307,62 +317,71 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_route(const MoeParams p) {
         if (!p.ids_only) atomicAdd(p.counts + local, 1);
       }
     }
-  } else if (p.route_split > 1) {
+  } else {
     // Split router (host: 16-bit rows in 16-byte pieces): this block's kRouteExperts rows into
     // the logits buffer; the last of the token block's gridDim.y blocks to arrive takes all of
     // them back (re-zeroing the buffer and the counter) and selects. One pass per block instead
-    // of E / 16 dependent passes in one block.
-    const int E = p.global_experts, e0 = blockIdx.y * kRouteExperts;
-    const int e1 = min(E, e0 + kRouteExperts);
-    if (p.rw_t == FMLP_DTYPE_BF16)
-      router_logits_columns<TN, __nv_bfloat16>(p, t0, tn, sh, e0, e1);
-    else
-      router_logits_columns<TN, __half>(p, t0, tn, sh, e0, e1);
-    for (int i = threadIdx.x; i < tn * (e1 - e0); i += kThreads) {
-      const int tk = i / (e1 - e0), e = e0 + i % (e1 - e0);
-      p.logits[int64_t(t0 + tk) * E + e] = sh.scores[tk][e];
-    }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) sh.last = atomicAdd(p.route_parts + blockIdx.x, 1u) == gridDim.y - 1;
-    __syncthreads();
-    if (!sh.last) return;
-    __threadfence();
-    for (int i = threadIdx.x; i < tn * E; i += kThreads) {
-      float* l = p.logits + int64_t(t0) * E + i;
-      sh.scores[i / E][i % E] = __ldcg(l);
-      *l = 0.f;
-    }
-    if (threadIdx.x == 0) p.route_parts[blockIdx.x] = 0;
-    __syncthreads();
-    if (warp < tn) select_topk(p, t0 + warp, sh.scores[warp], sh.taken[warp]);
-  } else {
+    // of E / 16 dependent passes in one block. Each router variant and select_topk appear once:
+    // see the code-size note above the kernel.
+    const int E = p.global_experts, split = p.route_split > 1;
+    const int e0 = split ? int(blockIdx.y) * kRouteExperts : 0;
+    const int e1 = split ? min(E, e0 + kRouteExperts) : E;
     const bool columns = p.rw_vec16 && p.d % 8 == 0;
-    if (columns && p.rw_t == FMLP_DTYPE_BF16)
-      router_logits_columns<TN, __nv_bfloat16>(p, t0, tn, sh, 0, p.global_experts);
-    else if (columns && p.rw_t == FMLP_DTYPE_F16)
-      router_logits_columns<TN, __half>(p, t0, tn, sh, 0, p.global_experts);
-    else
-      router_logits<TN>(p, t0, tn, sh);
+#pragma unroll 1
+    for (int q = 0; q < tn; q += TN) {  // the block's tokens TN at a time (see above the kernel)
+      const int t = t0 + q, n = min(TN, tn - q);
+      if (columns && p.rw_t == FMLP_DTYPE_BF16)
+        router_logits_columns<TN, __nv_bfloat16>(p, t, n, sh, e0, e1, q);
+      else if (columns && p.rw_t == FMLP_DTYPE_F16)
+        router_logits_columns<TN, __half>(p, t, n, sh, e0, e1, q);
+      else
+        router_logits<TN>(p, t, n, sh, q);  // never split (the host splits 16-bit pieces only)
+    }
     __syncthreads();
+    if (split) {
+#pragma unroll 1
+      for (int i = threadIdx.x; i < tn * (e1 - e0); i += kThreads) {
+        const int tk = i / (e1 - e0), e = e0 + i % (e1 - e0);
+        p.logits[int64_t(t0 + tk) * E + e] = sh.scores[tk][e];
+      }
+      if (!block_arrive_last(p.route_parts + blockIdx.x, gridDim.y)) return;
+#pragma unroll 1
+      for (int i = threadIdx.x; i < tn * E; i += kThreads) {
+        float* l = p.logits + int64_t(t0) * E + i;
+        sh.scores[i / E][i % E] = __ldcg(l);
+        *l = 0.f;
+      }
+      if (threadIdx.x == 0) p.route_parts[blockIdx.x] = 0;
+      __syncthreads();
+    }
     if (warp < tn) select_topk(p, t0 + warp, sh.scores[warp], sh.taken[warp]);
   }
   if (p.ids_only) return;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) sh.last = atomicAdd(&p.hdr->route_done, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!sh.last) return;
-  __threadfence();
+  if (!block_arrive_last(&p.hdr->route_done, gridDim.x)) return;
   plan(p, sh);
   if (threadIdx.x == 0) p.hdr->route_done = 0;
+}
+
+// The end of a combine block: the expert kernel's lists and the grouped path's h are not read by
+// combine, so any block clears them; the last block clears the routing.
+__device__ void combine_clear(const MoeParams& p) {
+  const int64_t nb = int64_t(gridDim.x) * gridDim.y;
+  const int64_t b = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
+  for (int64_t i = b * kThreads + threadIdx.x; i < p.slots; i += nb * kThreads) p.perm[i] = 0;
+  for (int64_t i = b * kThreads + threadIdx.x; i < p.max_chunks; i += nb * kThreads)
+    p.chunk_expert[i] = p.chunk_start[i] = p.chunk_len[i] = 0;
+  for (int64_t i = b * kThreads + threadIdx.x; i < p.hbuf_words; i += nb * kThreads)
+    p.hbuf[i] = make_uint4(0, 0, 0, 0);
+  if (!block_arrive_last(&p.hdr->combine_done, unsigned(nb))) return;
+  for (int i = threadIdx.x; i < p.slots; i += kThreads) p.ids[i] = 0, p.wts[i] = 0.f;
+  if (threadIdx.x == 0) p.hdr->chunks = 0, p.hdr->combine_done = 0;
 }
 
 __global__ void __launch_bounds__(kThreads) moe_sm80_combine(const MoeParams p, int groups) {
   __shared__ float part[kThreads];
   __shared__ float wt[kMoeMaxExperts];
   __shared__ int eid[kMoeMaxExperts];
-  __shared__ bool bad, last;
+  __shared__ bool bad;
   const int t = blockIdx.x, cols = kThreads / groups;
   const int r = threadIdx.x / cols, c = threadIdx.x % cols, o = blockIdx.y * cols + c;
   const int k = p.top_k;
@@ -415,21 +434,72 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_combine(const MoeParams p, 
     if (bad) v = __int_as_float(0x7fc00000);  // an expert id was out of range: never silent
     store_scalar(static_cast<char*>(p.y) + int64_t(t) * p.y_ld * es, p.x_t, o, v);
   }
-  // The expert kernel's lists are not read here: any block clears them.
-  const int64_t nb = int64_t(gridDim.x) * gridDim.y;
-  const int64_t b = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
-  for (int64_t i = b * kThreads + threadIdx.x; i < p.slots; i += nb * kThreads) p.perm[i] = 0;
-  for (int64_t i = b * kThreads + threadIdx.x; i < p.max_chunks; i += nb * kThreads)
-    p.chunk_expert[i] = p.chunk_start[i] = p.chunk_len[i] = 0;
-  for (int64_t i = b * kThreads + threadIdx.x; i < p.hbuf_words; i += nb * kThreads)
-    p.hbuf[i] = make_uint4(0, 0, 0, 0);  // the grouped path's h, read by the kernel before
-  __threadfence();
+  combine_clear(p);
+}
+
+// moe_sm80_combine for one output slice (the grouped path, and the chunked path's red.add
+// buffer): one (token, 1024-column tile) per block, four columns per thread as one 16-byte load
+// per slot, the k slots' loads issued together (8 at a time) before any is re-zeroed. Same sums
+// in the same order as moe_sm80_combine. Measured on an H200 (ncu, E = 64 top-8 2048 -> 1408,
+// T = 512): 25 us, against 461 us for moe_sm80_combine on the same call (256 columns per block,
+// a 4-byte load per slot, each slot's load issued after the previous slot's re-zeroing store);
+// the whole op 930 -> 494 us, Mixtral-like T = 512 1496 -> 1306 (docs/moe.md, session 13).
+__global__ void __launch_bounds__(kThreads) moe_sm80_combine_rows(const MoeParams p) {
+  __shared__ float wt[kMoeMaxExperts];
+  __shared__ int eid[kMoeMaxExperts];
+  __shared__ bool bad;
+  const int t = blockIdx.x, k = p.top_k, o = (blockIdx.y * kThreads + threadIdx.x) * 4;
+  if (threadIdx.x == 0) bad = false;
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(&p.hdr->combine_done, 1u) == unsigned(nb - 1);
+  for (int j = threadIdx.x; j < k; j += kThreads) {
+    eid[j] = p.ids[t * k + j];
+    wt[j] = p.wts[t * k + j];
+    if (eid[j] == kMoeSlotBad) bad = true;
+  }
   __syncthreads();
-  if (!last) return;
-  for (int i = threadIdx.x; i < p.slots; i += kThreads) p.ids[i] = 0, p.wts[i] = 0.f;
-  if (threadIdx.x == 0) p.hdr->chunks = 0, p.hdr->combine_done = 0;
+  if (o < p.d_out) {
+    float acc[4] = {};
+    constexpr int kBatch = 8;
+    for (int j0 = 0; j0 < k; j0 += kBatch) {
+      float4 v[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int j = j0 + u;
+        v[u] =
+            j < k && eid[j] >= 0
+                ? __ldcg(reinterpret_cast<const float4*>(p.out + int64_t(t * k + j) * p.d_out + o))
+                : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int j = j0 + u;
+        if (j >= k || eid[j] < 0) continue;  // no expert ran: its row was never written
+        acc[0] = fmaf(wt[j], v[u].x, acc[0]), acc[1] = fmaf(wt[j], v[u].y, acc[1]);
+        acc[2] = fmaf(wt[j], v[u].z, acc[2]), acc[3] = fmaf(wt[j], v[u].w, acc[3]);
+        *reinterpret_cast<float4*>(p.out + int64_t(t * k + j) * p.d_out + o) =
+            make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+    const size_t es = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float v = acc[i];
+      if (p.b2)
+        for (int j = 0; j < k; ++j)
+          if (eid[j] >= 0)
+            v = fmaf(wt[j],
+                     load_scalar(static_cast<const char*>(p.b2) +
+                                     int64_t(eid[j]) * p.b2_e * (p.b2_t == FMLP_DTYPE_F32 ? 4 : 2),
+                                 p.b2_t, o + i),
+                     v);
+      if (p.res)
+        v +=
+            load_scalar(static_cast<const char*>(p.res) + int64_t(t) * p.res_ld * es, p.x_t, o + i);
+      if (bad) v = __int_as_float(0x7fc00000);  // an expert id was out of range: never silent
+      store_scalar(static_cast<char*>(p.y) + int64_t(t) * p.y_ld * es, p.x_t, o + i, v);
+    }
+  }
+  combine_clear(p);
 }
 
 }  // namespace
@@ -437,7 +507,11 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_combine(const MoeParams p, 
 fmlp_status_t moe_launch_route(const MoeParams& p, cudaStream_t s) {
   const int blocks = (p.tokens + p.route_tokens - 1) / p.route_tokens;
   const dim3 grid(unsigned(blocks), unsigned(std::max(1, p.route_split)));
-  if (p.tokens == 1 || p.route_tokens == 1)
+  static const bool rolled = [] {  // A/B, temporary
+    const char* e = std::getenv("FMLP_MOE_ROUTE_ROLLED");
+    return !(e && e[0] == '0');
+  }();
+  if (rolled || p.tokens == 1 || p.route_tokens == 1)
     moe_sm80_route<1><<<grid, kThreads, 0, s>>>(p);
   else
     moe_sm80_route<kMaxRouteTokens><<<grid, kThreads, 0, s>>>(p);
@@ -445,6 +519,11 @@ fmlp_status_t moe_launch_route(const MoeParams& p, cudaStream_t s) {
 }
 
 fmlp_status_t moe_launch_combine(const MoeParams& p, cudaStream_t s) {
+  if (p.out_slices == 1 && p.d_out % 4 == 0) {
+    const dim3 grid(unsigned(p.tokens), unsigned((p.d_out + 4 * kThreads - 1) / (4 * kThreads)));
+    moe_sm80_combine_rows<<<grid, kThreads, 0, s>>>(p);
+    return launch_status("moe_sm80_combine_rows");
+  }
   int groups = 1;  // threads per column summing the slices: up to 8, a power of two
   while (groups < 8 && groups * 2 <= p.out_slices) groups *= 2;
   const int cols = kThreads / groups;

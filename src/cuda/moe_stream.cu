@@ -122,7 +122,6 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   __shared__ int eid[KP];
   __shared__ float wt[KP];
   __shared__ int bad;
-  __shared__ bool is_last;
   const int t = blockIdx.y, k = p.top_k;
   if (threadIdx.x == 0) bad = 0;
   __syncthreads();
@@ -173,12 +172,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   stream_run_rows<WT, WT, 1, KP, true>(s, sp, x_rows, row_ptr, finish, cur, red);
   // The last block to finish leaves the workspace zeroed: every block's reads of h and of the
   // routing are done once its stream is (their values were used).
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(&p.hdr->combine_done, 1u) == gridDim.x * gridDim.y - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
+  if (!fmlp::cuda::block_arrive_last(&p.hdr->combine_done, gridDim.x * gridDim.y)) return;
   for (int64_t i = threadIdx.x; i < p.hbuf_words; i += kStreamThreads)
     p.hbuf[i] = make_uint4(0, 0, 0, 0);
   for (int i = threadIdx.x; i < p.slots; i += kStreamThreads)
