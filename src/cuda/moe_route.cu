@@ -25,7 +25,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
 
 #include "core/error.hpp"
 #include "cuda/common.cuh"
@@ -56,8 +55,8 @@ struct RouteShared {
   unsigned char taken[kMaxRouteTokens][kMoeMaxExperts];
   int run[kWarps][kMoeMaxExperts];  // plan: per-warp counts, then per-warp next positions
   int off[kMoeMaxExperts], chunk_off[kMoeMaxExperts], count[kMoeMaxExperts];
-  float red[kWarps][kRouteExperts][kMaxRouteTokens];  // router_logits_columns: per-warp sums
-  int valid;                                          // slots with an expert
+  float red[kWarps][kRouteExperts];  // router_logits_columns: per-warp sums
+  int valid;                         // slots with an expert
 };
 
 // The logit of token t0 + tk and expert e: + router bias, rounded as a 16-bit router would store
@@ -70,35 +69,28 @@ __device__ __forceinline__ float finish_logit(const MoeParams& p, float v, int e
   return l;
 }
 
-// Logits of tokens t0 .. t0 + tn - 1 (tn <= TN) into sh.scores[s0 + tk] (+ router bias).
-template <int TN>
-__device__ void router_logits(const MoeParams& p, int t0, int tn, RouteShared& sh, int s0) {
+// The logits of token t into `scores` (+ router bias): warps over router rows, a lane's 8-column
+// pieces in order; for fp32 router rows and rows without 16-byte pieces. Not inlined: its
+// unrolled code stays out of the way of the 16-bit path's instruction fetch.
+__device__ __noinline__ void router_logits(const MoeParams& p, int t, float* scores) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const size_t rs = p.rw_t == FMLP_DTYPE_F32 ? 4 : 2, xs = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
+  const void* xrow = static_cast<const char*>(p.x) + int64_t(t) * p.x_ld * xs;
   for (int e = warp; e < p.global_experts; e += kWarps) {
     const void* wrow = static_cast<const char*>(p.rw) + int64_t(e) * p.rw_ld * rs;
-    float acc[TN] = {};
-    // Unrolled so a lane has several router loads in flight: one block routes a decode step, and
-    // a loop of dependent round trips to memory would cost microseconds.
-#pragma unroll 1
+    float acc = 0.f;
+    // Unrolled so a lane has several router loads in flight rather than one dependent round trip
+    // to memory per 256 columns.
+#pragma unroll 8
     for (int c = lane * 8; c < p.d; c += 256) {
-      float w[8];
+      float w[8], xv[8];
       load8(wrow, p.rw_t, c, p.d, p.rw_vec16, w);
+      load8(xrow, p.x_t, c, p.d, p.x_vec16, xv);
 #pragma unroll
-      for (int tk = 0; tk < TN; ++tk) {
-        if (tk >= tn) break;
-        const void* xrow = static_cast<const char*>(p.x) + int64_t(t0 + tk) * p.x_ld * xs;
-        float xv[8];
-        load8(xrow, p.x_t, c, p.d, p.x_vec16, xv);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[tk] = fmaf(w[i], xv[i], acc[tk]);
-      }
+      for (int i = 0; i < 8; ++i) acc = fmaf(w[i], xv[i], acc);
     }
-#pragma unroll
-    for (int tk = 0; tk < TN; ++tk) {
-      const float v = warp_sum(acc[tk]);
-      if (lane == 0 && tk < tn) sh.scores[s0 + tk][e] = finish_logit(p, v, e);
-    }
+    const float v = warp_sum(acc);
+    if (lane == 0) scores[e] = finish_logit(p, v, e);
   }
 }
 
@@ -108,54 +100,45 @@ __device__ void router_logits(const MoeParams& p, int t0, int tn, RouteShared& s
 // block routes a decode step alone, and that way it took tens of microseconds (E = 64, d = 2048,
 // under ncu: 78 us of a 136 us call). Each x piece is read once per pass and serves the pass's
 // rows. Sums: per thread over its pieces in order, then the warp's lanes, then the warps in order:
-// deterministic.
-// Router rows [e_begin, e_end) only.
-template <int TN, typename RT>
-__device__ void router_logits_columns(const MoeParams& p, int t0, int tn, RouteShared& sh,
-                                      int e_begin, int e_end, int s0) {
+// deterministic. Router rows [e_begin, e_end) only.
+template <typename RT>
+__device__ void router_logits_columns(const MoeParams& p, int t, float* scores, RouteShared& sh,
+                                      int e_begin, int e_end) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, pieces = p.d / 8;
   const size_t xs = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
   const RT* rw = static_cast<const RT*>(p.rw);
+  const void* xrow = static_cast<const char*>(p.x) + int64_t(t) * p.x_ld * xs;
   for (int e0 = e_begin; e0 < e_end; e0 += kRouteExperts) {
     const int ne = min(kRouteExperts, e_end - e0);
-    float acc[kRouteExperts][TN] = {};
+    float acc[kRouteExperts] = {};
     for (int c = threadIdx.x; c < pieces; c += kThreads) {
       uint4 w[kRouteExperts];
 #pragma unroll
       for (int i = 0; i < kRouteExperts; ++i)
         w[i] = i < ne ? __ldg(reinterpret_cast<const uint4*>(rw + int64_t(e0 + i) * p.rw_ld) + c)
                       : make_uint4(0, 0, 0, 0);
-      float xv[TN][8];
-#pragma unroll
-      for (int tk = 0; tk < TN; ++tk)
-        if (tk < tn)
-          load8(static_cast<const char*>(p.x) + int64_t(t0 + tk) * p.x_ld * xs, p.x_t, c * 8, p.d,
-                p.x_vec16, xv[tk]);
+      float xv[8];
+      load8(xrow, p.x_t, c * 8, p.d, p.x_vec16, xv);
 #pragma unroll
       for (int i = 0; i < kRouteExperts; ++i) {
         float wf[8];
         fmlp::cuda::widen8<RT>(w[i], wf);
 #pragma unroll
-        for (int tk = 0; tk < TN; ++tk)
-          if (tk < tn)
-#pragma unroll
-            for (int q = 0; q < 8; ++q) acc[i][tk] = fmaf(wf[q], xv[tk][q], acc[i][tk]);
+        for (int q = 0; q < 8; ++q) acc[i] = fmaf(wf[q], xv[q], acc[i]);
       }
     }
 #pragma unroll
     for (int i = 0; i < kRouteExperts; ++i)
-#pragma unroll
-      for (int tk = 0; tk < TN; ++tk)
-        if (tk < tn && i < ne) {
-          const float v = warp_sum(acc[i][tk]);
-          if (lane == 0) sh.red[warp][i][tk] = v;
-        }
+      if (i < ne) {
+        const float v = warp_sum(acc[i]);
+        if (lane == 0) sh.red[warp][i] = v;
+      }
     __syncthreads();
-    if (int(threadIdx.x) < ne * tn) {
-      const int i = threadIdx.x / tn, tk = threadIdx.x % tn;
+    if (int(threadIdx.x) < ne) {
+      const int i = threadIdx.x;
       float v = 0.f;
-      for (int w = 0; w < kWarps; ++w) v += sh.red[w][i][tk];
-      sh.scores[s0 + tk][e0 + i] = finish_logit(p, v, e0 + i);
+      for (int w = 0; w < kWarps; ++w) v += sh.red[w][i];
+      scores[e0 + i] = finish_logit(p, v, e0 + i);
     }
     __syncthreads();  // sh.red is reused by the next pass
   }
@@ -289,11 +272,13 @@ __device__ void plan(const MoeParams& p, RouteShared& sh) {
   }
 }
 
-// TN: the most tokens a block routes, a compile-time bound so a decode step's single token does not
-// run (predicated) code for four. A one-block kernel is latency, and much of it is instruction
-// fetch: under ncu on an H200 (Mixtral router, T = 1) it took 26.7 us as TN = 4 and 16.0 us as
-// TN = 1, with most PC samples of the latter stalled on fetch (the whole op: 190.2 -> 185.8 us).
-template <int TN>
+// A one-block-per-token-group kernel is latency, and much of it is instruction fetch: the code a
+// block runs is fetched cold on every call. So the router runs one token at a time through one
+// copy of its code (a rolled loop), and select_topk's loops are rolled. Under ncu on an H200
+// (caches flushed): Mixtral T = 1 26.7 us when the router code was unrolled for four tokens, 16.0
+// for one, 8.3 once select_topk and the router appeared once each (192 -> 85 KB of code; the
+// whole op unchanged at ~184 us under graph replay); E = 64 top-8 T = 4 31.0 -> 23.8 us with the
+// tokens rolled (the op: Mixtral T = 4..512 and E = 64 T = 16..64 8-13 us faster, docs/moe.md).
 __global__ void __launch_bounds__(kThreads) moe_sm80_route(const MoeParams p) {
   __shared__ RouteShared sh;
   // The weight streams wait for this grid (griddepcontrol.wait) before they read the routing, so
@@ -328,14 +313,13 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_route(const MoeParams p) {
     const int e1 = split ? min(E, e0 + kRouteExperts) : E;
     const bool columns = p.rw_vec16 && p.d % 8 == 0;
 #pragma unroll 1
-    for (int q = 0; q < tn; q += TN) {  // the block's tokens TN at a time (see above the kernel)
-      const int t = t0 + q, n = min(TN, tn - q);
+    for (int q = 0; q < tn; ++q) {  // one token at a time (see above the kernel)
       if (columns && p.rw_t == FMLP_DTYPE_BF16)
-        router_logits_columns<TN, __nv_bfloat16>(p, t, n, sh, e0, e1, q);
+        router_logits_columns<__nv_bfloat16>(p, t0 + q, sh.scores[q], sh, e0, e1);
       else if (columns && p.rw_t == FMLP_DTYPE_F16)
-        router_logits_columns<TN, __half>(p, t, n, sh, e0, e1, q);
+        router_logits_columns<__half>(p, t0 + q, sh.scores[q], sh, e0, e1);
       else
-        router_logits<TN>(p, t, n, sh, q);  // never split (the host splits 16-bit pieces only)
+        router_logits(p, t0 + q, sh.scores[q]);  // never split (the host splits 16-bit pieces)
     }
     __syncthreads();
     if (split) {
@@ -507,14 +491,7 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_combine_rows(const MoeParam
 fmlp_status_t moe_launch_route(const MoeParams& p, cudaStream_t s) {
   const int blocks = (p.tokens + p.route_tokens - 1) / p.route_tokens;
   const dim3 grid(unsigned(blocks), unsigned(std::max(1, p.route_split)));
-  static const bool rolled = [] {  // A/B, temporary
-    const char* e = std::getenv("FMLP_MOE_ROUTE_ROLLED");
-    return !(e && e[0] == '0');
-  }();
-  if (rolled || p.tokens == 1 || p.route_tokens == 1)
-    moe_sm80_route<1><<<grid, kThreads, 0, s>>>(p);
-  else
-    moe_sm80_route<kMaxRouteTokens><<<grid, kThreads, 0, s>>>(p);
+  moe_sm80_route<<<grid, kThreads, 0, s>>>(p);
   return launch_status("moe_sm80_route");
 }
 
