@@ -70,9 +70,8 @@ __device__ __forceinline__ float finish_logit(const MoeParams& p, float v, int e
 }
 
 // The logits of token t into `scores` (+ router bias): warps over router rows, a lane's 8-column
-// pieces in order; for fp32 router rows and rows without 16-byte pieces. Not inlined: its
-// unrolled code stays out of the way of the 16-bit path's instruction fetch.
-__device__ __noinline__ void router_logits(const MoeParams& p, int t, float* scores) {
+// pieces in order; for fp32 router rows and rows without 16-byte pieces.
+__device__ void router_logits(const MoeParams& p, int t, float* scores) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const size_t rs = p.rw_t == FMLP_DTYPE_F32 ? 4 : 2, xs = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
   const void* xrow = static_cast<const char*>(p.x) + int64_t(t) * p.x_ld * xs;
@@ -279,6 +278,10 @@ __device__ void plan(const MoeParams& p, RouteShared& sh) {
 // for one, 8.3 once select_topk and the router appeared once each (192 -> 85 KB of code; the
 // whole op unchanged at ~184 us under graph replay); E = 64 top-8 T = 4 31.0 -> 23.8 us with the
 // tokens rolled (the op: Mixtral T = 4..512 and E = 64 T = 16..64 8-13 us faster, docs/moe.md).
+// COLUMNS: 16-bit router rows in 16-byte pieces (router_logits_columns) or given routing; the
+// other routers (router_logits) are the other kernel, so neither path's registers or code shape
+// the other's (one kernel with both took 128 registers and a 480-byte stack frame).
+template <bool COLUMNS>
 __global__ void __launch_bounds__(kThreads) moe_sm80_route(const MoeParams p) {
   __shared__ RouteShared sh;
   // The weight streams wait for this grid (griddepcontrol.wait) before they read the routing, so
@@ -311,15 +314,14 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_route(const MoeParams p) {
     const int E = p.global_experts, split = p.route_split > 1;
     const int e0 = split ? int(blockIdx.y) * kRouteExperts : 0;
     const int e1 = split ? min(E, e0 + kRouteExperts) : E;
-    const bool columns = p.rw_vec16 && p.d % 8 == 0;
 #pragma unroll 1
     for (int q = 0; q < tn; ++q) {  // one token at a time (see above the kernel)
-      if (columns && p.rw_t == FMLP_DTYPE_BF16)
-        router_logits_columns<__nv_bfloat16>(p, t0 + q, sh.scores[q], sh, e0, e1);
-      else if (columns && p.rw_t == FMLP_DTYPE_F16)
-        router_logits_columns<__half>(p, t0 + q, sh.scores[q], sh, e0, e1);
-      else
+      if constexpr (!COLUMNS)
         router_logits(p, t0 + q, sh.scores[q]);  // never split (the host splits 16-bit pieces)
+      else if (p.rw_t == FMLP_DTYPE_BF16)
+        router_logits_columns<__nv_bfloat16>(p, t0 + q, sh.scores[q], sh, e0, e1);
+      else
+        router_logits_columns<__half>(p, t0 + q, sh.scores[q], sh, e0, e1);
     }
     __syncthreads();
     if (split) {
@@ -491,7 +493,11 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_combine_rows(const MoeParam
 fmlp_status_t moe_launch_route(const MoeParams& p, cudaStream_t s) {
   const int blocks = (p.tokens + p.route_tokens - 1) / p.route_tokens;
   const dim3 grid(unsigned(blocks), unsigned(std::max(1, p.route_split)));
-  moe_sm80_route<<<grid, kThreads, 0, s>>>(p);
+  if (p.given ||
+      (p.rw_vec16 && p.d % 8 == 0 && (p.rw_t == FMLP_DTYPE_BF16 || p.rw_t == FMLP_DTYPE_F16)))
+    moe_sm80_route<true><<<grid, kThreads, 0, s>>>(p);
+  else
+    moe_sm80_route<false><<<grid, kThreads, 0, s>>>(p);
   return launch_status("moe_sm80_route");
 }
 
