@@ -363,22 +363,52 @@ __device__ void combine_clear(const MoeParams& p) {
   if (threadIdx.x == 0) p.hdr->chunks = 0, p.hdr->combine_done = 0;
 }
 
+// The token's routing, shared by a combine block: each slot's local expert (< 0: none ran) and
+// weight; true when a slot's expert id was out of range.
+struct CombineSlots {
+  float wt[kMoeMaxExperts];
+  int eid[kMoeMaxExperts];
+  bool bad;
+};
+
+__device__ void combine_load_slots(const MoeParams& p, int t, CombineSlots& cs) {
+  if (threadIdx.x == 0) cs.bad = false;
+  __syncthreads();
+  for (int j = threadIdx.x; j < p.top_k; j += kThreads) {
+    cs.eid[j] = p.ids[t * p.top_k + j];
+    cs.wt[j] = p.wts[t * p.top_k + j];
+    if (cs.eid[j] == kMoeSlotBad) cs.bad = true;
+  }
+  __syncthreads();
+}
+
+// y[t, o] = v (the weighted expert sum) + the slots' weighted b2 + the residual, in that order;
+// NaN when a slot's expert id was out of range (never silent).
+__device__ void combine_store(const MoeParams& p, const CombineSlots& cs, int t, int o, float v) {
+  const size_t es = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
+  if (p.b2)
+    for (int j = 0; j < p.top_k; ++j)
+      if (cs.eid[j] >= 0)
+        v = fmaf(cs.wt[j],
+                 load_scalar(static_cast<const char*>(p.b2) +
+                                 int64_t(cs.eid[j]) * p.b2_e * (p.b2_t == FMLP_DTYPE_F32 ? 4 : 2),
+                             p.b2_t, o),
+                 v);
+  if (p.res)
+    v += load_scalar(static_cast<const char*>(p.res) + int64_t(t) * p.res_ld * es, p.x_t, o);
+  if (cs.bad) v = __int_as_float(0x7fc00000);
+  store_scalar(static_cast<char*>(p.y) + int64_t(t) * p.y_ld * es, p.x_t, o, v);
+}
+
 __global__ void __launch_bounds__(kThreads) moe_sm80_combine(const MoeParams p, int groups) {
   __shared__ float part[kThreads];
-  __shared__ float wt[kMoeMaxExperts];
-  __shared__ int eid[kMoeMaxExperts];
-  __shared__ bool bad;
+  __shared__ CombineSlots cs;
   const int t = blockIdx.x, cols = kThreads / groups;
   const int r = threadIdx.x / cols, c = threadIdx.x % cols, o = blockIdx.y * cols + c;
   const int k = p.top_k;
-  if (threadIdx.x == 0) bad = false;
-  __syncthreads();
-  for (int j = threadIdx.x; j < k; j += kThreads) {
-    eid[j] = p.ids[t * k + j];
-    wt[j] = p.wts[t * k + j];
-    if (eid[j] == kMoeSlotBad) bad = true;
-  }
-  __syncthreads();
+  const int* eid = cs.eid;
+  const float* wt = cs.wt;
+  combine_load_slots(p, t, cs);
   // Thread r of a column sums slices r, r + groups, ...; the groups are then added in order.
   float acc = 0.f;
   if (o < p.d_out)
@@ -406,19 +436,7 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_combine(const MoeParams p, 
   if (r == 0 && o < p.d_out) {
     float v = 0.f;
     for (int q = 0; q < groups; ++q) v += part[q * cols + c];
-    const size_t es = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
-    if (p.b2)
-      for (int j = 0; j < k; ++j)
-        if (eid[j] >= 0)
-          v = fmaf(wt[j],
-                   load_scalar(static_cast<const char*>(p.b2) +
-                                   int64_t(eid[j]) * p.b2_e * (p.b2_t == FMLP_DTYPE_F32 ? 4 : 2),
-                               p.b2_t, o),
-                   v);
-    if (p.res)
-      v += load_scalar(static_cast<const char*>(p.res) + int64_t(t) * p.res_ld * es, p.x_t, o);
-    if (bad) v = __int_as_float(0x7fc00000);  // an expert id was out of range: never silent
-    store_scalar(static_cast<char*>(p.y) + int64_t(t) * p.y_ld * es, p.x_t, o, v);
+    combine_store(p, cs, t, o, v);
   }
   combine_clear(p);
 }
@@ -431,18 +449,11 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_combine(const MoeParams p, 
 // a 4-byte load per slot, each slot's load issued after the previous slot's re-zeroing store);
 // the whole op 930 -> 494 us, Mixtral-like T = 512 1496 -> 1306 (docs/moe.md, session 13).
 __global__ void __launch_bounds__(kThreads) moe_sm80_combine_rows(const MoeParams p) {
-  __shared__ float wt[kMoeMaxExperts];
-  __shared__ int eid[kMoeMaxExperts];
-  __shared__ bool bad;
+  __shared__ CombineSlots cs;
   const int t = blockIdx.x, k = p.top_k, o = (blockIdx.y * kThreads + threadIdx.x) * 4;
-  if (threadIdx.x == 0) bad = false;
-  __syncthreads();
-  for (int j = threadIdx.x; j < k; j += kThreads) {
-    eid[j] = p.ids[t * k + j];
-    wt[j] = p.wts[t * k + j];
-    if (eid[j] == kMoeSlotBad) bad = true;
-  }
-  __syncthreads();
+  const int* eid = cs.eid;
+  const float* wt = cs.wt;
+  combine_load_slots(p, t, cs);
   if (o < p.d_out) {
     float acc[4] = {};
     constexpr int kBatch = 8;
@@ -466,24 +477,8 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_combine_rows(const MoeParam
             make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
-    const size_t es = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float v = acc[i];
-      if (p.b2)
-        for (int j = 0; j < k; ++j)
-          if (eid[j] >= 0)
-            v = fmaf(wt[j],
-                     load_scalar(static_cast<const char*>(p.b2) +
-                                     int64_t(eid[j]) * p.b2_e * (p.b2_t == FMLP_DTYPE_F32 ? 4 : 2),
-                                 p.b2_t, o + i),
-                     v);
-      if (p.res)
-        v +=
-            load_scalar(static_cast<const char*>(p.res) + int64_t(t) * p.res_ld * es, p.x_t, o + i);
-      if (bad) v = __int_as_float(0x7fc00000);  // an expert id was out of range: never silent
-      store_scalar(static_cast<char*>(p.y) + int64_t(t) * p.y_ld * es, p.x_t, o + i, v);
-    }
+    for (int i = 0; i < 4; ++i) combine_store(p, cs, t, o + i, acc[i]);
   }
   combine_clear(p);
 }
