@@ -161,8 +161,9 @@ FMLP_API fmlp_mlp_config_t fmlp_mlp_config_default(void);
 /* Bytes of scratch memory fmlp_mlp needs for these args (on the tensors' device).
  * CUDA workspaces must be zero-filled once before first use (cudaMemset); every kernel leaves
  * its workspace zero-filled when it completes, so the same workspace serves later calls and CUDA
- * graph replays without clearing. Calls that run concurrently need separate workspaces. Host
- * workspaces need no initialisation. */
+ * graph replays without clearing. Calls that run concurrently need separate workspaces. CUDA
+ * workspaces start on a 256-byte boundary (as cudaMalloc returns them; FMLP_ERROR_MISALIGNED
+ * otherwise). Host workspaces need no initialisation. */
 FMLP_API fmlp_status_t fmlp_mlp_workspace_size(const fmlp_mlp_args_t* args, fmlp_backend_t backend,
                                                size_t* bytes);
 /* Runs the op on `stream` (a cudaStream_t for CUDA, ignored on the host). Asynchronous on CUDA:
