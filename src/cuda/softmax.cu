@@ -286,6 +286,20 @@ fmlp_status_t rows_run(const fmlp_softmax_args_t& a, const SoftmaxDesc& d, void*
 constexpr int kWarpRowsThreads = 256;
 constexpr int64_t kWarpRowsMaxBytes = 4096;
 
+// f(j, values) for each of this lane's 16-byte pieces of the row held in raw (the row's max, its
+// sum and the outputs are three passes over the same registers).
+template <typename T, int VPL, typename F>
+__device__ __forceinline__ void warp_rows_each(const uint4 (&raw)[VPL], int nv, int lane, F f) {
+  constexpr int E = kWidth<T, true>;
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) {
+    if (j * 32 + lane >= nv) continue;
+    float v[E];
+    unpack<T, true>(raw[j], v);
+    f(j, v);
+  }
+}
+
 template <typename T, int VPL>
 __global__ void __launch_bounds__(kWarpRowsThreads) softmax_sm80_warp_rows(const SoftmaxParams p) {
   constexpr int E = kWidth<T, true>;
@@ -301,35 +315,23 @@ __global__ void __launch_bounds__(kWarpRowsThreads) softmax_sm80_warp_rows(const
   for (int j = 0; j < VPL; ++j)
     raw[j] = j * 32 + lane < nv ? x[j * 32 + lane] : make_uint4(0, 0, 0, 0);
   float m = -INFINITY;  // fmaxf skips NaN, as the other kernels' max does
-#pragma unroll
-  for (int j = 0; j < VPL; ++j) {
-    if (j * 32 + lane >= nv) continue;
-    float f[E];
-    unpack<T, true>(raw[j], f);
+  warp_rows_each<T>(raw, nv, lane, [&](int, const float(&f)[E]) {
 #pragma unroll
     for (int e = 0; e < E; ++e) m = fmaxf(m, f[e]);
-  }
+  });
   m = warp_max(m);
   const float ms = m == -INFINITY ? 0.f : m;  // a row of -Inf sums 0, not NaN (combine's rule)
   float sum = 0.f;
-#pragma unroll
-  for (int j = 0; j < VPL; ++j) {
-    if (j * 32 + lane >= nv) continue;
-    float f[E];
-    unpack<T, true>(raw[j], f);
+  warp_rows_each<T>(raw, nv, lane, [&](int, const float(&f)[E]) {
 #pragma unroll
     for (int e = 0; e < E; ++e) sum += ex2((f[e] - ms) * p.sc2);
-  }
+  });
   sum = warp_sum(sum);
   const RowOut tot = row_out({m, sum});
-#pragma unroll
-  for (int j = 0; j < VPL; ++j) {
-    if (j * 32 + lane >= nv) continue;
-    float f[E];
-    unpack<T, true>(raw[j], f);
+  warp_rows_each<T>(raw, nv, lane, [&](int j, float(&f)[E]) {
     finish<E>(f, p.log, p.inv_t, p.sc2, tot);
     y[j * 32 + lane] = pack<T>(f);
-  }
+  });
 }
 
 bool warp_rows_supports(const SoftmaxDesc& d, std::string* why) {
