@@ -1,8 +1,8 @@
 // The routing and combine kernels of moe_sm80_chunked (moe_cuda.hpp has the overview).
 //
-// moe_sm80_route: a block routes route_tokens tokens. Router logits in fp32 (16-bit router rows in
-// 16-byte pieces: threads over the pieces, 16 router rows at a time; otherwise warps over experts,
-// each lane's 8-column piece of a router row serving every token of the block), softmax or sigmoid,
+// moe_sm80_route: a block routes route_tokens tokens, one at a time. Router logits in fp32 (16-bit
+// router rows in 16-byte pieces: threads over the pieces, 16 router rows at a time; otherwise warps
+// over experts, a lane over 8-column pieces of a router row), softmax or sigmoid,
 // top-k by repeated arg-max with the ref's rule (strict >, so ties go to the lower id; a NaN score
 // never wins unless it is the lowest unpicked id), optional renormalisation. Given routing is read
 // as is; an id outside [0, global experts) is never used as an index: its slot is marked
@@ -59,8 +59,8 @@ struct RouteShared {
   int valid;                         // slots with an expert
 };
 
-// The logit of token t0 + tk and expert e: + router bias, rounded as a 16-bit router would store
-// it when asked.
+// A token's logit for expert e from its dot product v: + router bias, rounded as a 16-bit router
+// would store it when asked.
 __device__ __forceinline__ float finish_logit(const MoeParams& p, float v, int e) {
   float l = v + (p.rb ? load_scalar(p.rb, p.rb_t, e) : 0.f);
   if (p.round_logits)  // what a 16-bit nn.Linear router would have stored
