@@ -22,12 +22,12 @@ namespace fmlp::detail {
 namespace {
 
 using fmlp::cuda::kStreamThreads;
-using fmlp::cuda::kStreamU;
 using fmlp::cuda::kStreamWarps;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::store_scalar;
 using fmlp::cuda::stream_begin;
 using fmlp::cuda::stream_grid;
+using fmlp::cuda::stream_pick_loads;
 using fmlp::cuda::stream_resident_blocks;
 using fmlp::cuda::stream_run;
 using fmlp::cuda::stream_shape;
@@ -108,7 +108,7 @@ __device__ void stage_x_f16(const StreamParams& p, __half* xs, float* inv, unsig
   }
 }
 
-template <typename WT, typename XT, int MT>
+template <typename WT, typename XT, int MT, int U>
 __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const StreamParams p) {
   constexpr bool kFp8 = std::is_same_v<WT, StreamFp8>;
   using XS = std::conditional_t<kFp8, __half, XT>;  // staged x
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
   if (int(blockIdx.x) >= p.s.groups) return;
   const auto sp = stream_span<WT>(p.s);
   auto row_ptr = [&](int row) { return static_cast<const WT*>(p.w) + int64_t(row) * p.w_ld; };
-  uint4 cur[kStreamU];
+  uint4 cur[U];
   stream_begin<WT>(cur, p.s, sp, row_ptr, p.prefetch_groups);  // in flight while x is staged
   if constexpr (kFp8)
     stage_x_f16<MT>(p, xs, inv, amax);
@@ -147,9 +147,9 @@ int token_tile(int64_t m) {
   return m <= 1 ? 1 : m <= 2 ? 2 : 4;
 }
 
-template <typename WT, typename XT, int MT>
+template <typename WT, typename XT, int MT, int U>
 fmlp_status_t launch(const StreamParams& p, size_t smem, int device, cudaStream_t s) {
-  constexpr auto kernel = &linear_sm80_stream<WT, XT, MT>;
+  constexpr auto kernel = &linear_sm80_stream<WT, XT, MT, U>;
   if (const fmlp_status_t st = allow_dynamic_smem<kernel>(smem, "linear_sm80_stream");
       st != FMLP_SUCCESS)
     return st;
@@ -159,23 +159,31 @@ fmlp_status_t launch(const StreamParams& p, size_t smem, int device, cudaStream_
                    pdl_enabled(cuda_compute_capability(device)), s, "linear_sm80_stream", p);
 }
 
+template <typename WT, typename XT, int MT>
+fmlp_status_t dispatch_u(const StreamParams& p, size_t smem, int device, cudaStream_t s) {
+  return p.s.u == 3 ? launch<WT, XT, MT, 3>(p, smem, device, s)
+                    : launch<WT, XT, MT, 4>(p, smem, device, s);
+}
+
 template <typename WT, typename XT>
 fmlp_status_t dispatch_mt(const StreamParams& p, int mt, size_t smem, int device, cudaStream_t s) {
   switch (mt) {
-    case 1: return launch<WT, XT, 1>(p, smem, device, s);
-    case 2: return launch<WT, XT, 2>(p, smem, device, s);
-    default: return launch<WT, XT, 4>(p, smem, device, s);
+    case 1: return dispatch_u<WT, XT, 1>(p, smem, device, s);
+    case 2: return dispatch_u<WT, XT, 2>(p, smem, device, s);
+    default: return dispatch_u<WT, XT, 4>(p, smem, device, s);
   }
 }
 
 template <typename WT>
 fmlp_status_t dispatch_x(const StreamParams& p, int mt, size_t smem, int device, cudaStream_t s) {
-  if constexpr (std::is_same_v<WT, StreamFp8>)  // x is read by dtype while staged: one instance
+  if constexpr (std::is_same_v<WT, StreamFp8>) {  // x is read by dtype while staged: one instance
     return dispatch_mt<WT, __half>(p, mt, smem, device, s);
-  switch (p.x_t) {
-    case FMLP_DTYPE_F32: return dispatch_mt<WT, float>(p, mt, smem, device, s);
-    case FMLP_DTYPE_F16: return dispatch_mt<WT, __half>(p, mt, smem, device, s);
-    default: return dispatch_mt<WT, __nv_bfloat16>(p, mt, smem, device, s);
+  } else {
+    switch (p.x_t) {
+      case FMLP_DTYPE_F32: return dispatch_mt<WT, float>(p, mt, smem, device, s);
+      case FMLP_DTYPE_F16: return dispatch_mt<WT, __half>(p, mt, smem, device, s);
+      default: return dispatch_mt<WT, __nv_bfloat16>(p, mt, smem, device, s);
+    }
   }
 }
 
@@ -225,11 +233,12 @@ fmlp_status_t linear_stream_run(const fmlp_linear_args_t& a, const LinearDesc& d
   StreamParams p{};
   static_cast<LinearOperands&>(p) = linear_operands(a, d);
   p.s = stream_shape(d.n, d.k, fp8 ? 1 : 2);
+  stream_pick_loads(p.s, d.n * d.k * (fp8 ? 1 : 2));
+  const int mt = token_tile(d.m);
   // Each block's first group into L2 while the previous kernel drains, where W outgrows the L2
   // (mlp_decode_stream.cu measured prefetching to hurt where most of the matrix fits it).
   p.prefetch_groups = d.n * d.k * (fp8 ? 1 : 2) > cuda_l2_bytes(d.device_id) ? 1 : 0;
   if (p.s.groups == 0) return FMLP_SUCCESS;  // N = 0: nothing to write
-  const int mt = token_tile(d.m);
   const size_t smem = smem_bytes(d, mt);
   const DeviceScope scope(d.device_id);
   if (scope.status() != FMLP_SUCCESS) return scope.status();

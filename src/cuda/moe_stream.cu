@@ -48,6 +48,7 @@ using fmlp::cuda::pdl_wait_previous_grid;
 using fmlp::cuda::store_scalar;
 using fmlp::cuda::stream_begin;
 using fmlp::cuda::stream_load;
+using fmlp::cuda::stream_pick_loads;
 using fmlp::cuda::stream_resident_blocks;
 using fmlp::cuda::stream_run_rows;
 using fmlp::cuda::stream_shape;
@@ -115,7 +116,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   }
 }
 
-template <typename WT, int KP>
+template <typename WT, int KP, int U>
 __global__ void __launch_bounds__(kStreamThreads, 4)
     moe_sm80_stream_down(const MoeParams p, const StreamShape s) {
   __shared__ float red[2][kStreamWarps][1];
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
     const int e = eid[v % KP];
     return e < 0 ? nullptr : w2 + int64_t(e) * p.w2_e + int64_t(v / KP) * p.w2_ld;
   };
-  uint4 cur[kStreamU];
+  uint4 cur[U];
   // The routing read above is complete: every block of the up launch let this launch start only
   // after its own wait for the route kernel. h is not, until stream_begin's wait.
   stream_begin<WT, true>(cur, s, sp, row_ptr, 0);
@@ -210,7 +211,9 @@ fmlp_status_t launch_up(const MoeParams& p, const StreamShape& s, const Where& w
 
 template <typename WT, int KP>
 fmlp_status_t launch_down(const MoeParams& p, const StreamShape& s, const Where& w) {
-  return launch_rows<&moe_sm80_stream_down<WT, KP>>(p, s, 0, w, "moe_sm80_stream_down");
+  return s.u == 3
+             ? launch_rows<&moe_sm80_stream_down<WT, KP, 3>>(p, s, 0, w, "moe_sm80_stream_down")
+             : launch_rows<&moe_sm80_stream_down<WT, KP, 4>>(p, s, 0, w, "moe_sm80_stream_down");
 }
 
 template <typename WT>
@@ -221,7 +224,9 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
   const int rows1 = p.gated ? 2 * p.hidden : p.hidden;
   const int kp = moe_stream_pair(p.top_k);
   const StreamShape up = stream_shape(int64_t(p.top_k) * rows1, p.d, 2, p.gated ? 2 : 1);
-  const StreamShape down = stream_shape(int64_t(kp) * p.d_out, p.hidden, 2, kp);
+  StreamShape down = stream_shape(int64_t(kp) * p.d_out, p.hidden, 2, kp);
+  // E = 64's 1408-wide rows: 176 chunks, two batches either way, 192 loaded at U = 3 against 256
+  stream_pick_loads(down, int64_t(p.top_k) * p.d_out * p.hidden * 2);
   fmlp_status_t e = p.x_t == FMLP_DTYPE_F32   ? launch_up<WT, float>(p, up, w)
                     : p.x_t == FMLP_DTYPE_F16 ? launch_up<WT, __half>(p, up, w)
                                               : launch_up<WT, __nv_bfloat16>(p, up, w);

@@ -8,9 +8,9 @@
 // all of W, while the probe's requests cover one contiguous window sliding through it. So:
 //   - a block iteration (a "group") is R whole consecutive rows, about stream_group_bytes() of
 //     W (R a power of two up to 8); its rows are split between the block's 8 warps (8 / R per
-//     row, each a contiguous run of the row's 16-byte chunks, read as batches of 4 chunks per
-//     lane); the resident blocks take consecutive groups, so the bytes in flight stay one
-//     window sliding through W,
+//     row, each a contiguous run of the row's 16-byte chunks, read as batches of U chunks per
+//     lane: 4, or 3 where the launcher picks it to fit the run, stream_pick_loads); the resident
+//     blocks take consecutive groups, so the bytes in flight stay one window sliding through W,
 //   - the next batch (of this group or the block's next one) is requested before the current
 //     one is used, so every lane has a batch in flight also across groups; the caller issues the
 //     first batch (stream_load) before staging x,
@@ -55,9 +55,8 @@ namespace fmlp::cuda {
 
 constexpr int kStreamWarps = 8;
 constexpr int kStreamThreads = kStreamWarps * 32;
-constexpr int kStreamU = 4;                  // 16-byte loads per lane per batch
-constexpr int kStreamBatch = 32 * kStreamU;  // chunks per warp batch (2 KB)
-using StreamFp8 = unsigned char;             // e4m3 bits
+constexpr int kStreamU = 4;       // 16-byte loads per lane per batch, unless the launcher picks U
+using StreamFp8 = unsigned char;  // e4m3 bits
 
 template <typename WT>
 constexpr int kStreamPerChunk = 16 / int(sizeof(WT));  // W elements per 16-byte chunk
@@ -68,6 +67,7 @@ struct StreamShape {
   int rows;     // R: W rows per group
   int wpr;      // warps per row: kStreamWarps / R
   int cpw;      // 16-byte chunks of a row per warp (the last warp of a row may have fewer)
+  int u;        // 16-byte loads per lane and batch: the kernel's U (a batch is 32 * u chunks)
   int batches;  // batches per warp and group
   int groups;   // ceil(n / R)
 };
@@ -103,9 +103,30 @@ inline StreamShape stream_shape(int64_t n, int64_t k, int elem_bytes, int min_ro
   s.wpr = kStreamWarps / s.rows;
   const int64_t kchunks = row_bytes / 16;
   s.cpw = int((kchunks + s.wpr - 1) / s.wpr);
-  s.batches = (s.cpw + kStreamBatch - 1) / kStreamBatch;
+  s.u = kStreamU;
+  s.batches = (s.cpw + 32 * s.u - 1) / (32 * s.u);
   s.groups = int((n + s.rows - 1) / s.rows);
   return s;
+}
+
+// Loads per lane (U) for a kernel instantiated for U = 3 and 4: 3 where it reads a warp's part
+// of a row in as many batches as 4 with fewer idle lanes and the stream is at least 16 MiB. A
+// batch costs about one memory latency however many of its lanes load: K = 768 bf16 rows are 96
+// chunks, 75 % of a U = 4 batch (the 50257 x 768 lm head: 25.1 -> 22.7 us on an H200). Measured
+// and not taken: 3 where it adds a batch (4096 x 4096: 10.2 -> 12.1 us), 3 on small streams
+// (768 -> 2304: 2.6 -> 2.8 us), and 7 (one 224-chunk batch for the 224-chunk parts of K = 14336
+// rows: 4096 x 14336 32.9 -> 34.4 us, at three blocks per SM). FMLP_STREAM_U=3|4 forces one.
+inline void stream_pick_loads(StreamShape& s, int64_t stream_bytes) {
+  static const int env_u = [] {
+    const char* e = std::getenv("FMLP_STREAM_U");
+    const int u = e ? std::atoi(e) : 0;
+    return u == 3 || u == 4 ? u : 0;
+  }();
+  auto batches = [&](int u) { return (s.cpw + 32 * u - 1) / (32 * u); };
+  const bool three = stream_bytes >= (int64_t(16) << 20) && batches(3) == batches(4) &&
+                     batches(3) * 96 < batches(4) * 128;
+  s.u = env_u ? env_u : three ? 3 : 4;
+  s.batches = batches(s.u);
 }
 
 // Blocks of KERNEL (kStreamThreads threads, `smem` dynamic bytes) resident on `device` at once:
@@ -144,15 +165,15 @@ __device__ __forceinline__ StreamSpan stream_span(const StreamShape& s) {
 
 // Batch b of this warp's part of group `group`'s row; row_ptr(row) gives W row `row` (< n).
 // SKIP: row_ptr may return nullptr for a row that is not read (its sums are zero).
-template <typename WT, bool SKIP = false, typename RowPtr>
-__device__ __forceinline__ void stream_load(uint4 (&v)[kStreamU], const StreamShape& s,
-                                            StreamSpan sp, RowPtr row_ptr, int group, int b) {
+template <typename WT, bool SKIP = false, typename RowPtr, int U>
+__device__ __forceinline__ void stream_load(uint4 (&v)[U], const StreamShape& s, StreamSpan sp,
+                                            RowPtr row_ptr, int group, int b) {
   const int row = group * s.rows + (threadIdx.x / 32) / s.wpr;
   const WT* wr = row_ptr(min(row, s.n - 1));
   const int lane = threadIdx.x % 32;
 #pragma unroll
-  for (int u = 0; u < kStreamU; ++u) {
-    const int c = sp.begin + b * kStreamBatch + u * 32 + lane;
+  for (int u = 0; u < U; ++u) {
+    const int c = sp.begin + (b * U + u) * 32 + lane;
     v[u] = row < s.n && (!SKIP || wr != nullptr) && c < sp.end
                ? ld_stream_v4(wr + int64_t(c) * kStreamPerChunk<WT>)
                : make_uint4(0, 0, 0, 0);
@@ -185,9 +206,9 @@ __device__ __forceinline__ void stream_prefetch_l2(const StreamShape& s, StreamS
 // of group blockIdx.x into `cur` and the block's first `prefetch_groups` groups into L2 are
 // requested before the wait for the previous grid, so they arrive while that grid drains;
 // everything else the kernel reads or writes comes after it.
-template <typename WT, bool SKIP = false, typename RowPtr>
-__device__ __forceinline__ void stream_begin(uint4 (&cur)[kStreamU], const StreamShape& s,
-                                             StreamSpan sp, RowPtr row_ptr, int prefetch_groups) {
+template <typename WT, bool SKIP = false, typename RowPtr, int U>
+__device__ __forceinline__ void stream_begin(uint4 (&cur)[U], const StreamShape& s, StreamSpan sp,
+                                             RowPtr row_ptr, int prefetch_groups) {
   stream_load<WT, SKIP>(cur, s, sp, row_ptr, blockIdx.x, 0);
   stream_prefetch_l2<WT>(s, sp, row_ptr, prefetch_groups);
   pdl_wait_previous_grid();
@@ -259,10 +280,9 @@ __device__ __forceinline__ float stream_dot16_f16(const uint32_t (&h)[8], const 
 // gives row `row`'s own (the moe stream's slots each have theirs). `red` is [2][kStreamWarps][MT]
 // shared floats. PAIR divides R.
 template <typename WT, typename XS, int MT, int PAIR = 1, bool SKIP = false, typename XRows,
-          typename RowPtr, typename Finish>
+          typename RowPtr, typename Finish, int U>
 __device__ __forceinline__ void stream_run_rows(const StreamShape& s, StreamSpan sp, XRows x_rows,
-                                                RowPtr row_ptr, Finish finish,
-                                                uint4 (&cur)[kStreamU],
+                                                RowPtr row_ptr, Finish finish, uint4 (&cur)[U],
                                                 float (*red)[kStreamWarps][MT]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float acc[MT] = {};
@@ -276,11 +296,11 @@ __device__ __forceinline__ void stream_run_rows(const StreamShape& s, StreamSpan
     for (int b = 0; b < s.batches; ++b) {
       const bool last = b + 1 == s.batches;
       const int gn = last ? g + int(gridDim.x) : g, bn = last ? 0 : b + 1;
-      uint4 nxt[kStreamU];
+      uint4 nxt[U];
       if (gn < s.groups) stream_load<WT, SKIP>(nxt, s, sp, row_ptr, gn, bn);
 #pragma unroll
-      for (int u = 0; u < kStreamU; ++u) {
-        const int c = sp.begin + b * kStreamBatch + u * 32 + lane;
+      for (int u = 0; u < U; ++u) {
+        const int c = sp.begin + (b * U + u) * 32 + lane;
         if (c >= sp.end) continue;
         if constexpr (std::is_same_v<WT, StreamFp8>) {
           uint32_t h[8];
@@ -302,7 +322,7 @@ __device__ __forceinline__ void stream_run_rows(const StreamShape& s, StreamSpan
         }
       }
 #pragma unroll
-      for (int u = 0; u < kStreamU; ++u) cur[u] = nxt[u];
+      for (int u = 0; u < U; ++u) cur[u] = nxt[u];
     }
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
@@ -329,9 +349,9 @@ __device__ __forceinline__ void stream_run_rows(const StreamShape& s, StreamSpan
 }
 
 // stream_run_rows with one staged x ([MT][k] at xs) for every row.
-template <typename WT, typename XS, int MT, int PAIR = 1, typename RowPtr, typename Finish>
+template <typename WT, typename XS, int MT, int PAIR = 1, typename RowPtr, typename Finish, int U>
 __device__ __forceinline__ void stream_run(const StreamShape& s, StreamSpan sp, const XS* xs,
-                                           RowPtr row_ptr, Finish finish, uint4 (&cur)[kStreamU],
+                                           RowPtr row_ptr, Finish finish, uint4 (&cur)[U],
                                            float (*red)[kStreamWarps][MT]) {
   stream_run_rows<WT, XS, MT, PAIR>(s, sp, xs, row_ptr, finish, cur, red);
 }
