@@ -410,14 +410,20 @@ void each_entry(const std::vector<MoeCase>& cs,
                 const std::function<std::string(const char*, const MoeCase&, int)>& run) {
   for (const char* kernel : cuda_moe_kernels()) {
     int ran = 0, n = 0;
+    bool other_arch = false;  // an sm_90a entry on another device takes no case
     for (const MoeCase& c : cs) {
       const std::string err = run(kernel, c, n++);
-      if (skipped(err)) continue;
+      if (skipped(err)) {
+        other_arch = other_arch || err.find("compute capability") != std::string::npos;
+        continue;
+      }
       ++ran;
       EXPECT_EQ(err, "") << kernel << " [" << c.name() << "] (FMLP_TEST_SEED=" << test_seed()
                          << ")";
     }
-    EXPECT_GT(ran, 0) << kernel << " took none of the cases";
+    if (!other_arch) {
+      EXPECT_GT(ran, 0) << kernel << " took none of the cases";
+    }
   }
 }
 

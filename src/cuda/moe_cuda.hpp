@@ -27,6 +27,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "core/moe_desc.hpp"
 
@@ -74,10 +75,14 @@ struct MoePlan {
   // its per-token factors; grouped only: h in fp32 before its staging as fp16 (into hbuf) and
   // its per-slot factors. 0 when absent.
   size_t xh = 0, xinv = 0, h32 = 0, hinv = 0;
+  // moe_sm90_grouped: x gathered into chunk order, [slots][d] in the weights' dtype, inside the
+  // hbuf region after h. 0 when absent.
+  size_t xg = 0;
   size_t experts_smem = 0;  // dynamic shared memory of the expert kernel
 };
 MoePlan moe_plan(const MoeDesc& d);
 MoePlan moe_plan_grouped(const MoeDesc& d);
+MoePlan moe_plan_grouped_sm90(const MoeDesc& d);
 
 // The grouped GEMMs' tiles: hidden (and d) must be multiples of kMoeGroupedK.
 constexpr int kMoeGroupedK = 64;
@@ -129,6 +134,7 @@ struct MoeParams {
   uint32_t* route_parts;  // split router: router blocks done per token block, zero between calls
   uint4* hbuf;  // grouped: h [slots][hidden] in chunk order, in the weights' dtype (fp8: fp16)
   int64_t hbuf_words;  // its 16-byte words (0 for the chunked path), re-zeroed by combine
+  void* xg;            // moe_sm90_grouped: x rows in chunk order (MoePlan::xg), else nullptr
   int max_chunks;
   size_t experts_smem;
 };
@@ -152,6 +158,10 @@ void moe_routing_inputs(MoeParams* p, const fmlp_moe_args_t& a, const MoeDesc& d
 fmlp_status_t moe_launch_route(const MoeParams& p, cudaStream_t s);
 fmlp_status_t moe_launch_experts(const MoeParams& p, cudaStream_t s);
 fmlp_status_t moe_launch_grouped(const MoeParams& p, cudaStream_t s);
+// moe_sm90_grouped (moe_grouped_sm90.cu): whether its launch takes p (*why says what it lacks
+// otherwise), and the launch (gather, gate/up, down; sms: the device's multiprocessors).
+bool moe_grouped_sm90_takes(const MoeParams& p, std::string* why);
+fmlp_status_t moe_launch_grouped_sm90(const MoeParams& p, int sms, cudaStream_t s);
 fmlp_status_t moe_launch_combine(const MoeParams& p, cudaStream_t s);
 // moe_sm80_stream's two launches after the route kernel (moe_stream.cu), on the current device.
 fmlp_status_t moe_launch_stream(const MoeParams& p, cudaStream_t s);

@@ -91,6 +91,12 @@ double tuned(const char* env, double fallback) {
 const double kGroupedMinRows = tuned("FMLP_MOE_GROUPED_MIN_ROWS", 1.1);
 const double kGroupedWideRows = tuned("FMLP_MOE_GROUPED_WIDE_ROWS", 96);
 constexpr double kGroupedBigExpert = 64.0 * (1 << 20);
+// moe_sm90_grouped (TMA + wgmma) against moe_sm80_grouped, same device session on an H200
+// (session 14, fusedmlp_moe_bench --kernel): Mixtral-like T = 64 (16 tokens per hit expert)
+// 722.8 vs 752.5 us, T = 512 1043.1 vs 1413.2; E = 64 top-8 T = 64 (8) 339.6 vs 357.7, T = 512
+// 473.8 vs 491.3. Below 8 it is not measured: moe_sm80_grouped keeps those calls.
+// FMLP_MOE_SM90_MIN_ROWS overrides it.
+const double kGroupedSm90MinRows = tuned("FMLP_MOE_SM90_MIN_ROWS", 8);
 
 // Expected tokens per hit expert under uniform routing: T*k slots over the E(1 - (1 - k/E)^T)
 // experts expected to receive any.
@@ -280,6 +286,22 @@ MoePlan moe_plan_grouped(const MoeDesc& d) {
   return pl;
 }
 
+// The grouped plan with 128-row chunks (the sm_90 tile) and x gathered into chunk order after h,
+// inside the hbuf region (combine re-zeroes it with h).
+MoePlan moe_plan_grouped_sm90(const MoeDesc& d) {
+  MoePlan pl;
+  const int64_t n = d.tokens * d.top_k;
+  pl.chunk = 128;
+  const int64_t c = pl.chunk;
+  pl.max_chunks = std::min(n, (n + (c - 1) * std::min<int64_t>(d.experts, n)) / c);
+  pl.slices = 1;
+  pl.partial = true;
+  const size_t h = align256(size_t(n) * size_t(d.hidden) * 2);
+  lay_out(d, size_t(n) * size_t(d.d_out) * 4, h + size_t(n) * size_t(d.d) * 2, 0, &pl);
+  pl.xg = pl.hbuf + h;
+  return pl;
+}
+
 void moe_routing_inputs(MoeParams* p, const fmlp_moe_args_t& a, const MoeDesc& d) {
   if (!d.given_routing) {
     p->rw = a.router_w.data, p->rw_ld = a.router_w.stride[0], p->rw_t = d.router_dtype;
@@ -358,6 +380,7 @@ MoeParams moe_params(const fmlp_moe_args_t& a, const MoeDesc& d, const MoePlan& 
   p.out = reinterpret_cast<float*>(base + pl.out);
   p.hbuf = reinterpret_cast<uint4*>(base + pl.hbuf);
   p.hbuf_words = int64_t(pl.total - pl.hbuf) / 16;
+  p.xg = pl.xg ? base + pl.xg : nullptr;
   p.max_chunks = int(pl.max_chunks);
   p.experts_smem = pl.experts_smem;
   return p;
@@ -403,11 +426,61 @@ fmlp_status_t moe_grouped_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* 
   return moe_run_with(a, d, moe_plan_grouped(d), ws, stream, moe_launch_grouped);
 }
 
+// moe_sm90_grouped: what moe_sm80_grouped takes, for gated 16-bit experts with x in their dtype on
+// an sm_90 device, from kGroupedSm90MinRows expected tokens per hit expert.
+bool moe_grouped_sm90_supports(const MoeDesc& d, std::string* why) {
+  if (!moe_grouped_supports(d, why)) return false;
+  if (const double per = tokens_per_hit_expert(d); per < kGroupedSm90MinRows)
+    return (*why = fmt::format("{:.2f} expected tokens per hit expert (below {}): "
+                               "moe_sm80_grouped's 64-row tiles, measured faster there",
+                               per, kGroupedSm90MinRows),
+            false);
+  const int cc = cuda_compute_capability(d.device_id);
+  if (cc != 90)
+    return (*why = fmt::format("moe_sm90_grouped is sm_90a code; device {} has compute capability "
+                               "{}.{}",
+                               d.device_id, cc / 10, cc % 10),
+            false);
+  if (d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16)
+    return (*why = fmt::format("{} experts: moe_sm90_grouped takes bf16 or f16 (fp8: "
+                               "moe_sm80_grouped)",
+                               fmlp_dtype_name(d.w_dtype)),
+            false);
+  if (!d.gated)
+    return (*why =
+                "dense experts: moe_sm90_grouped's tiles pair gate and up rows "
+                "(moe_sm80_grouped takes them)",
+            false);
+  return true;
+}
+
+size_t moe_grouped_sm90_workspace(const MoeDesc& d) {
+  return moe_plan_grouped_sm90(d).total;
+}
+
+// The sm_90 GEMMs where the call's tensors allow them (one TMA map over every expert's W1 and
+// W2: expert stride = rows x row stride, 16-byte aligned), else the mma.sync GEMMs of
+// moe_sm80_grouped on the same plan.
+fmlp_status_t moe_launch_grouped_sm90_or_sm80(const MoeParams& p, cudaStream_t s) {
+  std::string why;
+  if (!moe_grouped_sm90_takes(p, &why)) return moe_launch_grouped(p, s);
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError(), device = 0;
+  return moe_launch_grouped_sm90(p, std::max(1, cuda_sm_count(device)), s);
+}
+
+fmlp_status_t moe_grouped_sm90_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* ws,
+                                   void* stream) {
+  return moe_run_with(a, d, moe_plan_grouped_sm90(d), ws, stream, moe_launch_grouped_sm90_or_sm80);
+}
+
 // Dispatch takes the first entry that supports a call: the weight streams for a few tokens, the
 // grouped GEMMs at many tokens per expert, the mma streaming kernel otherwise.
 const MoeKernel kCudaMoeKernels[] = {
     {"moe_sm80_stream", FMLP_BACKEND_CUDA, moe_stream_supports, moe_stream_workspace,
      moe_stream_run},
+    {"moe_sm90_grouped", FMLP_BACKEND_CUDA, moe_grouped_sm90_supports, moe_grouped_sm90_workspace,
+     moe_grouped_sm90_run},
     {"moe_sm80_grouped", FMLP_BACKEND_CUDA, moe_grouped_supports, moe_grouped_workspace,
      moe_grouped_run},
     {"moe_sm80_chunked", FMLP_BACKEND_CUDA, moe_cuda_supports, moe_cuda_workspace, moe_cuda_run},

@@ -1,0 +1,243 @@
+// moe_sm90_grouped: the grouped path's two GEMMs (moe_grouped.cu) on the TMA + wgmma main loop of
+// sm90_gemm_pipe.cuh, for gated 16-bit experts on sm_90a. mma.sync tops out near 300 TFLOP/s
+// there (Mixtral-like T = 512 under ncu: gate/up 240 GFLOP in 789 us, down 120 GFLOP in 494 us),
+// which keeps a 512-token call at twice its weights' read time.
+//
+//   gather   x rows into chunk order, xg[q] = x[perm[q] / k] (a [slots, d] copy in the workspace),
+//            so a chunk's tokens are one 2-D box for TMA.
+//   gate/up  tile (chunk, 128 hidden units): A = 128 rows of xg from the chunk's start, B = the
+//            gate rows then the up rows of those units of the chunk's expert (W1 seen as one
+//            [E * 2 hidden, d] matrix); the epilogue forms h = act(gate + bg) * (up + bu) for the
+//            chunk's rows, rounded to the weights' dtype, into hbuf [slots, hidden] at the chunk's
+//            positions (as the mma.sync path stores it).
+//   down     tile (chunk, 256 outputs): A = the chunk's h rows, B = 256 rows of the expert's W2
+//            (W2 seen as [E * d_out, d_hidden]); fp32 results into the per-slot output rows that
+//            the combine kernel reads.
+// A tile's rows past the chunk (the next chunk's tokens, or zeros past the buffers) and B rows
+// past the expert (the next expert's rows) are multiplied and dropped, never stored: MMA rows and
+// columns are independent. Tiles are walked chunk-fastest, so the chunks of one expert read the
+// same weight box at about the same time (L2 hits after the first). Grids are the SM count; the
+// chunk count is read on the device, so nothing depends on the routing and the op stays
+// capturable. Each output element is one tile's fixed-order sum: reruns are bitwise equal.
+// The gathered x lives in the hbuf region, which combine re-zeroes.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/error.hpp"
+#include "cuda/common.cuh"
+#include "cuda/launch_util.hpp"
+#include "cuda/moe_cuda.hpp"
+#include "cuda/moe_device.cuh"
+#include "cuda/sm90_gemm_pipe.cuh"
+
+namespace fmlp::detail {
+namespace {
+
+using namespace fmlp::cuda::sm90;
+
+constexpr int kGatherThreads = 256;
+constexpr int kUnits = 128;  // hidden units per gate/up tile (gate and up each)
+
+template <typename T>
+__global__ void __launch_bounds__(kGatherThreads) moe_sm90_gather_x(const MoeParams p) {
+  const int per_row = p.d / 8;  // 16-byte pieces (d is a multiple of 64, x rows 16-byte aligned)
+  const int64_t total = int64_t(p.slots) * per_row;
+  uint4* xg = static_cast<uint4*>(p.xg);
+  for (int64_t i = int64_t(blockIdx.x) * kGatherThreads + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * kGatherThreads) {
+    const int q = int(i / per_row), c = int(i % per_row);
+    const T* row = static_cast<const T*>(p.x) + int64_t(p.perm[q] / p.top_k) * p.x_ld;
+    xg[i] = reinterpret_cast<const uint4*>(row)[c];
+  }
+}
+
+#ifdef FMLP_SM90A
+
+__device__ __forceinline__ const void* expert_vec_base(const void* b, fmlp_dtype_t t,
+                                                       int64_t stride, int e) {
+  return b ? static_cast<const char*>(b) + int64_t(e) * stride * (t == FMLP_DTYPE_F32 ? 4 : 2)
+           : nullptr;
+}
+
+// The problems point at the kernel's __grid_constant__ parameters (no copy of MoeParams).
+template <typename T, fmlp_activation_t ACT>
+struct GateUpProblem {
+  const MoeParams& p;
+  int chunks, n_tiles;
+  __device__ int tiles() const { return chunks * n_tiles; }
+  __device__ int k_blocks() const { return p.d / kPipeBK; }
+  __device__ SmTile tile(int t) const {
+    const int ci = t % chunks, nt = t / chunks;
+    const int base = p.chunk_expert[ci] * 2 * p.hidden + nt * kUnits;
+    return SmTile{p.chunk_start[ci], {base, base + p.hidden}, ci, nt};
+  }
+  __device__ void epilogue(const float (&d)[128], const SmTile& tl, int row, int col) const {
+    const int len = p.chunk_len[tl.id], e = p.chunk_expert[tl.id];
+    const void* b1 = expert_vec_base(p.b1, p.b1_t, p.b1_e, e);
+    T* h = reinterpret_cast<T*>(p.hbuf);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int u = tl.n * kUnits + col + 8 * j;  // hidden is a multiple of 64: u + 1 too
+      if (u >= p.hidden) continue;
+      float bg0 = 0.f, bg1 = 0.f, bu0 = 0.f, bu1 = 0.f;
+      if (b1) {
+        bg0 = fmlp::cuda::load_scalar(b1, p.b1_t, u);
+        bg1 = fmlp::cuda::load_scalar(b1, p.b1_t, u + 1);
+        bu0 = fmlp::cuda::load_scalar(b1, p.b1_t, p.hidden + u);
+        bu1 = fmlp::cuda::load_scalar(b1, p.b1_t, p.hidden + u + 1);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = row + 8 * i;
+        if (r >= len) continue;
+        const float h0 =
+            fmlp::cuda::activate(ACT, d[4 * j + 2 * i] + bg0) * (d[64 + 4 * j + 2 * i] + bu0);
+        const float h1 = fmlp::cuda::activate(ACT, d[4 * j + 2 * i + 1] + bg1) *
+                         (d[64 + 4 * j + 2 * i + 1] + bu1);
+        *reinterpret_cast<uint32_t*>(h + int64_t(tl.a_row + r) * p.hidden + u) =
+            fmlp::cuda::pack2<T>(h0, h1);
+      }
+    }
+  }
+};
+
+struct DownProblem {
+  const MoeParams& p;
+  int chunks, n_tiles;
+  __device__ int tiles() const { return chunks * n_tiles; }
+  __device__ int k_blocks() const { return p.hidden / kPipeBK; }
+  __device__ SmTile tile(int t) const {
+    const int ci = t % chunks, nt = t / chunks;
+    const int base = p.chunk_expert[ci] * p.d_out + nt * kPipeBN;
+    return SmTile{p.chunk_start[ci], {base, base + kPipeBN / 2}, ci, nt};
+  }
+  __device__ void epilogue(const float (&d)[128], const SmTile& tl, int row, int col) const {
+    const int len = p.chunk_len[tl.id];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = row + 8 * i;
+      if (r >= len) continue;
+      float* out = p.out + int64_t(p.perm[tl.a_row + r]) * p.d_out;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int o = tl.n * kPipeBN + col + 8 * j;  // d_out is a multiple of 8: o + 1 too
+        if (o < p.d_out)
+          *reinterpret_cast<float2*>(out + o) = make_float2(d[4 * j + 2 * i], d[4 * j + 2 * i + 1]);
+      }
+    }
+  }
+};
+
+#endif  // FMLP_SM90A
+
+template <typename T, fmlp_activation_t ACT>
+__global__ void __launch_bounds__(kPipeThreads, 1)
+    moe_sm90_grouped_gate_up(const __grid_constant__ CUtensorMap ta,
+                             const __grid_constant__ CUtensorMap tb,
+                             const __grid_constant__ MoeParams p) {
+#ifdef FMLP_SM90A
+  extern __shared__ unsigned char smem_raw[];
+  const GateUpProblem<T, ACT> pr{p, p.hdr->chunks, (p.hidden + kUnits - 1) / kUnits};
+  gemm_sm90_pipe<T>(smem_raw, &ta, &tb, &tb, pr);
+#endif
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kPipeThreads, 1)
+    moe_sm90_grouped_down(const __grid_constant__ CUtensorMap ta,
+                          const __grid_constant__ CUtensorMap tb,
+                          const __grid_constant__ MoeParams p) {
+#ifdef FMLP_SM90A
+  extern __shared__ unsigned char smem_raw[];
+  const DownProblem pr{p, p.hdr->chunks, (p.d_out + kPipeBN - 1) / kPipeBN};
+  gemm_sm90_pipe<T>(smem_raw, &ta, &tb, &tb, pr);
+#endif
+}
+
+// ---- host ----
+
+fmlp_status_t make_map(CUtensorMap* map, const char* what, fmlp_dtype_t t, const void* ptr,
+                       int64_t rows, int64_t cols, int64_t ld) {
+  if (const int r = pipe_make_map(map, t, ptr, rows, cols, ld); r != CUDA_SUCCESS)
+    return fail(FMLP_ERROR_CUDA,
+                "moe_sm90_grouped: encoding the TMA descriptor of {} ([{}, {}], row stride {}) "
+                "failed (CUresult {})",
+                what, rows, cols, ld, r);
+  return FMLP_SUCCESS;
+}
+
+template <auto KERNEL>
+fmlp_status_t start(const char* name, int grid, const CUtensorMap& ta, const CUtensorMap& tb,
+                    const MoeParams& p, cudaStream_t s) {
+  if (const fmlp_status_t st = allow_dynamic_smem<KERNEL>(kPipeSmemBytes, name); st != FMLP_SUCCESS)
+    return st;
+  KERNEL<<<grid, kPipeThreads, kPipeSmemBytes, s>>>(ta, tb, p);
+  return launch_status(name, fmt::format("{} blocks", grid));
+}
+
+template <typename T>
+fmlp_status_t launch(const MoeParams& p, int sms, cudaStream_t s) {
+  const int64_t pieces = int64_t(p.slots) * (p.d / 8);
+  const int gather_blocks =
+      int(std::clamp<int64_t>((pieces + kGatherThreads - 1) / kGatherThreads, 1, 8 * sms));
+  moe_sm90_gather_x<T><<<gather_blocks, kGatherThreads, 0, s>>>(p);
+  if (const fmlp_status_t st = launch_status("moe_sm90_gather_x"); st != FMLP_SUCCESS) return st;
+  const fmlp_dtype_t t = p.w_t;
+  CUtensorMap ta1, tb1, ta2, tb2;
+  const int64_t rows1 = int64_t(p.experts) * 2 * p.hidden, rows2 = int64_t(p.experts) * p.d_out;
+  fmlp_status_t st = make_map(&ta1, "the gathered x", t, p.xg, p.slots, p.d, p.d);
+  if (st == FMLP_SUCCESS) st = make_map(&tb1, "W1", t, p.w1, rows1, p.d, p.w1_ld);
+  if (st == FMLP_SUCCESS) st = make_map(&ta2, "h", t, p.hbuf, p.slots, p.hidden, p.hidden);
+  if (st == FMLP_SUCCESS) st = make_map(&tb2, "W2", t, p.w2, rows2, p.hidden, p.w2_ld);
+  if (st != FMLP_SUCCESS) return st;
+  const int64_t n1 = (p.hidden + kUnits - 1) / kUnits, n2 = (p.d_out + kPipeBN - 1) / kPipeBN;
+  const int grid1 = int(std::clamp<int64_t>(int64_t(p.max_chunks) * n1, 1, sms));
+  const int grid2 = int(std::clamp<int64_t>(int64_t(p.max_chunks) * n2, 1, sms));
+  const char* up = "moe_sm90_grouped_gate_up";
+  switch (p.act) {
+    case FMLP_ACT_RELU:
+      st = start<&moe_sm90_grouped_gate_up<T, FMLP_ACT_RELU>>(up, grid1, ta1, tb1, p, s);
+      break;
+    case FMLP_ACT_GELU:
+      st = start<&moe_sm90_grouped_gate_up<T, FMLP_ACT_GELU>>(up, grid1, ta1, tb1, p, s);
+      break;
+    case FMLP_ACT_GELU_TANH:
+      st = start<&moe_sm90_grouped_gate_up<T, FMLP_ACT_GELU_TANH>>(up, grid1, ta1, tb1, p, s);
+      break;
+    default: st = start<&moe_sm90_grouped_gate_up<T, FMLP_ACT_SILU>>(up, grid1, ta1, tb1, p, s);
+  }
+  if (st != FMLP_SUCCESS) return st;
+  return start<&moe_sm90_grouped_down<T>>("moe_sm90_grouped_down", grid2, ta2, tb2, p, s);
+}
+
+}  // namespace
+
+bool moe_grouped_sm90_takes(const MoeParams& p, std::string* why) {
+  const int64_t ws = 2;  // bytes of a 16-bit weight
+  if (p.xg == nullptr) return (*why = "no gathered-x buffer in the workspace plan", false);
+  if (!p.gated) return (*why = "dense experts (the sm_90 tiles pair gate and up rows)", false);
+  if (!p.x_direct) return (*why = "x is not the experts' dtype in 16-byte aligned rows", false);
+  if (p.w1_e != 2 * int64_t(p.hidden) * p.w1_ld || p.w2_e != int64_t(p.d_out) * p.w2_ld)
+    return (*why =
+                "the experts are not one matrix each of W1 and W2 (expert stride = rows x row "
+                "stride): one TMA map spans every expert",
+            false);
+  if (reinterpret_cast<uintptr_t>(p.w1) % 16 || reinterpret_cast<uintptr_t>(p.w2) % 16 ||
+      (p.w1_ld * ws) % 16 || (p.w2_ld * ws) % 16)
+    return (*why = "W1 or W2 is not 16-byte aligned (TMA)", false);
+  if (int64_t(p.experts) * 2 * p.hidden >= (int64_t(1) << 31))
+    return (*why = "experts x 2 hidden rows past TMA's 32-bit coordinates", false);
+  if (fmlp::cuda::sm90::encode_tiled() == nullptr)
+    return (*why = "the driver has no cuTensorMapEncodeTiled", false);
+  return true;
+}
+
+fmlp_status_t moe_launch_grouped_sm90(const MoeParams& p, int sms, cudaStream_t s) {
+  return p.w_t == FMLP_DTYPE_F16 ? launch<__half>(p, sms, s) : launch<__nv_bfloat16>(p, sms, s);
+}
+
+}  // namespace fmlp::detail
