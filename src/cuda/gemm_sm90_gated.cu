@@ -129,16 +129,6 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
 
 // ---- host ----
 
-fmlp_status_t make_map(CUtensorMap* map, const char* what, fmlp_dtype_t t, const void* p,
-                       int64_t rows, int64_t cols, int64_t ld) {
-  if (const int r = pipe_make_map(map, t, p, rows, cols, ld); r != CUDA_SUCCESS)
-    return fail(FMLP_ERROR_CUDA,
-                "{}: encoding the TMA descriptor of {} ([{}, {}], row stride {}) failed (CUresult "
-                "{})",
-                kName, what, rows, cols, ld, r);
-  return FMLP_SUCCESS;
-}
-
 template <typename T, fmlp_activation_t ACT>
 fmlp_status_t launch(const CUtensorMap& tx, const CUtensorMap& tg, const CUtensorMap& tu,
                      const Epilogue& e, int grid, cudaStream_t s) {
@@ -201,14 +191,12 @@ bool gemm_sm90_gated_supports(const GatedGemmArgs& a, std::string* why) {
 
 fmlp_status_t gemm_sm90_gated_run(const GatedGemmArgs& a, cudaStream_t s) {
   CUtensorMap tx, tg, tu;
-  if (fmlp_status_t st = make_map(&tx, "x", a.dtype, a.x, a.m, a.k, a.ldx); st != FMLP_SUCCESS)
-    return st;
-  if (fmlp_status_t st = make_map(&tg, "the gate weights", a.dtype, a.wg, a.h, a.k, a.ldwg);
-      st != FMLP_SUCCESS)
-    return st;
-  if (fmlp_status_t st = make_map(&tu, "the up weights", a.dtype, a.wu, a.h, a.k, a.ldwu);
-      st != FMLP_SUCCESS)
-    return st;
+  fmlp_status_t st = pipe_make_map(&tx, kName, "x", a.dtype, a.x, a.m, a.k, a.ldx);
+  if (st == FMLP_SUCCESS)
+    st = pipe_make_map(&tg, kName, "the gate weights", a.dtype, a.wg, a.h, a.k, a.ldwg);
+  if (st == FMLP_SUCCESS)
+    st = pipe_make_map(&tu, kName, "the up weights", a.dtype, a.wu, a.h, a.k, a.ldwu);
+  if (st != FMLP_SUCCESS) return st;
   Epilogue e{a.out,
              a.ldo,
              a.bg,

@@ -160,16 +160,6 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
 
 // ---- host ----
 
-fmlp_status_t make_map(CUtensorMap* map, const char* what, fmlp_dtype_t t, const void* ptr,
-                       int64_t rows, int64_t cols, int64_t ld) {
-  if (const int r = pipe_make_map(map, t, ptr, rows, cols, ld); r != CUDA_SUCCESS)
-    return fail(FMLP_ERROR_CUDA,
-                "moe_sm90_grouped: encoding the TMA descriptor of {} ([{}, {}], row stride {}) "
-                "failed (CUresult {})",
-                what, rows, cols, ld, r);
-  return FMLP_SUCCESS;
-}
-
 template <auto KERNEL>
 fmlp_status_t start(const char* name, int grid, const CUtensorMap& ta, const CUtensorMap& tb,
                     const MoeParams& p, cudaStream_t s) {
@@ -189,10 +179,12 @@ fmlp_status_t launch(const MoeParams& p, int sms, cudaStream_t s) {
   const fmlp_dtype_t t = p.w_t;
   CUtensorMap ta1, tb1, ta2, tb2;
   const int64_t rows1 = int64_t(p.experts) * 2 * p.hidden, rows2 = int64_t(p.experts) * p.d_out;
-  fmlp_status_t st = make_map(&ta1, "the gathered x", t, p.xg, p.slots, p.d, p.d);
-  if (st == FMLP_SUCCESS) st = make_map(&tb1, "W1", t, p.w1, rows1, p.d, p.w1_ld);
-  if (st == FMLP_SUCCESS) st = make_map(&ta2, "h", t, p.hbuf, p.slots, p.hidden, p.hidden);
-  if (st == FMLP_SUCCESS) st = make_map(&tb2, "W2", t, p.w2, rows2, p.hidden, p.w2_ld);
+  const char* name = "moe_sm90_grouped";
+  fmlp_status_t st = pipe_make_map(&ta1, name, "the gathered x", t, p.xg, p.slots, p.d, p.d);
+  if (st == FMLP_SUCCESS) st = pipe_make_map(&tb1, name, "W1", t, p.w1, rows1, p.d, p.w1_ld);
+  if (st == FMLP_SUCCESS)
+    st = pipe_make_map(&ta2, name, "h", t, p.hbuf, p.slots, p.hidden, p.hidden);
+  if (st == FMLP_SUCCESS) st = pipe_make_map(&tb2, name, "W2", t, p.w2, rows2, p.hidden, p.w2_ld);
   if (st != FMLP_SUCCESS) return st;
   const int64_t n1 = (p.hidden + kUnits - 1) / kUnits, n2 = (p.d_out + kPipeBN - 1) / kPipeBN;
   const int grid1 = int(std::clamp<int64_t>(int64_t(p.max_chunks) * n1, 1, sms));
