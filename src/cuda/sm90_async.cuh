@@ -1,7 +1,7 @@
 // Hopper (sm_90a) building blocks shared by the TMA + wgmma kernels (gemm_sm90_gated.cu,
 // stream_wgmma_fp8.cuh): mbarriers with transaction counts, 2-D TMA loads, wgmma shared-memory
 // descriptors and fences, and the driver's tensor-map encoder (looked up at run time: libcuda is
-// not linked).
+// not linked) with the 2-D, 128-byte-swizzle maps they read through.
 //
 // The device helpers exist only in the sm_90a compile (FMLP_SM90A); the portable (sm_80 + PTX)
 // compile of a kernel that uses them must stub its body out, and its supports() must require
@@ -12,6 +12,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "core/error.hpp"
+#include "fusedmlp/fusedmlp.h"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FMLP_SM90A 1
@@ -33,6 +36,31 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
   }();
   return fn;
+}
+
+// A [rows, cols] row-major matrix of `elem` values (rows ld_bytes apart) read in boxes of box_rows
+// x box_cols with 128-byte swizzle, zeros outside; the error names the kernel and the operand.
+inline fmlp_status_t make_tma_map_2d(CUtensorMap* map, const char* kernel, const char* what,
+                                     CUtensorMapDataType elem, const void* p, int64_t rows,
+                                     int64_t cols, int64_t ld_bytes, uint32_t box_cols,
+                                     uint32_t box_rows) {
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(ld_bytes)};
+  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const auto encode = encode_tiled();
+  const CUresult r =
+      encode == nullptr
+          ? CUDA_ERROR_NOT_SUPPORTED
+          : encode(map, elem, 2, const_cast<void*>(p), dims, strides, box, elem_strides,
+                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return fmlp::detail::fail(FMLP_ERROR_CUDA,
+                              "{}: encoding the TMA descriptor of {} ([{}, {}], row stride {} "
+                              "bytes) failed (CUresult {})",
+                              kernel, what, rows, cols, ld_bytes, int(r));
+  return FMLP_SUCCESS;
 }
 
 #ifdef FMLP_SM90A

@@ -30,7 +30,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "core/error.hpp"
 #include "cuda/sm90_async.cuh"
 #include "fusedmlp/fusedmlp.h"
 
@@ -62,22 +61,10 @@ struct SmTile {
 inline fmlp_status_t pipe_make_map(CUtensorMap* map, const char* kernel, const char* what,
                                    fmlp_dtype_t t, const void* p, int64_t rows, int64_t cols,
                                    int64_t ld) {
-  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(ld) * 2};
-  const cuuint32_t box[2] = {kPipeBK, 128};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode_tiled()(
-      map,
-      t == FMLP_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
-      const_cast<void*>(p), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    return fmlp::detail::fail(FMLP_ERROR_CUDA,
-                              "{}: encoding the TMA descriptor of {} ([{}, {}], row stride {}) "
-                              "failed (CUresult {})",
-                              kernel, what, rows, cols, ld, int(r));
-  return FMLP_SUCCESS;
+  return make_tma_map_2d(
+      map, kernel, what,
+      t == FMLP_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p,
+      rows, cols, ld * 2, kPipeBK, 128);
 }
 
 #ifdef FMLP_SM90A

@@ -160,24 +160,10 @@ inline bool wg_device_supports(const char* kernel, int device, size_t smem, std:
 // outside.
 inline fmlp_status_t wg_make_map(CUtensorMap* map, const char* kernel, const char* what,
                                  const void* p, int64_t n, int64_t k, int64_t ld) {
-  const cuuint64_t dims[2] = {cuuint64_t(k), cuuint64_t(n)};
   // A single row's stride is never used, but TMA wants one: a multiple of 16 covering the row.
-  const cuuint64_t strides[1] = {cuuint64_t(n > 1 ? ld : (std::max<int64_t>(k, 1) + 15) / 16 * 16)};
-  const cuuint32_t box[2] = {kWgBoxK, kWgTileRows};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const auto encode = sm90::encode_tiled();
-  const CUresult r =
-      encode == nullptr
-          ? CUDA_ERROR_NOT_SUPPORTED
-          : encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(p), dims, strides, box,
-                   elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    return fmlp::detail::fail(FMLP_ERROR_CUDA,
-                              "{}: encoding the TMA descriptor of {} ([{}, {}] e4m3, row stride {} "
-                              "bytes) failed (CUresult {})",
-                              kernel, what, n, k, ld, int(r));
-  return FMLP_SUCCESS;
+  const int64_t stride = n > 1 ? ld : (std::max<int64_t>(k, 1) + 15) / 16 * 16;
+  return sm90::make_tma_map_2d(map, kernel, what, CU_TENSOR_MAP_DATA_TYPE_UINT8, p, n, k, stride,
+                               kWgBoxK, kWgTileRows);
 }
 
 #ifdef FMLP_SM90A
