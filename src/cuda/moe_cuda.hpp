@@ -1,7 +1,7 @@
-// The cuda moe entries (moe_sm80_stream, moe_sm80_chunked, moe_sm80_grouped) as their host code
-// and kernels share them: the plan (chunk size, hidden slices, reduction mode, workspace layout; a
-// function of the shapes and the device only, so the launch grids never depend on the routing) and
-// the kernel parameters.
+// The cuda moe entries (moe_sm80_stream, moe_sm90_grouped, moe_sm80_grouped, moe_sm80_chunked) as
+// their host code and kernels share them: the plan (chunk size, hidden slices, reduction mode,
+// workspace layout; a function of the shapes and the device only, so the launch grids never depend
+// on the routing) and the kernel parameters.
 //
 //   moe_route   (moe_route.cu)    per token block: router logits, scores, top-k over the global
 //                                 experts (or the given routing, bad ids counted and flagged),
@@ -16,6 +16,8 @@
 //                                 tensor-core GEMMs over the chunk list (gate/up + activation into
 //                                 a [slots, hidden] workspace in chunk order, then down into the
 //                                 per-slot fp32 outputs).
+//   moe_grouped_sm90 (moe_grouped_sm90.cu)  the same two GEMMs on TMA + wgmma (sm_90a, gated
+//                                 16-bit experts), after x is gathered into chunk order.
 //   moe_combine (moe_route.cu)    y = [residual +] sum_j w_j (expert output + b2), j in order;
 //                                 re-zeroes the workspace (the grouped path's hidden buffer too).
 //   moe_stream  (moe_stream.cu)   instead of experts + combine for a few tokens: every slot's
