@@ -12,8 +12,8 @@
 // x and y stay bf16); the floor then counts the fp8 bytes and the scales of the experts hit, and
 // the check uses the dequantised weights.
 // usage: fusedmlp_moe_bench [--json FILE] [--reps N] [--ts 1,4,16,64,512] [--deterministic]
-//                           [--kernel moe_sm80_grouped|moe_sm80_chunked] [--wdtype bf16|f8]
-//                           [--layers mixtral,e64k8]
+//                           [--kernel moe_sm90_grouped|moe_sm80_grouped|moe_sm80_chunked]
+//                           [--wdtype bf16|f8] [--layers mixtral,e64k8]
 #include <cuda_runtime.h>
 
 #include <algorithm>
