@@ -1,5 +1,5 @@
 // Device helpers of the moe kernels: eight activations of any dtype as fp32 (vector loads when the
-// row allows them).
+// row allows them), and an expert's row of a per-expert vector.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -31,6 +31,14 @@ __device__ __forceinline__ void load8(const void* row, fmlp_dtype_t t, int c, in
   }
 #pragma unroll
   for (int i = 0; i < 8; ++i) f[i] = c + i < n ? load_scalar(row, t, c + i) : 0.f;
+}
+
+// Expert e's row of a per-expert vector (b1, b2: [E, n] of dtype t, expert stride `stride`
+// elements), or nullptr when the vector is absent.
+__device__ __forceinline__ const void* expert_vec(const void* v, fmlp_dtype_t t, int64_t stride,
+                                                  int e) {
+  return v ? static_cast<const char*>(v) + int64_t(e) * stride * (t == FMLP_DTYPE_F32 ? 4 : 2)
+           : nullptr;
 }
 
 }  // namespace fmlp::cuda

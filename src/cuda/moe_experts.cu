@@ -126,9 +126,7 @@ __global__ void __launch_bounds__(kThreads, Pipe<NT>::kMinBlocks)
   }
   const ST* w1 = static_cast<const ST*>(p.w1) + int64_t(e) * p.w1_e;
   const ST* w2 = static_cast<const ST*>(p.w2) + int64_t(e) * p.w2_e;
-  const void* b1 = p.b1 ? static_cast<const char*>(p.b1) +
-                              int64_t(e) * p.b1_e * (p.b1_t == FMLP_DTYPE_F32 ? 4 : 2)
-                        : nullptr;
+  const void* b1 = fmlp::cuda::expert_vec(p.b1, p.b1_t, p.b1_e, e);
   const int tile0 = int(int64_t(p.tiles) * slice / p.slices);
   const int tile1 = int(int64_t(p.tiles) * (slice + 1) / p.slices);
   __syncthreads();

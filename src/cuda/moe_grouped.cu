@@ -332,12 +332,6 @@ __device__ __forceinline__ bool chunk_of_block(const MoeParams& p, Chunk* c) {
   return true;
 }
 
-__device__ __forceinline__ const void* expert_bias(const void* b, fmlp_dtype_t t, int64_t stride,
-                                                   int e) {
-  return b ? static_cast<const char*>(b) + int64_t(e) * stride * (t == FMLP_DTYPE_F32 ? 4 : 2)
-           : nullptr;
-}
-
 // Block (chunk, N tile): h of 64 units (gated) or 128 units (dense) for the chunk's tokens.
 // FP8: WT is __half, x the staged fp16 copy, W1 e4m3, h stored in fp32 (file comment).
 template <int BM, typename WT, bool GATED, bool FP8>
@@ -375,7 +369,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_sm80_grouped_gate_up(const Mo
 
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32, g = lane / 4, t = lane % 4;
   const int m0 = warp / 2 * T::kWarpM + g;
-  const void* b1 = expert_bias(p.b1, p.b1_t, p.b1_e, c.e);
+  const void* b1 = fmlp::cuda::expert_vec(p.b1, p.b1_t, p.b1_e, c.e);
   WT* h = reinterpret_cast<WT*>(p.hbuf);
   float xf[T::kMI][2];  // FP8: the factor of the token of row m0 + 16 mi (+ 8)
   if constexpr (FP8) {

@@ -57,27 +57,29 @@ __global__ void __launch_bounds__(kGatherThreads) moe_sm90_gather_x(const MoePar
 
 #ifdef FMLP_SM90A
 
-__device__ __forceinline__ const void* expert_vec_base(const void* b, fmlp_dtype_t t,
-                                                       int64_t stride, int e) {
-  return b ? static_cast<const char*>(b) + int64_t(e) * stride * (t == FMLP_DTYPE_F32 ? 4 : 2)
-           : nullptr;
-}
-
-// The problems point at the kernel's __grid_constant__ parameters (no copy of MoeParams).
-template <typename T, fmlp_activation_t ACT>
-struct GateUpProblem {
+// The tiles of both GEMMs: (chunk, N tile), chunk fastest. p is the kernel's __grid_constant__
+// parameter block (referenced, not copied).
+struct ChunkTiles {
   const MoeParams& p;
   int chunks, n_tiles;
   __device__ int tiles() const { return chunks * n_tiles; }
-  __device__ int k_blocks() const { return p.d / kPipeBK; }
-  __device__ SmTile tile(int t) const {
+  // Tile t when each expert owns `expert_rows` rows of B, an N tile is `width` of them and the
+  // second box starts `second` rows after the first.
+  __device__ SmTile chunk_tile(int t, int expert_rows, int width, int second) const {
     const int ci = t % chunks, nt = t / chunks;
-    const int base = p.chunk_expert[ci] * 2 * p.hidden + nt * kUnits;
-    return SmTile{p.chunk_start[ci], {base, base + p.hidden}, ci, nt};
+    const int base = p.chunk_expert[ci] * expert_rows + nt * width;
+    return SmTile{p.chunk_start[ci], {base, base + second}, ci, nt};
   }
+};
+
+template <typename T, fmlp_activation_t ACT>
+struct GateUpProblem : ChunkTiles {
+  __device__ int k_blocks() const { return p.d / kPipeBK; }
+  // The units' gate rows, then their up rows (W1 as [E x 2 hidden, d]).
+  __device__ SmTile tile(int t) const { return chunk_tile(t, 2 * p.hidden, kUnits, p.hidden); }
   __device__ void epilogue(const float (&d)[128], const SmTile& tl, int row, int col) const {
     const int len = p.chunk_len[tl.id], e = p.chunk_expert[tl.id];
-    const void* b1 = expert_vec_base(p.b1, p.b1_t, p.b1_e, e);
+    const void* b1 = fmlp::cuda::expert_vec(p.b1, p.b1_t, p.b1_e, e);
     T* h = reinterpret_cast<T*>(p.hbuf);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -105,16 +107,10 @@ struct GateUpProblem {
   }
 };
 
-struct DownProblem {
-  const MoeParams& p;
-  int chunks, n_tiles;
-  __device__ int tiles() const { return chunks * n_tiles; }
+struct DownProblem : ChunkTiles {
   __device__ int k_blocks() const { return p.hidden / kPipeBK; }
-  __device__ SmTile tile(int t) const {
-    const int ci = t % chunks, nt = t / chunks;
-    const int base = p.chunk_expert[ci] * p.d_out + nt * kPipeBN;
-    return SmTile{p.chunk_start[ci], {base, base + kPipeBN / 2}, ci, nt};
-  }
+  // 256 consecutive rows of W2 (as [E x d_out, hidden]).
+  __device__ SmTile tile(int t) const { return chunk_tile(t, p.d_out, kPipeBN, kPipeBN / 2); }
   __device__ void epilogue(const float (&d)[128], const SmTile& tl, int row, int col) const {
     const int len = p.chunk_len[tl.id];
 #pragma unroll
@@ -141,7 +137,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
                              const __grid_constant__ MoeParams p) {
 #ifdef FMLP_SM90A
   extern __shared__ unsigned char smem_raw[];
-  const GateUpProblem<T, ACT> pr{p, p.hdr->chunks, (p.hidden + kUnits - 1) / kUnits};
+  const GateUpProblem<T, ACT> pr{{p, p.hdr->chunks, (p.hidden + kUnits - 1) / kUnits}};
   gemm_sm90_pipe<T>(smem_raw, &ta, &tb, &tb, pr);
 #endif
 }
@@ -153,7 +149,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
                           const __grid_constant__ MoeParams p) {
 #ifdef FMLP_SM90A
   extern __shared__ unsigned char smem_raw[];
-  const DownProblem pr{p, p.hdr->chunks, (p.d_out + kPipeBN - 1) / kPipeBN};
+  const DownProblem pr{{p, p.hdr->chunks, (p.d_out + kPipeBN - 1) / kPipeBN}};
   gemm_sm90_pipe<T>(smem_raw, &ta, &tb, &tb, pr);
 #endif
 }

@@ -228,12 +228,36 @@ void lay_out(const MoeDesc& d, size_t out_bytes, size_t h_bytes, size_t h32_byte
   pl->total = at;
 }
 
+// The most chunks of c slots any routing can make: sum_e ceil(count_e / c) over the T * k slots.
+int64_t chunk_bound(const MoeDesc& d, int64_t c) {
+  const int64_t n = d.tokens * d.top_k;
+  return std::min(n, (n + (c - 1) * std::min<int64_t>(d.experts, n)) / c);
+}
+
+// The grouped GEMMs' plan: chunks of `chunk` slots, fp32 per-slot outputs, h [slots][hidden] in
+// the hbuf region (fp8 experts: then h in fp32) and, with gathered_x (moe_sm90_grouped), x rows in
+// chunk order after h; combine re-zeroes the whole region.
+MoePlan grouped_plan(const MoeDesc& d, int chunk, bool gathered_x) {
+  MoePlan pl;
+  const int64_t n = d.tokens * d.top_k;
+  pl.chunk = chunk;
+  pl.max_chunks = chunk_bound(d, chunk);
+  pl.slices = 1;
+  pl.partial = true;
+  const size_t h = size_t(n) * size_t(d.hidden), h_bytes = align256(h * 2);
+  const size_t xg_bytes = gathered_x ? size_t(n) * size_t(d.d) * 2 : 0;
+  lay_out(d, size_t(n) * size_t(d.d_out) * 4, h_bytes + xg_bytes,
+          d.w_dtype == FMLP_DTYPE_F8_E4M3 ? h * 4 : 0, &pl);
+  if (gathered_x) pl.xg = pl.hbuf + h_bytes;
+  return pl;
+}
+
 // The route kernel's plan (chunks of 8, unused by the streams but written) and h [slots][hidden]
 // in the experts' dtype in the hbuf region.
 MoePlan moe_plan_stream(const MoeDesc& d) {
   MoePlan pl;
-  const int64_t n = d.tokens * d.top_k, c = pl.chunk;
-  pl.max_chunks = std::min(n, (n + (c - 1) * std::min<int64_t>(d.experts, n)) / c);
+  const int64_t n = d.tokens * d.top_k;
+  pl.max_chunks = chunk_bound(d, pl.chunk);
   lay_out(d, 0, size_t(n) * size_t(d.hidden) * dtype_size(d.w_dtype), 0, &pl);
   return pl;
 }
@@ -253,7 +277,7 @@ MoePlan moe_plan(const MoeDesc& d) {
   const double per = local / hit;
   pl.chunk = per <= 8 ? 8 : per <= 16 ? 16 : per <= 32 ? 32 : 64;
   const int64_t c = pl.chunk;
-  pl.max_chunks = std::min(n, (n + (c - 1) * std::min(E, n)) / c);
+  pl.max_chunks = chunk_bound(d, c);
   pl.tiles = int((d.hidden + 15) / 16);
   // Two blocks per multiprocessor for the chunks a typical routing gives.
   const double chunks = std::clamp(std::floor(hit + 0.5 * local / double(c)), 1.0,
@@ -272,34 +296,13 @@ MoePlan moe_plan(const MoeDesc& d) {
 }
 
 MoePlan moe_plan_grouped(const MoeDesc& d) {
-  MoePlan pl;
-  const int64_t n = d.tokens * d.top_k;
   // 128-row tiles waste less of the tensor cores' time once the groups are that large.
-  pl.chunk = tokens_per_hit_expert(d) >= kGroupedWideRows ? 128 : 64;
-  const int64_t c = pl.chunk;
-  pl.max_chunks = std::min(n, (n + (c - 1) * std::min<int64_t>(d.experts, n)) / c);
-  pl.slices = 1;
-  pl.partial = true;
-  const size_t h = size_t(n) * size_t(d.hidden);
-  lay_out(d, size_t(n) * size_t(d.d_out) * 4, h * 2, d.w_dtype == FMLP_DTYPE_F8_E4M3 ? h * 4 : 0,
-          &pl);
-  return pl;
+  return grouped_plan(d, tokens_per_hit_expert(d) >= kGroupedWideRows ? 128 : 64, false);
 }
 
-// The grouped plan with 128-row chunks (the sm_90 tile) and x gathered into chunk order after h,
-// inside the hbuf region (combine re-zeroes it with h).
+// 128-row chunks: the sm_90 tile.
 MoePlan moe_plan_grouped_sm90(const MoeDesc& d) {
-  MoePlan pl;
-  const int64_t n = d.tokens * d.top_k;
-  pl.chunk = 128;
-  const int64_t c = pl.chunk;
-  pl.max_chunks = std::min(n, (n + (c - 1) * std::min<int64_t>(d.experts, n)) / c);
-  pl.slices = 1;
-  pl.partial = true;
-  const size_t h = align256(size_t(n) * size_t(d.hidden) * 2);
-  lay_out(d, size_t(n) * size_t(d.d_out) * 4, h + size_t(n) * size_t(d.d) * 2, 0, &pl);
-  pl.xg = pl.hbuf + h;
-  return pl;
+  return grouped_plan(d, 128, true);
 }
 
 void moe_routing_inputs(MoeParams* p, const fmlp_moe_args_t& a, const MoeDesc& d) {

@@ -390,9 +390,7 @@ __device__ void combine_store(const MoeParams& p, const CombineSlots& cs, int t,
     for (int j = 0; j < p.top_k; ++j)
       if (cs.eid[j] >= 0)
         v = fmaf(cs.wt[j],
-                 load_scalar(static_cast<const char*>(p.b2) +
-                                 int64_t(cs.eid[j]) * p.b2_e * (p.b2_t == FMLP_DTYPE_F32 ? 4 : 2),
-                             p.b2_t, o),
+                 load_scalar(fmlp::cuda::expert_vec(p.b2, p.b2_t, p.b2_e, cs.eid[j]), p.b2_t, o),
                  v);
   if (p.res)
     v += load_scalar(static_cast<const char*>(p.res) + int64_t(t) * p.res_ld * es, p.x_t, o);

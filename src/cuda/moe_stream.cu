@@ -57,11 +57,10 @@ using fmlp::cuda::StreamShape;
 
 static_assert(kMoeStreamMaxTopK <= kStreamWarps, "a row's k slot sums must fit one group");
 
-// Row i of a per-expert vector (b1, b2: [E, n] with expert stride es elements) of expert e.
-__device__ __forceinline__ float expert_vec(const void* v, fmlp_dtype_t t, int64_t es, int e,
-                                            int i) {
-  const size_t bytes = t == FMLP_DTYPE_F32 ? 4 : 2;
-  return load_scalar(static_cast<const char*>(v) + int64_t(e) * es * bytes, t, i);
+// Element i of expert e's row of a per-expert vector (b1, b2), 0 when the vector is absent.
+__device__ __forceinline__ float expert_elem(const void* v, fmlp_dtype_t t, int64_t stride, int e,
+                                             int i) {
+  return v ? load_scalar(fmlp::cuda::expert_vec(v, t, stride, e), t, i) : 0.f;
 }
 
 template <typename WT, typename XT>
@@ -102,9 +101,9 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   auto store_h = [&](int q, float gate, float up) {
     const int i = q / k, j = q - i * k, e = eid[j];
     if (e < 0) return;
-    float h = gate + (p.b1 ? expert_vec(p.b1, p.b1_t, p.b1_e, e, i) : 0.f);
+    float h = gate + expert_elem(p.b1, p.b1_t, p.b1_e, e, i);
     h = activate(p.act, h);
-    if (gated) h *= up + (p.b1 ? expert_vec(p.b1, p.b1_t, p.b1_e, e, p.hidden + i) : 0.f);
+    if (gated) h *= up + expert_elem(p.b1, p.b1_t, p.b1_e, e, p.hidden + i);
     hb[int64_t(t * k + j) * p.hidden + i] = from_f<WT>(h);
   };
   if (gated) {
@@ -162,7 +161,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
     for (int j = 0; j < KP; ++j) {
       const int e = eid[j];
       if (e < 0) continue;
-      const float o = sum[j] + (p.b2 ? expert_vec(p.b2, p.b2_t, p.b2_e, e, r) : 0.f);
+      const float o = sum[j] + expert_elem(p.b2, p.b2_t, p.b2_e, e, r);
       acc = fmaf(wt[j], o, acc);
     }
     if (p.res)
