@@ -26,6 +26,7 @@ using fmlp::cuda::kStreamWarps;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::store_scalar;
 using fmlp::cuda::stream_begin;
+using fmlp::cuda::stream_dispatch_u;
 using fmlp::cuda::stream_grid;
 using fmlp::cuda::stream_pick_loads;
 using fmlp::cuda::stream_resident_blocks;
@@ -161,8 +162,8 @@ fmlp_status_t launch(const StreamParams& p, size_t smem, int device, cudaStream_
 
 template <typename WT, typename XT, int MT>
 fmlp_status_t dispatch_u(const StreamParams& p, size_t smem, int device, cudaStream_t s) {
-  return p.s.u == 3 ? launch<WT, XT, MT, 3>(p, smem, device, s)
-                    : launch<WT, XT, MT, 4>(p, smem, device, s);
+  return stream_dispatch_u(
+      p.s, [&](auto u) { return launch<WT, XT, MT, decltype(u)::value>(p, smem, device, s); });
 }
 
 template <typename WT, typename XT>
@@ -232,13 +233,14 @@ fmlp_status_t linear_stream_run(const fmlp_linear_args_t& a, const LinearDesc& d
   const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
   StreamParams p{};
   static_cast<LinearOperands&>(p) = linear_operands(a, d);
+  const int64_t w_bytes = d.n * d.k * (fp8 ? 1 : 2);
   p.s = stream_shape(d.n, d.k, fp8 ? 1 : 2);
-  stream_pick_loads(p.s, d.n * d.k * (fp8 ? 1 : 2));
-  const int mt = token_tile(d.m);
+  stream_pick_loads(p.s, w_bytes);
   // Each block's first group into L2 while the previous kernel drains, where W outgrows the L2
   // (mlp_decode_stream.cu measured prefetching to hurt where most of the matrix fits it).
-  p.prefetch_groups = d.n * d.k * (fp8 ? 1 : 2) > cuda_l2_bytes(d.device_id) ? 1 : 0;
+  p.prefetch_groups = w_bytes > cuda_l2_bytes(d.device_id) ? 1 : 0;
   if (p.s.groups == 0) return FMLP_SUCCESS;  // N = 0: nothing to write
+  const int mt = token_tile(d.m);
   const size_t smem = smem_bytes(d, mt);
   const DeviceScope scope(d.device_id);
   if (scope.status() != FMLP_SUCCESS) return scope.status();

@@ -47,6 +47,7 @@ using fmlp::cuda::pdl_allow_next_grid;
 using fmlp::cuda::pdl_wait_previous_grid;
 using fmlp::cuda::store_scalar;
 using fmlp::cuda::stream_begin;
+using fmlp::cuda::stream_dispatch_u;
 using fmlp::cuda::stream_load;
 using fmlp::cuda::stream_pick_loads;
 using fmlp::cuda::stream_resident_blocks;
@@ -210,9 +211,10 @@ fmlp_status_t launch_up(const MoeParams& p, const StreamShape& s, const Where& w
 
 template <typename WT, int KP>
 fmlp_status_t launch_down(const MoeParams& p, const StreamShape& s, const Where& w) {
-  return s.u == 3
-             ? launch_rows<&moe_sm80_stream_down<WT, KP, 3>>(p, s, 0, w, "moe_sm80_stream_down")
-             : launch_rows<&moe_sm80_stream_down<WT, KP, 4>>(p, s, 0, w, "moe_sm80_stream_down");
+  return stream_dispatch_u(s, [&](auto u) {
+    return launch_rows<&moe_sm80_stream_down<WT, KP, decltype(u)::value>>(p, s, 0, w,
+                                                                          "moe_sm80_stream_down");
+  });
 }
 
 template <typename WT>

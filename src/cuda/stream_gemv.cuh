@@ -129,6 +129,14 @@ inline void stream_pick_loads(StreamShape& s, int64_t stream_bytes) {
   s.batches = batches(s.u);
 }
 
+// launch(std::integral_constant<int, U>{}) for the shape's U: the one place that maps the picked
+// loads per lane to a kernel instantiation.
+template <typename Launch>
+auto stream_dispatch_u(const StreamShape& s, Launch launch) {
+  return s.u == 3 ? launch(std::integral_constant<int, 3>{})
+                  : launch(std::integral_constant<int, 4>{});
+}
+
 // Blocks of KERNEL (kStreamThreads threads, `smem` dynamic bytes) resident on `device` at once:
 // the stream kernels' grid.
 template <typename KERNEL>
