@@ -71,6 +71,8 @@ struct MoeCase {
                     // 4 expert i gets exactly slots[i] of the t*k slots (given ids, shuffled)
   std::vector<int64_t> slots;  // routing 4: sums to t*k
   bool fp8_rows = true;        // wt == F8_E4M3: scales [E, rows] (per row) or [E] (per expert)
+  int64_t expert_pad = 0;  // 16-bit experts: W1 and W2 keep this many unused (random) rows after
+                           // each expert, so the experts are not one matrix each
   std::string name() const {
     return "T=" + std::to_string(t) + " d=" + std::to_string(d) + " h=" + std::to_string(hidden) +
            " d_out=" + std::to_string(d_out) + " E=" + std::to_string(e) +
@@ -81,7 +83,8 @@ struct MoeCase {
            (residual ? " residual=" + std::to_string(residual) : "") + (b1 ? " b1" : "") +
            (b2 ? " b2" : "") + (rb ? " router_b" : "") + (deterministic ? "" : " nondet") +
            (round ? " round-logits" : "") +
-           (wt == FMLP_DTYPE_F8_E4M3 ? (fp8_rows ? " row-scales" : " expert-scales") : "");
+           (wt == FMLP_DTYPE_F8_E4M3 ? (fp8_rows ? " row-scales" : " expert-scales") : "") +
+           (expert_pad ? " expert-pad=" + std::to_string(expert_pad) : "");
   }
 };
 
@@ -107,8 +110,14 @@ inline void make(const MoeCase& c, uint64_t seed, MoeData* m) {
   // fp8 experts: random fp32 weights quantised expert by expert with the library's quantiser.
   const auto weights = [&](HostTensor* w, HostTensor* s, int64_t rows, int64_t cols) {
     const double sd = 1.0 / std::sqrt(double(cols));
+    if (c.wt != FMLP_DTYPE_F8_E4M3) {
+      *w = HostTensor(c.wt, {c.e, rows + c.expert_pad, cols});
+      fill(*w, rng, sd);
+      w->view.shape[1] = rows;  // the expert stride keeps the padding rows
+      return;
+    }
+    EXPECT_EQ(c.expert_pad, 0) << "expert_pad is for 16-bit experts";
     *w = HostTensor(c.wt, {c.e, rows, cols});
-    if (c.wt != FMLP_DTYPE_F8_E4M3) return fill(*w, rng, sd);
     HostTensor f(FMLP_DTYPE_F32, {c.e, rows, cols});
     fill(f, rng, sd);
     *s = c.fp8_rows ? HostTensor(FMLP_DTYPE_F32, {c.e, rows}) : HostTensor(FMLP_DTYPE_F32, {c.e});
@@ -270,7 +279,8 @@ inline void reference(const MoeCase& c, const MoeData& m, const std::vector<doub
         double acc = c.b1 ? m.b1.get(e * rows1 + r) : 0.0, l2 = acc * acc;
         const double s1 = scale_of(m.s1, rows1, r);
         for (int64_t i = 0; i < c.d; ++i) {
-          const double p = m.w1.get((e * rows1 + r) * c.d + i) * s1 * m.x.get(t * c.d + i);
+          const double p =
+              m.w1.get(e * m.w1.view.stride[0] + r * c.d + i) * s1 * m.x.get(t * c.d + i);
           acc += p, l2 += p * p;
         }
         *mag = std::sqrt(l2);
@@ -288,7 +298,7 @@ inline void reference(const MoeCase& c, const MoeData& m, const std::vector<doub
         double acc = c.b2 ? m.b2.get(e * c.d_out + o) : 0.0, l2 = acc * acc;
         const double s2 = scale_of(m.s2, c.d_out, o);
         for (int64_t i = 0; i < c.hidden; ++i) {
-          const double wv = m.w2.get((e * c.d_out + o) * c.hidden + i) * s2;
+          const double wv = m.w2.get(e * m.w2.view.stride[0] + o * c.hidden + i) * s2;
           acc += wv * h[size_t(i)];
           l2 += wv * hmag[size_t(i)] * wv * hmag[size_t(i)];
         }

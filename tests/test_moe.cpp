@@ -82,6 +82,12 @@ std::vector<MoeCase> cases() {
     c.sigmoid = true, c.renorm = renorm, c.gated = true, c.rb = FMLP_DTYPE_F32;
     v.push_back(c);
   }
+  for (bool gated : {false, true}) {  // unused rows between the experts (expert stride > rows)
+    MoeCase c;
+    c.t = 12, c.e = 4, c.k = 2, c.d = 40, c.hidden = 24, c.d_out = 19, c.expert_pad = 5;
+    c.gated = gated, c.wt = gated ? FMLP_DTYPE_BF16 : FMLP_DTYPE_F32, c.b1 = FMLP_DTYPE_F32;
+    v.push_back(c);
+  }
   for (bool rows : {true, false})  // fp8 experts: scales per row and per expert
     for (bool gated : {false, true}) {
       MoeCase c;
@@ -327,6 +333,14 @@ std::vector<MoeCase> grouped_cases() {
   c = mk(100, 2, 1, 64, 128, 8, bf, false, FMLP_ACT_GELU);
   c.sigmoid = true, c.renorm = false;
   v.push_back(c);
+  // Few chunks, hidden 2048 (long k loops), a partial N tile in the down GEMM, non-deterministic.
+  c = mk(96, 4, 2, 128, 2048, 264, bf, true, FMLP_ACT_SILU);
+  c.b2 = bf, c.deterministic = false;
+  v.push_back(c);
+  // Experts with padding rows between them: not one matrix each (moe_sm90_grouped falls back).
+  c = mk(64, 4, 2, 128, 192, 136, f16, true, FMLP_ACT_SILU);
+  c.expert_pad = 3, c.b1 = f16;
+  v.push_back(c);
   return v;
 }
 
@@ -489,11 +503,13 @@ TEST(MoeCuda, DeviceIdsOutOfRangeGiveNanRowsAndACount) {
   c.xt = c.wt = FMLP_DTYPE_BF16, c.residual = 1;
   MoeCase many = c;  // 32 tokens per expert: the grouped GEMMs
   many.t = 128, many.hidden = 64;
+  MoeCase many_gated = many;  // ... and moe_sm90_grouped
+  many_gated.gated = true;
   MoeCase fp8 = c, fp8_many = many;
   fp8.wt = fp8_many.wt = FMLP_DTYPE_F8_E4M3, fp8.hidden = 80;
   DeviceRun bad;
   bad.bad_ids = {{1 * 2 + 1, 8}, {3 * 2 + 0, -1}, {3 * 2 + 1, 1 << 30}};
-  each_entry({c, many, fp8, fp8_many}, [&](const char* kernel, const MoeCase& cc, int) {
+  each_entry({c, many, many_gated, fp8, fp8_many}, [&](const char* kernel, const MoeCase& cc, int) {
     return run_device(cc, kernel, 9, bad);
   });
 }
