@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -42,7 +43,32 @@ constexpr int kMaxTokens = 4;
 struct StreamParams : LinearOperands {
   StreamShape s;
   int prefetch_groups;  // groups per block requested into L2 before the previous grid is done
+  bool x_direct;        // one token read in place (x_direct)
 };
+
+// One token whose row is 16-byte aligned is read in place through L1 (every block reads the same
+// lines), instead of being staged in each block's shared memory, where staging costs more than
+// it saves: x of at least 4 KiB and a block's share of W at most 4x x's bytes (few rows per
+// block, long rows). Measured on an H200 (M = 1 bf16, one session, staged -> in place, us):
+// 1024 x 4096 4.13 -> 3.74, 768 <- 3072 2.96 -> 2.59, 896 <- 4864 5.75 -> 4.91, 1024 x 8192
+// 6.98 -> 6.38; where each block has many rows in place is slower (4096 x 4096 10.2 -> 11.4,
+// the K = 768 lm head 22.9 -> 25.0: the inner loop's x reads from L1 cost more than from
+// shared memory) and on the 14336-column downs it changed nothing (32.7 -> 32.4).
+// FMLP_STREAM_XDIRECT=0|1 forces staging / in place (where allowed) for measurements.
+bool x_direct(const LinearDesc& d, const void* x, const StreamShape& s) {
+  static const int env = [] {
+    const char* e = std::getenv("FMLP_STREAM_XDIRECT");
+    return e ? std::atoi(e) : -1;
+  }();
+  if (env == 0 || d.m != 1 || d.w_dtype == FMLP_DTYPE_F8_E4M3 ||
+      reinterpret_cast<uintptr_t>(x) % 16 != 0)
+    return false;
+  if (env == 1) return true;
+  const int64_t x_bytes = d.k * int64_t(dtype_size(d.act_dtype));
+  const int64_t blocks = std::min<int64_t>(s.groups, int64_t(4) * cuda_sm_count(d.device_id));
+  const int64_t w_per_block = d.n * d.k * 2 / std::max<int64_t>(1, blocks);
+  return x_bytes >= 4096 && w_per_block <= 4 * x_bytes;
+}
 
 // Stages x rows [0, MT) (zeros past M) in x's own dtype (16-bit weights).
 template <typename XT, int MT>
@@ -109,9 +135,11 @@ __device__ void stage_x_f16(const StreamParams& p, __half* xs, float* inv, unsig
   }
 }
 
-template <typename WT, typename XT, int MT, int U>
+// XDIRECT: x is read in place through L1 rather than staged (x_direct above says when and why).
+template <typename WT, typename XT, int MT, int U, bool XDIRECT>
 __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const StreamParams p) {
   constexpr bool kFp8 = std::is_same_v<WT, StreamFp8>;
+  static_assert(!(XDIRECT && kFp8), "fp8 weights need x staged as scaled fp16");
   using XS = std::conditional_t<kFp8, __half, XT>;  // staged x
   extern __shared__ uint4 smem_v[];
   XS* xs = reinterpret_cast<XS*>(smem_v);  // [MT][k]
@@ -123,11 +151,16 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
   auto row_ptr = [&](int row) { return static_cast<const WT*>(p.w) + int64_t(row) * p.w_ld; };
   uint4 cur[U];
   stream_begin<WT>(cur, p.s, sp, row_ptr, p.prefetch_groups);  // in flight while x is staged
-  if constexpr (kFp8)
-    stage_x_f16<MT>(p, xs, inv, amax);
-  else
-    stage_x<XT, MT>(p, xs);
-  __syncthreads();
+  const XS* xrun = xs;
+  if constexpr (XDIRECT) {
+    xrun = static_cast<const XS*>(p.x);
+  } else {
+    if constexpr (kFp8)
+      stage_x_f16<MT>(p, xs, inv, amax);
+    else
+      stage_x<XT, MT>(p, xs);
+    __syncthreads();
+  }
   auto finish = [&](int row, int t, const float(&sum)[1]) {
     if (t >= p.m) return;
     float v = sum[0];
@@ -136,7 +169,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
     const int64_t es = p.y_t == FMLP_DTYPE_F32 ? 4 : 2;
     store_scalar(static_cast<char*>(p.y) + int64_t(t) * p.y_ld * es, p.y_t, row, v);
   };
-  stream_run<WT, XS, MT>(p.s, sp, xs, row_ptr, finish, cur, red);
+  stream_run<WT, XS, MT>(p.s, sp, xrun, row_ptr, finish, cur, red);
 }
 
 size_t smem_bytes(const LinearDesc& d, int mt) {
@@ -148,9 +181,9 @@ int token_tile(int64_t m) {
   return m <= 1 ? 1 : m <= 2 ? 2 : 4;
 }
 
-template <typename WT, typename XT, int MT, int U>
+template <typename WT, typename XT, int MT, int U, bool XDIRECT>
 fmlp_status_t launch(const StreamParams& p, size_t smem, int device, cudaStream_t s) {
-  constexpr auto kernel = &linear_sm80_stream<WT, XT, MT, U>;
+  constexpr auto kernel = &linear_sm80_stream<WT, XT, MT, U, XDIRECT>;
   if (const fmlp_status_t st = allow_dynamic_smem<kernel>(smem, "linear_sm80_stream");
       st != FMLP_SUCCESS)
     return st;
@@ -162,8 +195,15 @@ fmlp_status_t launch(const StreamParams& p, size_t smem, int device, cudaStream_
 
 template <typename WT, typename XT, int MT>
 fmlp_status_t dispatch_u(const StreamParams& p, size_t smem, int device, cudaStream_t s) {
-  return stream_dispatch_u(
-      p.s, [&](auto u) { return launch<WT, XT, MT, decltype(u)::value>(p, smem, device, s); });
+  if constexpr (MT == 1 && !std::is_same_v<WT, StreamFp8>) {
+    if (p.x_direct)
+      return stream_dispatch_u(p.s, [&](auto u) {
+        return launch<WT, XT, 1, decltype(u)::value, true>(p, 0, device, s);
+      });
+  }
+  return stream_dispatch_u(p.s, [&](auto u) {
+    return launch<WT, XT, MT, decltype(u)::value, false>(p, smem, device, s);
+  });
 }
 
 template <typename WT, typename XT>
@@ -239,6 +279,7 @@ fmlp_status_t linear_stream_run(const fmlp_linear_args_t& a, const LinearDesc& d
   // Each block's first group into L2 while the previous kernel drains, where W outgrows the L2
   // (mlp_decode_stream.cu measured prefetching to hurt where most of the matrix fits it).
   p.prefetch_groups = w_bytes > cuda_l2_bytes(d.device_id) ? 1 : 0;
+  p.x_direct = x_direct(d, a.x.data, p.s);
   if (p.s.groups == 0) return FMLP_SUCCESS;  // N = 0: nothing to write
   const int mt = token_tile(d.m);
   const size_t smem = smem_bytes(d, mt);
