@@ -2,7 +2,8 @@
 // weights, as one memory-order stream over W (stream_gemv.cuh says why and how).
 //   - x is staged once per block: in its own dtype for 16-bit weights; for fp8 weights as fp16
 //     times a power of two per token (stream_gemv.cuh), undone with the per-row or per-tensor
-//     scale in the epilogue,
+//     scale in the epilogue; one token of 16-bit-weight streams with few rows per block is read
+//     in place instead (x_direct),
 //   - the epilogue adds the bias and converts; no workspace, deterministic.
 #include <cuda_runtime.h>
 
