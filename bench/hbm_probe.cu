@@ -11,6 +11,13 @@
 // size (fixed launch and ramp costs included), next to the copy-bandwidth floor the benchmarks
 // divide by. usage: fusedmlp_hbm_probe [--json FILE] [--reps N] [--variant NAME] [--mb SIZE]
 // (--variant / --mb: that variant / size alone, e.g. under a profiler).
+//
+// --matrices NxK,... reads [N, K] bf16 matrices in the weight streams' own order instead
+// (stream_gemv.cuh: stream_shape, stream_load, the resident grid of stream_grid), with nothing
+// else: no x, no arithmetic but an xor, optionally the per-group __syncthreads, at 1, 2, 4 and 8
+// rows per group. It separates what the access order costs from what the kernels add: the
+// 4096 x 14336 downs stream at 84 % of copy where 14336 x 4096 runs at 92 % with the same kernel
+// (docs/linear-softmax.md, sessions 16-17).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -22,6 +29,7 @@
 
 #include "bench_common.hpp"
 #include "cuda/common.cuh"
+#include "cuda/stream_gemv.cuh"
 
 namespace {
 
@@ -117,6 +125,64 @@ __global__ void probe_bulk(unsigned* sink, const char* p, size_t bytes, int c, i
 #endif
 }
 
+// The weight stream's loop with the arithmetic taken out: group blockIdx.x, then every gridDim.x;
+// each warp's part of its row in batches of U loads per lane, the next batch requested before the
+// current one is used (as stream_run_rows does); SYNC: a __syncthreads per group, where the
+// stream reduces the group's rows.
+template <int U, bool SYNC>
+__global__ void __launch_bounds__(fmlp::cuda::kStreamThreads, 4)
+    probe_rows(unsigned* sink, const __nv_bfloat16* w, const fmlp::cuda::StreamShape s) {
+  using fmlp::cuda::stream_load;
+  if (int(blockIdx.x) >= s.groups) return;
+  const auto sp = fmlp::cuda::stream_span<__nv_bfloat16>(s);
+  auto row_ptr = [&](int row) { return w + int64_t(row) * s.k; };
+  uint4 cur[U];
+  stream_load<__nv_bfloat16>(cur, s, sp, row_ptr, blockIdx.x, 0);
+  unsigned acc = 0;
+  for (int g = blockIdx.x; g < s.groups; g += gridDim.x) {
+    for (int b = 0; b < s.batches; ++b) {
+      const bool last = b + 1 == s.batches;
+      const int gn = last ? g + int(gridDim.x) : g, bn = last ? 0 : b + 1;
+      uint4 nxt[U];
+      if (gn < s.groups) stream_load<__nv_bfloat16>(nxt, s, sp, row_ptr, gn, bn);
+#pragma unroll
+      for (int u = 0; u < U; ++u) acc ^= cur[u].x ^ cur[u].y ^ cur[u].z ^ cur[u].w, cur[u] = nxt[u];
+    }
+    if constexpr (SYNC) __syncthreads();
+  }
+  if (acc == 0x9e3779b9u) sink[blockIdx.x] = acc;
+}
+
+// One [n, k] bf16 matrix read by probe_rows at `rows` rows per group (0: stream_shape's choice).
+struct MatrixRun {
+  int64_t n, k;
+  int rows;
+  bool sync;
+};
+
+fmlp::cuda::StreamShape matrix_shape(const MatrixRun& m) {
+  fmlp::cuda::StreamShape s = fmlp::cuda::stream_shape(m.n, m.k, 2, m.rows ? m.rows : 1);
+  if (m.rows && s.rows != m.rows) {  // stream_shape grows rows to fill a group; force them
+    s.rows = m.rows;
+    s.wpr = fmlp::cuda::kStreamWarps / m.rows;
+    s.cpw = int((m.k / 8 + s.wpr - 1) / s.wpr);
+    s.batches = (s.cpw + 32 * s.u - 1) / (32 * s.u);
+    s.groups = int((m.n + m.rows - 1) / m.rows);
+  }
+  return s;
+}
+
+void launch_rows(const MatrixRun& m, int sms, unsigned* sink, const void* p, cudaStream_t st) {
+  const fmlp::cuda::StreamShape s = matrix_shape(m);
+  auto kernel = m.sync ? probe_rows<4, true> : probe_rows<4, false>;
+  int per_sm = 1;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, fmlp::cuda::kStreamThreads, 0));
+  const int grid = fmlp::cuda::stream_grid(s.groups, per_sm * sms);
+  kernel<<<unsigned(grid), unsigned(fmlp::cuda::kStreamThreads), 0, st>>>(
+      sink, static_cast<const __nv_bfloat16*>(p), s);
+  CK(cudaGetLastError());
+}
+
 __global__ void probe_empty(unsigned* sink) {
   if (sink == nullptr) sink[threadIdx.x] = 0;
 }
@@ -165,7 +231,7 @@ void launch(const Variant& v, int sms, unsigned* sink, const void* p, size_t byt
 
 int main(int argc, char** argv) {
   std::string json = "hbm_probe.json";
-  std::string only_variant;
+  std::string only_variant, matrices;
   double only_mb = 0;
   int reps = 30;
   for (int i = 1; i < argc; ++i) {
@@ -178,6 +244,22 @@ int main(int argc, char** argv) {
       only_mb = std::atof(argv[++i]);
     else if (a == "--reps" && i + 1 < argc)
       reps = std::atoi(argv[++i]);
+    else if (a == "--matrices" && i + 1 < argc)
+      matrices = argv[++i];
+  }
+  std::vector<MatrixRun> runs;
+  for (size_t pos = 0; pos < matrices.size();) {
+    const size_t end = std::min(matrices.find(',', pos), matrices.size());
+    long long n = 0, k = 0;
+    if (std::sscanf(matrices.substr(pos, end - pos).c_str(), "%lldx%lld", &n, &k) != 2 || n < 1 ||
+        k < 8 || k % 8 != 0) {
+      std::fprintf(stderr, "--matrices: '%s' is not NxK with K a multiple of 8\n",
+                   matrices.substr(pos, end - pos).c_str());
+      return 2;
+    }
+    for (int rows : {0, 1, 2, 4, 8})
+      for (bool sync : {true, false}) runs.push_back({n, k, rows, sync});
+    pos = end + 1;
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -199,8 +281,10 @@ int main(int argc, char** argv) {
   };
   std::vector<double> mbs = {1, 2, 4, 8, 9.4, 16, 33.5, 58.7, 117.4, 235};
   if (only_mb > 0) mbs = {only_mb};
+  double max_mb = std::max(235.0, only_mb);
+  for (const MatrixRun& m : runs) max_mb = std::max(max_mb, double(m.n * m.k * 2) * 1e-6);
   // One pool, rotated: the largest buffer, or > 3x L2 worth of the smaller ones.
-  const size_t pool_bytes = std::max<size_t>(size_t(std::max(235.0, only_mb) * 1e6) + 4096, 4 * l2);
+  const size_t pool_bytes = std::max<size_t>(size_t(max_mb * 1e6) + 4096, 4 * l2);
   void* pool;
   CK(cudaMalloc(&pool, pool_bytes));
   {
@@ -213,44 +297,70 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&sink, 1 << 20));
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  // Microseconds per call of issue(buffer) over `bytes`-sized buffers rotated through the pool.
+  auto time_us = [&](size_t bytes, auto&& issue) {
+    const int copies = int(
+        std::max<size_t>(1, std::min<size_t>(pool_bytes / bytes, (4 * l2 + bytes - 1) / bytes)));
+    cudaGraph_t g;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    const int calls = std::max(copies, 8);
+    for (int c = 0; c < calls; ++c) issue(static_cast<char*>(pool) + size_t(c % copies) * bytes);
+    CK(cudaStreamEndCapture(st, &g));
+    cudaGraphExec_t ge;
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    const double us = graph_us_per_call(ge, st, calls, reps);
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    return us;
+  };
   FILE* f = std::fopen(json.c_str(), "w");
   if (!f) return 1;
   std::fprintf(f, "{\"gpu\": \"%s\", \"sms\": %d, \"copy_TBps\": %.4f, \"rows\": [\n", prop.name,
                sms, bw * 1e-12);
   bool first_row = true;
-  std::printf("%-18s", "MB ->");
-  for (double mb : mbs) std::printf(" %8.1f", mb);
-  std::printf("   (us per call; copy floor below)\n%-18s", "copy floor");
-  for (double mb : mbs) std::printf(" %8.2f", mb * 1e6 / bw * 1e6);
-  std::printf("\n");
-  for (const Variant& v : variants) {
-    if (!only_variant.empty() && v.name != only_variant) continue;
-    std::printf("%-18s", v.name.c_str());
-    for (double mb : mbs) {
-      const size_t bytes = (size_t(mb * 1e6) + 255) / 256 * 256;
-      const int copies = int(
-          std::max<size_t>(1, std::min<size_t>(pool_bytes / bytes, (4 * l2 + bytes - 1) / bytes)));
-      cudaGraph_t g;
-      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-      const int calls = std::max(copies, 8);
-      for (int c = 0; c < calls; ++c)
-        launch(v, sms, sink, static_cast<char*>(pool) + size_t(c % copies) * bytes, bytes, st);
-      CK(cudaStreamEndCapture(st, &g));
-      cudaGraphExec_t ge;
-      CK(cudaGraphInstantiate(&ge, g, 0));
-      const double us = graph_us_per_call(ge, st, calls, reps);
-      CK(cudaGraphExecDestroy(ge));
-      CK(cudaGraphDestroy(g));
-      std::printf(" %8.2f", us);
-      const double floor_us = double(bytes) / bw * 1e6;
+  if (!runs.empty()) {  // the weight streams' order over whole matrices
+    std::printf("%-14s %5s %4s %5s %6s %7s %9s %7s\n", "matrix", "rows", "wpr", "cpw", "groups",
+                "sync", "us", "% copy");
+    for (const MatrixRun& m : runs) {
+      const fmlp::cuda::StreamShape s = matrix_shape(m);
+      const size_t bytes = size_t(m.n * m.k * 2);
+      const double us = time_us(bytes, [&](const void* p) { launch_rows(m, sms, sink, p, st); });
+      const double pct = 100.0 * double(bytes) / bw / (us * 1e-6);
+      const std::string name = std::to_string(m.n) + "x" + std::to_string(m.k);
+      std::printf("%-14s %4d%s %4d %5d %6d %7s %9.2f %6.1f%%\n", name.c_str(), s.rows,
+                  m.rows ? " " : "*", s.wpr, s.cpw, s.groups, m.sync ? "yes" : "no", us, pct);
       std::fprintf(f,
-                   "%s  {\"variant\": \"%s\", \"MB\": %.1f, \"us\": %.3f, \"GBps\": %.1f, "
-                   "\"pct_of_copy\": %.1f}",
-                   first_row ? "" : ",\n", v.name.c_str(), mb, us, double(bytes) / us * 1e-3,
-                   100.0 * floor_us / us);
+                   "%s  {\"matrix\": \"%s\", \"rows\": %d, \"stream_choice\": %s, \"sync\": %s, "
+                   "\"us\": %.3f, \"pct_of_copy\": %.1f}",
+                   first_row ? "" : ",\n", name.c_str(), s.rows, m.rows ? "false" : "true",
+                   m.sync ? "true" : "false", us, pct);
       first_row = false;
     }
+    std::printf("(* = the rows per group stream_shape picks)\n");
+  } else {
+    std::printf("%-18s", "MB ->");
+    for (double mb : mbs) std::printf(" %8.1f", mb);
+    std::printf("   (us per call; copy floor below)\n%-18s", "copy floor");
+    for (double mb : mbs) std::printf(" %8.2f", mb * 1e6 / bw * 1e6);
     std::printf("\n");
+    for (const Variant& v : variants) {
+      if (!only_variant.empty() && v.name != only_variant) continue;
+      std::printf("%-18s", v.name.c_str());
+      for (double mb : mbs) {
+        const size_t bytes = (size_t(mb * 1e6) + 255) / 256 * 256;
+        const double us =
+            time_us(bytes, [&](const void* p) { launch(v, sms, sink, p, bytes, st); });
+        std::printf(" %8.2f", us);
+        const double floor_us = double(bytes) / bw * 1e6;
+        std::fprintf(f,
+                     "%s  {\"variant\": \"%s\", \"MB\": %.1f, \"us\": %.3f, \"GBps\": %.1f, "
+                     "\"pct_of_copy\": %.1f}",
+                     first_row ? "" : ",\n", v.name.c_str(), mb, us, double(bytes) / us * 1e-3,
+                     100.0 * floor_us / us);
+        first_row = false;
+      }
+      std::printf("\n");
+    }
   }
   std::fprintf(f, "\n]}\n");
   std::fclose(f);
