@@ -97,7 +97,7 @@ class Buffer {
 #endif
       return;
     }
-    std::memset(data_, value, bytes_);
+    if (bytes_) std::memset(data_, value, bytes_);
   }
   // Replaces the whole content with `host` (exactly size() bytes).
   void upload(const std::vector<unsigned char>& host) {
@@ -112,7 +112,7 @@ class Buffer {
 #endif
       return;
     }
-    std::memcpy(data_, host.data(), bytes_);
+    if (bytes_) std::memcpy(data_, host.data(), bytes_);  // an empty vector's data() may be null
   }
   // The whole content; synchronises with the device first (kernels run asynchronously).
   std::vector<unsigned char> download() const {
@@ -124,7 +124,7 @@ class Buffer {
 #endif
       return host;
     }
-    std::memcpy(host.data(), data_, bytes_);
+    if (bytes_) std::memcpy(host.data(), data_, bytes_);
     return host;
   }
 

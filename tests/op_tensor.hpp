@@ -33,7 +33,7 @@ class PlacedTensor {
   }
   void upload(const HostMatrix& m) {
     std::vector<unsigned char> host(buf_.size(), 0xFF);
-    for (int64_t r = 0; r < rows_; ++r)
+    for (int64_t r = 0; r < rows_ && cols_ > 0; ++r)  // no memcpy from an empty vector's null
       std::memcpy(host.data() + (off_ + r * ld_) * es_, m.bytes.data() + r * cols_ * es_,
                   size_t(cols_ * es_));
     buf_.upload(host);

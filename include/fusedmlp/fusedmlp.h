@@ -49,7 +49,8 @@ typedef enum fmlp_status_t {
   FMLP_ERROR_BAD_SCALE = 15, /* fp8 scale missing, of wrong length, or not finite/positive */
   FMLP_ERROR_INDEX_OUT_OF_RANGE = 16, /* e.g. expert id outside [0, num_experts) */
   FMLP_ERROR_CORRUPT_FILE = 17,       /* a cache file failed to parse */
-  FMLP_ERROR_INTERNAL = 18
+  FMLP_ERROR_INTERNAL = 18,
+  FMLP_STATUS_MAX_ENUM = 0x7fffffff /* not a value (see FMLP_DTYPE_MAX_ENUM) */
 } fmlp_status_t;
 
 typedef enum fmlp_dtype_t {
@@ -57,29 +58,40 @@ typedef enum fmlp_dtype_t {
   FMLP_DTYPE_F32 = 1,
   FMLP_DTYPE_F16 = 2,
   FMLP_DTYPE_BF16 = 3,
-  FMLP_DTYPE_F8_E4M3 = 4 /* float8_e4m3fn with fp32 scales: weights, and linear's x (W8A8) */
+  FMLP_DTYPE_F8_E4M3 = 4, /* float8_e4m3fn with fp32 scales: weights, and linear's x (W8A8) */
+  /* Not a value. Like the other *_MAX_ENUM it widens the type's range to every non-negative int,
+   * so that an out-of-range value from C (e.g. 42) is valid to read in C++ and is rejected with
+   * FMLP_ERROR_INVALID_VALUE, instead of being undefined behaviour. */
+  FMLP_DTYPE_MAX_ENUM = 0x7fffffff
 } fmlp_dtype_t;
 
-typedef enum fmlp_device_type_t { FMLP_DEVICE_CPU = 0, FMLP_DEVICE_CUDA = 1 } fmlp_device_type_t;
+typedef enum fmlp_device_type_t {
+  FMLP_DEVICE_CPU = 0,
+  FMLP_DEVICE_CUDA = 1,
+  FMLP_DEVICE_MAX_ENUM = 0x7fffffff /* not a value (see FMLP_DTYPE_MAX_ENUM) */
+} fmlp_device_type_t;
 
 typedef enum fmlp_backend_t {
   FMLP_BACKEND_AUTO = 0, /* cuda for device tensors, else cpu when the ISA is there, else ref */
   FMLP_BACKEND_REF = 1,  /* scalar fp64-accumulating oracle (host memory) */
   FMLP_BACKEND_CPU = 2,  /* AVX2/FMA/F16C, multithreaded (host memory) */
-  FMLP_BACKEND_CUDA = 3  /* NVIDIA GPUs (device memory) */
+  FMLP_BACKEND_CUDA = 3, /* NVIDIA GPUs (device memory) */
+  FMLP_BACKEND_MAX_ENUM = 0x7fffffff /* not a value (see FMLP_DTYPE_MAX_ENUM) */
 } fmlp_backend_t;
 
 typedef enum fmlp_activation_t {
   FMLP_ACT_RELU = 0,
-  FMLP_ACT_GELU = 1,      /* 0.5 x (1 + erf(x / sqrt 2)) */
-  FMLP_ACT_GELU_TANH = 2, /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
-  FMLP_ACT_SILU = 3       /* x / (1 + exp(-x)) */
+  FMLP_ACT_GELU = 1,             /* 0.5 x (1 + erf(x / sqrt 2)) */
+  FMLP_ACT_GELU_TANH = 2,        /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+  FMLP_ACT_SILU = 3,             /* x / (1 + exp(-x)) */
+  FMLP_ACT_MAX_ENUM = 0x7fffffff /* not a value (see FMLP_DTYPE_MAX_ENUM) */
 } fmlp_activation_t;
 
 typedef enum fmlp_norm_t {
   FMLP_NORM_NONE = 0,
-  FMLP_NORM_LAYERNORM = 1, /* (x - mean) / sqrt(var + eps) * gamma + beta, biased variance */
-  FMLP_NORM_RMSNORM = 2    /* x / sqrt(mean(x^2) + eps) * gamma */
+  FMLP_NORM_LAYERNORM = 1,        /* (x - mean) / sqrt(var + eps) * gamma + beta, biased variance */
+  FMLP_NORM_RMSNORM = 2,          /* x / sqrt(mean(x^2) + eps) * gamma */
+  FMLP_NORM_MAX_ENUM = 0x7fffffff /* not a value (see FMLP_DTYPE_MAX_ENUM) */
 } fmlp_norm_t;
 
 /* A strided view of memory. Absent optional tensors are all-zero (data NULL, ndim 0); use
@@ -341,7 +353,8 @@ FMLP_API fmlp_status_t fmlp_softmax_with_kernel(const fmlp_softmax_args_t* args,
  * experts are bf16 or f16 (x is rounded to the weights' dtype for the tensor cores, h too). */
 typedef enum fmlp_moe_scoring_t {
   FMLP_MOE_SCORING_SOFTMAX = 0,
-  FMLP_MOE_SCORING_SIGMOID = 1
+  FMLP_MOE_SCORING_SIGMOID = 1,
+  FMLP_MOE_SCORING_MAX_ENUM = 0x7fffffff /* not a value (see FMLP_DTYPE_MAX_ENUM) */
 } fmlp_moe_scoring_t;
 
 typedef struct fmlp_moe_config_t {

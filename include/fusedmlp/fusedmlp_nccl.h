@@ -34,8 +34,9 @@ extern "C" {
 #endif
 
 typedef enum fmlp_tp_reduce_t {
-  FMLP_TP_ALL_REDUCE = 0,    /* every rank gets the whole y */
-  FMLP_TP_REDUCE_SCATTER = 1 /* rank r gets rows [r*M/P, (r+1)*M/P) of y; M % P == 0 */
+  FMLP_TP_ALL_REDUCE = 0,              /* every rank gets the whole y */
+  FMLP_TP_REDUCE_SCATTER = 1,          /* rank r gets rows [r*M/P, (r+1)*M/P) of y; M % P == 0 */
+  FMLP_TP_REDUCE_MAX_ENUM = 0x7fffffff /* not a value (see FMLP_DTYPE_MAX_ENUM) */
 } fmlp_tp_reduce_t;
 
 /* FMLP_SUCCESS when this build has NCCL support and the library loads; else
