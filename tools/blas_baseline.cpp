@@ -59,6 +59,7 @@ void activate_row(fmlp_activation_t act, const float* in, const float* bias, flo
         out[j] = v / (1.f + expf(-v));
       }
       break;
+    case FMLP_ACT_MAX_ENUM: break;  // not an activation (validation rejects it)
   }
 }
 

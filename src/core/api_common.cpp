@@ -58,6 +58,7 @@ const char* fmlp_status_name(fmlp_status_t s) {
     case FMLP_ERROR_INDEX_OUT_OF_RANGE: return "index out of range";
     case FMLP_ERROR_CORRUPT_FILE: return "corrupt file";
     case FMLP_ERROR_INTERNAL: return "internal error";
+    case FMLP_STATUS_MAX_ENUM: break;  // not a status
   }
   return "unknown status";
 }
@@ -92,6 +93,7 @@ const char* fmlp_backend_name(fmlp_backend_t b) {
     case FMLP_BACKEND_REF: return "ref";
     case FMLP_BACKEND_CPU: return "cpu";
     case FMLP_BACKEND_CUDA: return "cuda";
+    case FMLP_BACKEND_MAX_ENUM: break;  // not a backend
   }
   return "unknown";
 }
@@ -112,6 +114,7 @@ const char* fmlp_activation_name(fmlp_activation_t a) {
     case FMLP_ACT_GELU: return "gelu";
     case FMLP_ACT_GELU_TANH: return "gelu_tanh";
     case FMLP_ACT_SILU: return "silu";
+    case FMLP_ACT_MAX_ENUM: break;  // not an activation
   }
   return "unknown";
 }
