@@ -161,23 +161,21 @@ struct MatrixRun {
 };
 
 fmlp::cuda::StreamShape matrix_shape(const MatrixRun& m) {
-  fmlp::cuda::StreamShape s = fmlp::cuda::stream_shape(m.n, m.k, 2, m.rows ? m.rows : 1);
-  if (m.rows && s.rows != m.rows) {  // stream_shape grows rows to fill a group; force them
-    s.rows = m.rows;
-    s.wpr = fmlp::cuda::kStreamWarps / m.rows;
-    s.cpw = int((m.k / 8 + s.wpr - 1) / s.wpr);
-    s.batches = (s.cpw + 32 * s.u - 1) / (32 * s.u);
-    s.groups = int((m.n + m.rows - 1) / m.rows);
-  }
-  return s;
+  return m.rows ? fmlp::cuda::stream_shape_rows(m.n, m.k, 2, m.rows)
+                : fmlp::cuda::stream_shape(m.n, m.k, 2);
 }
 
-void launch_rows(const MatrixRun& m, int sms, unsigned* sink, const void* p, cudaStream_t st) {
-  const fmlp::cuda::StreamShape s = matrix_shape(m);
-  auto kernel = m.sync ? probe_rows<4, true> : probe_rows<4, false>;
+// The resident grid the stream kernels take (stream_grid), for probe_rows.
+int rows_grid(const MatrixRun& m, const fmlp::cuda::StreamShape& s, int sms) {
   int per_sm = 1;
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, fmlp::cuda::kStreamThreads, 0));
-  const int grid = fmlp::cuda::stream_grid(s.groups, per_sm * sms);
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, m.sync ? probe_rows<4, true> : probe_rows<4, false>, fmlp::cuda::kStreamThreads, 0));
+  return fmlp::cuda::stream_grid(s.groups, per_sm * sms);
+}
+
+void launch_rows(const MatrixRun& m, const fmlp::cuda::StreamShape& s, int grid, unsigned* sink,
+                 const void* p, cudaStream_t st) {
+  auto kernel = m.sync ? probe_rows<4, true> : probe_rows<4, false>;
   kernel<<<unsigned(grid), unsigned(fmlp::cuda::kStreamThreads), 0, st>>>(
       sink, static_cast<const __nv_bfloat16*>(p), s);
   CK(cudaGetLastError());
@@ -323,8 +321,10 @@ int main(int argc, char** argv) {
                 "sync", "us", "% copy");
     for (const MatrixRun& m : runs) {
       const fmlp::cuda::StreamShape s = matrix_shape(m);
+      const int grid = rows_grid(m, s, sms);
       const size_t bytes = size_t(m.n * m.k * 2);
-      const double us = time_us(bytes, [&](const void* p) { launch_rows(m, sms, sink, p, st); });
+      const double us =
+          time_us(bytes, [&](const void* p) { launch_rows(m, s, grid, sink, p, st); });
       const double pct = 100.0 * double(bytes) / bw / (us * 1e-6);
       const std::string name = std::to_string(m.n) + "x" + std::to_string(m.k);
       std::printf("%-14s %4d%s %4d %5d %6d %7s %9.2f %6.1f%%\n", name.c_str(), s.rows,

@@ -89,24 +89,30 @@ inline int64_t stream_group_bytes(int64_t weight_bytes) {
                                              : 64 * 1024;
 }
 
-// The partition of an [n, k] stream of `elem_bytes` weights, at least `min_rows` rows per group
-// (a power of two up to kStreamWarps).
-inline StreamShape stream_shape(int64_t n, int64_t k, int elem_bytes, int min_rows = 1) {
+// The partition of an [n, k] stream of `elem_bytes` weights at exactly `rows` rows per group (a
+// power of two up to kStreamWarps).
+inline StreamShape stream_shape_rows(int64_t n, int64_t k, int elem_bytes, int rows) {
   StreamShape s{};
   s.n = int(n);
   s.k = int(k);
-  const int64_t row_bytes = k * elem_bytes;
-  const int64_t group = stream_group_bytes(n * row_bytes);
-  s.rows = 1;
-  while (s.rows < min_rows || (s.rows < kStreamWarps && row_bytes * s.rows * 2 <= group))
-    s.rows *= 2;
+  s.rows = rows;
   s.wpr = kStreamWarps / s.rows;
-  const int64_t kchunks = row_bytes / 16;
+  const int64_t kchunks = k * elem_bytes / 16;
   s.cpw = int((kchunks + s.wpr - 1) / s.wpr);
   s.u = kStreamU;
   s.batches = (s.cpw + 32 * s.u - 1) / (32 * s.u);
   s.groups = int((n + s.rows - 1) / s.rows);
   return s;
+}
+
+// The partition of an [n, k] stream of `elem_bytes` weights, at least `min_rows` rows per group
+// (a power of two up to kStreamWarps).
+inline StreamShape stream_shape(int64_t n, int64_t k, int elem_bytes, int min_rows = 1) {
+  const int64_t row_bytes = k * elem_bytes;
+  const int64_t group = stream_group_bytes(n * row_bytes);
+  int rows = 1;
+  while (rows < min_rows || (rows < kStreamWarps && row_bytes * rows * 2 <= group)) rows *= 2;
+  return stream_shape_rows(n, k, elem_bytes, rows);
 }
 
 // Loads per lane (U) for a kernel instantiated for U = 3 and 4: 3 where it reads a warp's part
