@@ -14,10 +14,13 @@
 //
 // --matrices NxK,... reads [N, K] bf16 matrices in the weight streams' own order instead
 // (stream_gemv.cuh: stream_shape, stream_load, the resident grid of stream_grid), with nothing
-// else: no x, no arithmetic but an xor, optionally the per-group __syncthreads, at 1, 2, 4 and 8
-// rows per group. It separates what the access order costs from what the kernels add: the
-// 4096 x 14336 downs stream at 84 % of copy where 14336 x 4096 runs at 92 % with the same kernel
-// (docs/linear-softmax.md, sessions 16-17).
+// else: no x, no arithmetic but an xor, optionally the per-group __syncthreads, at the rows per
+// group of --rows (default 0,1,2,4,8; 0 = stream_shape's choice) and at most --blocks-per-sm
+// blocks per SM (default 0 = as many as fit). It separates what the access order costs from
+// what the kernels add: the 4096 x 14336 downs stream at 84 % of copy where 14336 x 4096 runs at
+// 92 % with the same kernel. This loop needs ~40 registers, so 6 blocks fit per SM on an H200
+// where the 64-register stream kernels fit 4: compare at --blocks-per-sm 4 (docs/linear-softmax.md,
+// sessions 16-18).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -153,11 +156,13 @@ __global__ void __launch_bounds__(fmlp::cuda::kStreamThreads, 4)
   if (acc == 0x9e3779b9u) sink[blockIdx.x] = acc;
 }
 
-// One [n, k] bf16 matrix read by probe_rows at `rows` rows per group (0: stream_shape's choice).
+// One [n, k] bf16 matrix read by probe_rows at `rows` rows per group (0: stream_shape's choice),
+// at most `blocks_per_sm` blocks per SM (0: as many as fit).
 struct MatrixRun {
   int64_t n, k;
   int rows;
   bool sync;
+  int blocks_per_sm;
 };
 
 fmlp::cuda::StreamShape matrix_shape(const MatrixRun& m) {
@@ -165,11 +170,17 @@ fmlp::cuda::StreamShape matrix_shape(const MatrixRun& m) {
                 : fmlp::cuda::stream_shape(m.n, m.k, 2);
 }
 
-// The resident grid the stream kernels take (stream_grid), for probe_rows.
-int rows_grid(const MatrixRun& m, const fmlp::cuda::StreamShape& s, int sms) {
+// Blocks of probe_rows per SM for m: what fits (its 36-40 registers: 6 on an H200, where the
+// 64-register stream kernels fit 4), or m's cap below that.
+int rows_per_sm(const MatrixRun& m) {
   int per_sm = 1;
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &per_sm, m.sync ? probe_rows<4, true> : probe_rows<4, false>, fmlp::cuda::kStreamThreads, 0));
+  return m.blocks_per_sm > 0 ? std::min(per_sm, m.blocks_per_sm) : per_sm;
+}
+
+// The resident grid the stream kernels take (stream_grid) at per_sm blocks per SM.
+int rows_grid(const fmlp::cuda::StreamShape& s, int per_sm, int sms) {
   return fmlp::cuda::stream_grid(s.groups, per_sm * sms);
 }
 
@@ -229,7 +240,7 @@ void launch(const Variant& v, int sms, unsigned* sink, const void* p, size_t byt
 
 int main(int argc, char** argv) {
   std::string json = "hbm_probe.json";
-  std::string only_variant, matrices;
+  std::string only_variant, matrices, rows_list = "0,1,2,4,8", caps_list = "0";
   double only_mb = 0;
   int reps = 30;
   for (int i = 1; i < argc; ++i) {
@@ -244,7 +255,37 @@ int main(int argc, char** argv) {
       reps = std::atoi(argv[++i]);
     else if (a == "--matrices" && i + 1 < argc)
       matrices = argv[++i];
+    else if (a == "--rows" && i + 1 < argc)
+      rows_list = argv[++i];
+    else if (a == "--blocks-per-sm" && i + 1 < argc)
+      caps_list = argv[++i];
   }
+  // A comma-separated list of integers in [lo, hi], or an empty vector (after a message).
+  auto int_list = [](const std::string& text, const char* what, int lo, int hi) {
+    std::vector<int> out;
+    for (size_t pos = 0; pos <= text.size();) {
+      const size_t end = std::min(text.find(',', pos), text.size());
+      char* stop = nullptr;
+      const std::string item = text.substr(pos, end - pos);
+      const long v = std::strtol(item.c_str(), &stop, 10);
+      if (item.empty() || *stop != '\0' || v < lo || v > hi) {
+        std::fprintf(stderr, "%s: '%s' is not an integer in [%d, %d]\n", what, item.c_str(), lo,
+                     hi);
+        return std::vector<int>{};
+      }
+      out.push_back(int(v));
+      pos = end + 1;
+    }
+    return out;
+  };
+  const std::vector<int> row_counts = int_list(rows_list, "--rows", 0, 8);
+  const std::vector<int> caps = int_list(caps_list, "--blocks-per-sm", 0, 32);
+  if (row_counts.empty() || caps.empty()) return 2;
+  for (int r : row_counts)
+    if (r & (r - 1)) {
+      std::fprintf(stderr, "--rows: %d is not 0 (the stream's choice) or a power of two\n", r);
+      return 2;
+    }
   std::vector<MatrixRun> runs;
   for (size_t pos = 0; pos < matrices.size();) {
     const size_t end = std::min(matrices.find(',', pos), matrices.size());
@@ -255,8 +296,9 @@ int main(int argc, char** argv) {
                    matrices.substr(pos, end - pos).c_str());
       return 2;
     }
-    for (int rows : {0, 1, 2, 4, 8})
-      for (bool sync : {true, false}) runs.push_back({n, k, rows, sync});
+    for (int cap : caps)
+      for (int rows : row_counts)
+        for (bool sync : {true, false}) runs.push_back({n, k, rows, sync, cap});
     pos = end + 1;
   }
   cudaDeviceProp prop;
@@ -317,23 +359,25 @@ int main(int argc, char** argv) {
                sms, bw * 1e-12);
   bool first_row = true;
   if (!runs.empty()) {  // the weight streams' order over whole matrices
-    std::printf("%-14s %5s %4s %5s %6s %7s %9s %7s\n", "matrix", "rows", "wpr", "cpw", "groups",
-                "sync", "us", "% copy");
+    std::printf("%-14s %5s %4s %5s %6s %5s %7s %9s %7s\n", "matrix", "rows", "wpr", "cpw", "groups",
+                "b/SM", "sync", "us", "% copy");
     for (const MatrixRun& m : runs) {
       const fmlp::cuda::StreamShape s = matrix_shape(m);
-      const int grid = rows_grid(m, s, sms);
+      const int per_sm = rows_per_sm(m);
+      const int grid = rows_grid(s, per_sm, sms);
       const size_t bytes = size_t(m.n * m.k * 2);
       const double us =
           time_us(bytes, [&](const void* p) { launch_rows(m, s, grid, sink, p, st); });
       const double pct = 100.0 * double(bytes) / bw / (us * 1e-6);
       const std::string name = std::to_string(m.n) + "x" + std::to_string(m.k);
-      std::printf("%-14s %4d%s %4d %5d %6d %7s %9.2f %6.1f%%\n", name.c_str(), s.rows,
-                  m.rows ? " " : "*", s.wpr, s.cpw, s.groups, m.sync ? "yes" : "no", us, pct);
+      std::printf("%-14s %4d%s %4d %5d %6d %5d %7s %9.2f %6.1f%%\n", name.c_str(), s.rows,
+                  m.rows ? " " : "*", s.wpr, s.cpw, s.groups, per_sm, m.sync ? "yes" : "no", us,
+                  pct);
       std::fprintf(f,
                    "%s  {\"matrix\": \"%s\", \"rows\": %d, \"stream_choice\": %s, \"sync\": %s, "
-                   "\"us\": %.3f, \"pct_of_copy\": %.1f}",
+                   "\"blocks_per_sm\": %d, \"us\": %.3f, \"pct_of_copy\": %.1f}",
                    first_row ? "" : ",\n", name.c_str(), s.rows, m.rows ? "false" : "true",
-                   m.sync ? "true" : "false", us, pct);
+                   m.sync ? "true" : "false", per_sm, us, pct);
       first_row = false;
     }
     std::printf("(* = the rows per group stream_shape picks)\n");

@@ -12,7 +12,7 @@
   cpu:  python3 bench/report.py cpu --bench a.json:label [--bench b.json:label] --commit SHA \
             --out bench/results/cpu_speedup
   probe: python3 bench/report.py probe --ours OUT/hbm_probe.json --gpu-info OUT/gpu.txt \
-            --commit SHA --out bench/results/hbm_probe_h200
+            --commit SHA --out bench/results/hbm_probe_h200 (a --matrices run: a bar chart)
 
 The CUDA floor is (weight + x/y bytes) / the device copy bandwidth that fusedmlp_cuda_bench measured
 in the same device session as the peers (bench/peers.py: PyTorch eager and torch.compile, each
@@ -321,6 +321,25 @@ def probe(a):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if "matrix" in rows[0]:  # --matrices: % of copy per matrix, rows per group and barrier
+        fig, ax = plt.subplots(figsize=(11, 4.5))
+        keys = list(dict.fromkeys((r["rows"], r["sync"], r.get("blocks_per_sm", 0)) for r in rows))
+        mats = list(dict.fromkeys(r["matrix"] for r in rows))
+        width = 0.8 / len(keys)
+        for i, key in enumerate(keys):
+            pct = {r["matrix"]: r["pct_of_copy"] for r in rows
+                   if (r["rows"], r["sync"], r.get("blocks_per_sm", 0)) == key}
+            ax.bar([m + i * width for m in range(len(mats))], [pct.get(m, 0) for m in mats], width,
+                   label=f"R={key[0]}{' sync' if key[1] else ''}, {key[2]} blocks/SM")
+        ax.axhline(100, color="gray", lw=0.8, ls=":")
+        ax.set_xticks([m + 0.4 - width / 2 for m in range(len(mats))], mats)
+        ax.set_ylabel("% of copy bandwidth")
+        ax.set_ylim(0, 120)
+        ax.set_title(f"Weight-stream order, loads only, {meta['gpu']}, commit {a.commit}")
+        ax.legend(fontsize=6, ncol=4)
+        fig.tight_layout()
+        fig.savefig(a.out + ".png", dpi=110)
+        return
     fig, ax = plt.subplots(figsize=(8, 5))
     sizes = sorted({r["MB"] for r in rows})
     ax.plot(sizes, [mb * 1e6 / (d["copy_TBps"] * 1e12) * 1e6 for mb in sizes], "k--",
