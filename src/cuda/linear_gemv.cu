@@ -124,7 +124,8 @@ __device__ __forceinline__ void first_batch(const WT* row, int chunks, uint4 (&v
 }
 
 // acc[r] += W row[0, chunks * E) . xs row r, for one warp; `cur` holds first_batch(row); the
-// next batch is requested before the current one is used, so two are in flight.
+// next batch is requested before the current one is used. (The copy cur = nxt waits for those
+// loads, so one batch is in flight, not two: docs/linear-softmax.md, session 18.)
 template <typename WT, int MT>
 __device__ __forceinline__ void row_dot_vec(const WT* row, int chunks, const float* xs, int ld,
                                             uint4 (&cur)[kUnroll], float (&acc)[MT]) {
