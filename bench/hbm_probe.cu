@@ -14,7 +14,8 @@
 //
 // --matrices NxK,... reads [N, K] bf16 matrices in the weight streams' own order instead
 // (stream_gemv.cuh: stream_shape, stream_load, the resident grid of stream_grid), with nothing
-// else: no x, no arithmetic but an xor, optionally the per-group __syncthreads, at the rows per
+// else: no x, no arithmetic but an xor, optionally the per-group __syncthreads, with the batch
+// buffers copied (as the streams do) or swapped by role, at the rows per
 // group of --rows (default 0,1,2,4,8; 0 = stream_shape's choice) and at most --blocks-per-sm
 // blocks per SM (default 0 = as many as fit). It separates what the access order costs from
 // what the kernels add: the 4096 x 14336 downs stream at 84 % of copy where 14336 x 4096 runs at
@@ -131,25 +132,40 @@ __global__ void probe_bulk(unsigned* sink, const char* p, size_t bytes, int c, i
 // The weight stream's loop with the arithmetic taken out: group blockIdx.x, then every gridDim.x;
 // each warp's part of its row in batches of U loads per lane, the next batch requested before the
 // current one is used (as stream_run_rows does); SYNC: a __syncthreads per group, where the
-// stream reduces the group's rows.
-template <int U, bool SYNC>
+// stream reduces the group's rows. SWAP: the two buffers trade roles each batch instead of the
+// copy cur = nxt, which waits for the loads just requested (one batch in flight per warp, not
+// two: docs/linear-softmax.md, session 18).
+template <int U, bool SYNC, bool SWAP>
 __global__ void __launch_bounds__(fmlp::cuda::kStreamThreads, 4)
     probe_rows(unsigned* sink, const __nv_bfloat16* w, const fmlp::cuda::StreamShape s) {
   using fmlp::cuda::stream_load;
   if (int(blockIdx.x) >= s.groups) return;
   const auto sp = fmlp::cuda::stream_span<__nv_bfloat16>(s);
   auto row_ptr = [&](int row) { return w + int64_t(row) * s.k; };
-  uint4 cur[U];
+  uint4 cur[U], alt[U];
   stream_load<__nv_bfloat16>(cur, s, sp, row_ptr, blockIdx.x, 0);
   unsigned acc = 0;
+  bool flip = false;
   for (int g = blockIdx.x; g < s.groups; g += gridDim.x) {
     for (int b = 0; b < s.batches; ++b) {
       const bool last = b + 1 == s.batches;
       const int gn = last ? g + int(gridDim.x) : g, bn = last ? 0 : b + 1;
-      uint4 nxt[U];
-      if (gn < s.groups) stream_load<__nv_bfloat16>(nxt, s, sp, row_ptr, gn, bn);
+      auto step = [&](const uint4(&use)[U], uint4(&fill)[U]) {
+        if (gn < s.groups) stream_load<__nv_bfloat16>(fill, s, sp, row_ptr, gn, bn);
 #pragma unroll
-      for (int u = 0; u < U; ++u) acc ^= cur[u].x ^ cur[u].y ^ cur[u].z ^ cur[u].w, cur[u] = nxt[u];
+        for (int u = 0; u < U; ++u) acc ^= use[u].x ^ use[u].y ^ use[u].z ^ use[u].w;
+      };
+      if constexpr (SWAP) {
+        if (flip)
+          step(alt, cur);
+        else
+          step(cur, alt);
+        flip = !flip;
+      } else {
+        step(cur, alt);
+#pragma unroll
+        for (int u = 0; u < U; ++u) cur[u] = alt[u];
+      }
     }
     if constexpr (SYNC) __syncthreads();
   }
@@ -163,7 +179,14 @@ struct MatrixRun {
   int rows;
   bool sync;
   int blocks_per_sm;
+  bool swap;
 };
+
+using RowsKernel = void (*)(unsigned*, const __nv_bfloat16*, fmlp::cuda::StreamShape);
+RowsKernel rows_kernel(const MatrixRun& m) {
+  return m.swap ? (m.sync ? probe_rows<4, true, true> : probe_rows<4, false, true>)
+                : (m.sync ? probe_rows<4, true, false> : probe_rows<4, false, false>);
+}
 
 fmlp::cuda::StreamShape matrix_shape(const MatrixRun& m) {
   return m.rows ? fmlp::cuda::stream_shape_rows(m.n, m.k, 2, m.rows)
@@ -174,8 +197,8 @@ fmlp::cuda::StreamShape matrix_shape(const MatrixRun& m) {
 // 64-register stream kernels fit 4), or m's cap below that.
 int rows_per_sm(const MatrixRun& m) {
   int per_sm = 1;
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &per_sm, m.sync ? probe_rows<4, true> : probe_rows<4, false>, fmlp::cuda::kStreamThreads, 0));
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, rows_kernel(m),
+                                                   fmlp::cuda::kStreamThreads, 0));
   return m.blocks_per_sm > 0 ? std::min(per_sm, m.blocks_per_sm) : per_sm;
 }
 
@@ -186,8 +209,7 @@ int rows_grid(const fmlp::cuda::StreamShape& s, int per_sm, int sms) {
 
 void launch_rows(const MatrixRun& m, const fmlp::cuda::StreamShape& s, int grid, unsigned* sink,
                  const void* p, cudaStream_t st) {
-  auto kernel = m.sync ? probe_rows<4, true> : probe_rows<4, false>;
-  kernel<<<unsigned(grid), unsigned(fmlp::cuda::kStreamThreads), 0, st>>>(
+  rows_kernel(m)<<<unsigned(grid), unsigned(fmlp::cuda::kStreamThreads), 0, st>>>(
       sink, static_cast<const __nv_bfloat16*>(p), s);
   CK(cudaGetLastError());
 }
@@ -298,7 +320,8 @@ int main(int argc, char** argv) {
     }
     for (int cap : caps)
       for (int rows : row_counts)
-        for (bool sync : {true, false}) runs.push_back({n, k, rows, sync, cap});
+        for (bool sync : {true, false})
+          for (bool swap : {false, true}) runs.push_back({n, k, rows, sync, cap, swap});
     pos = end + 1;
   }
   cudaDeviceProp prop;
@@ -359,8 +382,8 @@ int main(int argc, char** argv) {
                sms, bw * 1e-12);
   bool first_row = true;
   if (!runs.empty()) {  // the weight streams' order over whole matrices
-    std::printf("%-14s %5s %4s %5s %6s %5s %7s %9s %7s\n", "matrix", "rows", "wpr", "cpw", "groups",
-                "b/SM", "sync", "us", "% copy");
+    std::printf("%-14s %5s %4s %5s %6s %5s %5s %5s %9s %7s\n", "matrix", "rows", "wpr", "cpw",
+                "groups", "b/SM", "sync", "bufs", "us", "% copy");
     for (const MatrixRun& m : runs) {
       const fmlp::cuda::StreamShape s = matrix_shape(m);
       const int per_sm = rows_per_sm(m);
@@ -370,14 +393,15 @@ int main(int argc, char** argv) {
           time_us(bytes, [&](const void* p) { launch_rows(m, s, grid, sink, p, st); });
       const double pct = 100.0 * double(bytes) / bw / (us * 1e-6);
       const std::string name = std::to_string(m.n) + "x" + std::to_string(m.k);
-      std::printf("%-14s %4d%s %4d %5d %6d %5d %7s %9.2f %6.1f%%\n", name.c_str(), s.rows,
-                  m.rows ? " " : "*", s.wpr, s.cpw, s.groups, per_sm, m.sync ? "yes" : "no", us,
-                  pct);
-      std::fprintf(f,
-                   "%s  {\"matrix\": \"%s\", \"rows\": %d, \"stream_choice\": %s, \"sync\": %s, "
-                   "\"blocks_per_sm\": %d, \"us\": %.3f, \"pct_of_copy\": %.1f}",
-                   first_row ? "" : ",\n", name.c_str(), s.rows, m.rows ? "false" : "true",
-                   m.sync ? "true" : "false", per_sm, us, pct);
+      std::printf("%-14s %4d%s %4d %5d %6d %5d %5s %5s %9.2f %6.1f%%\n", name.c_str(), s.rows,
+                  m.rows ? " " : "*", s.wpr, s.cpw, s.groups, per_sm, m.sync ? "yes" : "no",
+                  m.swap ? "swap" : "copy", us, pct);
+      std::fprintf(
+          f,
+          "%s  {\"matrix\": \"%s\", \"rows\": %d, \"stream_choice\": %s, \"sync\": %s, "
+          "\"blocks_per_sm\": %d, \"buffers\": \"%s\", \"us\": %.3f, \"pct_of_copy\": %.1f}",
+          first_row ? "" : ",\n", name.c_str(), s.rows, m.rows ? "false" : "true",
+          m.sync ? "true" : "false", per_sm, m.swap ? "swap" : "copy", us, pct);
       first_row = false;
     }
     std::printf("(* = the rows per group stream_shape picks)\n");
