@@ -321,16 +321,18 @@ def probe(a):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if "matrix" in rows[0]:  # --matrices: % of copy per matrix, rows per group and barrier
+    if "matrix" in rows[0]:  # --matrices: % of copy per matrix and run settings
         fig, ax = plt.subplots(figsize=(11, 4.5))
-        keys = list(dict.fromkeys((r["rows"], r["sync"], r.get("blocks_per_sm", 0)) for r in rows))
+        def key_of(r):
+            return r["rows"], r["sync"], r.get("blocks_per_sm", 0), r.get("buffers", "copy")
+
+        keys = list(dict.fromkeys(key_of(r) for r in rows))
         mats = list(dict.fromkeys(r["matrix"] for r in rows))
         width = 0.8 / len(keys)
         for i, key in enumerate(keys):
-            pct = {r["matrix"]: r["pct_of_copy"] for r in rows
-                   if (r["rows"], r["sync"], r.get("blocks_per_sm", 0)) == key}
+            pct = {r["matrix"]: r["pct_of_copy"] for r in rows if key_of(r) == key}
             ax.bar([m + i * width for m in range(len(mats))], [pct.get(m, 0) for m in mats], width,
-                   label=f"R={key[0]}{' sync' if key[1] else ''}, {key[2]} blocks/SM")
+                   label=f"R={key[0]}{' sync' if key[1] else ''}, {key[2]} blocks/SM, {key[3]}")
         ax.axhline(100, color="gray", lw=0.8, ls=":")
         ax.set_xticks([m + 0.4 - width / 2 for m in range(len(mats))], mats)
         ax.set_ylabel("% of copy bandwidth")
