@@ -91,17 +91,23 @@ inline void nccl_nvls_off() {
   setenv("NCCL_NVLS_ENABLE", "0", 1);
 }
 
-// "a,b,c" as positive integers into *out; false on anything else (empty items, zero, junk).
-inline bool parse_positive_list(const char* v, std::vector<int64_t>* out) {
+// "a,b,c" as integers in [lo, hi] into *out; false on anything else (empty items, out of range,
+// junk).
+inline bool parse_int_list(const char* v, int64_t lo, int64_t hi, std::vector<int64_t>* out) {
   out->clear();
   for (const char* p = v; *p;) {
     char* end = nullptr;
     const long long n = std::strtoll(p, &end, 10);
-    if (end == p || n < 1 || (*end != ',' && *end != '\0')) return false;
+    if (end == p || n < lo || n > hi || (*end != ',' && *end != '\0')) return false;
     out->push_back(n);
     p = *end == ',' ? end + 1 : end;
   }
   return !out->empty();
+}
+
+// "a,b,c" as positive integers into *out; false on anything else (empty items, zero, junk).
+inline bool parse_positive_list(const char* v, std::vector<int64_t>* out) {
+  return parse_int_list(v, 1, INT64_MAX, out);
 }
 
 // Counter-based random bf16 values in [-scale, scale): element i depends only on (seed, i), so

@@ -282,30 +282,20 @@ int main(int argc, char** argv) {
     else if (a == "--blocks-per-sm" && i + 1 < argc)
       caps_list = argv[++i];
   }
-  // A comma-separated list of integers in [lo, hi], or an empty vector (after a message).
-  auto int_list = [](const std::string& text, const char* what, int lo, int hi) {
-    std::vector<int> out;
-    for (size_t pos = 0; pos <= text.size();) {
-      const size_t end = std::min(text.find(',', pos), text.size());
-      char* stop = nullptr;
-      const std::string item = text.substr(pos, end - pos);
-      const long v = std::strtol(item.c_str(), &stop, 10);
-      if (item.empty() || *stop != '\0' || v < lo || v > hi) {
-        std::fprintf(stderr, "%s: '%s' is not an integer in [%d, %d]\n", what, item.c_str(), lo,
-                     hi);
-        return std::vector<int>{};
-      }
-      out.push_back(int(v));
-      pos = end + 1;
-    }
-    return out;
-  };
-  const std::vector<int> row_counts = int_list(rows_list, "--rows", 0, 8);
-  const std::vector<int> caps = int_list(caps_list, "--blocks-per-sm", 0, 32);
-  if (row_counts.empty() || caps.empty()) return 2;
-  for (int r : row_counts)
+  std::vector<int64_t> row_counts, caps;
+  if (!fmlp_bench::parse_int_list(rows_list.c_str(), 0, 8, &row_counts)) {
+    std::fprintf(stderr, "--rows: '%s' is not a list of integers in [0, 8]\n", rows_list.c_str());
+    return 2;
+  }
+  if (!fmlp_bench::parse_int_list(caps_list.c_str(), 0, 32, &caps)) {
+    std::fprintf(stderr, "--blocks-per-sm: '%s' is not a list of integers in [0, 32]\n",
+                 caps_list.c_str());
+    return 2;
+  }
+  for (int64_t r : row_counts)
     if (r & (r - 1)) {
-      std::fprintf(stderr, "--rows: %d is not 0 (the stream's choice) or a power of two\n", r);
+      std::fprintf(stderr, "--rows: %lld is not 0 (the stream's choice) or a power of two\n",
+                   (long long)r);
       return 2;
     }
   std::vector<MatrixRun> runs;
@@ -318,10 +308,10 @@ int main(int argc, char** argv) {
                    matrices.substr(pos, end - pos).c_str());
       return 2;
     }
-    for (int cap : caps)
-      for (int rows : row_counts)
+    for (int64_t cap : caps)
+      for (int64_t rows : row_counts)
         for (bool sync : {true, false})
-          for (bool swap : {false, true}) runs.push_back({n, k, rows, sync, cap, swap});
+          for (bool swap : {false, true}) runs.push_back({n, k, int(rows), sync, int(cap), swap});
     pos = end + 1;
   }
   cudaDeviceProp prop;
