@@ -202,11 +202,6 @@ int rows_per_sm(const MatrixRun& m) {
   return m.blocks_per_sm > 0 ? std::min(per_sm, m.blocks_per_sm) : per_sm;
 }
 
-// The resident grid the stream kernels take (stream_grid) at per_sm blocks per SM.
-int rows_grid(const fmlp::cuda::StreamShape& s, int per_sm, int sms) {
-  return fmlp::cuda::stream_grid(s.groups, per_sm * sms);
-}
-
 void launch_rows(const MatrixRun& m, const fmlp::cuda::StreamShape& s, int grid, unsigned* sink,
                  const void* p, cudaStream_t st) {
   rows_kernel(m)<<<unsigned(grid), unsigned(fmlp::cuda::kStreamThreads), 0, st>>>(
@@ -377,7 +372,7 @@ int main(int argc, char** argv) {
     for (const MatrixRun& m : runs) {
       const fmlp::cuda::StreamShape s = matrix_shape(m);
       const int per_sm = rows_per_sm(m);
-      const int grid = rows_grid(s, per_sm, sms);
+      const int grid = fmlp::cuda::stream_grid(s.groups, per_sm * sms);  // as the streams take it
       const size_t bytes = size_t(m.n * m.k * 2);
       const double us =
           time_us(bytes, [&](const void* p) { launch_rows(m, s, grid, sink, p, st); });
