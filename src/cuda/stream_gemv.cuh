@@ -301,31 +301,31 @@ __device__ __forceinline__ void stream_run_rows(const StreamShape& s, StreamSpan
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float acc[MT] = {};
   int parity = 0;
+  uint4 alt[U];
+  bool flip = false;  // false: cur holds the batch to use and alt receives the next; true: swapped
   for (int g = blockIdx.x; g < s.groups; g += gridDim.x) {
     const XS* xs;
     if constexpr (std::is_pointer_v<XRows>)
       xs = x_rows;
     else
       xs = x_rows(min(g * s.rows + warp / s.wpr, s.n - 1));
-    for (int b = 0; b < s.batches; ++b) {
-      const bool last = b + 1 == s.batches;
-      const int gn = last ? g + int(gridDim.x) : g, bn = last ? 0 : b + 1;
-      uint4 nxt[U];
-      if (gn < s.groups) stream_load<WT, SKIP>(nxt, s, sp, row_ptr, gn, bn);
+    // Requests batch bn of group gn into `fill`, then adds batch b of this group (in `use`).
+    auto batch = [&](const uint4(&use)[U], uint4(&fill)[U], int b, int gn, int bn) {
+      if (gn < s.groups) stream_load<WT, SKIP>(fill, s, sp, row_ptr, gn, bn);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int c = sp.begin + (b * U + u) * 32 + lane;
         if (c >= sp.end) continue;
         if constexpr (std::is_same_v<WT, StreamFp8>) {
           uint32_t h[8];
-          const bool finite = stream_widen_e4m3(cur[u], h);
+          const bool finite = stream_widen_e4m3(use[u], h);
 #pragma unroll
           for (int t = 0; t < MT; ++t)
             acc[t] +=
                 finite ? stream_dot16_f16(h, xs + int64_t(t) * s.k, c) : __int_as_float(0x7fffffff);
         } else {
           float wf[8];
-          widen8<WT>(cur[u], wf);
+          widen8<WT>(use[u], wf);
 #pragma unroll
           for (int t = 0; t < MT; ++t) {
             float xf[8];
@@ -335,8 +335,18 @@ __device__ __forceinline__ void stream_run_rows(const StreamShape& s, StreamSpan
           }
         }
       }
-#pragma unroll
-      for (int u = 0; u < U; ++u) cur[u] = nxt[u];
+    };
+    for (int b = 0; b < s.batches; ++b) {
+      const bool last = b + 1 == s.batches;
+      const int gn = last ? g + int(gridDim.x) : g, bn = last ? 0 : b + 1;
+      // The two buffers swap roles each batch through `flip`, never by copying: a copy
+      // (cur = nxt) reads the registers of loads still in flight and waits for them, so the
+      // next batch's loads would only be requested once the one before has arrived.
+      if (flip)
+        batch(alt, cur, b, gn, bn);
+      else
+        batch(cur, alt, b, gn, bn);
+      flip = !flip;
     }
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
