@@ -20,7 +20,9 @@
 //     double-buffered by group parity so one __syncthreads per group suffices; then
 //     `finish(row, t, sums)` runs for token t and each run of PAIR consecutive rows of the group
 //     (threads [0, R / PAIR * MT)), sums[i] the dot product of row + i: PAIR = 2 hands a gated
-//     MLP's interleaved gate and up rows to one thread,
+//     MLP's interleaved gate and up rows to one thread; where a warp holds whole rows (R = 8,
+//     one warp per row) and PAIR = 1, its lanes finish the row themselves and the group needs
+//     no barrier at all (rows of up to 1-2 KB: the K = 768 lm heads, gpt2's up stream),
 //   - fp32 accumulation; fp8 e4m3 chunks (16 weights) are widened exactly to fp16 pairs with
 //     cvt.rn.f16x2.e4m3x2 and multiplied with packed fp16 FMAs into one fp16x2 sum per chunk (8
 //     products per half) before the fp32 add: widening to fp32 instead costs 16 more conversions
@@ -347,6 +349,20 @@ __device__ __forceinline__ void stream_run_rows(const StreamShape& s, StreamSpan
       else
         batch(cur, alt, b, gn, bn);
       flip = !flip;
+    }
+    if constexpr (PAIR == 1) {
+      if (s.wpr == 1) {  // whole rows per warp: lane t finishes token t, no block barrier
+        const int row = g * s.rows + warp;
+        float v[1] = {0.f};
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+          const float sum = warp_sum(acc[t]);
+          if (lane == t) v[0] = sum;
+          acc[t] = 0.f;
+        }
+        if (lane < MT && row < s.n) finish(row, lane, v);
+        continue;
+      }
     }
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
