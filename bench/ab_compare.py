@@ -6,7 +6,7 @@ mean of the ratios over the rows all variants have.
   python3 bench/ab_compare.py OUT [--variants base,pp,ring] [--filter KEY=VALUE ...] [--min-change 0.02]
 
 Reads OUT/<variant>.<command>.<round>.json written by fusedmlp_ops_bench, fusedmlp_cuda_bench or
-fusedmlp_moe_bench (a "rows" list with "us"). A row is named by whichever of op, shape, layer,
+fusedmlp_moe_bench (a "rows" list, or fusedmlp_cuda_bench's "mlp" list, of rows with "us"). A row is named by whichever of op, shape, layer,
 dtype, M, T it has. --min-change hides rows whose ratios all lie within that fraction of 1.
 """
 import argparse
@@ -39,7 +39,8 @@ def main():
             continue
         variant, command = m.group(1), m.group(2)
         try:
-            rows = json.load(open(path))["rows"]
+            doc = json.load(open(path))
+            rows = doc["rows"] if "rows" in doc else doc["mlp"]
         except (OSError, ValueError, KeyError) as e:
             print(f"{path}: skipped ({e})", file=sys.stderr)
             continue

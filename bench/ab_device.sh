@@ -2,8 +2,10 @@
 # A/B of code variants in one GPU session, the way docs/*.md report them: every variant built from
 # this tree plus a patch, then each command run for every variant in turn, ROUNDS times, so drift
 # between machines and over the session hits all variants alike. Run on the GPU machine from the
-# repo root; logs go to $OUT (or ./out) as <variant>.<name>.<round>.log, and commands may write
-# JSON to $OUT/<variant>.<name>.<round>.json (the path is in $J).
+# repo root; logs go to $OUT/ab (OUT defaults to ./out) as <variant>.<name>.<round>.log, and
+# commands may write JSON to $OUT/ab/<variant>.<name>.<round>.json (the path is in $J). After
+# every command the folder is packed into $OUT/ab.tgz as well: a device call returns only a few
+# files, so take the tarball (tar xzf ab.tgz -C DIR; bench/ab_compare.py DIR).
 #
 #   bash bench/ab_device.sh -v base= -v pp=.device/pp.patch -t "fusedmlp_ops_bench test_linear" \
 #     -c 'ops=$B/bench/fusedmlp_ops_bench --only linear --json $J' \
@@ -18,7 +20,8 @@
 #   -r ROUNDS      rounds of the benchmark commands (default 2)
 # bench/ab_compare.py turns the JSON of fusedmlp_ops_bench / fusedmlp_cuda_bench runs into a table.
 set -uo pipefail
-OUT=${OUT:-$PWD/out}
+TOP=${OUT:-$PWD/out}
+OUT=$TOP/ab
 mkdir -p "$OUT"
 variants=() commands=() envs=() targets="" rounds=2
 while getopts "v:t:c:e:r:" opt; do
@@ -40,10 +43,12 @@ if [ -d .device/fmt ]; then  # headers + libfmt for a machine without them (benc
 fi
 # One source copy and one build directory: each variant is the tree plus its patch (the previous
 # one reverted), built incrementally (only what the patches touch recompiles) with a static
-# libfusedmlp, and its executables copied to $AB_DIR/bin-<variant>/{bench,tests}.
+# libfusedmlp, and its executables copied to $AB_DIR/bin-<variant>/{bench,tests}. The build
+# directory starts empty each run: the fresh copy's files keep their old times, so a build left by
+# an earlier run (objects of its last variant) would look up to date to ninja.
 AB_DIR=${AB_DIR:-/tmp/ab}
 src=$AB_DIR/src bld=$AB_DIR/build
-rm -rf "$src" && mkdir -p "$src"
+rm -rf "$src" "$bld" "$AB_DIR"/bin-* && mkdir -p "$src"
 tar --exclude='./build*' --exclude=./.git --exclude=./out -cf - . | tar -xf - -C "$src"
 t0=$(date +%s)
 cmake -S "$src" -B "$bld" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFMLP_CUDA=ON -DFMLP_BUILD_CLI=OFF \
@@ -80,6 +85,7 @@ for r in $(seq 1 "$rounds"); do
        for e in "${envs[@]}"; do export "${e?}"; done
        eval "$cmd") >"$log" 2>&1
       echo "$name $cname round $r: rc=$? ($(($(date +%s) - t0)) s) $(grep -E 'PASSED|FAILED' "$log" | tail -1)"
+      tar czf "$TOP/ab.tgz" -C "$OUT" .
     done
   done
 done
