@@ -256,6 +256,20 @@ std::vector<LinCase> cases() {
     c.xt = c.wt = c.bt = w;
     v.push_back(c);
   }
+  // More row groups than resident blocks with whole rows per warp (1 KB rows, eight a group):
+  // the stream's blocks loop over groups, their warps finishing rows without the block barrier
+  // and carrying their two batch buffers' roles from group to group; bf16, f16 and fp8 weights.
+  for (auto [m, w] : {std::pair<int64_t, fmlp_dtype_t>{1, FMLP_DTYPE_BF16},
+                      {4, FMLP_DTYPE_F16},
+                      {2, FMLP_DTYPE_F8_E4M3}}) {
+    LinCase c;
+    c.m = m, c.n = 8200, c.k = w == FMLP_DTYPE_F8_E4M3 ? 1024 : 512;
+    c.xt = w == FMLP_DTYPE_F8_E4M3 ? FMLP_DTYPE_BF16 : w;
+    c.wt = w;
+    c.bt = m == 4 ? FMLP_DTYPE_F32 : kAbsent;
+    c.per_row = true;
+    v.push_back(c);
+  }
   // x staged in exactly 48 KiB of shared memory by the stream GEMV (the edge where a launch needs
   // the shared-memory opt-in): bf16 and fp8 weights, one and two tokens.
   for (auto [m, k, w] : {std::tuple<int64_t, int64_t, fmlp_dtype_t>{1, 24576, FMLP_DTYPE_BF16},

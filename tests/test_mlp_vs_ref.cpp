@@ -100,6 +100,21 @@ std::vector<MlpCase> section_cases(Section s) {
               if (c.macs() > kMaxMacs && *d > 64) *d = 64;
             add(c);
           }
+      // Over a thousand row groups per weight stream (more than the blocks resident on a large
+      // GPU), past the MAC budget: the stream kernels' blocks loop over groups, carrying their
+      // batch buffers and reduction state across them; gated (the up stream's gate/up pairs) with
+      // two-warp rows in the down stream, and dense with whole-row warps in the up stream.
+      for (int i = 0; i < 2; ++i) {
+        MlpCase c = random_case(rng, kMaxMacs);
+        c.gate = i == 0 ? Gate::kStacked : Gate::kDense;
+        c.d_in = 1024;
+        c.hidden = i == 0 ? 4096 : 8200;
+        c.d_out = i == 0 ? 4104 : 1024;
+        c.m = i == 0 ? 1 : 3;
+        c.w_dtype = c.x_dtype = i == 0 ? FMLP_DTYPE_BF16 : FMLP_DTYPE_F16;
+        c.misaligned = c.strided = false;
+        add(c);
+      }
       break;
     case Section::kLargeM:  // more rows than one cache block of the GEMM-style kernels
       for (int64_t m : {145, 300})

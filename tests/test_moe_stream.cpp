@@ -74,6 +74,17 @@ std::vector<MoeCase> stream_cases() {
   wide.t = 2, wide.e = 16, wide.k = 8, wide.d = 136, wide.hidden = 4104, wide.d_out = 72;
   wide.gated = true, wide.xt = wide.wt = FMLP_DTYPE_BF16, wide.residual = 1;
   v.push_back(wide);
+  // Over a thousand row groups in the down stream (more than the blocks resident on a large
+  // GPU): top-1, whose down rows are finished by whole-row warps without the block barrier, and
+  // top-8 (eight slot rows a group); the blocks loop over groups.
+  for (int64_t k : {1, 8}) {
+    MoeCase c;
+    c.t = k == 1 ? 1 : 2, c.e = k == 1 ? 2 : 8, c.k = k, c.d = 256, c.hidden = 1032;
+    c.d_out = k == 1 ? 8200 : 1032;
+    c.gated = true, c.xt = c.wt = FMLP_DTYPE_BF16, c.residual = 1;
+    c.b2 = k == 1 ? FMLP_DTYPE_F32 : kAbsent;
+    v.push_back(c);
+  }
   return v;
 }
 
