@@ -153,6 +153,16 @@ std::vector<SmCase> cases() {
       c.rows = 600, c.n = 1000, c.nonfinite = false, c.misaligned = true;
       v.push_back(c);
     }
+  // More 160 KB rows than an H200 holds clusters of their eight blocks: the cluster entry's
+  // clusters take several rows each (double-buffered parts), fp32 softmax and bf16 log_softmax
+  // in place.
+  for (fmlp_dtype_t t : {FMLP_DTYPE_F32, FMLP_DTYPE_BF16}) {
+    SmCase c;
+    c.rows = 300, c.n = t == FMLP_DTYPE_F32 ? 40000 : 80000, c.t = t;
+    c.log = c.in_place = t == FMLP_DTYPE_BF16;
+    c.nonfinite = true;
+    v.push_back(c);
+  }
   // Rows of 16-byte vectors up to 4 KB, the warp-per-row entry's (softmax_sm80_warp_rows): one
   // vector a row, a lane round left partial, exactly 4 KB in fp32 and in bf16; non-finite rows,
   // both outputs, a temperature, strided views, in place.
