@@ -6,8 +6,9 @@ mean of the ratios over the rows all variants have.
   python3 bench/ab_compare.py OUT [--variants base,pp,ring] [--filter KEY=VALUE ...] [--min-change 0.02]
 
 Reads OUT/<variant>.<command>.<round>.json written by fusedmlp_ops_bench, fusedmlp_cuda_bench or
-fusedmlp_moe_bench (a "rows" list, or fusedmlp_cuda_bench's "mlp" list, of rows with "us"). A row is named by whichever of op, shape, layer,
-dtype, M, T it has. --min-change hides rows whose ratios all lie within that fraction of 1.
+fusedmlp_moe_bench (rows with "us" under "rows", or "mlp" for fusedmlp_cuda_bench). A row is named
+by whichever of op, shape, layer, dtype, M, T it has. --min-change hides rows whose ratios all lie
+within that fraction of 1.
 """
 import argparse
 import glob
