@@ -11,9 +11,10 @@
 //     row, each a contiguous run of the row's 16-byte chunks, read as batches of U chunks per
 //     lane: 4, or 3 where the launcher picks it to fit the run, stream_pick_loads); the resident
 //     blocks take consecutive groups, so the bytes in flight stay one window sliding through W,
-//   - the next batch (of this group or the block's next one) is requested before the current
-//     one is used, so every lane has a batch in flight also across groups; the caller issues the
-//     first batch (stream_load) before staging x,
+//   - the next batch (of this group or the block's next one) is requested into the second of two
+//     register buffers, which swap roles, before the current one is used: every lane keeps two
+//     batches in flight, also across groups; the caller issues the first batch (stream_load)
+//     before staging x,
 //   - x is staged by the caller in shared memory, [MT][k] in XS (the whole K: blocks are
 //     resident and loop over groups),
 //   - a row's warps reduce with shuffles and through shared memory in warp order (deterministic),
