@@ -153,9 +153,10 @@ std::vector<SmCase> cases() {
       c.rows = 600, c.n = 1000, c.nonfinite = false, c.misaligned = true;
       v.push_back(c);
     }
-  // More 160 KB rows than an H200 holds clusters of their eight blocks: the cluster entry's
-  // clusters take several rows each (double-buffered parts), fp32 softmax and bf16 log_softmax
-  // in place.
+  // More 160 KB rows than an H200 holds clusters of their eight blocks at once, so the cluster
+  // entry's rows run in several waves (and a variant whose resident clusters loop over rows,
+  // wip/softmax-cluster-rows, carries its part buffers from row to row); fp32 softmax and bf16
+  // log_softmax in place.
   for (fmlp_dtype_t t : {FMLP_DTYPE_F32, FMLP_DTYPE_BF16}) {
     SmCase c;
     c.rows = 300, c.n = t == FMLP_DTYPE_F32 ? 40000 : 80000, c.t = t;
