@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include "core/dtype.hpp"
@@ -123,22 +124,44 @@ __device__ __forceinline__ uint4 widen_e4m3x8(uint32_t lo, uint32_t hi) {
                     e4m3x2_to_f16x2(uint16_t(hi)), e4m3x2_to_f16x2(uint16_t(hi >> 16)));
 }
 
+// Eight 16-bit values of a token row from column c: one 16-byte load where x allows it.
+__device__ __forceinline__ uint4 load_x8_u16(const unsigned short* row, int c, bool vec) {
+  if (vec) return *reinterpret_cast<const uint4*>(row + c);
+  unsigned short e[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) e[i] = row[c + i];
+  uint4 v;
+  memcpy(&v, e, sizeof(v));
+  return v;
+}
+
 // The fp8 path's staging: columns [k0, k0 + width) of the tokens as fp16 (zeros past M and past
 // `cols`); inv[m] gets the factor that undoes the token's power of two (see the file comment).
+// 16-bit x is read 8 values per step and each token's largest |x| is reduced per warp (one shared
+// atomic per warp and token): per element, every thread's atomic on the token's one word
+// serialised the staging.
 template <int NT>
 __device__ void stage_f16(const MmaParams& p, unsigned short* xs, float* inv, unsigned* amax,
                           int k0, int cols, int width) {
-  const int64_t es = p.x_t == FMLP_DTYPE_F8_E4M3 ? 1 : 2;
-  const bool bf16 = p.x_t == FMLP_DTYPE_BF16;
+  const bool bf16 = p.x_t == FMLP_DTYPE_BF16, fp8 = p.x_t == FMLP_DTYPE_F8_E4M3;
   if (threadIdx.x < NT * 8) amax[threadIdx.x] = 0;
   __syncthreads();
-  if (bf16)
-    for (int i = threadIdx.x; i < p.m * cols; i += kThreads) {
-      const int m = i / cols, c = i % cols;
-      const float v = fabsf(
-          load_scalar(static_cast<const char*>(p.x) + (int64_t(m) * p.x_ld + k0) * es, p.x_t, c));
-      if (v <= 3.4e38f) atomicMax(amax + m, __float_as_uint(v));  // finite: bits order as values
+  if (bf16) {
+    for (int m = 0; m < p.m; ++m) {
+      const unsigned short* row =
+          static_cast<const unsigned short*>(p.x) + int64_t(m) * p.x_ld + k0;
+      float mx = 0.f;
+      for (int c = threadIdx.x * 8; c < cols; c += kThreads * 8) {  // cols: a multiple of 16
+        float f[8];
+        fmlp::cuda::widen8<__nv_bfloat16>(load_x8_u16(row, c, p.x_vec16), f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (fabsf(f[i]) <= 3.4e38f) mx = fmaxf(mx, fabsf(f[i]));  // finite only
+      }
+      mx = fmlp::cuda::warp_max(mx);
+      if (threadIdx.x % 32 == 0 && mx > 0.f) atomicMax(amax + m, __float_as_uint(mx));
     }
+  }
   __syncthreads();
   float mul = 1.f;  // this thread's token's power of two
   if (bf16 && threadIdx.x < NT * 8) {
@@ -151,20 +174,26 @@ __device__ void stage_f16(const MmaParams& p, unsigned short* xs, float* inv, un
   }
   __syncthreads();
   const int vecs = width / 8;
-  for (int v = threadIdx.x; v < NT * 8 * vecs; v += kThreads) {
+  for (int v = threadIdx.x; v < NT * 8 * vecs; v += kThreads) {  // NT * 8 tokens x vecs pieces
     const int m = v / vecs, c = (v % vecs) * 8;
     if (bf16) mul = 1.f / inv[m];
     uint32_t h[4] = {0, 0, 0, 0};
     if (m < p.m && c < cols) {  // cols is a multiple of 16: the piece is whole
-      const char* row = static_cast<const char*>(p.x) + (int64_t(m) * p.x_ld + k0 + c) * es;
+      const char* row = static_cast<const char*>(p.x) + (int64_t(m) * p.x_ld + k0) * (fp8 ? 1 : 2);
+      if (fp8) {
+        const auto* b = reinterpret_cast<const uint8_t*>(row) + c;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if (es == 1) {
-          const auto* b = reinterpret_cast<const uint8_t*>(row);
-          h[i] = e4m3x2_to_f16x2(uint16_t(b[2 * i] | b[2 * i + 1] << 8));
-        } else {
-          const __half2 pair = __floats2half2_rn(load_scalar(row, p.x_t, 2 * i) * mul,
-                                                 load_scalar(row, p.x_t, 2 * i + 1) * mul);
+        for (int i = 0; i < 4; ++i) h[i] = e4m3x2_to_f16x2(uint16_t(b[2 * i] | b[2 * i + 1] << 8));
+      } else {
+        float f[8];
+        const uint4 raw = load_x8_u16(reinterpret_cast<const unsigned short*>(row), c, p.x_vec16);
+        if (bf16)
+          fmlp::cuda::widen8<__nv_bfloat16>(raw, f);
+        else
+          fmlp::cuda::widen8<__half>(raw, f);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const __half2 pair = __floats2half2_rn(f[2 * i] * mul, f[2 * i + 1] * mul);
           h[i] = *reinterpret_cast<const uint32_t*>(&pair);
         }
       }
