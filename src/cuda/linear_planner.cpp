@@ -20,26 +20,23 @@ constexpr const char* kMma = "linear_sm80_mma";
 // 11.0 us against 14.0 for cuBLASLt; k/v 1024x4096: 5.1 against 8.2), and ties or wins on the lm
 // heads. It is the default wherever it runs; the rows below are the measured exceptions, and
 // shapes it cannot take (x larger than its shared memory, fp32 weights) keep the older rule.
-// fp8 weights: the stream's fp16-pair FMAs win on wide outputs (14336x4096: 24.1 us against 27-36
-// for the tensor-core entry; 28672x8192: 73 against 90), the tensor-core entry on the rest. The
-// fp8 wgmma stream (linear_sm90_wgmma_fp8) tied or lost on all four (session 10: 12.6-13.0,
-// 26.8, 28.3, 82.3 us), so it is only taken when forced.
+// fp8 weights: the same rule. Since its x staging went from one element with a division and a
+// shared atomic per step to 16-byte steps (session 21, one H200 call, M = 1, per-row scales), the
+// stream beats the tensor-core entry on all four measured shapes: 4096x4096 7.2 us against 12.6,
+// 4096<-14336 20.7 against 25.3, 14336<-4096 17.9 (24.1 before; the tensor-core entry 27-36),
+// 28672<-8192 59.3 (73 before, 90). The fp8 wgmma stream (linear_sm90_wgmma_fp8) tied or lost on
+// all four in session 10 (12.6-13.0, 26.8, 28.3, 82.3 us), so it is only taken when forced.
 constexpr const char* kMeasured = "measured on NVIDIA H200 (sm_90)";
 constexpr LinearChoice kTable[] = {
     // {n, k, w dtype, entry at M = 1, source}
-    {4864, 896, FMLP_DTYPE_BF16, kLt, kMeasured},           // 5.06 us, stream 5.08
-    {151936, 896, FMLP_DTYPE_BF16, kLt, kMeasured},         // 70.3 us, stream 70.8
-    {4096, 4096, FMLP_DTYPE_F8_E4M3, kMma, kMeasured},      // 12.7 us, stream 14.5
-    {4096, 14336, FMLP_DTYPE_F8_E4M3, kMma, kMeasured},     // 26.8 us, stream 41.5
-    {14336, 4096, FMLP_DTYPE_F8_E4M3, kStream, kMeasured},  // 24.1 us, mma 27-36
-    {28672, 8192, FMLP_DTYPE_F8_E4M3, kStream, kMeasured},  // 73 us, mma 90
+    {4864, 896, FMLP_DTYPE_BF16, kLt, kMeasured},    // 5.06 us, stream 5.08
+    {151936, 896, FMLP_DTYPE_BF16, kLt, kMeasured},  // 70.3 us, stream 70.8
 };
 // Shapes not in the table, when the stream cannot run them: the GEMV below 6 MiB of weights (one
 // launch, no epilogue pass: the tiny projections) and for N >= 28672 (wide outputs keep every SM
-// streaming), cuBLASLt between. fp8: the stream from N >= 8192, the tensor-core entry below.
+// streaming), cuBLASLt between. fp8: the tensor-core entry.
 constexpr int64_t kLtMinBytes = int64_t(6) << 20;
 constexpr int64_t kGemvMinN = 28672;
-constexpr int64_t kFp8StreamMinN = 8192;
 
 fmlp_dtype_t table_dtype(fmlp_dtype_t t) {
   return t == FMLP_DTYPE_F16 ? FMLP_DTYPE_BF16 : t;
@@ -68,21 +65,18 @@ const LinearKernel* m1_choice(const LinearDesc& d, std::string* reason) {
       return find(e.kernel);
     }
   const LinearKernel* stream = find(kStream);
-  if (fp8) {
-    const LinearKernel* k = d.n >= kFp8StreamMinN && runs(stream, d) ? stream : find(kMma);
-    if (!runs(k, d)) return nullptr;
-    if (reason)
-      *reason = fmt::format(
-          "M=1 N={} K={} fp8 not measured: default by shape (the stream from "
-          "N >= {}): {}",
-          d.n, d.k, kFp8StreamMinN, k->name);
-    return k;
-  }
   if (runs(stream, d)) {
     if (reason)
       *reason = fmt::format("M=1 N={} K={} not measured: {} (the default wherever it runs)", d.n,
                             d.k, kStream);
     return stream;
+  }
+  if (fp8) {
+    const LinearKernel* mma = find(kMma);
+    if (!runs(mma, d)) return nullptr;
+    if (reason)
+      *reason = fmt::format("M=1 N={} K={} fp8, {} cannot run it: {}", d.n, d.k, kStream, kMma);
+    return mma;
   }
   const LinearKernel* gemv = find(kGemv);
   const LinearKernel* lt = find(kLt);

@@ -108,70 +108,6 @@ __device__ void stage_x(const StreamParams& p, XT* xs) {
   }
 }
 
-// Stages x rows [0, MT) for fp8 weights: fp16 times a power of two per token that puts the
-// largest finite |x| in [8, 16) (stream_gemv.cuh); inv[t] gets the factor that undoes it. Two
-// passes of 16-byte steps, one loop per token: the raw 16-bit values go to their slots with the
-// token's largest finite |x| taken on the way, then each thread scales the slots it wrote. (Per
-// element, with a division by k per element, this staging was half of the fp8 stream's
-// instructions: ncu, 4096 -> 14336 at M = 1.)
-template <typename XT, int MT>
-__device__ void stage_x_f16_from(const StreamParams& p, __half* xs, float* inv, unsigned* amax) {
-  const int k = p.s.k;
-  const bool vec = x_vec_ok<XT>(p);
-  const int vecs = k / 8;  // fp8 streams take k % 16 == 0
-  if (threadIdx.x < MT) amax[threadIdx.x] = 0;
-  __syncthreads();
-#pragma unroll
-  for (int t = 0; t < MT; ++t) {
-    const XT* src = static_cast<const XT*>(p.x) + int64_t(t) * p.x_ld;
-    float mx = 0.f;
-    for (int c = threadIdx.x; c < vecs; c += kStreamThreads) {
-      const uint4 v = t < p.m ? load_x16(src, c * 8, vec) : make_uint4(0, 0, 0, 0);
-      float f[8];
-      fmlp::cuda::widen8<XT>(v, f);
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (fabsf(f[j]) <= 3.4e38f) mx = fmaxf(mx, fabsf(f[j]));  // NaN / Inf stay unscaled
-      *reinterpret_cast<uint4*>(xs + int64_t(t) * k + c * 8) = v;
-    }
-    mx = fmlp::cuda::warp_max(mx);
-    if (threadIdx.x % 32 == 0) atomicMax(amax + t, __float_as_uint(mx));
-  }
-  __syncthreads();
-  if (threadIdx.x < MT) {
-    int e = 0;
-    frexpf(__uint_as_float(amax[threadIdx.x]), &e);
-    const int shift = amax[threadIdx.x] == 0 ? 0 : max(-126, min(126, 4 - e));
-    inv[threadIdx.x] = ldexpf(1.f, -shift);
-  }
-  __syncthreads();
-#pragma unroll
-  for (int t = 0; t < MT; ++t) {
-    const float mul = 1.f / inv[t];  // a power of two: v * mul is v / inv[t] exactly
-    for (int c = threadIdx.x; c < vecs; c += kStreamThreads) {
-      uint4* slot = reinterpret_cast<uint4*>(xs + int64_t(t) * k + c * 8);
-      float f[8];
-      fmlp::cuda::widen8<XT>(*slot, f);
-      uint32_t h[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const __half2 pair = __floats2half2_rn(f[2 * j] * mul, f[2 * j + 1] * mul);
-        h[j] = *reinterpret_cast<const uint32_t*>(&pair);
-      }
-      *slot = make_uint4(h[0], h[1], h[2], h[3]);
-    }
-  }
-}
-
-// The fp8 kernels have one instance for both 16-bit x dtypes: the staging picks by x's dtype.
-template <int MT>
-__device__ void stage_x_f16(const StreamParams& p, __half* xs, float* inv, unsigned* amax) {
-  if (p.x_t == FMLP_DTYPE_F16)
-    stage_x_f16_from<__half, MT>(p, xs, inv, amax);
-  else
-    stage_x_f16_from<__nv_bfloat16, MT>(p, xs, inv, amax);
-}
-
 // XDIRECT: x is read in place through L1 rather than staged (x_direct above says when and why).
 template <typename WT, typename XT, int MT, int U, bool XDIRECT>
 __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const StreamParams p) {
@@ -192,11 +128,13 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
   if constexpr (XDIRECT) {
     xrun = static_cast<const XS*>(p.x);
   } else {
-    if constexpr (kFp8)
-      stage_x_f16<MT>(p, xs, inv, amax);
-    else
-      stage_x<XT, MT>(p, xs);
+    stage_x<XT, MT>(p, xs);  // fp8: the raw 16-bit x (bf16 or fp16: XT only sizes the pieces)
     __syncthreads();
+    // fp8: x as fp16 times a power of two per token (stream_gemv.cuh). Per element, with a division
+    // by k per element, this staging was half of the fp8 stream's instructions (ncu, 4096 -> 14336
+    // at M = 1; 25.9 -> 17.9 us in 16-byte steps).
+    if constexpr (kFp8)
+      fmlp::cuda::stream_f16_scaled<MT>(xs, p.s.k, p.x_t == FMLP_DTYPE_F16, inv, amax);
   }
   auto finish = [&](int row, int t, const float(&sum)[1]) {
     if (t >= p.m) return;

@@ -1,5 +1,5 @@
 // mlp_decode_sm80_stream: the MLP of up to four tokens as two memory-order weight streams
-// (stream_gemv.cuh), for bf16/fp16 weights.
+// (stream_gemv.cuh), for bf16/fp16 weights and e4m3 weights (weight-only, bf16/fp16 x).
 //
 // Why: at M = 1 the MLP is a read of its weights, and the one-launch kernels read them well below
 // a plain stream (docs/cuda-decode.md: the cluster kernel at 47 % of DRAM peak). Here each weight
@@ -22,6 +22,12 @@
 // of fp32 staging (four blocks per multiprocessor at M <= 2 instead of three) and the shared-
 // memory reads per weight chunk. Limits: h and the normalised x in shared memory (M x hidden and
 // M x d_in elements of the weights' dtype, at most kMaxStageBytes).
+// e4m3 weights: x (normalised) and h are rounded to the activations' 16-bit dtype, as a 16-bit
+// model rounds them, h goes through the workspace in that dtype, and each kernel turns its staged
+// rows into fp16 times a power of two per token (stream_f16_scaled) for the stream's packed fp16
+// products; the epilogues undo the power of two and apply the per-tensor or per-row scales. Two
+// fp8 streams read llama3-8b's 176 MB instead of the cluster kernel's one launch (72.3 us at
+// M = 1 on an H200, session 19).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -51,11 +57,13 @@ using fmlp::cuda::opt;
 using fmlp::cuda::stage_tokens_as;
 using fmlp::cuda::store_scalar;
 using fmlp::cuda::stream_begin;
+using fmlp::cuda::stream_f16_scaled;
 using fmlp::cuda::stream_grid;
 using fmlp::cuda::stream_resident_blocks;
 using fmlp::cuda::stream_run;
 using fmlp::cuda::stream_shape;
 using fmlp::cuda::stream_span;
+using fmlp::cuda::StreamFp8;
 using fmlp::cuda::StreamShape;
 
 constexpr int kMaxTokens = 4;
@@ -68,8 +76,8 @@ constexpr size_t kMaxStageBytes = 96 * 1024;
 template <int M>
 constexpr int kMinBlocks = M <= 2 ? 4 : 3;
 
-struct StreamMlpParams : DecodeOperands {
-  void* hbuf;         // [m, hidden] in the weights' dtype, workspace, zero between calls
+struct StreamMlpParams : DecodeOperands, fmlp::cuda::Fp8Scales {
+  void* hbuf;         // [m, hidden] in the staged dtype (AT), workspace, zero between calls
   unsigned* counter;  // blocks of the down launch that staged h, zero between calls
   StreamShape up, down;
   // Groups per block requested into L2 before the previous grid is complete (W1: its first; W2:
@@ -79,13 +87,19 @@ struct StreamMlpParams : DecodeOperands {
 
 // Both kernels are launched with programmatic dependent launch: stream_begin requests the first
 // weights, then waits for the previous grid before x, h, y or the workspace are touched.
-template <typename WT, int M>
+// WT: the weights' element (StreamFp8 for e4m3), AT: the 16-bit dtype x and h are rounded to and h
+// is kept in (WT itself for 16-bit weights), XS: what the stream reads (fp16 for e4m3).
+template <typename WT, typename AT, int M>
 __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
     mlp_decode_sm80_stream_up(const StreamMlpParams p) {
+  constexpr bool kFp8 = std::is_same_v<WT, StreamFp8>;
+  using XS = std::conditional_t<kFp8, __half, WT>;
   extern __shared__ uint4 smem_v[];
-  WT* xs = reinterpret_cast<WT*>(smem_v);  // [M][k]
+  XS* xs = reinterpret_cast<XS*>(smem_v);  // [M][k]
   __shared__ float red[2][kStreamWarps][M];
   __shared__ float scratch[kStreamWarps];
+  __shared__ float inv[M];  // fp8: the per-token factor undoing the staging's power of two
+  __shared__ unsigned amax[M];
   if (int(blockIdx.x) >= p.up.groups) return;
   const bool gated = p.wu != nullptr;
   const auto sp = stream_span<WT>(p.up);
@@ -97,31 +111,42 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
   };
   uint4 cur[kStreamU];
   stream_begin<WT>(cur, p.up, sp, row_ptr, p.up_prefetch_groups);  // in flight while x is staged
-  stage_tokens_as<kStreamThreads, M>(p, xs, scratch);              // ends with __syncthreads
-  WT* h = static_cast<WT*>(p.hbuf);
+  stage_tokens_as<kStreamThreads, M>(p, reinterpret_cast<AT*>(xs), scratch);  // ends with a barrier
+  if constexpr (kFp8) stream_f16_scaled<M>(xs, p.k, std::is_same_v<AT, __half>, inv, amax);
+  // The dot product of row j of the gate / dense (UP = false) or up (UP = true) rows, dequantised.
+  auto dq = [&](float v, int t, int j, bool up) {
+    if constexpr (kFp8) v *= inv[t] * (up ? p.su[j * p.su_stride] : p.sg[j * p.sg_stride]);
+    return v;
+  };
+  AT* h = static_cast<AT*>(p.hbuf);
   if (gated) {
     auto finish = [&](int row, int t, const float(&v)[2]) {
       const int j = row >> 1;
-      const float a = v[0] + opt(p.bg, p.bg_t, j, 0.f);
-      const float u = v[1] + opt(p.bu, p.bu_t, j, 0.f);
-      h[int64_t(t) * p.h + j] = from_f<WT>(activate(p.act, a) * u);
+      const float a = dq(v[0], t, j, false) + opt(p.bg, p.bg_t, j, 0.f);
+      const float u = dq(v[1], t, j, true) + opt(p.bu, p.bu_t, j, 0.f);
+      h[int64_t(t) * p.h + j] = from_f<AT>(activate(p.act, a) * u);
     };
-    stream_run<WT, WT, M, 2>(p.up, sp, xs, row_ptr, finish, cur, red);
+    stream_run<WT, XS, M, 2>(p.up, sp, xs, row_ptr, finish, cur, red);
   } else {
     auto finish = [&](int row, int t, const float(&v)[1]) {
-      h[int64_t(t) * p.h + row] = from_f<WT>(activate(p.act, v[0] + opt(p.bg, p.bg_t, row, 0.f)));
+      h[int64_t(t) * p.h + row] =
+          from_f<AT>(activate(p.act, dq(v[0], t, row, false) + opt(p.bg, p.bg_t, row, 0.f)));
     };
-    stream_run<WT, WT, M, 1>(p.up, sp, xs, row_ptr, finish, cur, red);
+    stream_run<WT, XS, M, 1>(p.up, sp, xs, row_ptr, finish, cur, red);
   }
 }
 
-template <typename WT, int M>
+template <typename WT, typename AT, int M>
 __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
     mlp_decode_sm80_stream_down(const StreamMlpParams p) {
+  constexpr bool kFp8 = std::is_same_v<WT, StreamFp8>;
+  using XS = std::conditional_t<kFp8, __half, WT>;
   extern __shared__ uint4 smem_v[];
-  WT* hs = reinterpret_cast<WT*>(smem_v);  // [M][hidden]
+  XS* hs = reinterpret_cast<XS*>(smem_v);  // [M][hidden]
   __shared__ float red[2][kStreamWarps][M];
   __shared__ unsigned is_last;
+  __shared__ float inv[M];
+  __shared__ unsigned amax[M];
   if (int(blockIdx.x) >= p.down.groups) return;
   const auto sp = stream_span<WT>(p.down);
   auto row_ptr = [&](int row) { return static_cast<const WT*>(p.w2) + int64_t(row) * p.w2_ld; };
@@ -137,22 +162,25 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
     for (int i = threadIdx.x; i < vecs; i += kStreamThreads) hbuf[i] = make_uint4(0, 0, 0, 0);
     if (threadIdx.x == 0) *p.counter = 0;
   }
+  if constexpr (kFp8) stream_f16_scaled<M>(hs, p.h, std::is_same_v<AT, __half>, inv, amax);
   const size_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
   auto finish = [&](int row, int t, const float(&v)[1]) {
-    float r = v[0] + opt(p.b2, p.b2_t, row, 0.f);
+    float r = v[0];
+    if constexpr (kFp8) r *= inv[t] * p.s2[row * p.s2_stride];
+    r += opt(p.b2, p.b2_t, row, 0.f);
     if (p.res)
       r += load_scalar(static_cast<const char*>(p.res) + int64_t(t) * p.res_ld * es, p.act_t, row);
     store_scalar(static_cast<char*>(p.y) + int64_t(t) * p.y_ld * es, p.act_t, row, r);
   };
-  stream_run<WT, WT, M, 1>(p.down, sp, hs, row_ptr, finish, cur, red);
+  stream_run<WT, XS, M, 1>(p.down, sp, hs, row_ptr, finish, cur, red);
 }
 
-template <typename WT, int M>
+template <typename WT, typename AT, int M>
 fmlp_status_t launch(const StreamMlpParams& p, cudaStream_t s, int device) {
-  constexpr auto up = &mlp_decode_sm80_stream_up<WT, M>;
-  constexpr auto down = &mlp_decode_sm80_stream_down<WT, M>;
-  const size_t smem_up = size_t(M) * size_t(p.k) * sizeof(WT);
-  const size_t smem_down = size_t(M) * size_t(p.h) * sizeof(WT);
+  constexpr auto up = &mlp_decode_sm80_stream_up<WT, AT, M>;
+  constexpr auto down = &mlp_decode_sm80_stream_down<WT, AT, M>;
+  const size_t smem_up = size_t(M) * size_t(p.k) * sizeof(AT);
+  const size_t smem_down = size_t(M) * size_t(p.h) * sizeof(AT);
   if (fmlp_status_t st = allow_dynamic_smem<up>(smem_up, "mlp_decode_sm80_stream_up");
       st != FMLP_SUCCESS)
     return st;
@@ -173,14 +201,19 @@ fmlp_status_t launch(const StreamMlpParams& p, cudaStream_t s, int device) {
                    "mlp_decode_sm80_stream_down", p);
 }
 
-template <typename WT>
+template <typename WT, typename AT>
 fmlp_status_t dispatch(const StreamMlpParams& p, cudaStream_t s, int device) {
   switch (p.m) {
-    case 1: return launch<WT, 1>(p, s, device);
-    case 2: return launch<WT, 2>(p, s, device);
-    case 3: return launch<WT, 3>(p, s, device);
-    default: return launch<WT, 4>(p, s, device);
+    case 1: return launch<WT, AT, 1>(p, s, device);
+    case 2: return launch<WT, AT, 2>(p, s, device);
+    case 3: return launch<WT, AT, 3>(p, s, device);
+    default: return launch<WT, AT, 4>(p, s, device);
   }
+}
+
+// The 16-bit dtype x and h are staged in: the weights' own, or for e4m3 weights the activations'.
+size_t stage_elem_bytes(const MlpDesc& d) {
+  return d.w_dtype == FMLP_DTYPE_F8_E4M3 ? dtype_size(d.act_dtype) : dtype_size(d.w_dtype);
 }
 
 }  // namespace
@@ -190,20 +223,28 @@ bool mlp_decode_sm80_stream_supports(const MlpDesc& d, std::string* why) {
   if (d.m < 1 || d.m > kMaxTokens)
     return (*why = fmt::format("M={}: the stream path takes 1 to {} tokens", d.m, kMaxTokens),
             false);
-  if (d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16)
-    return (*why = fmt::format("{} weights: the stream path takes bf16 or f16",
+  const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
+  if (d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16 && !fp8)
+    return (*why = fmt::format("{} weights: the stream path takes bf16, f16 or f8_e4m3",
                                fmlp_dtype_name(d.w_dtype)),
             false);
-  if (d.d_in % 8 != 0 || d.hidden % 8 != 0)
-    return (*why = fmt::format("d_in {} and hidden {} must be multiples of 8 for 16-byte loads",
-                               d.d_in, d.hidden),
+  if (fp8 && d.act_dtype != FMLP_DTYPE_BF16 && d.act_dtype != FMLP_DTYPE_F16)
+    return (*why = fmt::format("{} activations with fp8 weights: the stream path stages x and h "
+                               "in 16 bits; use bf16/f16 activations or mlp_decode_sm90_splitk",
+                               fmlp_dtype_name(d.act_dtype)),
+            false);
+  const int64_t per_chunk = fp8 ? 16 : 8;  // weights per 16-byte load
+  if (d.d_in % per_chunk != 0 || d.hidden % per_chunk != 0)
+    return (*why = fmt::format("d_in {} and hidden {} must be multiples of {} for 16-byte loads "
+                               "of {} weights",
+                               d.d_in, d.hidden, per_chunk, fmlp_dtype_name(d.w_dtype)),
             false);
   if (!d.weights_vec16)
     return (*why =
                 "a weight matrix is not 16-byte aligned (base or row stride); pack the "
                 "weights with fmlp_mlp_pack",
             false);
-  const size_t es = dtype_size(d.w_dtype);
+  const size_t es = stage_elem_bytes(d);
   const size_t x_bytes = size_t(d.m) * size_t(d.d_in) * es,
                h_bytes = size_t(d.m) * size_t(d.hidden) * es;
   if (std::max(x_bytes, h_bytes) > kMaxStageBytes)
@@ -218,17 +259,19 @@ bool mlp_decode_sm80_stream_supports(const MlpDesc& d, std::string* why) {
 }
 
 size_t mlp_decode_sm80_stream_workspace(const MlpDesc& d) {
-  return align_up(size_t(d.m) * size_t(d.hidden) * dtype_size(d.w_dtype)) + align_up(4);
+  return align_up(size_t(d.m) * size_t(d.hidden) * stage_elem_bytes(d)) + align_up(4);
 }
 
 fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc& d,
                                          void* workspace, void* stream) {
   StreamMlpParams p{};
   static_cast<DecodeOperands&>(p) = fmlp::cuda::decode_operands(a, d);
+  const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
+  if (fp8) static_cast<fmlp::cuda::Fp8Scales&>(p) = fmlp::cuda::fp8_scales(a, d);
   char* base = static_cast<char*>(workspace);
   p.hbuf = base;
   p.counter = reinterpret_cast<unsigned*>(
-      base + align_up(size_t(d.m) * size_t(d.hidden) * dtype_size(d.w_dtype)));
+      base + align_up(size_t(d.m) * size_t(d.hidden) * stage_elem_bytes(d)));
   const int es = int(dtype_size(d.w_dtype));
   p.up = stream_shape(d.gated ? 2 * d.hidden : d.hidden, d.d_in, es, d.gated ? 2 : 1);
   p.down = stream_shape(d.d_out, d.hidden, es);
@@ -252,8 +295,11 @@ fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc
   const DeviceScope scope(d.device_id);
   if (scope.status() != FMLP_SUCCESS) return scope.status();
   auto s = static_cast<cudaStream_t>(stream);
-  return d.w_dtype == FMLP_DTYPE_F16 ? dispatch<__half>(p, s, d.device_id)
-                                     : dispatch<__nv_bfloat16>(p, s, d.device_id);
+  if (fp8)
+    return d.act_dtype == FMLP_DTYPE_F16 ? dispatch<StreamFp8, __half>(p, s, d.device_id)
+                                         : dispatch<StreamFp8, __nv_bfloat16>(p, s, d.device_id);
+  return d.w_dtype == FMLP_DTYPE_F16 ? dispatch<__half, __half>(p, s, d.device_id)
+                                     : dispatch<__nv_bfloat16, __nv_bfloat16>(p, s, d.device_id);
 }
 
 }  // namespace fmlp::detail

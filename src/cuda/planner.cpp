@@ -80,6 +80,20 @@ std::string shape_text(const MlpDesc& d) {
                      fmlp_dtype_name(d.act_dtype), w);
 }
 
+// fp8 weights on the weight streams (mlp_decode_sm80_stream) against the next decode entry, the
+// cluster kernel, measured on an H200 (session 21, per-row scales, us, stream / cluster): M = 1
+// gpt2-small 8.0 / 15.7, 4096 -> 4096 17.7 / 34.9, llama3-8b 54.1 / 72.3; M = 2 11.9 / 15.9,
+// 26.9 / 35.6, 82.6 / 72.9; M = 4 16.6 / 16.1, 51.4 / 36.7 (llama3-8b's h does not fit the
+// stream's shared memory). Each token adds a packed-fp16 dot product per weight chunk, so a large
+// stream is issue bound from two tokens on: the streams take fp8 at M = 1, and at M = 2 below
+// 64 MiB of weights.
+constexpr int64_t kFp8StreamM2MaxBytes = int64_t(64) << 20;
+bool fp8_stream_preferred(const MlpDesc& d) {
+  if (d.w_dtype != FMLP_DTYPE_F8_E4M3) return true;
+  const int64_t bytes = (d.gated ? 2 : 1) * d.hidden * d.d_in + d.d_out * d.hidden;
+  return d.m == 1 || (d.m == 2 && bytes < kFp8StreamM2MaxBytes);
+}
+
 // What the prefill path does differently for fp8 weights, for explain.
 const char* fp8_note(const MlpDesc& d, bool prefill) {
   if (d.w_dtype != FMLP_DTYPE_F8_E4M3) return "";
@@ -120,6 +134,7 @@ const MlpKernel* cuda_plan(const MlpDesc& d, std::string* reason) {
   for (size_t i = 0; i < l.count; ++i) {
     const MlpKernel& k = l.kernels[i];
     if (&k == prefill && d.m >= c.m) continue;  // already asked
+    if (std::strcmp(k.name, "mlp_decode_sm80_stream") == 0 && !fp8_stream_preferred(d)) continue;
     if (!k.supports(d, &why)) continue;
     if (reason)
       *reason = d.m >= c.m ? fmt::format(

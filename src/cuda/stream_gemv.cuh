@@ -294,6 +294,66 @@ __device__ __forceinline__ float stream_dot16_f16(const uint32_t (&h)[8], const 
   return f.x + f.y;
 }
 
+// For fp8 weights: the staged token rows xs [MT][k] (16-bit values of x's dtype AT, k a multiple
+// of 8) become, in place, fp16 times a power of two per token that puts the token's largest
+// finite |x| in [8, 16) (file comment); inv[t] gets the factor that undoes it. Each thread reads
+// and rewrites the same 16-byte pieces, one loop per token (no division by k). Every thread of the
+// block calls it once the rows are staged and visible; it ends with a barrier.
+template <typename AT, int MT>
+__device__ void stream_f16_scaled_from(__half* xs, int k, float* inv, unsigned* amax) {
+  const int vecs = k / 8;
+  if (threadIdx.x < MT) amax[threadIdx.x] = 0;
+  __syncthreads();
+#pragma unroll
+  for (int t = 0; t < MT; ++t) {
+    float mx = 0.f;
+    for (int c = threadIdx.x; c < vecs; c += kStreamThreads) {
+      float f[8];
+      widen8<AT>(reinterpret_cast<const uint4*>(xs + int64_t(t) * k)[c], f);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (fabsf(f[j]) <= 3.4e38f) mx = fmaxf(mx, fabsf(f[j]));  // NaN / Inf stay unscaled
+    }
+    mx = warp_max(mx);
+    if (threadIdx.x % 32 == 0) atomicMax(amax + t, __float_as_uint(mx));
+  }
+  __syncthreads();
+  if (threadIdx.x < MT) {
+    int e = 0;
+    frexpf(__uint_as_float(amax[threadIdx.x]), &e);
+    const int shift = amax[threadIdx.x] == 0 ? 0 : max(-126, min(126, 4 - e));
+    inv[threadIdx.x] = ldexpf(1.f, -shift);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int t = 0; t < MT; ++t) {
+    const float mul = 1.f / inv[t];  // a power of two: v * mul is v / inv[t] exactly
+    for (int c = threadIdx.x; c < vecs; c += kStreamThreads) {
+      uint4* slot = reinterpret_cast<uint4*>(xs + int64_t(t) * k) + c;
+      float f[8];
+      widen8<AT>(*slot, f);
+      uint32_t h[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const __half2 pair = __floats2half2_rn(f[2 * j] * mul, f[2 * j + 1] * mul);
+        h[j] = *reinterpret_cast<const uint32_t*>(&pair);
+      }
+      *slot = make_uint4(h[0], h[1], h[2], h[3]);
+    }
+  }
+  __syncthreads();
+}
+
+// stream_f16_scaled_from for x's dtype at run time (fp16 when `f16`, else bf16): the fp8 kernels
+// have one instance for both.
+template <int MT>
+__device__ void stream_f16_scaled(__half* xs, int k, bool f16, float* inv, unsigned* amax) {
+  if (f16)
+    stream_f16_scaled_from<__half, MT>(xs, k, inv, amax);
+  else
+    stream_f16_scaled_from<__nv_bfloat16, MT>(xs, k, inv, amax);
+}
+
 // The stream itself, from group blockIdx.x on (< s.groups) with `cur` holding its first batch
 // (stream_load<WT, SKIP>(cur, s, sp, row_ptr, blockIdx.x, 0)) and x staged; every thread of the
 // block calls it. x_rows is the staged x ([MT][k]) of every row, or a functor whose x_rows(row)
