@@ -478,6 +478,42 @@ TEST(Planner, Fp8DecodeAtFewTokensW8A8AtMany) {
   }
 }
 
+// fp8 weights below the crossover: the weight streams at M = 1, and at M = 2 while the fp8
+// weights stay under 64 MiB; beyond that the next decode entry, and explain says why the streams
+// were passed over (planner.cpp, measured on an H200).
+TEST(Planner, Fp8StreamsAtOneTokenNextDecodeEntryForLargeWeightsAtTwo) {
+  SKIP_WITHOUT_GPU();
+  struct Want {
+    int64_t m, d_in, hidden;
+    bool stream;
+  };
+  // 512 x 1024 gated: 1.5 MiB of fp8 weights; 4096 x 8192 gated: 96 MiB.
+  for (const Want w : {Want{1, 512, 1024, true}, Want{2, 512, 1024, true},
+                       Want{1, 4096, 8192, true}, Want{2, 4096, 8192, false}}) {
+    MlpCase c = fp8_case(w.m, w.d_in, w.hidden, w.d_in, FMLP_DTYPE_BF16);
+    c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.per_row_scale = true;
+    normalize(&c);
+    PlacedCase p(c, true);
+    const std::string report = explain(p.args());
+    const std::string at = "M=" + std::to_string(w.m) + " d_in=" + std::to_string(w.d_in) + ": ";
+    EXPECT_EQ(report.find("chosen   mlp_decode_sm80_stream") != std::string::npos, w.stream)
+        << at << report;
+    EXPECT_EQ(report.find("mlp_decode_sm80_stream passed over") != std::string::npos, !w.stream)
+        << at << report;
+    EXPECT_EQ(report.find(std::string("chosen   ") + kPrefill), std::string::npos) << at << report;
+    if (w.d_in > 512) continue;  // the large shape's run is covered by the stream sections
+    const CaseData data = make_data(c, mix_seed(test_seed(), 970 + uint64_t(w.m)));
+    p.upload(data);
+    Buffer ws;
+    const RunOutcome run = run_kernel(p, nullptr, &ws);
+    ASSERT_EQ(run.status, FMLP_SUCCESS) << at << run.error;
+    std::string stray;
+    const CompareOutcome cmp = compare(c, p.download_y(&stray), reference(c, data));
+    EXPECT_TRUE(cmp.ok) << at << cmp.detail;
+    EXPECT_TRUE(stray.empty()) << at << stray;
+  }
+}
+
 // ---- gated 16-bit GEMM1 as one sm_90a kernel (gemm_sm90_wgmma_gated) ----
 // Gated bf16/f16 requests with 16-byte aligned x, weights and rows run GEMM1 + bias + activation
 // + gate product as one wgmma kernel on compute capability 9.0 when FMLP_PREFILL_WGMMA=1 (ctest

@@ -87,11 +87,14 @@ std::string shape_text(const MlpDesc& d) {
 // stream's shared memory). Each token adds a packed-fp16 dot product per weight chunk, so a large
 // stream is issue bound from two tokens on: the streams take fp8 at M = 1, and at M = 2 below
 // 64 MiB of weights.
+constexpr const char* kStreamName = "mlp_decode_sm80_stream";
 constexpr int64_t kFp8StreamM2MaxBytes = int64_t(64) << 20;
+int64_t fp8_weight_bytes(const MlpDesc& d) {
+  return (d.gated ? 2 : 1) * d.hidden * d.d_in + d.d_out * d.hidden;
+}
 bool fp8_stream_preferred(const MlpDesc& d) {
   if (d.w_dtype != FMLP_DTYPE_F8_E4M3) return true;
-  const int64_t bytes = (d.gated ? 2 : 1) * d.hidden * d.d_in + d.d_out * d.hidden;
-  return d.m == 1 || (d.m == 2 && bytes < kFp8StreamM2MaxBytes);
+  return d.m == 1 || (d.m == 2 && fp8_weight_bytes(d) < kFp8StreamM2MaxBytes);
 }
 
 // What the prefill path does differently for fp8 weights, for explain.
@@ -131,11 +134,18 @@ const MlpKernel* cuda_plan(const MlpDesc& d, std::string* reason) {
   }
   // Below the crossover (or when the prefill path cannot run it): table order, decode first.
   const MlpKernelList l = cuda_mlp_kernels();
+  std::string passed_over;
   for (size_t i = 0; i < l.count; ++i) {
     const MlpKernel& k = l.kernels[i];
     if (&k == prefill && d.m >= c.m) continue;  // already asked
-    if (std::strcmp(k.name, "mlp_decode_sm80_stream") == 0 && !fp8_stream_preferred(d)) continue;
     if (!k.supports(d, &why)) continue;
+    if (std::strcmp(k.name, kStreamName) == 0 && !fp8_stream_preferred(d)) {
+      passed_over = fmt::format(
+          "; {} passed over: fp8 weights ({} MiB) at M={}, where it is slower (it takes fp8 at "
+          "M = 1, and at M = 2 below {} MiB; measured on NVIDIA H200)",
+          kStreamName, fp8_weight_bytes(d) >> 20, d.m, kFp8StreamM2MaxBytes >> 20);
+      continue;
+    }
     if (reason)
       *reason = d.m >= c.m ? fmt::format(
                                  "M={} >= crossover {} ({}) for {}, but {} cannot run it; "
@@ -143,6 +153,7 @@ const MlpKernel* cuda_plan(const MlpDesc& d, std::string* reason) {
                                  d.m, c.m, c.source, shape_text(d), kPrefillKernelName)
                            : fmt::format("M={} < crossover {} ({}) for {}: decode kernels first{}",
                                          d.m, c.m, c.source, shape_text(d), fp8_note(d, false));
+    if (reason) *reason += passed_over;
     return &k;
   }
   if (reason) *reason = "no CUDA kernel handles the request";

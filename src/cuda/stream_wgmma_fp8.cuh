@@ -2,9 +2,10 @@
 // (linear_wgmma_fp8.cu) and mlp_decode_sm90_wgmma_fp8 (mlp_decode_wgmma_fp8.cu): y_row = W_row . x
 // for up to four tokens, W (e4m3) read once by TMA and multiplied by wgmma without widening it.
 //
-// Why: the CUDA-core fp8 streams (stream_gemv.cuh) are bound by the e4m3 -> fp16 conversions (8
-// per 16 bytes of W): 4096 -> 14336 at M = 1 takes 26.8 us against a 14.9 us read on an H200.
-// wgmma multiplies e4m3 directly (m64n8k32), so the only per-weight work is the tensor cores'.
+// Why: the CUDA-core fp8 streams (stream_gemv.cuh) convert e4m3 -> fp16 (8 per 16 bytes of W);
+// 4096 -> 14336 at M = 1 took 26.8 us against a 14.9 us read on an H200 when this was written
+// (17.9 since session 21 fixed their x staging, which had been half their instructions). wgmma
+// multiplies e4m3 directly (m64n8k32), so the only per-weight work is the tensor cores'.
 // Its B operand must be e4m3 too, so each token's x (bf16/fp16) is split exactly into two e4m3
 // parts, hi = e4m3(x 2^e) and lo = e4m3(x 2^e - hi), 2^e a power of two per token and k slice that
 // puts the slice's largest finite |x| in [2^7, 2^8): hi + lo keeps 8 significant bits (all of bf16;
