@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstring>
 #include <type_traits>
 
 #include "core/mlp_desc.hpp"
@@ -26,6 +27,19 @@ __device__ __forceinline__ void widen8(const uint4& v, float (&f)[8]) {
       f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
   }
+}
+
+// The 16 bytes of a row of T from element c: one load where the row allows it (`vec`: 16-byte
+// aligned there), else one load per element (misaligned views).
+template <typename T>
+__device__ __forceinline__ uint4 load_16b(const T* src, int64_t c, bool vec) {
+  if (vec) return *reinterpret_cast<const uint4*>(src + c);
+  T e[16 / sizeof(T)];
+#pragma unroll
+  for (int j = 0; j < int(16 / sizeof(T)); ++j) e[j] = src[c + j];
+  uint4 v;
+  memcpy(&v, e, sizeof(v));
+  return v;
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -31,7 +31,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <utility>
 
 #include "core/dtype.hpp"
@@ -124,17 +123,6 @@ __device__ __forceinline__ uint4 widen_e4m3x8(uint32_t lo, uint32_t hi) {
                     e4m3x2_to_f16x2(uint16_t(hi)), e4m3x2_to_f16x2(uint16_t(hi >> 16)));
 }
 
-// Eight 16-bit values of a token row from column c: one 16-byte load where x allows it.
-__device__ __forceinline__ uint4 load_x8_u16(const unsigned short* row, int c, bool vec) {
-  if (vec) return *reinterpret_cast<const uint4*>(row + c);
-  unsigned short e[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) e[i] = row[c + i];
-  uint4 v;
-  memcpy(&v, e, sizeof(v));
-  return v;
-}
-
 // The fp8 path's staging: columns [k0, k0 + width) of the tokens as fp16 (zeros past M and past
 // `cols`); inv[m] gets the factor that undoes the token's power of two (see the file comment).
 // 16-bit x is read 8 values per step and each token's largest |x| is reduced per warp (one shared
@@ -153,7 +141,7 @@ __device__ void stage_f16(const MmaParams& p, unsigned short* xs, float* inv, un
       float mx = 0.f;
       for (int c = threadIdx.x * 8; c < cols; c += kThreads * 8) {  // cols: a multiple of 16
         float f[8];
-        fmlp::cuda::widen8<__nv_bfloat16>(load_x8_u16(row, c, p.x_vec16), f);
+        fmlp::cuda::widen8<__nv_bfloat16>(fmlp::cuda::load_16b(row, c, p.x_vec16), f);
 #pragma unroll
         for (int i = 0; i < 8; ++i)
           if (fabsf(f[i]) <= 3.4e38f) mx = fmaxf(mx, fabsf(f[i]));  // finite only
@@ -186,7 +174,8 @@ __device__ void stage_f16(const MmaParams& p, unsigned short* xs, float* inv, un
         for (int i = 0; i < 4; ++i) h[i] = e4m3x2_to_f16x2(uint16_t(b[2 * i] | b[2 * i + 1] << 8));
       } else {
         float f[8];
-        const uint4 raw = load_x8_u16(reinterpret_cast<const unsigned short*>(row), c, p.x_vec16);
+        const uint4 raw =
+            fmlp::cuda::load_16b(reinterpret_cast<const unsigned short*>(row), c, p.x_vec16);
         if (bf16)
           fmlp::cuda::widen8<__nv_bfloat16>(raw, f);
         else

@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "core/dtype.hpp"
@@ -71,19 +70,6 @@ bool x_direct(const LinearDesc& d, const void* x, const StreamShape& s) {
   return x_bytes >= 4096 && w_per_block <= 4 * x_bytes;
 }
 
-// The 16 bytes of token row `src` (x's dtype XT) from element c: one load where x allows it
-// (`vec`), else one load per element.
-template <typename XT>
-__device__ __forceinline__ uint4 load_x16(const XT* src, int64_t c, bool vec) {
-  if (vec) return *reinterpret_cast<const uint4*>(src + c);
-  XT e[16 / sizeof(XT)];
-#pragma unroll
-  for (int j = 0; j < int(16 / sizeof(XT)); ++j) e[j] = src[c + j];
-  uint4 v;
-  memcpy(&v, e, sizeof(v));
-  return v;
-}
-
 // Whether token rows of x can be read as 16-byte pieces.
 template <typename XT>
 __device__ __forceinline__ bool x_vec_ok(const StreamParams& p) {
@@ -104,7 +90,7 @@ __device__ void stage_x(const StreamParams& p, XT* xs) {
     const XT* src = static_cast<const XT*>(p.x) + int64_t(t) * p.x_ld;
     for (int c = threadIdx.x; c < vecs; c += kStreamThreads)
       *reinterpret_cast<uint4*>(xs + int64_t(t) * k + c * kPerVec) =
-          t < p.m ? load_x16(src, c * kPerVec, vec) : make_uint4(0, 0, 0, 0);
+          t < p.m ? fmlp::cuda::load_16b(src, c * kPerVec, vec) : make_uint4(0, 0, 0, 0);
   }
 }
 
