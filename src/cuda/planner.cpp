@@ -84,9 +84,9 @@ std::string shape_text(const MlpDesc& d) {
 // cluster kernel, measured on an H200 (session 21, per-row scales, us, stream / cluster): M = 1
 // gpt2-small 8.0 / 15.7, 4096 -> 4096 17.7 / 34.9, llama3-8b 54.1 / 72.3; M = 2 11.9 / 15.9,
 // 26.9 / 35.6, 82.6 / 72.9; M = 4 16.6 / 16.1, 51.4 / 36.7 (llama3-8b's h does not fit the
-// stream's shared memory). Each token adds a packed-fp16 dot product per weight chunk, so a large
-// stream is issue bound from two tokens on: the streams take fp8 at M = 1, and at M = 2 below
-// 64 MiB of weights.
+// stream's shared memory). Each token adds two 16-byte x loads from shared memory and a
+// packed-fp16 dot product per weight chunk, and llama3-8b's stream falls behind from two tokens
+// on: the streams take fp8 at M = 1, and at M = 2 below 64 MiB of weights.
 constexpr const char* kStreamName = "mlp_decode_sm80_stream";
 constexpr int64_t kFp8StreamM2MaxBytes = int64_t(64) << 20;
 int64_t fp8_weight_bytes(const MlpDesc& d) {
