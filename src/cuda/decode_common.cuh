@@ -29,6 +29,33 @@ __device__ __forceinline__ void widen8(const uint4& v, float (&f)[8]) {
   }
 }
 
+// Two e4m3 values (the first in the low byte) as fp16x2 (the first in the low half), exactly.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair) {
+  uint32_t h = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(uint16_t(pair)));
+#else
+  (void)pair;  // the entries that use it decline fp8 weights below sm_89
+#endif
+  return h;
+}
+
+// Eight e4m3 weights (two words, lowest address in the low byte of lo) as eight fp16.
+__device__ __forceinline__ uint4 widen_e4m3x8(uint32_t lo, uint32_t hi) {
+  return make_uint4(e4m3x2_to_f16x2(lo), e4m3x2_to_f16x2(lo >> 16), e4m3x2_to_f16x2(hi),
+                    e4m3x2_to_f16x2(hi >> 16));
+}
+
+// The exponent s for which amax * 2^s lies in [2^(top - 1), 2^top) (amax a finite |value| as
+// float bits; 0: none, s = 0), clamped so 2^s and 2^-s stay normal floats: the power of two per
+// token with which 16-bit x or h is staged as fp16 for fp8 weights.
+__device__ __forceinline__ int pow2_shift_to(unsigned amax_bits, int top) {
+  if (amax_bits == 0) return 0;
+  int e = 0;
+  frexpf(__uint_as_float(amax_bits), &e);
+  return max(-126, min(126, top - e));
+}
+
 // The 16 bytes of a row of T from element c: one load where the row allows it (`vec`: 16-byte
 // aligned there), else one load per element (misaligned views).
 template <typename T>

@@ -51,6 +51,7 @@ using fmlp::cuda::load_scalar;
 using fmlp::cuda::mma_step;
 using fmlp::cuda::pipelined;
 using fmlp::cuda::store_scalar;
+using fmlp::cuda::widen_e4m3x8;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
@@ -106,23 +107,6 @@ __device__ void stage(const MmaParams& p, unsigned short* xs, int k0, int cols, 
   }
 }
 
-// Two e4m3 values (the first in the low byte) as fp16x2, exactly.
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t pair) {
-  uint32_t h = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(pair));
-#else
-  (void)pair;  // supports() keeps fp8 off devices below sm_89
-#endif
-  return h;
-}
-
-// Eight e4m3 weights (two words) as eight fp16 (see the file comment).
-__device__ __forceinline__ uint4 widen_e4m3x8(uint32_t lo, uint32_t hi) {
-  return make_uint4(e4m3x2_to_f16x2(uint16_t(lo)), e4m3x2_to_f16x2(uint16_t(lo >> 16)),
-                    e4m3x2_to_f16x2(uint16_t(hi)), e4m3x2_to_f16x2(uint16_t(hi >> 16)));
-}
-
 // The fp8 path's staging: columns [k0, k0 + width) of the tokens as fp16 (zeros past M and past
 // `cols`); inv[m] gets the factor that undoes the token's power of two (see the file comment).
 // 16-bit x is read 8 values per step and each token's largest |x| is reduced per warp (one shared
@@ -153,10 +137,7 @@ __device__ void stage_f16(const MmaParams& p, unsigned short* xs, float* inv, un
   __syncthreads();
   float mul = 1.f;  // this thread's token's power of two
   if (bf16 && threadIdx.x < NT * 8) {
-    int e = 0;
-    frexpf(__uint_as_float(amax[threadIdx.x]), &e);
-    const int shift = amax[threadIdx.x] == 0 ? 0 : max(-126, min(126, 15 - e));
-    inv[threadIdx.x] = ldexpf(1.f, -shift);
+    inv[threadIdx.x] = ldexpf(1.f, -fmlp::cuda::pow2_shift_to(amax[threadIdx.x], 15));
   } else if (threadIdx.x < NT * 8) {
     inv[threadIdx.x] = 1.f;
   }
@@ -171,7 +152,8 @@ __device__ void stage_f16(const MmaParams& p, unsigned short* xs, float* inv, un
       if (fp8) {
         const auto* b = reinterpret_cast<const uint8_t*>(row) + c;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) h[i] = e4m3x2_to_f16x2(uint16_t(b[2 * i] | b[2 * i + 1] << 8));
+        for (int i = 0; i < 4; ++i)
+          h[i] = fmlp::cuda::e4m3x2_to_f16x2(b[2 * i] | b[2 * i + 1] << 8);
       } else {
         float f[8];
         const uint4 raw =

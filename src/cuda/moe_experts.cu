@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, Pipe<NT>::kMinBlocks)
       }
       __syncthreads();
       for (int i = threadIdx.x; i < CH * w32; i += kThreads) {
-        const int m = i / w32, lu = i % w32, shift = fmlp::cuda::f16_shift(hmax[m]);
+        const int m = i / w32, lu = i % w32, shift = fmlp::cuda::pow2_shift_to(hmax[m], 15);
         if (lu == 0) hinv[m] = ldexpf(1.f, -shift);
         hs[m * HS + lu] =
             __float2half_rn(lu < w ? h32[m * kMoeH32Stride + lu] * ldexpf(1.f, shift) : 0.f);

@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x % 32 == 0) atomicMax(&amax, __float_as_uint(m));  // bits order as values
   }
   __syncthreads();
-  const int shift = fmlp::cuda::f16_shift(amax);
+  const int shift = fmlp::cuda::pow2_shift_to(amax, 15);
   const float mul = ldexpf(1.f, shift);
   if (threadIdx.x == 0) inv[r] = ldexpf(1.f, -shift);
   uint16_t* out = dst + int64_t(r) * cols;

@@ -19,34 +19,10 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "cuda/decode_common.cuh"
 #include "cuda/moe_cuda.hpp"
 
 namespace fmlp::cuda {
-
-// Two e4m3 values (the first in the low byte) as fp16x2 (the first in the low half), exactly.
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair) {
-  uint32_t h = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(uint16_t(pair)));
-#else
-  (void)pair;  // the entries decline fp8 experts below sm_89
-#endif
-  return h;
-}
-
-// Eight e4m3 weights (two words, lowest address in the low byte of lo) as eight fp16.
-__device__ __forceinline__ uint4 widen_e4m3x8(uint32_t lo, uint32_t hi) {
-  return make_uint4(e4m3x2_to_f16x2(lo), e4m3x2_to_f16x2(lo >> 16), e4m3x2_to_f16x2(hi),
-                    e4m3x2_to_f16x2(hi >> 16));
-}
-
-// The power of two that puts amax (a finite |value|, as float bits; 0: none) in [2^14, 2^15).
-__device__ __forceinline__ int f16_shift(unsigned amax_bits) {
-  if (amax_bits == 0) return 0;
-  int e = 0;
-  frexpf(__uint_as_float(amax_bits), &e);
-  return max(-126, min(126, 15 - e));
-}
 
 // Expert e's dequantisation scale of row r: s[e * s_e + r * s_r] (s_r = 0: one per expert).
 __device__ __forceinline__ float expert_row_scale(const float* s, int64_t s_e, int64_t s_r, int e,

@@ -319,12 +319,7 @@ __device__ void stream_f16_scaled_from(__half* xs, int k, float* inv, unsigned* 
     if (threadIdx.x % 32 == 0) atomicMax(amax + t, __float_as_uint(mx));
   }
   __syncthreads();
-  if (threadIdx.x < MT) {
-    int e = 0;
-    frexpf(__uint_as_float(amax[threadIdx.x]), &e);
-    const int shift = amax[threadIdx.x] == 0 ? 0 : max(-126, min(126, 4 - e));
-    inv[threadIdx.x] = ldexpf(1.f, -shift);
-  }
+  if (threadIdx.x < MT) inv[threadIdx.x] = ldexpf(1.f, -pow2_shift_to(amax[threadIdx.x], 4));
   __syncthreads();
 #pragma unroll
   for (int t = 0; t < MT; ++t) {
