@@ -514,6 +514,31 @@ TEST(Planner, Fp8StreamsAtOneTokenNextDecodeEntryForLargeWeightsAtTwo) {
   }
 }
 
+// The weight streams stage x and h in 16 bits: fp8 weights with fp32 activations are declined with
+// a reason that names the activations, and another decode entry runs the call.
+TEST(Planner, Fp8StreamsDeclineF32Activations) {
+  SKIP_WITHOUT_GPU();
+  MlpCase c = fp8_case(1, 512, 1024, 512, FMLP_DTYPE_F32);
+  c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.per_row_scale = true;
+  normalize(&c);
+  PlacedCase p(c, true);
+  EXPECT_EQ(fmlp_mlp_kernel_supports(&p.args(), "mlp_decode_sm80_stream"),
+            FMLP_ERROR_NOT_SUPPORTED);
+  EXPECT_NE(std::string(fmlp_last_error()).find("f32 activations with fp8 weights"),
+            std::string::npos)
+      << fmlp_last_error();
+  const std::string report = explain(p.args());
+  EXPECT_EQ(report.find("chosen   mlp_decode_sm80_stream"), std::string::npos) << report;
+  const CaseData data = make_data(c, mix_seed(test_seed(), 990));
+  p.upload(data);
+  Buffer ws;
+  const RunOutcome run = run_kernel(p, nullptr, &ws);
+  ASSERT_EQ(run.status, FMLP_SUCCESS) << run.error;
+  std::string stray;
+  const CompareOutcome cmp = compare(c, p.download_y(&stray), reference(c, data));
+  EXPECT_TRUE(cmp.ok) << cmp.detail;
+}
+
 // ---- gated 16-bit GEMM1 as one sm_90a kernel (gemm_sm90_wgmma_gated) ----
 // Gated bf16/f16 requests with 16-byte aligned x, weights and rows run GEMM1 + bias + activation
 // + gate product as one wgmma kernel on compute capability 9.0 when FMLP_PREFILL_WGMMA=1 (ctest
