@@ -309,6 +309,14 @@ MlpCase fp8_case(int64_t m, int64_t d_in, int64_t hidden, int64_t d_out, fmlp_dt
   return c;
 }
 
+// A llama-style fp8 MLP (stacked gate/up, SiLU, per-row scales, d_out = d_in), normalised.
+MlpCase fp8_swiglu_case(int64_t m, int64_t d_in, int64_t hidden, fmlp_dtype_t t) {
+  MlpCase c = fp8_case(m, d_in, hidden, d_in, t);
+  c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.per_row_scale = true;
+  normalize(&c);
+  return c;
+}
+
 // tolerance.hpp's W8A8 budget (compare() applies it to gemm-composed kernels with fp8 weights):
 // every element within kW8A8Rtol and the non-finite classes of the reference, and the case's rms
 // of |out - ref| / (|ref| + scale) within kW8A8RmsBound.
@@ -439,9 +447,7 @@ TEST(PrefillFp8, GraphCaptureAfterWarmCall) {
 // A scale vector of the wrong length never reaches the kernel: validation names it.
 TEST(PrefillFp8, WrongScaleLengthRejected) {
   SKIP_WITHOUT_GPU();
-  MlpCase c = fp8_case(64, 64, 64, 64, FMLP_DTYPE_BF16);
-  c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.per_row_scale = true;
-  normalize(&c);
+  MlpCase c = fp8_swiglu_case(64, 64, 64, FMLP_DTYPE_BF16);
   PlacedCase p(c, true);
   fmlp_mlp_args_t args = p.args();
   args.weights.w1_scale.shape[0] = c.hidden;  // stacked gated weights need 2 * hidden
@@ -453,9 +459,7 @@ TEST(PrefillFp8, WrongScaleLengthRejected) {
 TEST(Planner, Fp8DecodeAtFewTokensW8A8AtMany) {
   SKIP_WITHOUT_GPU();
   for (const int64_t m : {1, 300}) {
-    MlpCase c = fp8_case(m, 512, 1024, 512, FMLP_DTYPE_BF16);
-    c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.per_row_scale = true;
-    normalize(&c);
+    MlpCase c = fp8_swiglu_case(m, 512, 1024, FMLP_DTYPE_BF16);
     PlacedCase p(c, true);
     const std::string report = explain(p.args());
     const bool prefill = report.find(std::string("chosen   ") + kPrefill) != std::string::npos;
@@ -490,9 +494,7 @@ TEST(Planner, Fp8StreamsAtOneTokenNextDecodeEntryForLargeWeightsAtTwo) {
   // 512 x 1024 gated: 1.5 MiB of fp8 weights; 4096 x 8192 gated: 96 MiB.
   for (const Want w : {Want{1, 512, 1024, true}, Want{2, 512, 1024, true},
                        Want{1, 4096, 8192, true}, Want{2, 4096, 8192, false}}) {
-    MlpCase c = fp8_case(w.m, w.d_in, w.hidden, w.d_in, FMLP_DTYPE_BF16);
-    c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.per_row_scale = true;
-    normalize(&c);
+    MlpCase c = fp8_swiglu_case(w.m, w.d_in, w.hidden, FMLP_DTYPE_BF16);
     PlacedCase p(c, true);
     const std::string report = explain(p.args());
     const std::string at = "M=" + std::to_string(w.m) + " d_in=" + std::to_string(w.d_in) + ": ";
@@ -518,9 +520,7 @@ TEST(Planner, Fp8StreamsAtOneTokenNextDecodeEntryForLargeWeightsAtTwo) {
 // a reason that names the activations, and another decode entry runs the call.
 TEST(Planner, Fp8StreamsDeclineF32Activations) {
   SKIP_WITHOUT_GPU();
-  MlpCase c = fp8_case(1, 512, 1024, 512, FMLP_DTYPE_F32);
-  c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.per_row_scale = true;
-  normalize(&c);
+  MlpCase c = fp8_swiglu_case(1, 512, 1024, FMLP_DTYPE_F32);
   PlacedCase p(c, true);
   EXPECT_EQ(fmlp_mlp_kernel_supports(&p.args(), "mlp_decode_sm80_stream"),
             FMLP_ERROR_NOT_SUPPORTED);
