@@ -280,11 +280,19 @@ __device__ __forceinline__ bool stream_widen_e4m3(const uint4& w, uint32_t (&h)[
   return !(nan & 0x80008000u);
 }
 
-// The widened chunk h times the 16 staged fp16 x values of chunk c, summed in fp16 pairs, as
-// fp32.
+// The 16-byte piece of staged fp16 x holding half `half` (x values 8 * half .. + 7) of fp8
+// chunk c. Consecutive lanes read consecutive chunks, 32 bytes apart: in order, the 8 lanes of a
+// quarter-warp would hit every bank twice per load. Chunks 4..7 of every 8 keep their halves
+// swapped, so each load's 8 pieces fall in 8 different 16-byte bank groups.
+__device__ __forceinline__ int stream_f16_piece(int c, int half) {
+  return 2 * c + (half ^ ((c >> 2) & 1));
+}
+
+// The widened chunk h times the 16 staged fp16 x values of chunk c (stream_f16_piece order),
+// summed in fp16 pairs, as fp32.
 __device__ __forceinline__ float stream_dot16_f16(const uint32_t (&h)[8], const __half* xr, int c) {
-  const uint4 xa = reinterpret_cast<const uint4*>(xr)[2 * c];
-  const uint4 xb = reinterpret_cast<const uint4*>(xr)[2 * c + 1];
+  const uint4 xa = reinterpret_cast<const uint4*>(xr)[stream_f16_piece(c, 0)];
+  const uint4 xb = reinterpret_cast<const uint4*>(xr)[stream_f16_piece(c, 1)];
   const uint32_t xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
   __half2 acc = __float2half2_rn(0.f);
 #pragma unroll
@@ -296,10 +304,11 @@ __device__ __forceinline__ float stream_dot16_f16(const uint32_t (&h)[8], const 
 }
 
 // For fp8 weights: the staged token rows xs [MT][k] (16-bit values of x's dtype AT, k a multiple
-// of 8) become, in place, fp16 times a power of two per token that puts the token's largest
-// finite |x| in [8, 16) (file comment); inv[t] gets the factor that undoes it. Each thread reads
-// and rewrites the same 16-byte pieces, one loop per token (no division by k). Every thread of the
-// block calls it once the rows are staged and visible; it ends with a barrier.
+// of 16) become, in place, fp16 times a power of two per token that puts the token's largest
+// finite |x| in [8, 16) (file comment), each chunk's halves in stream_f16_piece order; inv[t]
+// gets the factor that undoes it. Each thread reads and rewrites the same 32-byte chunks, one
+// loop per token (no division by k). Every thread of the block calls it once the rows are staged
+// and visible; it ends with a barrier.
 template <typename AT, int MT>
 __device__ void stream_f16_scaled_from(__half* xs, int k, float* inv, unsigned* amax) {
   const int vecs = k / 8;
@@ -324,17 +333,21 @@ __device__ void stream_f16_scaled_from(__half* xs, int k, float* inv, unsigned* 
 #pragma unroll
   for (int t = 0; t < MT; ++t) {
     const float mul = 1.f / inv[t];  // a power of two: v * mul is v / inv[t] exactly
-    for (int c = threadIdx.x; c < vecs; c += kStreamThreads) {
-      uint4* slot = reinterpret_cast<uint4*>(xs + int64_t(t) * k) + c;
-      float f[8];
-      widen8<AT>(*slot, f);
-      uint32_t h[4];
+    uint4* row = reinterpret_cast<uint4*>(xs + int64_t(t) * k);
+    for (int c = threadIdx.x; c < vecs / 2; c += kStreamThreads) {
+      const uint4 in[2] = {row[2 * c], row[2 * c + 1]};
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const __half2 pair = __floats2half2_rn(f[2 * j] * mul, f[2 * j + 1] * mul);
-        h[j] = *reinterpret_cast<const uint32_t*>(&pair);
+      for (int half = 0; half < 2; ++half) {
+        float f[8];
+        widen8<AT>(in[half], f);
+        uint32_t h[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const __half2 pair = __floats2half2_rn(f[2 * j] * mul, f[2 * j + 1] * mul);
+          h[j] = *reinterpret_cast<const uint32_t*>(&pair);
+        }
+        row[stream_f16_piece(c, half)] = make_uint4(h[0], h[1], h[2], h[3]);
       }
-      *slot = make_uint4(h[0], h[1], h[2], h[3]);
     }
   }
   __syncthreads();
