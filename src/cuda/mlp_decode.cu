@@ -556,8 +556,9 @@ bool mlp_decode_sm90_splitk_supports(const MlpDesc& d, std::string* why) {
   }
   if (d.w_dtype == FMLP_DTYPE_F8_E4M3) {
     *why =
-        "fp8 e4m3 weights are not implemented on CUDA yet; dequantise them to bf16 or use "
-        "backend cpu";
+        "fp8 e4m3 weights: this kernel takes 16/32-bit weights; mlp_decode_sm80_stream and "
+        "mlp_decode_sm90_cluster take fp8 with bf16/f16 activations (f32 x: cast it to bf16, or "
+        "use backend cpu)";
     return false;
   }
   if (d.m > kMaxTokens) {

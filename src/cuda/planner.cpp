@@ -81,20 +81,17 @@ std::string shape_text(const MlpDesc& d) {
 }
 
 // fp8 weights on the weight streams (mlp_decode_sm80_stream) against the next decode entry, the
-// cluster kernel, measured on an H200 (session 21, per-row scales, us, stream / cluster): M = 1
-// gpt2-small 8.0 / 15.7, 4096 -> 4096 17.7 / 34.9, llama3-8b 54.1 / 72.3; M = 2 11.9 / 15.9,
-// 26.9 / 35.6, 82.6 / 72.9; M = 4 16.6 / 16.1, 51.4 / 36.7 (llama3-8b's h does not fit the
-// stream's shared memory). Each token adds two 16-byte x loads from shared memory and a
-// packed-fp16 dot product per weight chunk, and llama3-8b's stream falls behind from two tokens
-// on: the streams take fp8 at M = 1, and at M = 2 below 64 MiB of weights.
+// cluster kernel, measured on an H200 (session 22, per-row scales, same call, us, stream /
+// cluster): M = 1 gpt2-small 8.1 / 15.6, 4096 -> 4096 17.7 / 34.8, llama3-8b 54.7 / 72.4,
+// llama3-70b 182.3 / 228.5; M = 2 11.5 / 15.8, 23.9 / 35.1, 68.3 / 72.8 (70b: x and h outgrow
+// the stream's shared memory); M = 4 15.8 / 16.0, 42.3 / 36.7 (8b and 70b do not fit). Each
+// token adds two 16-byte x loads from shared memory and a packed-fp16 dot product per weight
+// chunk; from about four tokens on the cluster kernel's tensor cores win: the streams take fp8
+// at M <= 2.
 constexpr const char* kStreamName = "mlp_decode_sm80_stream";
-constexpr int64_t kFp8StreamM2MaxBytes = int64_t(64) << 20;
-int64_t fp8_weight_bytes(const MlpDesc& d) {
-  return (d.gated ? 2 : 1) * d.hidden * d.d_in + d.d_out * d.hidden;
-}
+constexpr int64_t kFp8StreamMaxM = 2;
 bool fp8_stream_preferred(const MlpDesc& d) {
-  if (d.w_dtype != FMLP_DTYPE_F8_E4M3) return true;
-  return d.m == 1 || (d.m == 2 && fp8_weight_bytes(d) < kFp8StreamM2MaxBytes);
+  return d.w_dtype != FMLP_DTYPE_F8_E4M3 || d.m <= kFp8StreamMaxM;
 }
 
 // What the prefill path does differently for fp8 weights, for explain.
@@ -141,9 +138,9 @@ const MlpKernel* cuda_plan(const MlpDesc& d, std::string* reason) {
     if (!k.supports(d, &why)) continue;
     if (std::strcmp(k.name, kStreamName) == 0 && !fp8_stream_preferred(d)) {
       passed_over = fmt::format(
-          "; {} passed over: fp8 weights ({} MiB) at M={}, where it is slower (it takes fp8 at "
-          "M = 1, and at M = 2 below {} MiB; measured on NVIDIA H200)",
-          kStreamName, fp8_weight_bytes(d) >> 20, d.m, kFp8StreamM2MaxBytes >> 20);
+          "; {} passed over: fp8 weights at M={}, where it is slower (it takes fp8 at M <= {}; "
+          "measured on NVIDIA H200)",
+          kStreamName, d.m, kFp8StreamMaxM);
       continue;
     }
     if (reason)
