@@ -3,6 +3,7 @@
 
   cuda: python3 bench/report.py cuda --ours OUT/ours.json --peers OUT/peers.json \
             --gpu-info OUT/gpu.txt --commit SHA --out bench/results/cuda_decode_h200
+            [--wdtype f8: fp8-weight rows against the bf16 peers, cuda_decode_fp8_h200]
   prefill: python3 bench/report.py prefill --ours OUT/ours_prefill.json \
             --peers OUT/peers_prefill.json --commit SHA --out bench/results/cuda_prefill_h200
   ops:  python3 bench/report.py ops --ours OUT/ops.json --peers OUT/peers_ops.json --commit SHA \
@@ -83,13 +84,15 @@ def cuda(a):
         })
     meta = {"gpu": ours.get("gpu"), "gpu_info": gpu_info, "copy_TBps": ours.get("copy_TBps"),
             "torch": peers.get("torch"), "commit": a.commit,
-            "method": "bf16, weights rotated over > 3x L2, CUDA-graph replay, median; floor = "
-                      "(weight + x/y bytes) / measured copy bandwidth"}
+            "method": ("fp8 e4m3 weights (per-row scales) with bf16 activations against bf16 "
+                       "peers (the issue's comparison)" if a.wdtype == "f8" else "bf16") +
+                      ", weights rotated over > 3x L2, CUDA-graph replay, median; floor = "
+                      "(weight + x/y bytes of our run) / measured copy bandwidth"}
     write_rows(a.out, rows, meta)
     plot(a.out, rows, "M",
          [("ours_pct_of_floor", "fusedmlp", "o-"), ("peer_pct_of_floor", "best PyTorch peer", "s--")],
-         "% of HBM floor", f"fused MLP decode, {meta['gpu']} (copy {meta['copy_TBps']:.2f} TB/s), "
-         f"commit {a.commit}", hline=100)
+         "% of HBM floor", f"fused MLP decode{' (fp8 weights; peer bf16)' if a.wdtype == 'f8' else ''}, "
+         f"{meta['gpu']} (copy {meta['copy_TBps']:.2f} TB/s), commit {a.commit}", hline=100)
     print("| shape | M | fusedmlp µs | % of floor | best peer µs (variant) | speedup vs peer |")
     print("|---|---|---|---|---|---|")
     for r in rows:
@@ -368,6 +371,8 @@ def main():
     c.add_argument("--gpu-info")
     c.add_argument("--commit", default="unknown")
     c.add_argument("--out", required=True)
+    c.add_argument("--wdtype", choices=("bf16", "f8"), default="bf16",
+                   help="f8: our rows ran fp8 weights against the bf16 peers")
     f = sub.add_parser("prefill")
     f.add_argument("--ours", required=True)
     f.add_argument("--peers")
