@@ -33,7 +33,7 @@ fi
 if has sanitize; then
   for tool in memcheck racecheck; do
     timeout 240 compute-sanitizer --tool $tool --print-limit 10 "$B/tests/test_mlp_vs_ref" \
-      --gtest_filter='*VectorFriendly/mlp_decode_sm80_*:*VectorFriendly/mlp_decode_sm90_cluster:*Shapes/mlp_decode_sm90_splitk:*Epilogue/mlp_decode_sm90_splitk' \
+      --gtest_filter='*VectorFriendly/mlp_decode_sm80_*:*VectorFriendly/mlp_decode_sm90_cluster:*Layout/mlp_decode_sm80_stream:*Layout/mlp_decode_sm90_cluster:*Shapes/mlp_decode_sm90_splitk:*Epilogue/mlp_decode_sm90_splitk' \
       >"$OUT/$tool.log" 2>&1
     echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/$tool.log" | head -4
     timeout 240 compute-sanitizer --tool $tool --print-limit 10 "$B/tests/test_moe" \

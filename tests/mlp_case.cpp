@@ -173,6 +173,7 @@ std::string MlpCase::name() const {
   if (residual == Residual::kInPlace) s += " residual-in-place";
   if (misaligned) s += " misaligned";
   if (strided) s += " strided";
+  if (packed_weights && (misaligned || strided)) s += " (weights packed)";
   if (nonfinite) s += " nan+inf-rows";
   if (deterministic) s += " deterministic";
   return s;
@@ -400,11 +401,13 @@ void PlacedCase::place(Slot s, fmlp_dtype_t dtype, int64_t rows, int64_t cols, i
   Placed& p = slots_[s];
   if (dtype == kAbsent) return;
   const int64_t es = int64_t(dtype_size(dtype));
-  p.offset = c_.misaligned ? 1 : 0;
+  const bool weight = s == kW1 || s == kWu || s == kW2;
+  const bool layout = !(c_.packed_weights && weight);
+  p.offset = c_.misaligned && layout ? 1 : 0;
   p.rows = rows;
   p.cols = cols;
   const int64_t width = cols == 0 ? 1 : cols;
-  p.stride = width + (c_.strided ? pad : 0);
+  p.stride = width + (c_.strided && layout ? pad : 0);
   // 64 poisoned bytes after the last element catch writes past the end.
   const int64_t elems = p.offset + (rows > 0 ? (rows - 1) * p.stride + width : 0);
   p.buf = Buffer(size_t(elems * es + 64), device_);

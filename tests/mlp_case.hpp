@@ -35,9 +35,11 @@ struct MlpCase {
   fmlp_norm_t norm = FMLP_NORM_NONE;
   fmlp_dtype_t gamma = kAbsent, beta = kAbsent;
   Residual residual = Residual::kNone;
-  bool misaligned = false;  // every base pointer one element past a 256-byte boundary
-  bool strided = false;     // row stride > row length for x, y, residual and weights
-  bool nonfinite = false;   // x row 0 holds a NaN, row 1 a +Inf (needs m >= 3)
+  bool misaligned = false;      // every base pointer one element past a 256-byte boundary
+  bool strided = false;         // row stride > row length for x, y, residual and weights
+  bool packed_weights = false;  // misaligned / strided leave W1, W_up and W2 alone: 16-byte
+                                // aligned bases and contiguous rows, as fmlp_mlp_pack makes them
+  bool nonfinite = false;       // x row 0 holds a NaN, row 1 a +Inf (needs m >= 3)
   bool deterministic = false;
   uint64_t data_seed = 0;
 

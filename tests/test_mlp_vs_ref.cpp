@@ -175,7 +175,8 @@ std::vector<MlpCase> section_cases(Section s) {
             add(c);
           }
       break;
-    case Section::kLayout:  // misaligned x strided x residual x activation dtype
+    case Section::kLayout:  // misaligned x strided x residual x activation dtype; then the same
+                            // layouts of x, y and residual with packed vector-friendly weights
       for (bool mis : {false, true})
         for (bool str : {false, true})
           for (Residual r : kResiduals)
@@ -187,6 +188,18 @@ std::vector<MlpCase> section_cases(Section s) {
               c.x_dtype = x;
               add(c);
             }
+      for (bool mis : {false, true})
+        for (bool str : {false, true})
+          for (Residual r : kResiduals) {
+            if (!mis && !str) continue;
+            MlpCase c = random_case(rng, 1'000'000);
+            make_vector_friendly(&c, rng);
+            c.misaligned = mis;
+            c.strided = str;
+            c.packed_weights = true;
+            c.residual = r;
+            add(c);
+          }
       break;
     case Section::kNonFinite:  // NaN row + Inf row, every activation x norm x gate, each
                                // combination once as drawn and once vector-friendly
