@@ -217,17 +217,21 @@ std::vector<MlpCase> section_cases(Section s) {
               add(c);
             }
       break;
-    case Section::kDOut:  // d_out != d_in, no residual
+    case Section::kDOut:  // d_out != d_in, no residual; each also with vector-friendly d_in,
+                          // hidden and weights (d_out stays odd: it is never a load width)
       for (auto [k, n] :
            {std::pair<int64_t, int64_t>{64, 1}, {64, 7}, {7, 130}, {769, 64}, {1, 127}, {127, 769}})
-        for (Gate g : {Gate::kDense, Gate::kStacked}) {
-          MlpCase c = random_case(rng, 1'000'000);
-          c.d_in = k;
-          c.d_out = n;
-          c.gate = g;
-          c.residual = Residual::kNone;
-          add(c);
-        }
+        for (Gate g : {Gate::kDense, Gate::kStacked})
+          for (const bool friendly : {false, true}) {
+            MlpCase c = random_case(rng, 1'000'000);
+            if (friendly) make_vector_friendly(&c, rng);
+            if (!friendly) c.d_in = k;
+            c.d_out = n;
+            c.gate = g;
+            c.residual = Residual::kNone;
+            while (c.macs() > kMaxMacs && c.m > 1) c.m = c.m == 16 ? 3 : 1;
+            add(c);
+          }
       break;
     case Section::kRealistic:  // a GPT-2-sized block at decode and small-prefill M (M = 4: a
                                // staged h of exactly 48 KiB, the shared-memory opt-in edge)
