@@ -16,7 +16,8 @@
 //      so the next call (or a CUDA-graph replay) starts from a clean workspace without a memset.
 //
 // Precision: weights enter the tensor cores exactly (fp16/fp32 weights are split into two bf16
-// halves, hi + lo). The B operands are split hi + lo too (~16 significant bits): h always, the
+// halves, hi + lo; fp8 e4m3 weights are exact in bf16, their fp32 scales are applied to the
+// GEMM results per row). The B operands are split hi + lo too (~16 significant bits): h always, the
 // tokens unless they are plain bf16 x (exact already). Accumulation is fp32 throughout.
 //
 // k-permutation trick: thread (g = lane / 4, t = lane % 4) loads 8 consecutive elements
@@ -35,6 +36,7 @@
 #include "cuda/decode_common.cuh"
 #include "cuda/device_scope.hpp"
 #include "cuda/mlp_decode.cuh"
+#include "cuda/ops.cuh"
 
 namespace fmlp::detail {
 namespace {
@@ -52,7 +54,7 @@ constexpr int kMaxTokens = 64;
 constexpr int kStatsBytes = kMaxTokens * 8;
 constexpr size_t kXsBudget = 96 * 1024;  // shared memory for one chunk of staged tokens
 
-struct DecodeParams : fmlp::cuda::DecodeOperands {
+struct DecodeParams : fmlp::cuda::DecodeOperands, fmlp::cuda::Fp8Scales {
   int gated, split_x, split_h, deterministic, vec;
   int tiles, tile_hidden;  // tile_hidden: 8 gated, 16 dense
   int tw, ks;              // GEMM1 warps: tw tile columns x ks k-splits
@@ -63,17 +65,26 @@ struct DecodeParams : fmlp::cuda::DecodeOperands {
   unsigned* counters;
 };
 
+using Fp8 = unsigned char;  // e4m3 bits
+template <typename WT>
+constexpr bool kFp8 = std::is_same<WT, Fp8>::value;
+
 // Raw weight bytes for 8 consecutive k of one row, converted to bf16 hi (+ lo) only at use, so
-// all loads of a step are in flight before the first conversion.
+// all loads of a step are in flight before the first conversion (fp8: the first 8 bytes).
 template <typename WT>
 struct Raw {
   uint4 v[sizeof(WT) == 4 ? 2 : 1];
 };
 
-// vec: 16-byte loads (aligned rows, whole groups of 8); otherwise element loads of the first
-// `nvalid` elements, zeros after, for strided, misaligned or ragged weights.
+// vec: 16-byte loads (8-byte for fp8; aligned rows, whole groups of 8); otherwise element loads
+// of the first `nvalid` elements, zeros after, for strided, misaligned or ragged weights.
 template <typename WT>
 __device__ __forceinline__ void load_raw(Raw<WT>& r, const WT* p, bool ok, bool vec, int nvalid) {
+  if (kFp8<WT> && vec) {
+    const uint2 w = ok ? __ldg(reinterpret_cast<const uint2*>(p)) : make_uint2(0, 0);
+    r.v[0] = make_uint4(w.x, w.y, 0, 0);
+    return;
+  }
   if (vec) {
 #pragma unroll
     for (int i = 0; i < int(sizeof(r.v) / 16); ++i)
@@ -81,16 +92,18 @@ __device__ __forceinline__ void load_raw(Raw<WT>& r, const WT* p, bool ok, bool 
           ok ? ld_stream_v4(reinterpret_cast<const char*>(p) + 16 * i) : make_uint4(0, 0, 0, 0);
     return;
   }
-  using Bits = typename std::conditional<sizeof(WT) == 4, uint32_t, uint16_t>::type;
+  using Bits = std::conditional_t<sizeof(WT) == 4, uint32_t,
+                                  std::conditional_t<sizeof(WT) == 2, uint16_t, uint8_t>>;
   Bits e[8];
   const Bits* q = reinterpret_cast<const Bits*>(p);
 #pragma unroll
   for (int i = 0; i < 8; ++i) e[i] = ok && i < nvalid ? __ldg(q + i) : Bits(0);
+  r.v[0] = make_uint4(0, 0, 0, 0);
   memcpy(&r.v[0], e, sizeof(e));
 }
 
 template <typename WT>
-constexpr bool kSplitWeights = !std::is_same<WT, __nv_bfloat16>::value;
+constexpr bool kSplitWeights = !std::is_same<WT, __nv_bfloat16>::value && !kFp8<WT>;
 
 __device__ __forceinline__ uint32_t bf16_pair(__nv_bfloat16 a, __nv_bfloat16 b) {
   return uint32_t(__bfloat16_as_ushort(a)) | (uint32_t(__bfloat16_as_ushort(b)) << 16);
@@ -108,6 +121,16 @@ template <typename WT>
 __device__ __forceinline__ void to_frag(const Raw<WT>& r, uint4& hi, uint4& lo) {
   if constexpr (std::is_same<WT, __nv_bfloat16>::value) {
     hi = r.v[0];
+  } else if constexpr (kFp8<WT>) {  // exact: e4m3 -> fp16 -> fp32 -> bf16 (3 mantissa bits)
+    (void)lo;
+    const uint4 h = fmlp::cuda::widen_e4m3x8(r.v[0].x, r.v[0].y);
+    const uint32_t hs[4] = {h.x, h.y, h.z, h.w};
+    uint32_t* o = &hi.x;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hs[i]));
+      o[i] = fmlp::cuda::pack_bf16x2(f.x, f.y);
+    }
   } else if constexpr (std::is_same<WT, __half>::value) {
     const uint32_t* w = &r.v[0].x;
     uint32_t* h = &hi.x;
@@ -314,19 +337,23 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_splitk(const Deco
             const int n = 8 * jn + 2 * t + e;
             __nv_bfloat16* hrow = hs + n * p.hs_ld;
             const float* c = acc[i][jn];
+            // fp8: row r of W1 (or W_up) times its scale.
+            auto sg = [&](int r) { return kFp8<WT> ? p.sg[r * p.sg_stride] : 1.f; };
             if (p.gated) {
               if (j >= p.h) continue;
-              const float gate = c[e] + (p.bg ? load_scalar(p.bg, p.bg_t, j) : 0.f);
-              const float up = c[2 + e] + (p.bu ? load_scalar(p.bu, p.bu_t, j) : 0.f);
+              const float su = kFp8<WT> ? p.su[j * p.su_stride] : 1.f;
+              const float gate = c[e] * sg(j) + (p.bg ? load_scalar(p.bg, p.bg_t, j) : 0.f);
+              const float up = c[2 + e] * su + (p.bu ? load_scalar(p.bu, p.bu_t, j) : 0.f);
               store_split(hrow + jl, hs_lo, p.split_h, activate(p.act, gate) * up);
             } else {
               if (j < p.h)
-                store_split(hrow + jl, hs_lo, p.split_h,
-                            activate(p.act, c[e] + (p.bg ? load_scalar(p.bg, p.bg_t, j) : 0.f)));
-              if (j + 8 < p.h)
                 store_split(
-                    hrow + jl + 8, hs_lo, p.split_h,
-                    activate(p.act, c[2 + e] + (p.bg ? load_scalar(p.bg, p.bg_t, j + 8) : 0.f)));
+                    hrow + jl, hs_lo, p.split_h,
+                    activate(p.act, c[e] * sg(j) + (p.bg ? load_scalar(p.bg, p.bg_t, j) : 0.f)));
+              if (j + 8 < p.h)
+                store_split(hrow + jl + 8, hs_lo, p.split_h,
+                            activate(p.act, c[2 + e] * sg(j + 8) +
+                                                (p.bg ? load_scalar(p.bg, p.bg_t, j + 8) : 0.f)));
             }
           }
       }
@@ -384,7 +411,8 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_splitk(const Deco
           const int n = 8 * j + 2 * t;
           if (o >= p.n || n >= p.m) continue;
           float* dst = part + int64_t(o) * kMpad + n;
-          const float v0 = acc[q][j][2 * r], v1 = acc[q][j][2 * r + 1];
+          const float s2 = kFp8<WT> ? p.s2[o * p.s2_stride] : 1.f;  // a partial sum of row o
+          const float v0 = acc[q][j][2 * r] * s2, v1 = acc[q][j][2 * r + 1] * s2;
           if (p.deterministic) {
             *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
           } else if (n + 1 < p.m) {
@@ -535,6 +563,7 @@ KernelFn kernel_for(const MlpDesc& d, const LaunchConfig& c) {
     case FMLP_DTYPE_BF16: return pick_kernel<__nv_bfloat16>(c.tpw, c.nt);
     case FMLP_DTYPE_F16: return pick_kernel<__half>(c.tpw, c.nt);
     case FMLP_DTYPE_F32: return pick_kernel<float>(c.tpw, c.nt);
+    case FMLP_DTYPE_F8_E4M3: return pick_kernel<Fp8>(c.tpw, c.nt);
     default: return nullptr;
   }
 }
@@ -554,11 +583,10 @@ bool mlp_decode_sm90_splitk_supports(const MlpDesc& d, std::string* why) {
     *why = "needs CUDA device memory";
     return false;
   }
-  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) {
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3 && cuda_compute_capability(d.device_id) < 89) {
     *why =
-        "fp8 e4m3 weights: this kernel takes 16/32-bit weights; mlp_decode_sm80_stream and "
-        "mlp_decode_sm90_cluster take fp8 with bf16/f16 activations (f32 x: cast it to bf16, or "
-        "use backend cpu)";
+        "fp8 e4m3 weights need sm_89 or newer here (cvt.rn.f16x2.e4m3x2); run them on "
+        "mlp_decode_sm80_stream (bf16/f16 activations) or backend cpu";
     return false;
   }
   if (d.m > kMaxTokens) {
@@ -595,6 +623,8 @@ fmlp_status_t mlp_decode_sm90_splitk_run(const fmlp_mlp_args_t& a, const MlpDesc
   if (fn == nullptr) return fail(FMLP_ERROR_INTERNAL, "mlp_decode_sm90_splitk: no instantiation");
   DecodeParams p{};
   static_cast<fmlp::cuda::DecodeOperands&>(p) = fmlp::cuda::decode_operands(a, d);
+  if (d.w_dtype == FMLP_DTYPE_F8_E4M3)
+    static_cast<fmlp::cuda::Fp8Scales&>(p) = fmlp::cuda::fp8_scales(a, d);
   p.gated = d.gated;
   p.split_x = c.split_x;
   p.split_h = c.split_h;
