@@ -46,6 +46,26 @@ __device__ __forceinline__ uint4 widen_e4m3x8(uint32_t lo, uint32_t hi) {
                     e4m3x2_to_f16x2(hi >> 16));
 }
 
+// Eight e4m3 weights as eight T (fp16 or bf16), exactly: e4m3 values (3 mantissa bits,
+// exponents 2^-9..2^8, NaN) are fp16 values, and fp16 -> fp32 -> bf16 keeps them.
+template <typename T>
+__device__ __forceinline__ uint4 widen_e4m3x8_to(uint32_t lo, uint32_t hi) {
+  const uint4 h = widen_e4m3x8(lo, hi);
+  if constexpr (std::is_same_v<T, __half>) {
+    return h;
+  } else {
+    static_assert(std::is_same_v<T, __nv_bfloat16>, "fp16 or bf16");
+    const uint32_t in[4] = {h.x, h.y, h.z, h.w};
+    uint32_t out[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&in[i]));
+      out[i] = pack_bf16x2(f.x, f.y);
+    }
+    return make_uint4(out[0], out[1], out[2], out[3]);
+  }
+}
+
 // The exponent s for which amax * 2^s lies in [2^(top - 1), 2^top) (amax a finite |value| as
 // float bits; 0: none, s = 0), clamped so 2^s and 2^-s stay normal floats: the power of two per
 // token with which 16-bit x or h is staged as fp16 for fp8 weights.

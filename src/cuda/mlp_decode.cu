@@ -121,16 +121,9 @@ template <typename WT>
 __device__ __forceinline__ void to_frag(const Raw<WT>& r, uint4& hi, uint4& lo) {
   if constexpr (std::is_same<WT, __nv_bfloat16>::value) {
     hi = r.v[0];
-  } else if constexpr (kFp8<WT>) {  // exact: e4m3 -> fp16 -> fp32 -> bf16 (3 mantissa bits)
+  } else if constexpr (kFp8<WT>) {  // exact in bf16: no lo half
     (void)lo;
-    const uint4 h = fmlp::cuda::widen_e4m3x8(r.v[0].x, r.v[0].y);
-    const uint32_t hs[4] = {h.x, h.y, h.z, h.w};
-    uint32_t* o = &hi.x;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hs[i]));
-      o[i] = fmlp::cuda::pack_bf16x2(f.x, f.y);
-    }
+    hi = fmlp::cuda::widen_e4m3x8_to<__nv_bfloat16>(r.v[0].x, r.v[0].y);
   } else if constexpr (std::is_same<WT, __half>::value) {
     const uint32_t* w = &r.v[0].x;
     uint32_t* h = &hi.x;

@@ -52,6 +52,7 @@ using fmlp::cuda::opt;
 using fmlp::cuda::pipelined;
 using fmlp::cuda::prime;
 using fmlp::cuda::store_scalar;
+using fmlp::cuda::widen_e4m3x8_to;
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
@@ -70,28 +71,6 @@ struct ClusterParams : fmlp::cuda::DecodeOperands, fmlp::cuda::Fp8Scales {
   int region_bytes;    // bytes of the region shared by (results + x chunks) and the cluster slice
   bool x_vec16;        // x rows can be read with 16-byte loads
 };
-
-// Eight e4m3 weights (two 32-bit words) as eight WT values, exactly: cvt.rn.f16x2.e4m3x2 is exact
-// (e4m3 is a subset of fp16, subnormals and NaN included) and so is fp16 -> fp32 -> bf16 for
-// these values (3 mantissa bits, exponents 2^-9..2^8).
-template <typename WT>
-__device__ __forceinline__ uint4 widen_e4m3x8(uint32_t lo, uint32_t hi) {
-  uint32_t out[4];
-  const uint32_t words[2] = {lo, hi};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint16_t pair = uint16_t(words[i / 2] >> (16 * (i % 2)));
-    uint32_t h2;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
-    if constexpr (std::is_same_v<WT, __half>) {
-      out[i] = h2;
-    } else {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
-      out[i] = fmlp::cuda::pack_bf16x2(f.x, f.y);
-    }
-  }
-  return make_uint4(out[0], out[1], out[2], out[3]);
-}
 
 // The weights' storage per 16-byte load: 8 WT values (a 32-column step per 4 lanes) or 16 e4m3
 // values (a 64-column step; each lane's 16 columns are two 8-column halves, multiplied with the
@@ -112,8 +91,8 @@ __device__ __forceinline__ void mma_storage_step(float (&c)[4], const uint4& rg,
   if constexpr (FP8) {
     const uint4 x0 = xrow ? *reinterpret_cast<const uint4*>(xrow) : zero;
     const uint4 x1 = xrow ? *reinterpret_cast<const uint4*>(xrow + 8) : zero;
-    mma_step<WT>(c, widen_e4m3x8<WT>(rg.x, rg.y), widen_e4m3x8<WT>(rg8.x, rg8.y), x0);
-    mma_step<WT>(c, widen_e4m3x8<WT>(rg.z, rg.w), widen_e4m3x8<WT>(rg8.z, rg8.w), x1);
+    mma_step<WT>(c, widen_e4m3x8_to<WT>(rg.x, rg.y), widen_e4m3x8_to<WT>(rg8.x, rg8.y), x0);
+    mma_step<WT>(c, widen_e4m3x8_to<WT>(rg.z, rg.w), widen_e4m3x8_to<WT>(rg8.z, rg8.w), x1);
   } else {
     mma_step<WT>(c, rg, rg8, xrow ? *reinterpret_cast<const uint4*>(xrow) : zero);
   }
