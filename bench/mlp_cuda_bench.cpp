@@ -315,7 +315,31 @@ struct CheckResult {
   std::string detail;
 };
 
-CheckResult check_rows(Case& c, const std::vector<uint8_t>& y_before, int64_t row0, int64_t rows) {
+// The kernel a run of c takes: the forced one, else the planner's choice as fmlp_mlp_explain
+// reports it.
+std::string ran_kernel(Case& c) {
+  if (g_kernel) return g_kernel;
+  fmlp_mlp_args_t a = c.args(true);
+  std::vector<char> buf(8192);
+  size_t needed = 0;
+  if (fmlp_mlp_explain(&a, FMLP_BACKEND_CUDA, buf.data(), buf.size(), &needed) != FMLP_SUCCESS)
+    return "?";
+  const std::string report(buf.data());
+  const std::string tag = "chosen   ";
+  const size_t at = report.find(tag);
+  if (at == std::string::npos) return "?";
+  const size_t b = at + tag.size();
+  return report.substr(b, report.find_first_of(" \n", b) - b);
+}
+
+bool runs_w8a8(Case& c) {
+  return c.p.wt == FMLP_DTYPE_F8_E4M3 && ran_kernel(c) == "mlp_prefill_sm90_cublaslt";
+}
+
+// w8a8: the run took the fp8 prefill path, which quantises the activations by design and is held
+// to tests/tolerance.hpp's W8A8 budget (per element 1/4 of |ref| + rms, rms of those <= 1/32).
+CheckResult check_rows(Case& c, const std::vector<uint8_t>& y_before, int64_t row0, int64_t rows,
+                       bool w8a8) {
   // ref on host: y_host holds the residual for in-place, as the device saw it.
   Buf& yb = c.y;
   std::vector<uint8_t> dev_y = yb.host;  // downloaded device result
@@ -331,6 +355,8 @@ CheckResult check_rows(Case& c, const std::vector<uint8_t>& y_before, int64_t ro
   yb.host = dev_y;
   CheckResult r;
   const fmlp_dtype_t t = c.p.at;
+  double worst_rel = 0, sq_rel = 0;
+  int64_t n_rel = 0;
   for (int64_t i = row0; i < row0 + rows; ++i) {
     double rms = 0;
     for (int64_t o = 0; o < c.p.n; ++o) {
@@ -355,6 +381,12 @@ CheckResult check_rows(Case& c, const std::vector<uint8_t>& y_before, int64_t ro
                           : t == FMLP_DTYPE_BF16 ? std::ldexp(1.0, -8) * scale
                                                  : std::ldexp(1.0, -11) * scale;
       const double u = std::fabs(got - ref) / unit;
+      if (scale > 0) {
+        const double rel = std::fabs(got - ref) / scale;
+        worst_rel = std::max(worst_rel, rel);
+        sq_rel += rel * rel;
+        ++n_rel;
+      }
       if (u > r.worst_units) {
         r.worst_units = u;
         char buf[160];
@@ -369,6 +401,11 @@ CheckResult check_rows(Case& c, const std::vector<uint8_t>& y_before, int64_t ro
   // tens of thousands of terms); tests/tolerance.hpp states the exact per-element contract.
   const double limit = t == FMLP_DTYPE_F32 ? 100.0 : 4.0;
   r.ok = r.worst_units <= limit;
+  if (w8a8) {
+    const double rms_rel = n_rel ? std::sqrt(sq_rel / double(n_rel)) : 0.0;
+    r.ok = worst_rel <= 0.25 && rms_rel <= 1.0 / 32;
+    r.detail += " (W8A8 budget: rms " + std::to_string(rms_rel) + ")";
+  }
   return r;
 }
 
@@ -428,7 +465,7 @@ int feature_matrix(std::mt19937& rng, int cases) {
       ++failures;
     } else {
       c.y.download();
-      CheckResult cr = check_rows(c, y_before, 0, p.m);
+      CheckResult cr = check_rows(c, y_before, 0, p.m, runs_w8a8(c));
       std::printf("%s case %2d %s: worst %.2f units %s\n", cr.ok ? "ok  " : "FAIL", ci, desc,
                   cr.worst_units, cr.detail.c_str());
       failures += !cr.ok;
@@ -438,7 +475,7 @@ int feature_matrix(std::mt19937& rng, int cases) {
         r.run(c, s);
         CK(cudaStreamSynchronize(s));
         c.y.download();
-        CheckResult c2 = check_rows(c, y_before, 0, p.m);
+        CheckResult c2 = check_rows(c, y_before, 0, p.m, runs_w8a8(c));
         if (!c2.ok) {
           std::printf("FAIL second call case %d: worst %.2f %s\n", ci, c2.worst_units,
                       c2.detail.c_str());
@@ -633,9 +670,11 @@ int main(int argc, char** argv) {
       FK(rs[0].run(cs[0], s));
       CK(cudaStreamSynchronize(s));
       cs[0].y.download();
-      CheckResult cr = check_rows(cs[0], y_before, 0, 1);
+      const std::string kernel = ran_kernel(cs[0]);
+      const bool w8a8 = p.wt == FMLP_DTYPE_F8_E4M3 && kernel == "mlp_prefill_sm90_cublaslt";
+      CheckResult cr = check_rows(cs[0], y_before, 0, 1, w8a8);
       if (m > 1 && cr.ok) {
-        CheckResult c2 = check_rows(cs[0], y_before, m - 1, 1);
+        CheckResult c2 = check_rows(cs[0], y_before, m - 1, 1, w8a8);
         if (!c2.ok || c2.worst_units > cr.worst_units) cr = c2;
       }
       failures += !cr.ok;
@@ -661,7 +700,7 @@ int main(int argc, char** argv) {
                     "\"worst_units\": %.3f, \"kernel\": \"%s\"}",
                     first ? "" : ", ", sh.name, (long long)m, us, floor_us, 100 * floor_us / us,
                     bytes / us * 1e-3, copies, cr.ok ? "true" : "false", cr.worst_units,
-                    g_kernel ? g_kernel : "auto");
+                    kernel.c_str());
       out += row;
       first = false;
       CK(cudaGraphExecDestroy(ge));
