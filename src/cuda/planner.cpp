@@ -29,8 +29,15 @@ constexpr CrossoverEntry kTable[] = {
     {4096, 14336, true, FMLP_DTYPE_BF16, 2, "measured on NVIDIA H200 (sm_90)"},
     // llama3-70b: streams 339.9 us at M = 1, cuBLASLt 357.8 (342.1 in another session).
     {8192, 28672, true, FMLP_DTYPE_BF16, 2, "measured on NVIDIA H200 (sm_90)"},
+    // fp8 weights with 16-bit x: the cluster kernel against the W8A8 path, us at M = 8 / 16
+    // (session 23, one call). gpt2-small 16.9 / 21.2 against 26.9 / 27.1.
+    {768, 3072, false, FMLP_DTYPE_F8_E4M3, 17, "measured on NVIDIA H200 (sm_90)"},
+    // 4096 -> 4096: 39.2 / 53.1 against 39.8 / 39.6.
+    {4096, 4096, false, FMLP_DTYPE_F8_E4M3, 16, "measured on NVIDIA H200 (sm_90)"},
+    // llama3-8b: 77.0 / 98.3 against 104.6 / 103.8.
+    {4096, 14336, true, FMLP_DTYPE_F8_E4M3, 17, "measured on NVIDIA H200 (sm_90)"},
 };
-// Shapes never measured: by weight bytes, the one thing the measured crossovers track.
+// 16-bit shapes never measured: by weight bytes, the one thing the measured crossovers track.
 constexpr int64_t kSmallWeightBytes = int64_t(16) << 20;
 constexpr CrossoverEntry kDefaultSmall{
     0,     0,
@@ -47,8 +54,8 @@ constexpr CrossoverEntry kDefaultLarge{
 
 // fp8 weights on the prefill path are W8A8 (activations quantised per token): below the crossover
 // the decode kernels keep the exact weight-only dequantisation, and they stream the same fp8
-// bytes, so the few-token range where they are close in speed stays with them. Unmeasured: the
-// prefill bench (--wdtype f8) prints the rows that replace this default.
+// bytes, so the few-token range where they are close in speed stays with them. The fp8 rows of
+// kTable hold the shapes measured; the prefill bench (--wdtype f8) prints rows for others.
 constexpr CrossoverEntry kDefaultFp8{
     0,
     0,
@@ -56,7 +63,7 @@ constexpr CrossoverEntry kDefaultFp8{
     FMLP_DTYPE_F8_E4M3,
     16,
     "default for fp8 weights: weight-only decode kernels (exact dequantisation) below, W8A8 "
-    "GEMMs from here; not measured yet"};
+    "GEMMs from here; not measured for this shape"};
 
 // Table key of a request: fp8 rows (dtype F8_E4M3) serve fp8 weights with 16-bit x; 16-bit rows
 // serve bf16 and fp16 alike.
