@@ -320,8 +320,9 @@ struct CheckResult {
 std::string ran_kernel(Case& c) {
   if (g_kernel) return g_kernel;
   fmlp_mlp_args_t a = c.args(true);
-  std::vector<char> buf(8192);
   size_t needed = 0;
+  if (fmlp_mlp_explain(&a, FMLP_BACKEND_CUDA, nullptr, 0, &needed) != FMLP_SUCCESS) return "?";
+  std::vector<char> buf(needed + 1);
   if (fmlp_mlp_explain(&a, FMLP_BACKEND_CUDA, buf.data(), buf.size(), &needed) != FMLP_SUCCESS)
     return "?";
   const std::string report(buf.data());

@@ -482,6 +482,29 @@ TEST(Planner, Fp8DecodeAtFewTokensW8A8AtMany) {
   }
 }
 
+// fp8 crossovers measured per shape (planner.cpp, session 23): the cluster kernel keeps gpt2-small
+// and llama3-8b at M = 16, 4096 -> 4096 takes the W8A8 path from M = 16.
+TEST(Planner, Fp8MeasuredCrossovers) {
+  SKIP_WITHOUT_GPU();
+  struct Want {
+    int64_t m, d_in, hidden;
+    bool gated, prefill;
+  };
+  for (const Want w : {Want{16, 768, 3072, false, false}, Want{17, 768, 3072, false, true},
+                       Want{15, 4096, 4096, false, false}, Want{16, 4096, 4096, false, true},
+                       Want{16, 4096, 14336, true, false}, Want{17, 4096, 14336, true, true}}) {
+    MlpCase c = w.gated ? fp8_swiglu_case(w.m, w.d_in, w.hidden, FMLP_DTYPE_BF16)
+                        : fp8_case(w.m, w.d_in, w.hidden, w.d_in, FMLP_DTYPE_BF16);
+    PlacedCase p(c, true);
+    const std::string report = explain(p.args());
+    const std::string at =
+        "M=" + std::to_string(w.m) + " hidden=" + std::to_string(w.hidden) + ": ";
+    EXPECT_EQ(report.find(std::string("chosen   ") + kPrefill) != std::string::npos, w.prefill)
+        << at << report;
+    EXPECT_NE(report.find("measured on NVIDIA H200"), std::string::npos) << at << report;
+  }
+}
+
 // fp8 weights below the crossover: the weight streams at M = 1 and 2, the next decode entry from
 // three tokens on, and explain says why the streams were passed over (planner.cpp, measured on an
 // H200).
