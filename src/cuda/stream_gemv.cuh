@@ -76,11 +76,7 @@ struct StreamShape {
   int groups;   // ceil(n / R)
 };
 
-// W bytes per group: 16 KB for weights under 16 MiB (few groups per block: a short group keeps
-// more blocks busy), 32 KB up to 1 GiB, 64 KB beyond. Measured on an H200 (the session of
-// commit 0bcccd9), us at 16 / 32 / 64 KB: 4096x4096 bf16 11.9 / 11.0 / 10.9; 14336x4096
-// 32.7 / 31.0 / 32.5; 1024x4096 5.2 / 5.1 / 5.8; 768x3072 4.1 / 4.2 / 4.6; qwen2.5-7b lm head
-// 268 / 249 / 245. FMLP_LINEAR_STREAM_KB overrides it for measurements.
+// FMLP_LINEAR_STREAM_KB (4..256), the group size forced for measurements, or 0.
 inline int stream_env_group_kb() {
   static const int env_kb = [] {
     const char* e = std::getenv("FMLP_LINEAR_STREAM_KB");
@@ -90,6 +86,11 @@ inline int stream_env_group_kb() {
   return env_kb;
 }
 
+// W bytes per group: 16 KB for weights under 16 MiB (few groups per block: a short group keeps
+// more blocks busy), 32 KB up to 1 GiB, 64 KB beyond. Measured on an H200 (the session of
+// commit 0bcccd9), us at 16 / 32 / 64 KB: 4096x4096 bf16 11.9 / 11.0 / 10.9; 14336x4096
+// 32.7 / 31.0 / 32.5; 1024x4096 5.2 / 5.1 / 5.8; 768x3072 4.1 / 4.2 / 4.6; qwen2.5-7b lm head
+// 268 / 249 / 245. FMLP_LINEAR_STREAM_KB overrides it for measurements.
 inline int64_t stream_group_bytes(int64_t weight_bytes) {
   if (const int kb = stream_env_group_kb()) return int64_t(kb) * 1024;
   return weight_bytes < (int64_t(16) << 20)  ? 16 * 1024
