@@ -3,8 +3,8 @@
 # Usage on the GPU machine, from the repo root: bash bench/run_device.sh [steps...]
 #   steps: build test sanitize bench peers (default: these); prefill (M = 1..8192 sweep of our
 #   kernels and the PyTorch peers, for the planner's crossover table) and ops (linear + softmax
-#   bench and peers) and moe (moe bench + PyTorch moe peers) run when named. Logs and JSON go
-#   to $OUT (or ./out).
+#   bench and peers), fp8 (the fp8 decode table with the bf16 peers) and moe (moe bench + PyTorch
+#   moe peers) run when named. Logs and JSON go to $OUT (or ./out).
 # A git-ignored .device/fmt (headers + libfmt + cmake config) is used when the machine lacks fmt.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
@@ -33,7 +33,7 @@ fi
 if has sanitize; then
   for tool in memcheck racecheck; do
     timeout 240 compute-sanitizer --tool $tool --print-limit 10 "$B/tests/test_mlp_vs_ref" \
-      --gtest_filter='*VectorFriendly/mlp_decode_sm80_*:*VectorFriendly/mlp_decode_sm90_cluster:*Layout/mlp_decode_sm80_stream:*Layout/mlp_decode_sm90_cluster:*Shapes/mlp_decode_sm90_splitk:*Epilogue/mlp_decode_sm90_splitk' \
+      --gtest_filter='*VectorFriendly/mlp_decode_sm80_*:*VectorFriendly/mlp_decode_sm90_cluster:*Layout/mlp_decode_sm80_stream:*Layout/mlp_decode_sm90_cluster:*Shapes/mlp_decode_sm90_splitk:*Epilogue/mlp_decode_sm90_splitk:*Fp8/mlp_decode_sm90_splitk:*Epilogue/mlp_decode_sm80_stream:*Epilogue/mlp_decode_sm90_cluster:*NonFinite/mlp_decode_sm90_cluster' \
       >"$OUT/$tool.log" 2>&1
     echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/$tool.log" | head -4
     timeout 240 compute-sanitizer --tool $tool --print-limit 10 "$B/tests/test_moe" \
@@ -65,6 +65,17 @@ if has ops; then  # linear + softmax: our bench, then the PyTorch peers with the
   "$B/bench/fusedmlp_ops_bench" --json "$OUT/ops.json" 2>&1 | tee "$OUT/ops_bench.log" | tail -70
   PYTHONUNBUFFERED=1 timeout ${PEERS_TIMEOUT:-420} python3 bench/peers_ops.py \
     --json "$OUT/peers_ops.json" --ours "$OUT/ops.json" 2>&1 | tee "$OUT/peers_ops.log" | tail -70
+fi
+if has fp8; then  # the fp8 decode table: the planner's picks, the bf16 peers in the same call
+  # (llama3-70b's rows take ~30-60 s each: the host fp64 reference of 705 M fp8 weights)
+  "$B/bench/fusedmlp_cuda_bench" --skip-matrix --wdtype f8 --ms 1,2,4,16 \
+    --shapes gpt2-small,seed-4096,llama3-8b,llama3-70b --json "$OUT/ours_f8.json" 2>&1 |
+    tee "$OUT/bench_f8.log" | tail -20
+  PYTHONUNBUFFERED=1 timeout ${PEERS_TIMEOUT:-420} python3 bench/peers.py \
+    --shapes gpt2-small,seed-4096,llama3-8b,llama3-70b --ms 1,2,4,16 --json "$OUT/peers_f8.json" \
+    2>&1 | tee "$OUT/peers_f8.log" | tail -20
+  python3 bench/report.py cuda --wdtype f8 --ours "$OUT/ours_f8.json" --peers "$OUT/peers_f8.json" \
+    --out "$OUT/cuda_decode_fp8" >"$OUT/fp8_table.md" 2>&1 || tail -5 "$OUT/fp8_table.md"
 fi
 if has moe; then  # moe op: our bench (fast and deterministic mode), then the PyTorch peers
   "$B/bench/fusedmlp_moe_bench" --json "$OUT/moe.json" 2>&1 | tee "$OUT/moe_bench.log" | tail -12
