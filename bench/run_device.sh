@@ -67,7 +67,6 @@ if has ops; then  # linear + softmax: our bench, then the PyTorch peers with the
     --json "$OUT/peers_ops.json" --ours "$OUT/ops.json" 2>&1 | tee "$OUT/peers_ops.log" | tail -70
 fi
 if has fp8; then  # the fp8 decode table: the planner's picks, the bf16 peers in the same call
-  # (llama3-70b's rows take ~30-60 s each: the host fp64 reference of 705 M fp8 weights)
   "$B/bench/fusedmlp_cuda_bench" --skip-matrix --wdtype f8 --ms 1,2,4,16 \
     --shapes gpt2-small,seed-4096,llama3-8b,llama3-70b --json "$OUT/ours_f8.json" 2>&1 |
     tee "$OUT/bench_f8.log" | tail -20
