@@ -212,8 +212,8 @@ struct Case {
   }
   // q (fp8 [rows, cols], row stride ld) and per-row scales from fp32 weights ~ bound * U(-1, 1),
   // through the library's quantiser. Matrices of 16 M elements and more are made once and reused
-  // for every M of a shape: generating and quantising llama3-70b's 705 M weights on the host took
-  // 20-30 s per row of the table on the GPU machine, twice the GPU work of the whole row.
+  // for every M of a shape: drawing (mt19937) and quantising llama3-70b's 705 M weights for each M
+  // made most of the 30-55 s its table rows took on the GPU machine.
   static void quantize(Buf& q, Buf& scale, int64_t rows, int64_t cols, int64_t ld, float bound,
                        std::mt19937& rng, bool alloc = false) {
     if (alloc) q.alloc(FMLP_DTYPE_F8_E4M3, size_t(rows * ld));
