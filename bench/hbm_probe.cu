@@ -190,7 +190,7 @@ RowsKernel rows_kernel(const MatrixRun& m) {
 
 fmlp::cuda::StreamShape matrix_shape(const MatrixRun& m) {
   return m.rows ? fmlp::cuda::stream_shape_rows(m.n, m.k, 2, m.rows)
-                : fmlp::cuda::stream_shape(m.n, m.k, 2);
+                : fmlp::cuda::stream_shape(m.n, m.k, 2, 1);
 }
 
 // Blocks of probe_rows per SM for m: what fits (its 36-40 registers: 6 on an H200, where the

@@ -357,8 +357,9 @@ std::string ran_kernel(Case& c) {
   return report.substr(b, report.find_first_of(" \n", b) - b);
 }
 
-bool runs_w8a8(Case& c) {
-  return c.p.wt == FMLP_DTYPE_F8_E4M3 && ran_kernel(c) == "mlp_prefill_sm90_cublaslt";
+// Whether a run with `wt` weights on `kernel` is W8A8 (the fp8 prefill path).
+bool is_w8a8(fmlp_dtype_t wt, const std::string& kernel) {
+  return wt == FMLP_DTYPE_F8_E4M3 && kernel == "mlp_prefill_sm90_cublaslt";
 }
 
 // w8a8: the run took the fp8 prefill path, which quantises the activations by design and is held
@@ -490,7 +491,8 @@ int feature_matrix(std::mt19937& rng, int cases) {
       ++failures;
     } else {
       c.y.download();
-      CheckResult cr = check_rows(c, y_before, 0, p.m, runs_w8a8(c));
+      const bool w8a8 = is_w8a8(p.wt, ran_kernel(c));
+      CheckResult cr = check_rows(c, y_before, 0, p.m, w8a8);
       std::printf("%s case %2d %s: worst %.2f units %s\n", cr.ok ? "ok  " : "FAIL", ci, desc,
                   cr.worst_units, cr.detail.c_str());
       failures += !cr.ok;
@@ -500,7 +502,7 @@ int feature_matrix(std::mt19937& rng, int cases) {
         r.run(c, s);
         CK(cudaStreamSynchronize(s));
         c.y.download();
-        CheckResult c2 = check_rows(c, y_before, 0, p.m, runs_w8a8(c));
+        CheckResult c2 = check_rows(c, y_before, 0, p.m, w8a8);
         if (!c2.ok) {
           std::printf("FAIL second call case %d: worst %.2f %s\n", ci, c2.worst_units,
                       c2.detail.c_str());
@@ -696,7 +698,7 @@ int main(int argc, char** argv) {
       CK(cudaStreamSynchronize(s));
       cs[0].y.download();
       const std::string kernel = ran_kernel(cs[0]);
-      const bool w8a8 = p.wt == FMLP_DTYPE_F8_E4M3 && kernel == "mlp_prefill_sm90_cublaslt";
+      const bool w8a8 = is_w8a8(p.wt, kernel);
       CheckResult cr = check_rows(cs[0], y_before, 0, 1, w8a8);
       if (m > 1 && cr.ok) {
         CheckResult c2 = check_rows(cs[0], y_before, m - 1, 1, w8a8);

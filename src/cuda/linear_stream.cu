@@ -28,7 +28,6 @@ using fmlp::cuda::load_scalar;
 using fmlp::cuda::store_scalar;
 using fmlp::cuda::stream_begin;
 using fmlp::cuda::stream_dispatch_u;
-using fmlp::cuda::stream_fp8_whole_rows;
 using fmlp::cuda::stream_grid;
 using fmlp::cuda::stream_pick_loads;
 using fmlp::cuda::stream_resident_blocks;
@@ -236,7 +235,7 @@ fmlp_status_t linear_stream_run(const fmlp_linear_args_t& a, const LinearDesc& d
   StreamParams p{};
   static_cast<LinearOperands&>(p) = linear_operands(a, d);
   const int64_t w_bytes = d.n * d.k * (fp8 ? 1 : 2);
-  p.s = stream_shape(d.n, d.k, fp8 ? 1 : 2, 1, fp8 && stream_fp8_whole_rows(d.k, d.m));
+  p.s = stream_shape(d.n, d.k, fp8 ? 1 : 2, d.m);
   stream_pick_loads(p.s, w_bytes);
   // Each block's first group into L2 while the previous kernel drains, where W outgrows the L2
   // (mlp_decode_stream.cu measured prefetching to hurt where most of the matrix fits it).

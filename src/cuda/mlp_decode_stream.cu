@@ -57,7 +57,6 @@ using fmlp::cuda::stage_tokens_as;
 using fmlp::cuda::store_scalar;
 using fmlp::cuda::stream_begin;
 using fmlp::cuda::stream_f16_scaled;
-using fmlp::cuda::stream_fp8_whole_rows;
 using fmlp::cuda::stream_grid;
 using fmlp::cuda::stream_resident_blocks;
 using fmlp::cuda::stream_run;
@@ -273,9 +272,8 @@ fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc
   p.counter = reinterpret_cast<unsigned*>(
       base + align_up(size_t(d.m) * size_t(d.hidden) * stage_elem_bytes(d)));
   const int es = int(dtype_size(d.w_dtype));
-  p.up = stream_shape(d.gated ? 2 * d.hidden : d.hidden, d.d_in, es, d.gated ? 2 : 1,
-                      fp8 && stream_fp8_whole_rows(d.d_in, d.m));
-  p.down = stream_shape(d.d_out, d.hidden, es, 1, fp8 && stream_fp8_whole_rows(d.hidden, d.m));
+  p.up = stream_shape(d.gated ? 2 * d.hidden : d.hidden, d.d_in, es, d.m, d.gated ? 2 : 1);
+  p.down = stream_shape(d.d_out, d.hidden, es, d.m);
   // Prefetching helps where W2 outgrows the L2 (llama3-8b M = 1: 91.6 us against 92.7 without)
   // and hurt where most of W2 fits it (4096 -> 4096: 28.0 against 23.8), measured on an H200.
   // FMLP_STREAM_PREFETCH=0 turns it off, =1 on, for measurements.

@@ -224,8 +224,9 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
   const Where w{st, device, pdl_enabled(cuda_compute_capability(device))};
   const int rows1 = p.gated ? 2 * p.hidden : p.hidden;
   const int kp = moe_stream_pair(p.top_k);
-  const StreamShape up = stream_shape(int64_t(p.top_k) * rows1, p.d, 2, p.gated ? 2 : 1);
-  StreamShape down = stream_shape(int64_t(kp) * p.d_out, p.hidden, 2, kp);
+  // Each slot's rows are read for its one token.
+  const StreamShape up = stream_shape(int64_t(p.top_k) * rows1, p.d, 2, 1, p.gated ? 2 : 1);
+  StreamShape down = stream_shape(int64_t(kp) * p.d_out, p.hidden, 2, 1, kp);
   // E = 64's 1408-wide rows: 176 chunks, two batches either way, 192 loaded at U = 3 against 256
   stream_pick_loads(down, int64_t(p.top_k) * p.d_out * p.hidden * 2);
   fmlp_status_t e = p.x_t == FMLP_DTYPE_F32   ? launch_up<WT, float>(p, up, w)

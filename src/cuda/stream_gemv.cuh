@@ -76,37 +76,32 @@ struct StreamShape {
   int groups;   // ceil(n / R)
 };
 
-// FMLP_LINEAR_STREAM_KB (4..256), the group size forced for measurements, or 0.
-inline int stream_env_group_kb() {
+// W bytes per group of an [n, row_bytes] stream read for `tokens` tokens. 16-bit rows: 16 KB for
+// weights under 16 MiB (few groups per block: a short group keeps more blocks busy), 32 KB up to
+// 1 GiB, 64 KB beyond. Measured on an H200 (the session of commit 0bcccd9), us at 16 / 32 / 64 KB:
+// 4096x4096 bf16 11.9 / 11.0 / 10.9; 14336x4096 32.7 / 31.0 / 32.5; 1024x4096 5.2 / 5.1 / 5.8;
+// 768x3072 4.1 / 4.2 / 4.6; qwen2.5-7b lm head 268 / 249 / 245.
+// fp8 rows (elem_bytes 1) where eight fit in 128 KB, at one token or up to 4 KB a row: a row per
+// warp (kStreamWarps rows a group), so a warp reads its row in full batches and no block barrier
+// combines parts of it. Measured on an H200 (session 23, 128 KB groups against the above, two
+// rounds, us): the fp8 linear 4096 <- 14336 20.9 -> 19.2, the fp8 llama3-8b MLP at M = 1
+// 54.9 -> 53.4, gpt2-small at M = 1 / 2 8.05 / 11.5 -> 7.75 / 10.3; llama3-8b's 14 KB down rows
+// at M = 2 got slower (68.5 -> 69.9); 16-bit rows were slower in bigger groups (sessions 11, 12).
+// FMLP_LINEAR_STREAM_KB=k (4..256) forces k KB groups for measurements.
+inline int64_t stream_group_bytes(int64_t n, int64_t row_bytes, int elem_bytes, int64_t tokens) {
   static const int env_kb = [] {
     const char* e = std::getenv("FMLP_LINEAR_STREAM_KB");
     const int kb = e ? std::atoi(e) : 0;
     return kb >= 4 && kb <= 256 ? kb : 0;
   }();
-  return env_kb;
-}
-
-// W bytes per group: 16 KB for weights under 16 MiB (few groups per block: a short group keeps
-// more blocks busy), 32 KB up to 1 GiB, 64 KB beyond. Measured on an H200 (the session of
-// commit 0bcccd9), us at 16 / 32 / 64 KB: 4096x4096 bf16 11.9 / 11.0 / 10.9; 14336x4096
-// 32.7 / 31.0 / 32.5; 1024x4096 5.2 / 5.1 / 5.8; 768x3072 4.1 / 4.2 / 4.6; qwen2.5-7b lm head
-// 268 / 249 / 245. FMLP_LINEAR_STREAM_KB overrides it for measurements.
-inline int64_t stream_group_bytes(int64_t weight_bytes) {
-  if (const int kb = stream_env_group_kb()) return int64_t(kb) * 1024;
+  if (env_kb) return int64_t(env_kb) * 1024;
+  if (elem_bytes == 1 && row_bytes * kStreamWarps <= (int64_t(128) << 10) &&
+      (tokens <= 1 || row_bytes <= 4096))
+    return row_bytes * kStreamWarps;
+  const int64_t weight_bytes = n * row_bytes;
   return weight_bytes < (int64_t(16) << 20)  ? 16 * 1024
          : weight_bytes < (int64_t(1) << 30) ? 32 * 1024
                                              : 64 * 1024;
-}
-
-// Whether an fp8 stream of `row_bytes` rows read for `tokens` tokens takes whole rows per warp
-// (kStreamWarps rows a group): one warp reads its row in full batches and no block barrier
-// combines parts of a row. Measured on an H200 (session 23, FMLP_LINEAR_STREAM_KB=128 against
-// the default, two rounds, us): the fp8 linear 4096 <- 14336 20.9 -> 19.2, the fp8 llama3-8b MLP
-// at M = 1 54.9 -> 53.4, gpt2-small at M = 1 / 2 8.05 / 11.5 -> 7.75 / 10.3. llama3-8b's 14 KB
-// down rows at M = 2 got slower (68.5 -> 69.9), so two or more tokens keep it to rows of up to
-// 4 KB; 16-bit rows were slower in bigger groups (sessions 11 and 12).
-inline bool stream_fp8_whole_rows(int64_t row_bytes, int64_t tokens) {
-  return row_bytes * kStreamWarps <= (int64_t(128) << 10) && (tokens <= 1 || row_bytes <= 4096);
 }
 
 // The partition of an [n, k] stream of `elem_bytes` weights at exactly `rows` rows per group (a
@@ -125,14 +120,12 @@ inline StreamShape stream_shape_rows(int64_t n, int64_t k, int elem_bytes, int r
   return s;
 }
 
-// The partition of an [n, k] stream of `elem_bytes` weights, at least `min_rows` rows per group
-// (a power of two up to kStreamWarps); `whole_rows`: kStreamWarps rows a group (see
-// stream_fp8_whole_rows) unless FMLP_LINEAR_STREAM_KB sets the group.
-inline StreamShape stream_shape(int64_t n, int64_t k, int elem_bytes, int min_rows = 1,
-                                bool whole_rows = false) {
+// The partition of an [n, k] stream of `elem_bytes` weights read for `tokens` tokens, at least
+// `min_rows` rows per group (a power of two up to kStreamWarps).
+inline StreamShape stream_shape(int64_t n, int64_t k, int elem_bytes, int64_t tokens,
+                                int min_rows = 1) {
   const int64_t row_bytes = k * elem_bytes;
-  const int64_t group = whole_rows && !stream_env_group_kb() ? row_bytes * kStreamWarps
-                                                             : stream_group_bytes(n * row_bytes);
+  const int64_t group = stream_group_bytes(n, row_bytes, elem_bytes, tokens);
   int rows = 1;
   while (rows < min_rows || (rows < kStreamWarps && row_bytes * rows * 2 <= group)) rows *= 2;
   return stream_shape_rows(n, k, elem_bytes, rows);
