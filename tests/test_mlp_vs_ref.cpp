@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -380,6 +381,12 @@ void KernelTest::run_section(Section s) {
                     << ": a valid case was rejected: " << fmlp_status_name(sup) << ": "
                     << fmlp_last_error();
       continue;
+    }
+    // FMLP_TEST_TRACE: each case named before it runs, so a case that hangs is the last line.
+    static const bool trace = std::getenv("FMLP_TEST_TRACE") != nullptr;
+    if (trace) {
+      std::printf("[fmlp] %s: running\n", case_header(s, i, c).c_str());
+      std::fflush(stdout);
     }
     const CaseData data = make_data(c, c.data_seed);
     p.upload(data);
