@@ -52,6 +52,7 @@ constexpr unsigned kFull = 0xffffffffu;
 
 struct RouteShared {
   float scores[kMaxRouteTokens][kMoeMaxExperts];
+  float picked[kMaxRouteTokens][kMoeMaxExperts];  // select_topk: the j-th pick's weight
   unsigned char taken[kMaxRouteTokens][kMoeMaxExperts];
   int run[kWarps][kMoeMaxExperts];  // plan: per-warp counts, then per-warp next positions
   int off[kMoeMaxExperts], chunk_off[kMoeMaxExperts], count[kMoeMaxExperts];
@@ -143,8 +144,10 @@ __device__ void router_logits_columns(const MoeParams& p, int t, float* scores, 
   }
 }
 
-// Scores, top-k and weights of token t (one warp; its logits in s).
-__device__ void select_topk(const MoeParams& p, int t, float* s, unsigned char* taken) {
+// Scores, top-k and weights of token t (one warp; its logits in s, `picked` room for top_k
+// weights).
+__device__ void select_topk(const MoeParams& p, int t, float* s, unsigned char* taken,
+                            float* picked) {
   const int lane = threadIdx.x % 32, E = p.global_experts;
 #pragma unroll 1
   for (int e = lane; e < E; e += 32) taken[e] = 0;
@@ -192,15 +195,20 @@ __device__ void select_topk(const MoeParams& p, int t, float* s, unsigned char* 
       const int local = pick - p.first_expert;
       const bool here = local >= 0 && local < p.experts;
       p.ids[slot0 + j] = here ? local : kMoeSlotRemote;
-      p.wts[slot0 + j] = w;  // remote ones too: the renormalisation sums all k
+      picked[j] = w;  // remote ones too: the renormalisation sums all k
       wsum += w;
       if (here && !p.ids_only) atomicAdd(p.counts + local, 1);
     }
     __syncwarp();
   }
-  if (lane == 0 && p.renormalize)
+  // The weights are stored once, by all lanes, from shared memory: renormalising them in place
+  // in global memory (p.wts[j] /= wsum, lane 0, one pick after the other) put top_k dependent
+  // round trips to the L2 at the end of every routed call's critical path. Same arithmetic:
+  // w / wsum, wsum summed in pick order by lane 0.
+  const float total = __shfl_sync(kFull, wsum, 0);
 #pragma unroll 1
-    for (int j = 0; j < p.top_k; ++j) p.wts[slot0 + j] /= wsum;
+  for (int j = lane; j < p.top_k; j += 32)
+    p.wts[slot0 + j] = p.renormalize ? picked[j] / total : picked[j];
 }
 
 // The last route block: group the slots by expert and cut the groups into chunks.
@@ -340,7 +348,7 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_route(const MoeParams p) {
       if (threadIdx.x == 0) p.route_parts[blockIdx.x] = 0;
       __syncthreads();
     }
-    if (warp < tn) select_topk(p, t0 + warp, sh.scores[warp], sh.taken[warp]);
+    if (warp < tn) select_topk(p, t0 + warp, sh.scores[warp], sh.taken[warp], sh.picked[warp]);
   }
   if (p.ids_only) return;
   if (!block_arrive_last(&p.hdr->route_done, gridDim.x)) return;
