@@ -22,41 +22,24 @@
 #include <cstdlib>
 #include <vector>
 
-#define CK(x)                                                                        \
-  do {                                                                               \
-    cudaError_t e_ = (x);                                                            \
-    if (e_ != cudaSuccess) {                                                         \
-      std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
+#include "bench_common.hpp"
+#include "cuda/sm90_async.cuh"
+#include "cuda/softmax_common.cuh"
+
+namespace {
+
+using fmlp::detail::softmax::combine;
+using fmlp::detail::softmax::ex2;
+using fmlp::detail::softmax::kLog2e;
+using fmlp::detail::softmax::Ms;
+using fmlp_bench::copy_bandwidth;
+using fmlp_bench::graph_us_per_call;
 
 constexpr int kThreads = 256;
-constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return uint32_t(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* b, uint32_t n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(n));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* b, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nW:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra "
-      "W;\n}\n" ::"r"(smem_u32(b)),
-      "r"(parity)
-      : "memory");
-}
+#ifdef FMLP_SM90A
+using namespace fmlp::cuda::sm90;
+
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* b) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
@@ -95,20 +78,13 @@ __device__ __forceinline__ void st_cluster(float2* local, uint32_t rank, float2 
                : "memory");
 }
 
-struct Ms {
-  float m, s;
-};
-__device__ __forceinline__ Ms combine(Ms a, Ms b) {
-  const float m = fmaxf(a.m, b.m);
-  const float ms = m == -INFINITY ? 0.f : m;
-  return {m, a.s * ex2((a.m - ms) * kLog2e) + b.s * ex2((b.m - ms) * kLog2e)};
-}
+#endif  // FMLP_SM90A
 
 template <int C, int NBUF>
 __global__ void __launch_bounds__(kThreads, 1)
     softmax_sm90_tma_rows(float* __restrict__ y, const float* __restrict__ x, int rows, int n,
                           int part) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#ifdef FMLP_SM90A
   extern __shared__ __align__(128) unsigned char smem[];
   float* buf = reinterpret_cast<float*>(smem);  // [NBUF][part]
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + size_t(NBUF) * part * 4);
@@ -163,19 +139,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int c = v4 * 4 + tid; c < plen; c += kThreads) s += ex2((v[c] - ms) * kLog2e);
     Ms a{m, s};
     for (int o = 16; o > 0; o >>= 1)
-      a = combine(a, {__shfl_xor_sync(~0u, a.m, o), __shfl_xor_sync(~0u, a.s, o)});
+      a = combine(a, {__shfl_xor_sync(~0u, a.m, o), __shfl_xor_sync(~0u, a.s, o)}, kLog2e);
     if (lane == 0) red[warp] = a;
     __syncthreads();
     float2* slot = pairs + (i % 2) * C;
     if (tid < C) {
       Ms t{-INFINITY, 0.f};
-      for (int w = 0; w < kThreads / 32; ++w) t = combine(t, red[w]);
+      for (int w = 0; w < kThreads / 32; ++w) t = combine(t, red[w], kLog2e);
       st_cluster(slot + rank, uint32_t(tid), make_float2(t.m, t.s));
     }
     cluster_sync();
     if (tid == 0) {
       Ms t{-INFINITY, 0.f};
-      for (int r = 0; r < C; ++r) t = combine(t, {slot[r].x, slot[r].y});
+      for (int r = 0; r < C; ++r) t = combine(t, {slot[r].x, slot[r].y}, kLog2e);
       total = t;
     }
     __syncthreads();
@@ -198,13 +174,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+// Median µs per call of the kernel for C-CTA clusters and NBUF buffers, graph-replayed like the
+// benchmarks; *clusters_out gets the co-resident clusters used.
 template <int C, int NBUF>
-float run(float* y, const float* x, int rows, int n, int reps, int* grid_out) {
+double run(float* y, const float* x, int rows, int n, int* clusters_out) {
   const int part = ((n + C - 1) / C + 3) / 4 * 4;
   const size_t smem = size_t(NBUF) * part * 4 + NBUF * 8 + 2 * C * 8;
   auto k = softmax_sm90_tma_rows<C, NBUF>;
   CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   CK(cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  cudaStream_t s;
+  CK(cudaStreamCreate(&s));
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeClusterDimension;
@@ -212,42 +192,44 @@ float run(float* y, const float* x, int rows, int n, int reps, int* grid_out) {
   cfg.attrs = &attr, cfg.numAttrs = 1;
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cfg.gridDim = dim3(unsigned(sms / C * C));
   int clusters = 0;
   CK(cudaOccupancyMaxActiveClusters(&clusters, k, &cfg));
-  clusters = std::min(clusters, rows);
+  clusters = std::max(1, std::min(clusters, rows));
   cfg.gridDim = dim3(unsigned(clusters * C));
-  *grid_out = clusters;
+  *clusters_out = clusters;
+  CK(cudaLaunchKernelEx(&cfg, k, y, x, rows, n, part));  // the run the check reads
+  CK(cudaStreamSynchronize(s));
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
   CK(cudaLaunchKernelEx(&cfg, k, y, x, rows, n, part));
-  CK(cudaDeviceSynchronize());
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> t;
-  for (int r = 0; r < reps; ++r) {
-    CK(cudaEventRecord(a));
-    CK(cudaLaunchKernelEx(&cfg, k, y, x, rows, n, part));
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms * 1000.f);
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  CK(cudaStreamEndCapture(s, &g));
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  const double us = graph_us_per_call(ge, s, 1, 21);
+  CK(cudaGraphExecDestroy(ge));
+  CK(cudaGraphDestroy(g));
+  CK(cudaStreamDestroy(s));
+  return us;
 }
+
+}  // namespace
 
 int main(int argc, char** argv) {
   int major = 0;
   CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
-  if (major < 9) {
-    std::printf(
-        "fusedmlp_softmax_tma_proto needs compute capability 9.0 (clusters, bulk copies)\n");
+  if (major != 9) {
+    std::printf("fusedmlp_softmax_tma_proto is sm_90a code (clusters, bulk copies)\n");
     return 0;
   }
   const int rows = argc > 1 ? std::atoi(argv[1]) : 256, n = argc > 2 ? std::atoi(argv[2]) : 128256;
+  if (rows < 1 || n < 4 || n % 4 != 0) {
+    std::printf("rows >= 1 and n a positive multiple of 4, please\n");
+    return 1;
+  }
   const size_t count = size_t(rows) * n;
   std::vector<float> hx(count);
   uint64_t st = 88172645463325252ull;
@@ -255,59 +237,41 @@ int main(int argc, char** argv) {
     st ^= st << 13, st ^= st >> 7, st ^= st << 17;
     v = float(int64_t(st >> 40) % 2000 - 1000) / 100.f;  // [-10, 10)
   }
-  float *x, *y, *cp;
+  float *x, *y;
   CK(cudaMalloc(&x, count * 4));
   CK(cudaMalloc(&y, count * 4));
-  CK(cudaMalloc(&cp, count * 4));
   CK(cudaMemcpy(x, hx.data(), count * 4, cudaMemcpyHostToDevice));
-  // Copy bandwidth in the same run (read + write of the same bytes), median of 20.
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> tc;
-  for (int r = 0; r < 21; ++r) {
-    CK(cudaEventRecord(a));
-    CK(cudaMemcpyAsync(cp, x, count * 4, cudaMemcpyDeviceToDevice));
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    tc.push_back(ms * 1000.f);
-  }
-  std::sort(tc.begin(), tc.end());
-  const double copy_us = tc[tc.size() / 2];
-  std::printf("rows %d n %d: copy %.2f us (%.3f TB/s)\n", rows, n, copy_us,
-              2.0 * count * 4 / copy_us / 1e6);
-  auto check = [&](const char* name, float us, int clusters) {
+  const double bw = copy_bandwidth();  // bytes/s, read + write counted
+  const double floor_us = 2.0 * double(count) * 4 / bw * 1e6;
+  std::printf("rows %d n %d: copy %.3f TB/s, floor %.2f us\n", rows, n, bw / 1e12, floor_us);
+  struct Variant {
+    const char* name;
+    double (*fn)(float*, const float*, int, int, int*);
+  };
+  const Variant variants[] = {{"C8 NBUF3", &run<8, 3>},
+                              {"C8 NBUF2", &run<8, 2>},
+                              {"C16 NBUF3", &run<16, 3>},
+                              {"C16 NBUF6", &run<16, 6>}};
+  for (const Variant& v : variants) {
+    CK(cudaMemset(y, 0xff, count * 4));  // NaN: an element never written fails the check
+    int clusters = 0;
+    const double us = v.fn(y, x, rows, n, &clusters);
     std::vector<float> hy(count);
     CK(cudaMemcpy(hy.data(), y, count * 4, cudaMemcpyDeviceToHost));
     double worst = 0;
     for (int r = 0; r < rows; r += std::max(1, rows / 16)) {
       const float* xr = hx.data() + size_t(r) * n;
-      double mx = -INFINITY, s = 0;
+      double mx = -INFINITY, sum = 0;
       for (int c = 0; c < n; ++c) mx = std::max(mx, double(xr[c]));
-      for (int c = 0; c < n; ++c) s += std::exp(double(xr[c]) - mx);
+      for (int c = 0; c < n; ++c) sum += std::exp(double(xr[c]) - mx);
       for (int c = 0; c < n; ++c) {
-        const double ref = std::exp(double(xr[c]) - mx) / s;
-        worst = std::max(worst, std::fabs(hy[size_t(r) * n + c] - ref) / (ref + 1e-30));
+        const double ref = std::exp(double(xr[c]) - mx) / sum;
+        const double err = std::fabs(double(hy[size_t(r) * n + c]) - ref) / ref;
+        worst = std::isnan(err) ? INFINITY : std::max(worst, err);
       }
     }
-    std::printf("%-12s %4d clusters  %8.2f us  %5.1f %% of copy  worst rel err %.2e %s\n", name,
-                clusters, us, 100.0 * copy_us / us, worst, worst < 1e-4 ? "ok" : "FAIL");
-  };
-  int g = 0;
-  float us;
-  CK(cudaMemset(y, 0xff, count * 4));
-  us = run<8, 3>(y, x, rows, n, 21, &g);
-  check("C8 NBUF3", us, g);
-  CK(cudaMemset(y, 0xff, count * 4));
-  us = run<8, 2>(y, x, rows, n, 21, &g);
-  check("C8 NBUF2", us, g);
-  CK(cudaMemset(y, 0xff, count * 4));
-  us = run<16, 3>(y, x, rows, n, 21, &g);
-  check("C16 NBUF3", us, g);
-  CK(cudaMemset(y, 0xff, count * 4));
-  us = run<16, 6>(y, x, rows, n, 21, &g);
-  check("C16 NBUF6", us, g);
+    std::printf("%-10s %4d clusters  %8.2f us  %5.1f %% of the floor  worst rel err %.2e %s\n",
+                v.name, clusters, us, 100.0 * floor_us / us, worst, worst < 1e-4 ? "ok" : "FAIL");
+  }
   return 0;
 }
