@@ -229,12 +229,14 @@ inline double copy_bandwidth() {
 
 // The entry the default cuda dispatch runs for `args`: the "chosen" line of an fmlp_*_explain
 // report (the planner's pick, which need not be the first entry of the table that takes it).
+// The report is read whole: the chosen line may follow many rejected entries.
 template <typename ARGS, typename EXPLAIN>
 std::string chosen_kernel(EXPLAIN explain, const ARGS& args) {
-  char buf[4096];
   size_t need = 0;
-  if (explain(&args, FMLP_BACKEND_CUDA, buf, sizeof buf, &need) != FMLP_SUCCESS) return "?";
-  const char* p = std::strstr(buf, "chosen");
+  if (explain(&args, FMLP_BACKEND_CUDA, nullptr, 0, &need) != FMLP_SUCCESS) return "?";
+  std::vector<char> buf(need + 1);
+  if (explain(&args, FMLP_BACKEND_CUDA, buf.data(), buf.size(), &need) != FMLP_SUCCESS) return "?";
+  const char* p = std::strstr(buf.data(), "chosen");
   if (p == nullptr) return "none";
   p += 6;
   while (*p == ' ') ++p;

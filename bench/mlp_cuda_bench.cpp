@@ -30,6 +30,7 @@
 
 namespace {
 
+using fmlp_bench::chosen_kernel;
 using fmlp_bench::copy_bandwidth;
 using fmlp_bench::graph_us_per_call;
 
@@ -101,6 +102,21 @@ void put(std::vector<uint8_t>& b, fmlp_dtype_t t, size_t i, float v) {
 }
 
 // A host buffer of random values and its device twin (same bytes, same offsets).
+// Uniform values of the given width centred on 0, xorshift64 seeded from one mt19937 draw: cheap
+// enough for a gigabyte of weights.
+struct Uniform {
+  uint64_t z;
+  float k;
+  Uniform(std::mt19937& rng, float width)
+      : z(rng() | (uint64_t(rng()) << 32) | 1), k(width / 4294967296.f) {}
+  float operator()() {
+    z ^= z << 13;
+    z ^= z >> 7;
+    z ^= z << 17;
+    return (float(uint32_t(z >> 32)) - 2147483648.f) * k;
+  }
+};
+
 struct Buf {
   fmlp_dtype_t t = FMLP_DTYPE_BF16;
   size_t n = 0, off = 0;  // elements, element offset of the view (misalignment)
@@ -113,16 +129,10 @@ struct Buf {
     host.assign((count + offset) * esize(dt), 0);
     CK(cudaMalloc(&dev, host.size() + 256));
   }
-  // Uniform with unit variance (cheap enough for a gigabyte of weights).
+  // Uniform with unit variance.
   void fill(std::mt19937& rng, float scale) {
-    uint64_t z = rng() | (uint64_t(rng()) << 32) | 1;
-    const float k = scale * 3.4641016f / 4294967296.f;  // sqrt(12) / 2^32
-    for (size_t i = 0; i < n + off; ++i) {
-      z ^= z << 13;
-      z ^= z >> 7;
-      z ^= z << 17;
-      put(host, t, i, (float(uint32_t(z >> 32)) - 2147483648.f) * k);
-    }
+    Uniform u(rng, scale * 3.4641016f);  // width sqrt(12)
+    for (size_t i = 0; i < n + off; ++i) put(host, t, i, u());
   }
   void upload() { CK(cudaMemcpy(dev, host.data(), host.size(), cudaMemcpyHostToDevice)); }
   void download() { CK(cudaMemcpy(host.data(), dev, host.size(), cudaMemcpyDeviceToHost)); }
@@ -232,14 +242,8 @@ struct Case {
       }
     }
     std::vector<float> w(size_t(rows * ld));
-    uint64_t z = rng() | (uint64_t(rng()) << 32) | 1;  // xorshift: Buf::fill's generator
-    const float k = 2.f * bound / 4294967296.f;
-    for (float& v : w) {
-      z ^= z << 13;
-      z ^= z >> 7;
-      z ^= z << 17;
-      v = (float(uint32_t(z >> 32)) - 2147483648.f) * k;
-    }
+    Uniform u(rng, 2.f * bound);
+    for (float& v : w) v = u();
     const fmlp_tensor_t wv = fmlp_tensor_2d(w.data(), FMLP_DTYPE_F32, rows, cols, ld);
     const fmlp_tensor_t qv = fmlp_tensor_2d(q.hptr(), FMLP_DTYPE_F8_E4M3, rows, cols, ld);
     const fmlp_tensor_t sv = fmlp_tensor_1d(scale.hptr(), FMLP_DTYPE_F32, rows);
@@ -339,22 +343,9 @@ struct CheckResult {
   std::string detail;
 };
 
-// The kernel a run of c takes: the forced one, else the planner's choice as fmlp_mlp_explain
-// reports it.
+// The kernel a run of c takes: the forced one, else the planner's choice.
 std::string ran_kernel(Case& c) {
-  if (g_kernel) return g_kernel;
-  fmlp_mlp_args_t a = c.args(true);
-  size_t needed = 0;
-  if (fmlp_mlp_explain(&a, FMLP_BACKEND_CUDA, nullptr, 0, &needed) != FMLP_SUCCESS) return "?";
-  std::vector<char> buf(needed + 1);
-  if (fmlp_mlp_explain(&a, FMLP_BACKEND_CUDA, buf.data(), buf.size(), &needed) != FMLP_SUCCESS)
-    return "?";
-  const std::string report(buf.data());
-  const std::string tag = "chosen   ";
-  const size_t at = report.find(tag);
-  if (at == std::string::npos) return "?";
-  const size_t b = at + tag.size();
-  return report.substr(b, report.find_first_of(" \n", b) - b);
+  return g_kernel ? g_kernel : chosen_kernel(fmlp_mlp_explain, c.args(true));
 }
 
 // Whether a run with `wt` weights on `kernel` is W8A8 (the fp8 prefill path).

@@ -31,6 +31,7 @@
 
 namespace {
 
+using fmlp_bench::chosen_kernel;
 using fmlp_bench::median;
 
 #define LK(call)                                                        \
@@ -293,17 +294,6 @@ double matmul_rate(int64_t n, bool fp8) {
   return 2.0 * double(n) * double(n) * double(n) / median(ts) * 1e-12;
 }
 
-std::string planner_pick(const fmlp_mlp_args_t& a) {
-  char buf[4096];
-  size_t needed = 0;
-  if (fmlp_mlp_explain(&a, FMLP_BACKEND_CUDA, buf, sizeof buf, &needed) != FMLP_SUCCESS) return "";
-  const std::string r(buf);
-  const size_t p = r.find("chosen   ");
-  if (p == std::string::npos) return "";
-  const size_t b = p + 9, e = r.find_first_of(" \n", b);
-  return r.substr(b, e - b);
-}
-
 // Median us of one call of `kernel`, by graph replay over the weight copies.
 double time_kernel(Model& md, int64_t m, int copies, const char* kernel, cudaStream_t s) {
   std::vector<void*> ws(size_t(copies), nullptr);
@@ -425,7 +415,7 @@ int main(int argc, char** argv) {
     for (const int64_t m : ms) {
       const double flops = 2.0 * double(m) * params;
       const fmlp_mlp_args_t a0 = md.args(m, 0);
-      const std::string pick = planner_pick(a0);
+      const std::string pick = chosen_kernel(fmlp_mlp_explain, a0);
       std::string best;
       double best_us = 1e300;
       for (const std::string& k : kernels) {
