@@ -341,6 +341,21 @@ std::vector<MoeCase> grouped_cases() {
   c = mk(64, 4, 2, 128, 192, 136, f16, true, FMLP_ACT_SILU);
   c.expert_pad = 3, c.b1 = f16;
   v.push_back(c);
+  // moe_sm90_grouped's tall tiles (192-row chunks at 100..160 expected tokens per hit expert):
+  // groups of ~150, hidden 320 and d_out 200 partial N tiles of both GEMMs (88 units, 128
+  // outputs); experts under 128 / 64 tokens leave one or two consumer warpgroups without rows.
+  c = mk(300, 4, 2, 128, 320, 200, bf, true, FMLP_ACT_SILU);
+  c.b1 = bf, c.residual = 1;
+  v.push_back(c);
+  c = mk(256, 4, 2, 192, 192, 136, f16, true, FMLP_ACT_GELU);  // 512 slots on one expert
+  c.routing = 2, c.b2 = FMLP_DTYPE_F32, c.deterministic = false;
+  v.push_back(c);
+  c = mk(512, 8, 2, 64, 448, 64, bf, true, FMLP_ACT_RELU);  // experts 0 and 4: 512 slots each
+  c.routing = 3, c.residual = 2;
+  v.push_back(c);
+  c = mk(200, 4, 2, 128, 192, 136, bf, true, FMLP_ACT_SILU);  // padded experts: 128-row fallback
+  c.expert_pad = 3;
+  v.push_back(c);
   return v;
 }
 
@@ -615,6 +630,28 @@ TEST(MoeCuda, GroupedTrimsChunksAtEveryTileEdge) {
       EXPECT_EQ(run_device(c, "moe_sm80_grouped", mix_seed(test_seed(), uint64_t(40 + n++))), "")
           << c.name() << " (FMLP_TEST_SEED=" << test_seed() << ")";
     }
+}
+
+// moe_sm90_grouped's tall tiles: 192-row chunks over three consumer warpgroups of 64 rows, one
+// skipping its wgmmas when its rows all lie past the chunk (sm90_gemm_pipe.cuh). Exact slot counts
+// put every chunk length at a consumer edge (1, 64 q - 1, 64 q, 64 q + 1, a full 192, a 193rd
+// row in a second chunk, 385 = two full chunks and one row); 140 expected tokens per hit expert,
+// so the plan takes the tall tiles. hidden 320 and d_out 200 leave partial N tiles. It fails when
+// a live consumer is skipped (its rows keep stale or missing sums), when a skipped one stores
+// rows, and when the 64-row A boxes land in the wrong consumer's part.
+TEST(MoeCuda, Sm90TallTilesAtEveryConsumerEdge) {
+  SKIP_WITHOUT_GPU();
+  MoeCase c;
+  c.slots = {1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 385};
+  c.routing = 4, c.e = int64_t(c.slots.size()), c.k = 2;
+  int64_t total = 0;
+  for (int64_t s : c.slots) total += s;
+  ASSERT_EQ(total % c.k, 0);
+  c.t = total / c.k, c.d = 128, c.hidden = 320, c.d_out = 200;
+  c.xt = c.wt = FMLP_DTYPE_BF16, c.gated = true, c.act = FMLP_ACT_SILU, c.b1 = FMLP_DTYPE_BF16;
+  const std::string err = run_device(c, "moe_sm90_grouped", mix_seed(test_seed(), 60));
+  if (err.find("compute capability") != std::string::npos) GTEST_SKIP() << err;
+  EXPECT_EQ(err, "") << c.name() << " (FMLP_TEST_SEED=" << test_seed() << ")";
 }
 
 // ---- moe_sm80_stream: cases it must take ("" only: a skip fails too) ----

@@ -84,7 +84,6 @@ struct MoePlan {
 };
 MoePlan moe_plan(const MoeDesc& d);
 MoePlan moe_plan_grouped(const MoeDesc& d);
-MoePlan moe_plan_grouped_sm90(const MoeDesc& d);
 
 // The grouped GEMMs' tiles: hidden (and d) must be multiples of kMoeGroupedK.
 constexpr int kMoeGroupedK = 64;

@@ -40,7 +40,6 @@ namespace {
 using namespace fmlp::cuda::sm90;
 
 constexpr int kGatherThreads = 256;
-constexpr int kUnits = 128;  // hidden units per gate/up tile (gate and up each)
 
 template <typename T>
 __global__ void __launch_bounds__(kGatherThreads) moe_sm90_gather_x(const MoeParams p) {
@@ -63,6 +62,7 @@ struct ChunkTiles {
   const MoeParams& p;
   int chunks, n_tiles;
   __device__ int tiles() const { return chunks * n_tiles; }
+  __device__ int rows(const SmTile& tl) const { return p.chunk_len[tl.id]; }
   // Tile t when each expert owns `expert_rows` rows of B, an N tile is `width` of them and the
   // second box starts `second` rows after the first.
   __device__ SmTile chunk_tile(int t, int expert_rows, int width, int second) const {
@@ -72,18 +72,19 @@ struct ChunkTiles {
   }
 };
 
-template <typename T, fmlp_activation_t ACT>
+// BOXN hidden units per tile: their gate rows (box 0), then their up rows (box 1).
+template <typename T, fmlp_activation_t ACT, int BOXN>
 struct GateUpProblem : ChunkTiles {
   __device__ int k_blocks() const { return p.d / kPipeBK; }
   // The units' gate rows, then their up rows (W1 as [E x 2 hidden, d]).
-  __device__ SmTile tile(int t) const { return chunk_tile(t, 2 * p.hidden, kUnits, p.hidden); }
-  __device__ void epilogue(const float (&d)[128], const SmTile& tl, int row, int col) const {
+  __device__ SmTile tile(int t) const { return chunk_tile(t, 2 * p.hidden, BOXN, p.hidden); }
+  __device__ void epilogue(const float (&d)[BOXN], const SmTile& tl, int row, int col) const {
     const int len = p.chunk_len[tl.id], e = p.chunk_expert[tl.id];
     const void* b1 = fmlp::cuda::expert_vec(p.b1, p.b1_t, p.b1_e, e);
     T* h = reinterpret_cast<T*>(p.hbuf);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int u = tl.n * kUnits + col + 8 * j;  // hidden is a multiple of 64: u + 1 too
+    for (int j = 0; j < BOXN / 8; ++j) {
+      const int u = tl.n * BOXN + col + 8 * j;  // hidden is a multiple of 64: u + 1 too
       if (u >= p.hidden) continue;
       float bg0 = 0.f, bg1 = 0.f, bu0 = 0.f, bu1 = 0.f;
       if (b1) {
@@ -96,10 +97,11 @@ struct GateUpProblem : ChunkTiles {
       for (int i = 0; i < 2; ++i) {
         const int r = row + 8 * i;
         if (r >= len) continue;
+        constexpr int kUp = BOXN / 2;  // the up columns' first accumulator
         const float h0 =
-            fmlp::cuda::activate(ACT, d[4 * j + 2 * i] + bg0) * (d[64 + 4 * j + 2 * i] + bu0);
+            fmlp::cuda::activate(ACT, d[4 * j + 2 * i] + bg0) * (d[kUp + 4 * j + 2 * i] + bu0);
         const float h1 = fmlp::cuda::activate(ACT, d[4 * j + 2 * i + 1] + bg1) *
-                         (d[64 + 4 * j + 2 * i + 1] + bu1);
+                         (d[kUp + 4 * j + 2 * i + 1] + bu1);
         *reinterpret_cast<uint32_t*>(h + int64_t(tl.a_row + r) * p.hidden + u) =
             fmlp::cuda::pack2<T>(h0, h1);
       }
@@ -107,11 +109,12 @@ struct GateUpProblem : ChunkTiles {
   }
 };
 
+// 2 BOXN consecutive rows of W2 (as [E x d_out, hidden]) per tile.
+template <int BOXN>
 struct DownProblem : ChunkTiles {
   __device__ int k_blocks() const { return p.hidden / kPipeBK; }
-  // 256 consecutive rows of W2 (as [E x d_out, hidden]).
-  __device__ SmTile tile(int t) const { return chunk_tile(t, p.d_out, kPipeBN, kPipeBN / 2); }
-  __device__ void epilogue(const float (&d)[128], const SmTile& tl, int row, int col) const {
+  __device__ SmTile tile(int t) const { return chunk_tile(t, p.d_out, 2 * BOXN, BOXN); }
+  __device__ void epilogue(const float (&d)[BOXN], const SmTile& tl, int row, int col) const {
     const int len = p.chunk_len[tl.id];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -119,8 +122,8 @@ struct DownProblem : ChunkTiles {
       if (r >= len) continue;
       float* out = p.out + int64_t(p.perm[tl.a_row + r]) * p.d_out;
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int o = tl.n * kPipeBN + col + 8 * j;  // d_out is a multiple of 8: o + 1 too
+      for (int j = 0; j < BOXN / 4; ++j) {
+        const int o = tl.n * 2 * BOXN + col + 8 * j;  // d_out is a multiple of 8: o + 1 too
         if (o < p.d_out)
           *reinterpret_cast<float2*>(out + o) = make_float2(d[4 * j + 2 * i], d[4 * j + 2 * i + 1]);
       }
@@ -130,39 +133,99 @@ struct DownProblem : ChunkTiles {
 
 #endif  // FMLP_SM90A
 
-template <typename T, fmlp_activation_t ACT>
-__global__ void __launch_bounds__(kPipeThreads, 1)
+// The tile shapes: 128 x 256 for both GEMMs (TALL false), or 192 rows (three consumers) x 176
+// (gate/up: 88 units) and x 128 (down). N is what fills the SMs' last round of tiles: Mixtral-like
+// hidden 14336 makes 163 gate/up tiles an expert (8 experts: 9.9 rounds of 132 SMs; 96 units made
+// 150, 9.1 rounds: 928.7 against 960.3 us at T = 512 on an H200, same call, session 25) and 4096
+// outputs 32 down tiles (1.9 rounds; 176 would make 24, 1.5).
+template <bool TALL>
+struct Tiles {
+  static constexpr int kConsumers = TALL ? 3 : 2;
+  static constexpr int kUpBox = TALL ? 88 : 128, kDownBox = TALL ? 64 : 128;
+  using Up = PipeShape<kConsumers, kUpBox>;
+  using Down = PipeShape<kConsumers, kDownBox>;
+};
+
+template <typename T, fmlp_activation_t ACT, bool TALL>
+__global__ void __launch_bounds__(Tiles<TALL>::Up::kThreads, 1)
     moe_sm90_grouped_gate_up(const __grid_constant__ CUtensorMap ta,
                              const __grid_constant__ CUtensorMap tb,
                              const __grid_constant__ MoeParams p) {
 #ifdef FMLP_SM90A
   extern __shared__ unsigned char smem_raw[];
-  const GateUpProblem<T, ACT> pr{{p, p.hdr->chunks, (p.hidden + kUnits - 1) / kUnits}};
-  gemm_sm90_pipe<T>(smem_raw, &ta, &tb, &tb, pr);
+  using Problem = GateUpProblem<T, ACT, Tiles<TALL>::kUpBox>;
+  const Problem pr{{p, p.hdr->chunks, (p.hidden + Tiles<TALL>::kUpBox - 1) / Tiles<TALL>::kUpBox}};
+  gemm_sm90_pipe<T, Problem, Tiles<TALL>::kConsumers, Tiles<TALL>::kUpBox>(smem_raw, &ta, &tb, &tb,
+                                                                           pr);
 #endif
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kPipeThreads, 1)
+template <typename T, bool TALL>
+__global__ void __launch_bounds__(Tiles<TALL>::Down::kThreads, 1)
     moe_sm90_grouped_down(const __grid_constant__ CUtensorMap ta,
                           const __grid_constant__ CUtensorMap tb,
                           const __grid_constant__ MoeParams p) {
 #ifdef FMLP_SM90A
   extern __shared__ unsigned char smem_raw[];
-  const DownProblem pr{{p, p.hdr->chunks, (p.d_out + kPipeBN - 1) / kPipeBN}};
-  gemm_sm90_pipe<T>(smem_raw, &ta, &tb, &tb, pr);
+  using Problem = DownProblem<Tiles<TALL>::kDownBox>;
+  const Problem pr{
+      {p, p.hdr->chunks, (p.d_out + Tiles<TALL>::Down::kBN - 1) / Tiles<TALL>::Down::kBN}};
+  gemm_sm90_pipe<T, Problem, Tiles<TALL>::kConsumers, Tiles<TALL>::kDownBox>(smem_raw, &ta, &tb,
+                                                                             &tb, pr);
 #endif
 }
 
 // ---- host ----
 
-template <auto KERNEL>
+template <auto KERNEL, typename SHAPE>
 fmlp_status_t start(const char* name, int grid, const CUtensorMap& ta, const CUtensorMap& tb,
                     const MoeParams& p, cudaStream_t s) {
-  if (const fmlp_status_t st = allow_dynamic_smem<KERNEL>(kPipeSmemBytes, name); st != FMLP_SUCCESS)
+  if (const fmlp_status_t st = allow_dynamic_smem<KERNEL>(SHAPE::kSmemBytes, name);
+      st != FMLP_SUCCESS)
     return st;
-  KERNEL<<<grid, kPipeThreads, kPipeSmemBytes, s>>>(ta, tb, p);
+  KERNEL<<<grid, SHAPE::kThreads, SHAPE::kSmemBytes, s>>>(ta, tb, p);
   return launch_status(name, fmt::format("{} blocks", grid));
+}
+
+template <typename T, bool TALL>
+fmlp_status_t launch_gemms(const MoeParams& p, int sms, cudaStream_t s) {
+  using Up = typename Tiles<TALL>::Up;
+  using Down = typename Tiles<TALL>::Down;
+  const fmlp_dtype_t t = p.w_t;
+  CUtensorMap ta1, tb1, ta2, tb2;
+  const int64_t rows1 = int64_t(p.experts) * 2 * p.hidden, rows2 = int64_t(p.experts) * p.d_out;
+  const char* name = "moe_sm90_grouped";
+  fmlp_status_t st =
+      pipe_make_map(&ta1, name, "the gathered x", t, p.xg, p.slots, p.d, p.d, Up::kABox);
+  if (st == FMLP_SUCCESS)
+    st = pipe_make_map(&tb1, name, "W1", t, p.w1, rows1, p.d, p.w1_ld, Tiles<TALL>::kUpBox);
+  if (st == FMLP_SUCCESS)
+    st = pipe_make_map(&ta2, name, "h", t, p.hbuf, p.slots, p.hidden, p.hidden, Down::kABox);
+  if (st == FMLP_SUCCESS)
+    st = pipe_make_map(&tb2, name, "W2", t, p.w2, rows2, p.hidden, p.w2_ld, Tiles<TALL>::kDownBox);
+  if (st != FMLP_SUCCESS) return st;
+  const int64_t n1 = (p.hidden + Tiles<TALL>::kUpBox - 1) / Tiles<TALL>::kUpBox;
+  const int64_t n2 = (p.d_out + Down::kBN - 1) / Down::kBN;
+  const int grid1 = int(std::clamp<int64_t>(int64_t(p.max_chunks) * n1, 1, sms));
+  const int grid2 = int(std::clamp<int64_t>(int64_t(p.max_chunks) * n2, 1, sms));
+  const char* up = "moe_sm90_grouped_gate_up";
+  switch (p.act) {
+    case FMLP_ACT_RELU:
+      st = start<&moe_sm90_grouped_gate_up<T, FMLP_ACT_RELU, TALL>, Up>(up, grid1, ta1, tb1, p, s);
+      break;
+    case FMLP_ACT_GELU:
+      st = start<&moe_sm90_grouped_gate_up<T, FMLP_ACT_GELU, TALL>, Up>(up, grid1, ta1, tb1, p, s);
+      break;
+    case FMLP_ACT_GELU_TANH:
+      st = start<&moe_sm90_grouped_gate_up<T, FMLP_ACT_GELU_TANH, TALL>, Up>(up, grid1, ta1, tb1, p,
+                                                                             s);
+      break;
+    default:
+      st = start<&moe_sm90_grouped_gate_up<T, FMLP_ACT_SILU, TALL>, Up>(up, grid1, ta1, tb1, p, s);
+  }
+  if (st != FMLP_SUCCESS) return st;
+  return start<&moe_sm90_grouped_down<T, TALL>, Down>("moe_sm90_grouped_down", grid2, ta2, tb2, p,
+                                                      s);
 }
 
 template <typename T>
@@ -172,34 +235,9 @@ fmlp_status_t launch(const MoeParams& p, int sms, cudaStream_t s) {
       int(std::clamp<int64_t>((pieces + kGatherThreads - 1) / kGatherThreads, 1, 8 * sms));
   moe_sm90_gather_x<T><<<gather_blocks, kGatherThreads, 0, s>>>(p);
   if (const fmlp_status_t st = launch_status("moe_sm90_gather_x"); st != FMLP_SUCCESS) return st;
-  const fmlp_dtype_t t = p.w_t;
-  CUtensorMap ta1, tb1, ta2, tb2;
-  const int64_t rows1 = int64_t(p.experts) * 2 * p.hidden, rows2 = int64_t(p.experts) * p.d_out;
-  const char* name = "moe_sm90_grouped";
-  fmlp_status_t st = pipe_make_map(&ta1, name, "the gathered x", t, p.xg, p.slots, p.d, p.d);
-  if (st == FMLP_SUCCESS) st = pipe_make_map(&tb1, name, "W1", t, p.w1, rows1, p.d, p.w1_ld);
-  if (st == FMLP_SUCCESS)
-    st = pipe_make_map(&ta2, name, "h", t, p.hbuf, p.slots, p.hidden, p.hidden);
-  if (st == FMLP_SUCCESS) st = pipe_make_map(&tb2, name, "W2", t, p.w2, rows2, p.hidden, p.w2_ld);
-  if (st != FMLP_SUCCESS) return st;
-  const int64_t n1 = (p.hidden + kUnits - 1) / kUnits, n2 = (p.d_out + kPipeBN - 1) / kPipeBN;
-  const int grid1 = int(std::clamp<int64_t>(int64_t(p.max_chunks) * n1, 1, sms));
-  const int grid2 = int(std::clamp<int64_t>(int64_t(p.max_chunks) * n2, 1, sms));
-  const char* up = "moe_sm90_grouped_gate_up";
-  switch (p.act) {
-    case FMLP_ACT_RELU:
-      st = start<&moe_sm90_grouped_gate_up<T, FMLP_ACT_RELU>>(up, grid1, ta1, tb1, p, s);
-      break;
-    case FMLP_ACT_GELU:
-      st = start<&moe_sm90_grouped_gate_up<T, FMLP_ACT_GELU>>(up, grid1, ta1, tb1, p, s);
-      break;
-    case FMLP_ACT_GELU_TANH:
-      st = start<&moe_sm90_grouped_gate_up<T, FMLP_ACT_GELU_TANH>>(up, grid1, ta1, tb1, p, s);
-      break;
-    default: st = start<&moe_sm90_grouped_gate_up<T, FMLP_ACT_SILU>>(up, grid1, ta1, tb1, p, s);
-  }
-  if (st != FMLP_SUCCESS) return st;
-  return start<&moe_sm90_grouped_down<T>>("moe_sm90_grouped_down", grid2, ta2, tb2, p, s);
+  // The plan's chunk is the tiles' rows: 192 (tall, three consumer warpgroups) or 128.
+  return p.chunk == Tiles<true>::Up::kBM ? launch_gemms<T, true>(p, sms, s)
+                                         : launch_gemms<T, false>(p, sms, s);
 }
 
 }  // namespace

@@ -97,6 +97,22 @@ constexpr double kGroupedBigExpert = 64.0 * (1 << 20);
 // 473.8 vs 491.3. Below 8 it is not measured: moe_sm80_grouped keeps those calls.
 // FMLP_MOE_SM90_MIN_ROWS overrides it.
 const double kGroupedSm90MinRows = tuned("FMLP_MOE_SM90_MIN_ROWS", 8);
+// moe_sm90_grouped's tall tiles: chunks of 192 slots on three consumer warpgroups when the expected
+// tokens per hit expert lie in [kGroupedSm90TallRows, kGroupedSm90TallMax]. An expert of 129..192
+// tokens is then one chunk and its weights are read once, where 128-row tiles add a short second
+// chunk that reads them again, from HBM more often than not (Mixtral-like T = 512: W1 read 1.24
+// times, docs/moe.md sessions 15 and 24). Measured on an H200 (session 25, fusedmlp_moe_bench,
+// two rounds each, tall against 128-row tiles in the same call, us): Mixtral-like T = 512 (128
+// expected) 928.9 / 928.6 against 996.9 / 997.9, T = 640 (160) 939.6 / 938.8 against 1185.2 /
+// 1178.5; E = 64 top-8 T = 1024 (128) 690.2 / 689.1 against 677.6 / 676.0 (2 % slower), T = 1280
+// (160) 809.3 / 810.6 against 822.9 / 823.5. At 192 expected (Mixtral T = 768, E = 64 T = 1536)
+// half the experts spill a few rows into a second tall chunk and the tall tiles lose (1482
+// against 1162, 1010 against 863, with 96-unit gate/up tiles), hence the upper bound, about 2.5
+// standard deviations of a uniform group below 192. FMLP_MOE_SM90_TALL_ROWS overrides the lower
+// bound (1e9: never tall).
+const double kGroupedSm90TallRows = tuned("FMLP_MOE_SM90_TALL_ROWS", 100);
+constexpr double kGroupedSm90TallMax = 160;
+constexpr int kGroupedSm90TallChunk = 192;
 
 // Expected tokens per hit expert under uniform routing: T*k slots over the E(1 - (1 - k/E)^T)
 // experts expected to receive any.
@@ -300,11 +316,6 @@ MoePlan moe_plan_grouped(const MoeDesc& d) {
   return grouped_plan(d, tokens_per_hit_expert(d) >= kGroupedWideRows ? 128 : 64, false);
 }
 
-// 128-row chunks: the sm_90 tile.
-MoePlan moe_plan_grouped_sm90(const MoeDesc& d) {
-  return grouped_plan(d, 128, true);
-}
-
 void moe_routing_inputs(MoeParams* p, const fmlp_moe_args_t& a, const MoeDesc& d) {
   if (!d.given_routing) {
     p->rw = a.router_w.data, p->rw_ld = a.router_w.stride[0], p->rw_t = d.router_dtype;
@@ -318,6 +329,16 @@ void moe_routing_inputs(MoeParams* p, const fmlp_moe_args_t& a, const MoeDesc& d
 }
 
 namespace {
+
+// The sm_90 tiles' rows: 128, or 192 (tall) where the groups are expected to fit one tall chunk.
+MoePlan moe_plan_grouped_sm90(const MoeDesc& d, bool tall) {
+  return grouped_plan(d, tall ? kGroupedSm90TallChunk : 128, true);
+}
+
+bool grouped_sm90_tall(const MoeDesc& d) {
+  const double per = tokens_per_hit_expert(d);
+  return per >= kGroupedSm90TallRows && per <= kGroupedSm90TallMax;
+}
 
 size_t moe_cuda_workspace(const MoeDesc& d) {
   return moe_plan(d).total;
@@ -457,8 +478,8 @@ bool moe_grouped_sm90_supports(const MoeDesc& d, std::string* why) {
   return true;
 }
 
-size_t moe_grouped_sm90_workspace(const MoeDesc& d) {
-  return moe_plan_grouped_sm90(d).total;
+size_t moe_grouped_sm90_workspace(const MoeDesc& d) {  // room for either plan (see the run)
+  return std::max(moe_plan_grouped_sm90(d, false).total, moe_plan_grouped_sm90(d, true).total);
 }
 
 // The sm_90 GEMMs where the call's tensors allow them (one TMA map over every expert's W1 and
@@ -474,7 +495,15 @@ fmlp_status_t moe_launch_grouped_sm90_or_sm80(const MoeParams& p, cudaStream_t s
 
 fmlp_status_t moe_grouped_sm90_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* ws,
                                    void* stream) {
-  return moe_run_with(a, d, moe_plan_grouped_sm90(d), ws, stream, moe_launch_grouped_sm90_or_sm80);
+  MoePlan pl = moe_plan_grouped_sm90(d, false);
+  if (grouped_sm90_tall(d)) {
+    // Tall chunks only where the sm_90 GEMMs take the tensors: the fallback (moe_sm80_grouped's
+    // GEMMs on the same plan) tiles at most 128 rows.
+    const MoePlan tall = moe_plan_grouped_sm90(d, true);
+    std::string why;
+    if (moe_grouped_sm90_takes(moe_params(a, d, tall, ws), &why)) pl = tall;
+  }
+  return moe_run_with(a, d, pl, ws, stream, moe_launch_grouped_sm90_or_sm80);
 }
 
 // Dispatch takes the first entry that supports a call: the weight streams for a few tokens, the
@@ -509,11 +538,19 @@ const MoeKernel* cuda_moe_plan(const MoeDesc& d, std::string* reason) {
   }
   for (size_t i = 1; i < list.count; ++i)
     if (list.kernels[i].supports(d, &why)) {
-      if (reason)
+      if (reason) {
         *reason = fmt::format(
             "{:.2f} expected slots per hit expert > {}: {} ({} would read a shared expert once "
             "per slot)",
             share, kStreamMaxShare, list.kernels[i].name, stream->name);
+        if (list.kernels[i].run == moe_grouped_sm90_run)
+          *reason += grouped_sm90_tall(d)
+                         ? fmt::format(
+                               "; 192-row tiles ({:.1f} expected tokens per hit expert "
+                               "in [{}, {}]: one chunk per typical expert)",
+                               tokens_per_hit_expert(d), kGroupedSm90TallRows, kGroupedSm90TallMax)
+                         : "; 128-row tiles";
+      }
       return &list.kernels[i];
     }
   return stream;

@@ -2,14 +2,21 @@
 // rows: gemm_sm90_wgmma_gated (gemm_sm90_gated.cu: the gate and the up rows of 128 hidden units)
 // and moe_sm90_grouped (moe_grouped_sm90.cu: the same per expert, and 256 rows of W2).
 //
-// - A tile is 128 rows of A (x, or h) x 256 rows of B, k blocks of 64 16-bit elements (128 bytes:
-//   one 128-byte swizzle row). A stage is A 128x64 (16 KiB) + the two B boxes 128x64 (32 KiB),
-//   the second box's rows directly after the first's, so one wgmma descriptor spans N = 256; 4
-//   stages.
+// - A tile is 64 x CONSUMERS rows of A (x, or h) x 2 BOXN rows of B, k blocks of 64 16-bit
+//   elements (128 bytes: one 128-byte swizzle row). A stage is the A rows x 64 + the two B boxes
+//   BOXN x 64, the second box's rows directly after the first's, so one wgmma descriptor spans
+//   N = 2 BOXN; as many stages as fit (PipeShape).
 // - TMA with 128-byte swizzle; rows and columns past a tensor map's end arrive as zeros.
-// - 3 warpgroups: WG0 produces (one thread issues the copies), WG1 and WG2 each own 64 rows of A
-//   x 256 columns (m64n256k16, 128 fp32 accumulators a thread). A stage is released per warp once
-//   wgmma.wait_group says the wgmmas reading it are done (empty barrier count 8).
+// - 1 + CONSUMERS warpgroups: WG0 produces (one thread issues the copies), each other WG owns 64
+//   rows of A x 2 BOXN columns (m64n(2 BOXN)k16, BOXN fp32 accumulators a thread). A stage is
+//   released per warp once wgmma.wait_group says the wgmmas reading it are done (empty barrier
+//   count: the consumer warps).
+// - 128 x 256 tiles (CONSUMERS 2, BOXN 128) are the prefill and moe default. 192-row tiles
+//   (CONSUMERS 3) serve the moe path's chunks of up to 192 tokens, so that an expert of 129..192
+//   tokens reads its weights once instead of again for a short second chunk; 512 threads leave
+//   128 registers a thread, so their N is 176 (BOXN 88, gate/up) or 128 (BOXN 64, down). There a
+//   consumer whose 64 rows all lie past the tile's valid rows skips its wgmmas and epilogue
+//   (PROBLEM::rows).
 // - Persistent: one block per SM walks the problem's tiles t = blockIdx.x, + gridDim.x, ...
 //
 // PROBLEM (a struct passed by value) gives:
@@ -17,11 +24,12 @@
 //                                          thread asks, and must get the same answer)
 //   int k_blocks() const
 //   SmTile tile(int t) const               the tile's A row and its two B boxes' first rows
-//   void epilogue(const float (&d)[128], const SmTile&, int row_in_tile, int col_in_tile) const
+//   int rows(const SmTile&) const          (CONSUMERS = 3 only) the tile's valid A rows
+//   void epilogue(const float (&d)[BOXN], const SmTile&, int row_in_tile, int col_in_tile) const
 //                                          a thread's accumulators: rows row_in_tile (+ 8),
-//                                          columns col_in_tile + 8 j (+ 1), j < 32; d[4 j + 2 i
-//                                          + q] is row + 8 i, column + 8 j + q (columns 0..127
-//                                          come from box 0, 128..255 from box 1)
+//                                          columns col_in_tile + 8 j (+ 1), j < BOXN / 4; d[4 j +
+//                                          2 i + q] is row + 8 i, column + 8 j + q (columns
+//                                          0..BOXN-1 come from box 0, the rest from box 1)
 // The device code exists only in the sm_90a compile (FMLP_SM90A, sm90_async.cuh).
 #pragma once
 #include <cuda_bf16.h>
@@ -35,18 +43,38 @@
 
 namespace fmlp::cuda::sm90 {
 
-constexpr int kPipeBM = 128;  // A rows per tile
-constexpr int kPipeBN = 256;  // B rows per tile: two boxes of 128
-constexpr int kPipeBK = 64;   // elements of k per stage: one 128-byte swizzle row of 16-bit values
-constexpr int kPipeStages = 4;
-constexpr int kPipeThreads = 384;  // producer warpgroup + 2 consumer warpgroups
-constexpr uint32_t kPipeTileA = kPipeBM * kPipeBK * 2;  // 16 KiB
-constexpr uint32_t kPipeBox = 128 * kPipeBK * 2;        // 16 KiB each B box
-constexpr uint32_t kPipeStageBytes = kPipeTileA + 2 * kPipeBox;
-// Stages, then full and empty barriers; + 1024 to align the base (128-byte swizzle atoms are 1024
-// bytes and the descriptors assume atoms start 1024-aligned: base offset 0).
-constexpr size_t kPipeSmemBytes =
-    size_t(kPipeStages) * kPipeStageBytes + 2 * kPipeStages * 8 + 1024;
+constexpr int kPipeBK = 64;  // elements of k per stage: one 128-byte swizzle row of 16-bit values
+
+// The sizes of the pipe with CONSUMERS consumer warpgroups and B boxes of BOXN rows.
+template <int CONSUMERS, int BOXN>
+struct PipeShape {
+  static_assert((CONSUMERS == 2 && BOXN == 128) || (CONSUMERS == 3 && (BOXN == 88 || BOXN == 64)),
+                "the instantiated shapes: 128 x 256 tiles, 192 x 176 and 192 x 128");
+  static constexpr int kBM = 64 * CONSUMERS;  // A rows per tile
+  static constexpr int kBN = 2 * BOXN;        // B rows per tile
+  // A rows per TMA box: one box at two consumers; 64-row boxes at three, so the three consumers'
+  // parts land one after the other (a 128-row box would overrun the 192-row tile).
+  static constexpr int kABox = CONSUMERS == 2 ? 128 : 64;
+  static constexpr int kThreads = 128 * (1 + CONSUMERS);
+  static constexpr uint32_t kTileA = uint32_t(kBM) * kPipeBK * 2;
+  static constexpr uint32_t kBox = uint32_t(BOXN) * kPipeBK * 2;
+  static constexpr uint32_t kStageBytes = kTileA + 2 * kBox;
+  // As many stages as 227 KiB of shared memory hold with the barriers and 1024 bytes to align the
+  // base (128-byte swizzle atoms are 1024 bytes and the descriptors assume atoms start
+  // 1024-aligned: base offset 0): 4 of 48 or 46 KiB, 5 of 40 KiB.
+  static constexpr int kStages = int((232448 - 1024 - 8 * 16) / kStageBytes);
+  static constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 2 * kStages * 8 + 1024;
+  // setmaxnreg at two consumers: the block starts with 168 registers a thread; what the producer
+  // gives back (40) is exactly what the consumers take (232; the instruction waits for it). Three
+  // consumers keep the 128 a thread that 512 threads start with: their N <= 176 tiles need at most
+  // 88 accumulators.
+  static constexpr bool kSetMaxNReg = CONSUMERS == 2;
+};
+using PipeWide = PipeShape<2, 128>;  // the prefill and moe default: 128 x 256 tiles
+constexpr int kPipeBM = PipeWide::kBM;
+constexpr int kPipeBN = PipeWide::kBN;
+constexpr int kPipeThreads = PipeWide::kThreads;
+constexpr size_t kPipeSmemBytes = PipeWide::kSmemBytes;
 
 struct SmTile {
   int a_row;     // first A row
@@ -55,28 +83,30 @@ struct SmTile {
   int n;         // the problem's N tile
 };
 
-// A [rows, cols] row-major 16-bit matrix (row stride ld elements) read in 128 x 64 boxes, 128-byte
-// swizzle (the layout the wgmma descriptors describe), zeros outside. The error names the kernel
-// and the operand (`what`).
+// A [rows, cols] row-major 16-bit matrix (row stride ld elements) read in box_rows x 64 boxes
+// (128: B, and A at two consumers; PipeShape::kABox), 128-byte swizzle (the layout the wgmma
+// descriptors describe), zeros outside. The error names the kernel and the operand (`what`).
 inline fmlp_status_t pipe_make_map(CUtensorMap* map, const char* kernel, const char* what,
                                    fmlp_dtype_t t, const void* p, int64_t rows, int64_t cols,
-                                   int64_t ld) {
+                                   int64_t ld, uint32_t box_rows = 128) {
   return make_tma_map_2d(
       map, kernel, what,
       t == FMLP_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, p,
-      rows, cols, ld * 2, kPipeBK, 128);
+      rows, cols, ld * 2, kPipeBK, box_rows);
 }
 
 #ifdef FMLP_SM90A
 
 // Keeps the compiler from moving accumulator accesses across the asynchronous wgmma boundaries.
-__device__ __forceinline__ void fence_acc(float (&d)[128]) {
+template <int R>
+__device__ __forceinline__ void fence_acc(float (&d)[R]) {
 #pragma unroll
-  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d[64 x 256] (+)= A[64 x 16] B[256 x 16]^T, both K-major in shared memory; scale_d = 0 starts
-// the accumulation (the registers' old values are ignored).
+// d[64 x N] (+)= A[64 x 16] B[N x 16]^T, both K-major in shared memory, N / 2 fp32 accumulators a
+// thread; scale_d = 0 starts the accumulation (the registers' old values are ignored). N = 256
+// (two 128-row B boxes), 176 and 128 (the tall tiles' two 88- and 64-row boxes).
 #define FMLP_WGMMA_M64N256K16(TYPE)                                                                \
   asm volatile(                                                                                    \
       "{\n"                                                                                        \
@@ -85,16 +115,15 @@ __device__ __forceinline__ void fence_acc(float (&d)[128]) {
       "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE                                 \
       "\n"                                                                                         \
       "{"                                                                                          \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "           \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "           \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "           \
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "           \
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "           \
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, "     \
-      "%111, "                                                                                     \
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, " \
-      "%127"                                                                                       \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "           \
+      "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "           \
+      "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "           \
+      "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, "           \
+      "%66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, "           \
+      "%82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, "           \
+      "%98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "         \
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, "       \
+      "%126, %127"                                                                                 \
       "},\n"                                                                                       \
       "%128, %129, p, 1, 1, 0, 0;\n"                                                               \
       "}\n"                                                                                        \
@@ -119,32 +148,103 @@ __device__ __forceinline__ void fence_acc(float (&d)[128]) {
         "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])         \
       : "l"(da), "l"(db), "r"(scale_d))
 
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db,
-                                                 int scale_d) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    FMLP_WGMMA_M64N256K16("bf16");
-  else
-    FMLP_WGMMA_M64N256K16("f16");
+#define FMLP_WGMMA_M64N176K16(TYPE)                                                                \
+  asm volatile(                                                                                    \
+      "{\n"                                                                                        \
+      ".reg .pred p;\n"                                                                            \
+      "setp.ne.b32 p, %90, 0;\n"                                                                   \
+      "wgmma.mma_async.sync.aligned.m64n176k16.f32." TYPE "." TYPE                                 \
+      "\n"                                                                                         \
+      "{"                                                                                          \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "           \
+      "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "           \
+      "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "           \
+      "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, "           \
+      "%66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, "           \
+      "%82, %83, %84, %85, %86, %87"                                                               \
+      "},\n"                                                                                       \
+      "%88, %89, p, 1, 1, 0, 0;\n"                                                                 \
+      "}\n"                                                                                        \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), \
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
+        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), \
+        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), \
+        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), \
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])                                         \
+      : "l"(da), "l"(db), "r"(scale_d))
+
+#define FMLP_WGMMA_M64N128K16(TYPE)                                                                \
+  asm volatile(                                                                                    \
+      "{\n"                                                                                        \
+      ".reg .pred p;\n"                                                                            \
+      "setp.ne.b32 p, %66, 0;\n"                                                                   \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE                                 \
+      "\n"                                                                                         \
+      "{"                                                                                          \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "           \
+      "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "           \
+      "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "           \
+      "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                       \
+      "},\n"                                                                                       \
+      "%64, %65, p, 1, 1, 0, 0;\n"                                                                 \
+      "}\n"                                                                                        \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), \
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
+        "+f"(d[63])                                                                                \
+      : "l"(da), "l"(db), "r"(scale_d))
+
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_m64nk16(float (&d)[N / 2], uint64_t da, uint64_t db,
+                                              int scale_d) {
+  static_assert(N == 256 || N == 176 || N == 128, "the instantiated wgmma shapes");
+#define FMLP_WGMMA_TYPED(NN)                        \
+  if constexpr (N == NN) {                          \
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) \
+      FMLP_WGMMA_M64N##NN##K16("bf16");             \
+    else                                            \
+      FMLP_WGMMA_M64N##NN##K16("f16");              \
+  }
+  FMLP_WGMMA_TYPED(256)
+  FMLP_WGMMA_TYPED(176)
+  FMLP_WGMMA_TYPED(128)
+#undef FMLP_WGMMA_TYPED
 }
 #undef FMLP_WGMMA_M64N256K16
+#undef FMLP_WGMMA_M64N176K16
+#undef FMLP_WGMMA_M64N128K16
 
-// The kernel body (every thread of a kPipeThreads block calls it, with kPipeSmemBytes of dynamic
-// shared memory at smem_raw): ta maps A, tb0 / tb1 the two B boxes (the same map for both where
-// the problem's B rows are one matrix).
-template <typename T, typename PROBLEM>
+// The kernel body (every thread of a PipeShape<CONSUMERS, BOXN>::kThreads block calls it, with its
+// kSmemBytes of dynamic shared memory at smem_raw): ta maps A (kABox-row boxes), tb0 / tb1 the two
+// B boxes of BOXN rows (the same map for both where the problem's B rows are one matrix).
+template <typename T, typename PROBLEM, int CONSUMERS = 2, int BOXN = 128>
 __device__ __forceinline__ void gemm_sm90_pipe(unsigned char* smem_raw, const CUtensorMap* ta,
                                                const CUtensorMap* tb0, const CUtensorMap* tb1,
                                                const PROBLEM& pr) {
+  using P = PipeShape<CONSUMERS, BOXN>;
+  constexpr int kStages = P::kStages;
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kPipeStages * kPipeStageBytes);
-  uint64_t* empty = full + kPipeStages;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * P::kStageBytes);
+  uint64_t* empty = full + kStages;
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kPipeStages; ++s) {
-      mbar_init(&full[s], 1);   // the producer's arrive.expect_tx
-      mbar_init(&empty[s], 8);  // one arrive per consumer warp
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);               // the producer's arrive.expect_tx
+      mbar_init(&empty[s], 4 * CONSUMERS);  // one arrive per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -152,7 +252,7 @@ __device__ __forceinline__ void gemm_sm90_pipe(unsigned char* smem_raw, const CU
   const int tiles = pr.tiles(), k_blocks = pr.k_blocks();
 
   if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if constexpr (P::kSetMaxNReg) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x != 0) return;
     prefetch_tensormap(ta);
     prefetch_tensormap(tb0);
@@ -163,37 +263,51 @@ __device__ __forceinline__ void gemm_sm90_pipe(unsigned char* smem_raw, const CU
       const SmTile tl = pr.tile(t);
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbar_wait(&empty[stage], phase ^ 1);  // a fresh barrier passes parity 1 at once
-        unsigned char* st = smem + stage * kPipeStageBytes;
-        mbar_expect_tx(&full[stage], kPipeStageBytes);  // out-of-bounds box parts count too
-        tma_load(st, ta, &full[stage], kb * kPipeBK, tl.a_row);
-        tma_load(st + kPipeTileA, tb0, &full[stage], kb * kPipeBK, tl.b_row[0]);
-        tma_load(st + kPipeTileA + kPipeBox, tb1, &full[stage], kb * kPipeBK, tl.b_row[1]);
-        if (++stage == kPipeStages) stage = 0, phase ^= 1;
+        unsigned char* st = smem + stage * P::kStageBytes;
+        mbar_expect_tx(&full[stage], P::kStageBytes);  // out-of-bounds box parts count too
+#pragma unroll
+        for (int a = 0; a < P::kBM / P::kABox; ++a)
+          tma_load(st + a * P::kABox * kPipeBK * 2, ta, &full[stage], kb * kPipeBK,
+                   tl.a_row + a * P::kABox);
+        tma_load(st + P::kTileA, tb0, &full[stage], kb * kPipeBK, tl.b_row[0]);
+        tma_load(st + P::kTileA + P::kBox, tb1, &full[stage], kb * kPipeBK, tl.b_row[1]);
+        if (++stage == kStages) stage = 0, phase ^= 1;
       }
     }
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  const int c = wg - 1;  // this consumer's 64-row half of the tile
+  if constexpr (P::kSetMaxNReg) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int c = wg - 1;  // this consumer's 64 rows of the tile
   const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-  float d[128];
+  float d[BOXN];
   int stage = 0;
   uint32_t phase = 0;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const SmTile tl = pr.tile(t);
+    if constexpr (CONSUMERS == 3) {
+      if (c * 64 >= pr.rows(tl)) {  // nothing of ours to compute: release the stages as they come
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          mbar_wait(&full[stage], phase);
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&empty[stage]);
+          if (++stage == kStages) stage = 0, phase ^= 1;
+        }
+        continue;
+      }
+    }
     int prev = 0;
     for (int kb = 0; kb < k_blocks; ++kb) {
       mbar_wait(&full[stage], phase);
       __syncwarp();  // the wgmma instructions below are .sync.aligned: the warp must be converged
-      const uint32_t base = smem_u32(smem + stage * kPipeStageBytes);
-      const uint64_t da = smem_desc(base + uint32_t(c) * (kPipeTileA / 2));
-      const uint64_t db = smem_desc(base + kPipeTileA);
+      const uint32_t base = smem_u32(smem + stage * P::kStageBytes);
+      const uint64_t da = smem_desc(base + uint32_t(c) * (64 * kPipeBK * 2));
+      const uint64_t db = smem_desc(base + P::kTileA);
       fence_acc(d);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kPipeBK / 16; ++kk)
-        wgmma_m64n256k16<T>(d, da + 2 * kk, db + 2 * kk, (kb | kk) != 0);
+        wgmma_m64nk16<T, P::kBN>(d, da + 2 * kk, db + 2 * kk, (kb | kk) != 0);
       wgmma_commit();
       fence_acc(d);
       // The previous stage's wgmmas are complete once at most this stage's group is pending.
@@ -201,7 +315,7 @@ __device__ __forceinline__ void gemm_sm90_pipe(unsigned char* smem_raw, const CU
       fence_acc(d);
       if (kb > 0 && lane == 0) mbar_arrive(&empty[prev]);
       prev = stage;
-      if (++stage == kPipeStages) stage = 0, phase ^= 1;
+      if (++stage == kStages) stage = 0, phase ^= 1;
     }
     wgmma_wait<0>();
     fence_acc(d);
