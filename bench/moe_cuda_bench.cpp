@@ -11,9 +11,12 @@
 // --wdtype f8: fp8 e4m3 experts (the same random weights quantised per row, fp32 scales [E, rows];
 // x and y stay bf16); the floor then counts the fp8 bytes and the scales of the experts hit, and
 // the check uses the dequantised weights.
+// --given: the routing is handed to the op (top-k ids and weights from the same fp64 routing, as a
+// framework that routes itself would), so the router, its softmax and top-k are not timed; rows
+// are named LAYER+given, and the floor counts the ids and weights instead of the router.
 // usage: fusedmlp_moe_bench [--json FILE] [--reps N] [--ts 1,4,16,64,512] [--deterministic]
 //                           [--kernel moe_sm90_grouped|moe_sm80_grouped|moe_sm80_chunked]
-//                           [--wdtype bf16|f8] [--layers mixtral,e64k8]
+//                           [--wdtype bf16|f8] [--layers mixtral,e64k8] [--given]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -43,8 +46,9 @@ struct Layer {
 const Layer kLayers[] = {{"mixtral", 8, 2, 4096, 14336}, {"e64k8", 64, 8, 2048, 1408}};
 
 uint64_t g_rng = 0x9E3779B97F4A7C15ull;
-bool g_fp8 = false;  // --wdtype f8
-double urand() {     // [-1, 1)
+bool g_fp8 = false;    // --wdtype f8
+bool g_given = false;  // --given
+double urand() {       // [-1, 1)
   g_rng ^= g_rng << 13, g_rng ^= g_rng >> 7, g_rng ^= g_rng << 17;
   return double(g_rng >> 11) * 0x1p-52 - 1.0;
 }
@@ -160,6 +164,25 @@ Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int r
     }
     dx.push_back(upload(x[size_t(c)]));
   }
+  // The fp64 routing of every copy's tokens: the experts a call hits (the floor) and, with --given,
+  // the routing handed to the op.
+  std::vector<void*> dids, dwts;
+  double hit = 0;
+  for (int c = 0; c < copies; ++c) {
+    std::set<int64_t> seen;
+    std::vector<int64_t> ids(size_t(L.k));
+    std::vector<double> w(size_t(L.k));
+    std::vector<int32_t> all_ids;
+    std::vector<float> all_w;
+    for (int64_t t = 0; t < T; ++t) {
+      route(L, wr.data(), x[size_t(c)].data() + t * L.d, ids.data(), w.data());
+      seen.insert(ids.begin(), ids.end());
+      for (int64_t j = 0; j < L.k; ++j)
+        all_ids.push_back(int32_t(ids[size_t(j)])), all_w.push_back(float(w[size_t(j)]));
+    }
+    hit += double(seen.size()) / copies;
+    if (g_given) dids.push_back(upload(all_ids)), dwts.push_back(upload(all_w));
+  }
   void* dwr = upload(wr);
   void* dy = nullptr;
   CK(cudaMalloc(&dy, size_t(T * L.d) * 2));
@@ -175,10 +198,24 @@ Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int r
     a.w2_scale = dev(ds2[0], 2, s2s, FMLP_DTYPE_F32);
   }
   a.residual = a.router_b = a.b1 = a.b2 = fmlp_tensor_none();
+  if (g_given) {
+    a.router_w = fmlp_tensor_none();
+    a.topk_ids = static_cast<const int32_t*>(dids[0]);
+    a.topk_weights = static_cast<const float*>(dwts[0]);
+  }
   a.config = fmlp_moe_config_default(int32_t(L.e), int32_t(L.k));
   a.config.gated = 1, a.config.activation = FMLP_ACT_SILU, a.config.deterministic = det;
-  Row r{L.name, "-", kernel ? kernel : chosen_kernel(fmlp_moe_explain, a), T, 0, 0, 0, 0, L.k,
-        L.d,    L.h};
+  Row r{std::string(L.name) + (g_given ? "+given" : ""),
+        "-",
+        kernel ? kernel : chosen_kernel(fmlp_moe_explain, a),
+        T,
+        0,
+        0,
+        0,
+        0,
+        L.k,
+        L.d,
+        L.h};
   const auto release = [&] {
     for (int c = 0; c < copies; ++c) {
       CK(cudaFree(dw1[size_t(c)]));
@@ -187,6 +224,10 @@ Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int r
       if (g_fp8) {
         CK(cudaFree(ds1[size_t(c)]));
         CK(cudaFree(ds2[size_t(c)]));
+      }
+      if (g_given) {
+        CK(cudaFree(dids[size_t(c)]));
+        CK(cudaFree(dwts[size_t(c)]));
       }
     }
     CK(cudaFree(dwr));
@@ -241,26 +282,18 @@ Row bench(const Layer& L, int64_t T, size_t l2, double bw, cudaStream_t s, int r
                                   ((std::fabs(ref[size_t(o)]) + rms) / 128));
     r.check = worst <= 1.0 ? "ok" : "CHECK-FAILED";
   }
-  // Experts hit per call, from the fp64 routing of every copy's tokens.
-  double hit = 0;
-  for (int c = 0; c < copies; ++c) {
-    std::set<int64_t> seen;
-    std::vector<int64_t> ids(size_t(L.k));
-    std::vector<double> w(size_t(L.k));
-    for (int64_t t = 0; t < T; ++t) {
-      route(L, wr.data(), x[size_t(c)].data() + t * L.d, ids.data(), w.data());
-      seen.insert(ids.begin(), ids.end());
-    }
-    hit += double(seen.size()) / copies;
-  }
   r.hit = hit;
-  r.bytes = hit * expert_bytes + double(L.e * L.d) * 2 + 2.0 * double(T * L.d) * 2;
+  const double routing_bytes = g_given ? double(T * L.k) * 8 : double(L.e * L.d) * 2;
+  r.bytes = hit * expert_bytes + routing_bytes + 2.0 * double(T * L.d) * 2;
   r.floor_us = r.bytes / bw * 1e6;
   cudaGraph_t g;
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   for (int c = 0; c < copies; ++c) {
     a.x.data = dx[size_t(c)], a.w1.data = dw1[size_t(c)], a.w2.data = dw2[size_t(c)];
     if (g_fp8) a.w1_scale.data = ds1[size_t(c)], a.w2_scale.data = ds2[size_t(c)];
+    if (g_given)
+      a.topk_ids = static_cast<const int32_t*>(dids[size_t(c)]),
+      a.topk_weights = static_cast<const float*>(dwts[size_t(c)]);
     FK(call());
   }
   CK(cudaStreamEndCapture(s, &g));
@@ -301,6 +334,8 @@ int main(int argc, char** argv) {
       layers = argv[++i];
     else if (a == "--wdtype" && i + 1 < argc)
       g_fp8 = std::string(argv[++i]) == "f8";
+    else if (a == "--given")
+      g_given = true;
   }
   std::vector<int64_t> tv;
   for (const char* p = ts.c_str(); *p;) {
