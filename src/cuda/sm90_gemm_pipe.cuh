@@ -104,128 +104,98 @@ __device__ __forceinline__ void fence_acc(float (&d)[R]) {
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d[64 x N] (+)= A[64 x 16] B[N x 16]^T, both K-major in shared memory, N / 2 fp32 accumulators a
-// thread; scale_d = 0 starts the accumulation (the registers' old values are ignored). N = 256
-// (two 128-row B boxes), 176 and 128 (the tall tiles' two 88- and 64-row boxes).
-#define FMLP_WGMMA_M64N256K16(TYPE)                                                                \
-  asm volatile(                                                                                    \
-      "{\n"                                                                                        \
-      ".reg .pred p;\n"                                                                            \
-      "setp.ne.b32 p, %130, 0;\n"                                                                  \
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE                                 \
-      "\n"                                                                                         \
-      "{"                                                                                          \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "           \
-      "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "           \
-      "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "           \
-      "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, "           \
-      "%66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, "           \
-      "%82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, "           \
-      "%98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "         \
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, "       \
-      "%126, %127"                                                                                 \
-      "},\n"                                                                                       \
-      "%128, %129, p, 1, 1, 0, 0;\n"                                                               \
-      "}\n"                                                                                        \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), \
-        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
-        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), \
-        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), \
-        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), \
-        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), \
-        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), \
-        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),          \
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),        \
-        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),        \
-        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),        \
-        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])         \
-      : "l"(da), "l"(db), "r"(scale_d))
+// The accumulator operands of the wgmma asm below, 8 at a time: their names in the instruction
+// and their bindings to d[]; the lists for 64, 88 and 128 accumulators (N = 128, 176, 256).
+#define FMLP_ACC_NAMES_0 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define FMLP_ACC_NAMES_1 "%8, %9, %10, %11, %12, %13, %14, %15"
+#define FMLP_ACC_NAMES_2 "%16, %17, %18, %19, %20, %21, %22, %23"
+#define FMLP_ACC_NAMES_3 "%24, %25, %26, %27, %28, %29, %30, %31"
+#define FMLP_ACC_NAMES_4 "%32, %33, %34, %35, %36, %37, %38, %39"
+#define FMLP_ACC_NAMES_5 "%40, %41, %42, %43, %44, %45, %46, %47"
+#define FMLP_ACC_NAMES_6 "%48, %49, %50, %51, %52, %53, %54, %55"
+#define FMLP_ACC_NAMES_7 "%56, %57, %58, %59, %60, %61, %62, %63"
+#define FMLP_ACC_NAMES_8 "%64, %65, %66, %67, %68, %69, %70, %71"
+#define FMLP_ACC_NAMES_9 "%72, %73, %74, %75, %76, %77, %78, %79"
+#define FMLP_ACC_NAMES_10 "%80, %81, %82, %83, %84, %85, %86, %87"
+#define FMLP_ACC_NAMES_11 "%88, %89, %90, %91, %92, %93, %94, %95"
+#define FMLP_ACC_NAMES_12 "%96, %97, %98, %99, %100, %101, %102, %103"
+#define FMLP_ACC_NAMES_13 "%104, %105, %106, %107, %108, %109, %110, %111"
+#define FMLP_ACC_NAMES_14 "%112, %113, %114, %115, %116, %117, %118, %119"
+#define FMLP_ACC_NAMES_15 "%120, %121, %122, %123, %124, %125, %126, %127"
+#define FMLP_ACC_BIND8(B)                                                                     \
+  "+f"(d[B]), "+f"(d[B + 1]), "+f"(d[B + 2]), "+f"(d[B + 3]), "+f"(d[B + 4]), "+f"(d[B + 5]), \
+      "+f"(d[B + 6]), "+f"(d[B + 7])
+#define FMLP_ACC64_NAMES                                                             \
+  FMLP_ACC_NAMES_0 ", " FMLP_ACC_NAMES_1 ", " FMLP_ACC_NAMES_2 ", " FMLP_ACC_NAMES_3 \
+                   ", " FMLP_ACC_NAMES_4 ", " FMLP_ACC_NAMES_5 ", " FMLP_ACC_NAMES_6 \
+                   ", " FMLP_ACC_NAMES_7
+#define FMLP_ACC64_BINDS                                                        \
+  FMLP_ACC_BIND8(0), FMLP_ACC_BIND8(8), FMLP_ACC_BIND8(16), FMLP_ACC_BIND8(24), \
+      FMLP_ACC_BIND8(32), FMLP_ACC_BIND8(40), FMLP_ACC_BIND8(48), FMLP_ACC_BIND8(56)
+#define FMLP_ACC88_NAMES \
+  FMLP_ACC64_NAMES ", " FMLP_ACC_NAMES_8 ", " FMLP_ACC_NAMES_9 ", " FMLP_ACC_NAMES_10
+#define FMLP_ACC88_BINDS \
+  FMLP_ACC64_BINDS, FMLP_ACC_BIND8(64), FMLP_ACC_BIND8(72), FMLP_ACC_BIND8(80)
+#define FMLP_ACC128_NAMES                                                               \
+  FMLP_ACC88_NAMES ", " FMLP_ACC_NAMES_11 ", " FMLP_ACC_NAMES_12 ", " FMLP_ACC_NAMES_13 \
+                   ", " FMLP_ACC_NAMES_14 ", " FMLP_ACC_NAMES_15
+#define FMLP_ACC128_BINDS                                                        \
+  FMLP_ACC88_BINDS, FMLP_ACC_BIND8(88), FMLP_ACC_BIND8(96), FMLP_ACC_BIND8(104), \
+      FMLP_ACC_BIND8(112), FMLP_ACC_BIND8(120)
 
-#define FMLP_WGMMA_M64N176K16(TYPE)                                                                \
-  asm volatile(                                                                                    \
-      "{\n"                                                                                        \
-      ".reg .pred p;\n"                                                                            \
-      "setp.ne.b32 p, %90, 0;\n"                                                                   \
-      "wgmma.mma_async.sync.aligned.m64n176k16.f32." TYPE "." TYPE                                 \
-      "\n"                                                                                         \
-      "{"                                                                                          \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "           \
-      "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "           \
-      "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "           \
-      "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, "           \
-      "%66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, "           \
-      "%82, %83, %84, %85, %86, %87"                                                               \
-      "},\n"                                                                                       \
-      "%88, %89, p, 1, 1, 0, 0;\n"                                                                 \
-      "}\n"                                                                                        \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), \
-        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
-        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), \
-        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), \
-        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), \
-        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])                                         \
-      : "l"(da), "l"(db), "r"(scale_d))
-
-#define FMLP_WGMMA_M64N128K16(TYPE)                                                                \
-  asm volatile(                                                                                    \
-      "{\n"                                                                                        \
-      ".reg .pred p;\n"                                                                            \
-      "setp.ne.b32 p, %66, 0;\n"                                                                   \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE                                 \
-      "\n"                                                                                         \
-      "{"                                                                                          \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "           \
-      "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "           \
-      "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "           \
-      "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                       \
-      "},\n"                                                                                       \
-      "%64, %65, p, 1, 1, 0, 0;\n"                                                                 \
-      "}\n"                                                                                        \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), \
-        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
-        "+f"(d[63])                                                                                \
-      : "l"(da), "l"(db), "r"(scale_d))
-
-template <typename T, int N>
-__device__ __forceinline__ void wgmma_m64nk16(float (&d)[N / 2], uint64_t da, uint64_t db,
-                                              int scale_d) {
-  static_assert(N == 256 || N == 176 || N == 128, "the instantiated wgmma shapes");
-#define FMLP_WGMMA_TYPED(NN)                        \
-  if constexpr (N == NN) {                          \
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) \
-      FMLP_WGMMA_M64N##NN##K16("bf16");             \
-    else                                            \
-      FMLP_WGMMA_M64N##NN##K16("f16");              \
+// One wgmma of shape m64 x N x k16 with R = N / 2 accumulators (%0 .. %R-1), then da, db and
+// scale_d as %R, %R+1 and %R+2 (DA, DB, SCALE).
+#define FMLP_WGMMA(N, TYPE, NAMES, DA, DB, SCALE, ...)                                     \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE                                   \
+               ", 0;\n"                                                                    \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE "\n{" NAMES \
+               "},\n" DA ", " DB ", p, 1, 1, 0, 0;\n}\n"                                   \
+               : __VA_ARGS__                                                               \
+               : "l"(da), "l"(db), "r"(scale_d))
+#define FMLP_WGMMA_TYPED(N, ACC, DA, DB, SCALE)                                           \
+  if constexpr (NN == N) {                                                                \
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)                                       \
+      FMLP_WGMMA(N, "bf16", FMLP_ACC##ACC##_NAMES, DA, DB, SCALE, FMLP_ACC##ACC##_BINDS); \
+    else                                                                                  \
+      FMLP_WGMMA(N, "f16", FMLP_ACC##ACC##_NAMES, DA, DB, SCALE, FMLP_ACC##ACC##_BINDS);  \
   }
-  FMLP_WGMMA_TYPED(256)
-  FMLP_WGMMA_TYPED(176)
-  FMLP_WGMMA_TYPED(128)
-#undef FMLP_WGMMA_TYPED
+
+// d[64 x NN] (+)= A[64 x 16] B[NN x 16]^T, both K-major in shared memory, NN / 2 fp32 accumulators
+// a thread; scale_d = 0 starts the accumulation (the registers' old values are ignored). NN = 256
+// (two 128-row B boxes), 176 and 128 (the tall tiles' two 88- and 64-row boxes).
+template <typename T, int NN>
+__device__ __forceinline__ void wgmma_m64nk16(float (&d)[NN / 2], uint64_t da, uint64_t db,
+                                              int scale_d) {
+  static_assert(NN == 256 || NN == 176 || NN == 128, "the instantiated wgmma shapes");
+  FMLP_WGMMA_TYPED(256, 128, "%128", "%129", "%130")
+  FMLP_WGMMA_TYPED(176, 88, "%88", "%89", "%90")
+  FMLP_WGMMA_TYPED(128, 64, "%64", "%65", "%66")
 }
-#undef FMLP_WGMMA_M64N256K16
-#undef FMLP_WGMMA_M64N176K16
-#undef FMLP_WGMMA_M64N128K16
+#undef FMLP_ACC_NAMES_0
+#undef FMLP_ACC_NAMES_1
+#undef FMLP_ACC_NAMES_2
+#undef FMLP_ACC_NAMES_3
+#undef FMLP_ACC_NAMES_4
+#undef FMLP_ACC_NAMES_5
+#undef FMLP_ACC_NAMES_6
+#undef FMLP_ACC_NAMES_7
+#undef FMLP_ACC_NAMES_8
+#undef FMLP_ACC_NAMES_9
+#undef FMLP_ACC_NAMES_10
+#undef FMLP_ACC_NAMES_11
+#undef FMLP_ACC_NAMES_12
+#undef FMLP_ACC_NAMES_13
+#undef FMLP_ACC_NAMES_14
+#undef FMLP_ACC_NAMES_15
+#undef FMLP_ACC_BIND8
+#undef FMLP_ACC64_NAMES
+#undef FMLP_ACC64_BINDS
+#undef FMLP_ACC88_NAMES
+#undef FMLP_ACC88_BINDS
+#undef FMLP_ACC128_NAMES
+#undef FMLP_ACC128_BINDS
+#undef FMLP_WGMMA
+#undef FMLP_WGMMA_TYPED
 
 // The kernel body (every thread of a PipeShape<CONSUMERS, BOXN>::kThreads block calls it, with its
 // kSmemBytes of dynamic shared memory at smem_raw): ta maps A (kABox-row boxes), tb0 / tb1 the two
