@@ -335,8 +335,11 @@ MoePlan moe_plan_grouped_sm90(const MoeDesc& d, bool tall) {
   return grouped_plan(d, tall ? kGroupedSm90TallChunk : 128, true);
 }
 
+// From the expected slots per hit local expert: with expert parallelism, the local experts' share
+// of the slots over the local experts hit (tokens_per_hit_expert counts every slot against the
+// local experts).
 bool grouped_sm90_tall(const MoeDesc& d) {
-  const double per = tokens_per_hit_expert(d);
+  const double per = local_slots_per_hit_expert(d);
   return per >= kGroupedSm90TallRows && per <= kGroupedSm90TallMax;
 }
 
@@ -546,9 +549,9 @@ const MoeKernel* cuda_moe_plan(const MoeDesc& d, std::string* reason) {
         if (list.kernels[i].run == moe_grouped_sm90_run)
           *reason += grouped_sm90_tall(d)
                          ? fmt::format(
-                               "; 192-row tiles ({:.1f} expected tokens per hit expert "
-                               "in [{}, {}]: one chunk per typical expert)",
-                               tokens_per_hit_expert(d), kGroupedSm90TallRows, kGroupedSm90TallMax)
+                               "; 192-row tiles ({:.1f} expected slots per hit expert in "
+                               "[{}, {}]: one chunk per typical expert)",
+                               share, kGroupedSm90TallRows, kGroupedSm90TallMax)
                          : "; 128-row tiles";
       }
       return &list.kernels[i];
