@@ -5,14 +5,15 @@
 //
 //   gather   x rows into chunk order, xg[q] = x[perm[q] / k] (a [slots, d] copy in the workspace),
 //            so a chunk's tokens are one 2-D box for TMA.
-//   gate/up  tile (chunk, 128 hidden units): A = 128 rows of xg from the chunk's start, B = the
-//            gate rows then the up rows of those units of the chunk's expert (W1 seen as one
-//            [E * 2 hidden, d] matrix); the epilogue forms h = act(gate + bg) * (up + bu) for the
-//            chunk's rows, rounded to the weights' dtype, into hbuf [slots, hidden] at the chunk's
-//            positions (as the mma.sync path stores it).
-//   down     tile (chunk, 256 outputs): A = the chunk's h rows, B = 256 rows of the expert's W2
-//            (W2 seen as [E * d_out, d_hidden]); fp32 results into the per-slot output rows that
-//            the combine kernel reads.
+//   gate/up  tile (chunk, 128 hidden units; tall: 88): A = the chunk's rows of xg from its start
+//            (128; tall: 192), B = the gate rows then the up rows of those units of the chunk's
+//            expert (W1 seen as one [E * 2 hidden, d] matrix); the epilogue forms h = act(gate +
+//            bg) * (up + bu) for the chunk's rows, rounded to the weights' dtype, into hbuf
+//            [slots, hidden] at the chunk's positions (as the mma.sync path stores it).
+//   down     tile (chunk, 256 outputs; tall: 128): A = the chunk's h rows, B = those rows of the
+//            expert's W2 (W2 seen as [E * d_out, d_hidden]); fp32 results into the per-slot
+//            output rows that the combine kernel reads.
+// The plan's chunk (128 or 192 slots, moe_kernels.cpp) picks the tiles (Tiles below).
 // A tile's rows past the chunk (the next chunk's tokens, or zeros past the buffers) and B rows
 // past the expert (the next expert's rows) are multiplied and dropped, never stored: MMA rows and
 // columns are independent. Tiles are walked chunk-fastest, so the chunks of one expert read the
