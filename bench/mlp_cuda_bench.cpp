@@ -101,7 +101,6 @@ void put(std::vector<uint8_t>& b, fmlp_dtype_t t, size_t i, float v) {
   std::memcpy(b.data() + 2 * i, &h, 2);
 }
 
-// A host buffer of random values and its device twin (same bytes, same offsets).
 // Uniform values of the given width centred on 0, xorshift64 seeded from one mt19937 draw: cheap
 // enough for a gigabyte of weights.
 struct Uniform {
@@ -117,6 +116,7 @@ struct Uniform {
   }
 };
 
+// A host buffer of random values and its device twin (same bytes, same offsets).
 struct Buf {
   fmlp_dtype_t t = FMLP_DTYPE_BF16;
   size_t n = 0, off = 0;  // elements, element offset of the view (misalignment)
