@@ -654,6 +654,32 @@ TEST(MoeCuda, Sm90TallTilesAtEveryConsumerEdge) {
   EXPECT_EQ(err, "") << c.name() << " (FMLP_TEST_SEED=" << test_seed() << ")";
 }
 
+// moe_sm90_grouped's swapped tiles (tokens as the wgmma N, chunks of up to 160): chunk lengths at
+// every 32-row token box edge and at both instantiated N (96 and 160), a 161st row in a second
+// chunk and 321 = two full chunks and one row, in one launch; the empty experts keep the expected
+// slots per hit expert in the swapped range. hidden 320 makes five 64-unit
+// gate/up tiles, d_out 200 a partial second 128-row down tile. It fails when the gate and up rows
+// of a unit are not the ones the 5-d W1 map interleaves, when a box past the chunk is not copied
+// or a stale column is stored, and when an expert's tokens land in another chunk's rows.
+TEST(MoeCuda, Sm90SwappedTilesAtEveryBoxEdge) {
+  SKIP_WITHOUT_GPU();
+  MoeCase c;
+  c.slots = {1, 31, 32, 33, 95, 96, 97, 159, 160, 161, 321};
+  c.slots.resize(32, 0);  // 21 experts without tokens: 43 expected slots per hit expert (<= 48)
+  c.routing = 4, c.e = int64_t(c.slots.size()), c.k = 2;
+  int64_t total = 0;
+  for (int64_t s : c.slots) total += s;
+  ASSERT_EQ(total % c.k, 0);
+  c.t = total / c.k, c.d = 192, c.hidden = 320, c.d_out = 200;
+  c.xt = c.wt = FMLP_DTYPE_BF16, c.gated = true, c.act = FMLP_ACT_GELU_TANH, c.b1 = FMLP_DTYPE_BF16;
+  for (const fmlp_dtype_t t : {FMLP_DTYPE_BF16, FMLP_DTYPE_F16}) {
+    c.xt = c.wt = c.b1 = t;
+    const std::string err = run_device(c, "moe_sm90_grouped", mix_seed(test_seed(), 61 + int(t)));
+    if (err.find("compute capability") != std::string::npos) GTEST_SKIP() << err;
+    EXPECT_EQ(err, "") << c.name() << " (FMLP_TEST_SEED=" << test_seed() << ")";
+  }
+}
+
 // ---- moe_sm80_stream: cases it must take ("" only: a skip fails too) ----
 
 }  // namespace

@@ -80,6 +80,7 @@ struct MoePlan {
   // moe_sm90_grouped: x gathered into chunk order, [slots][d] in the weights' dtype, inside the
   // hbuf region after h. 0 when absent.
   size_t xg = 0;
+  bool sm90_swap = false;   // moe_sm90_grouped: swapped tiles (tokens as the wgmma N)
   size_t experts_smem = 0;  // dynamic shared memory of the expert kernel
 };
 MoePlan moe_plan(const MoeDesc& d);
@@ -137,6 +138,7 @@ struct MoeParams {
   int64_t hbuf_words;  // its 16-byte words (0 for the chunked path), re-zeroed by combine
   void* xg;            // moe_sm90_grouped: x rows in chunk order (MoePlan::xg), else nullptr
   int max_chunks;
+  bool sm90_swap;  // moe_sm90_grouped: swapped tiles (sm90_gemm_swap.cuh), chunks of 192
   size_t experts_smem;
 };
 

@@ -33,7 +33,7 @@
 #include "cuda/launch_util.hpp"
 #include "cuda/moe_cuda.hpp"
 #include "cuda/moe_device.cuh"
-#include "cuda/sm90_gemm_pipe.cuh"
+#include "cuda/sm90_gemm_swap.cuh"
 
 namespace fmlp::detail {
 namespace {
@@ -132,6 +132,73 @@ struct DownProblem : ChunkTiles {
   }
 };
 
+// The swapped tiles (sm90_gemm_swap.cuh): the weights are the wgmma's A, the chunk's tokens its B.
+// A tile is (chunk, 128 weight rows): N = the chunk's length rounded up to 32.
+struct SwapChunkTiles {
+  const MoeParams& p;
+  int chunks, n_tiles;
+  __device__ int tiles() const { return chunks * n_tiles; }
+  __device__ SwapTile tile(int t) const {
+    const int ci = t % chunks, nt = t / chunks;
+    return SwapTile{p.chunk_expert[ci], p.chunk_start[ci], min(kSwapMaxN, p.chunk_len[ci]), ci, nt};
+  }
+};
+
+// 64 hidden units per tile, their gate and up rows interleaved in groups of 8 by the 5-d W1 map
+// (launch_swapped): tile row 16 g + r is gate row 8 g + r, row 16 g + 8 + r the up row of the same
+// unit, so a thread's accumulator rows row and row + 8 are the gate and the up of one unit.
+template <typename T, fmlp_activation_t ACT>
+struct SwapGateUpProblem : SwapChunkTiles {
+  __device__ int k_blocks() const { return p.d / kPipeBK; }
+  __device__ void load_a(void* dst, const CUtensorMap* ta, uint64_t* bar, int kb,
+                         const SwapTile& tl) const {
+    tma_load_5d(dst, ta, bar, kb * kPipeBK, 0, 0, tl.nt * 8, tl.e);
+  }
+  template <int N>
+  __device__ __forceinline__ void epilogue(const float (&d)[N / 2], const SwapTile& tl, int row,
+                                           int col) const {
+    const int u = tl.nt * 64 + (row >> 4) * 8 + (row & 7);
+    if (u >= p.hidden) return;
+    const void* b1 = fmlp::cuda::expert_vec(p.b1, p.b1_t, p.b1_e, tl.e);
+    const float bg = b1 ? fmlp::cuda::load_scalar(b1, p.b1_t, u) : 0.f;
+    const float bu = b1 ? fmlp::cuda::load_scalar(b1, p.b1_t, p.hidden + u) : 0.f;
+    T* h = reinterpret_cast<T*>(p.hbuf) + int64_t(tl.b_row) * p.hidden + u;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int tok = col + 8 * j + q;
+        if (tok < tl.len)
+          h[int64_t(tok) * p.hidden] = fmlp::cuda::from_f<T>(
+              fmlp::cuda::activate(ACT, d[4 * j + q] + bg) * (d[4 * j + 2 + q] + bu));
+      }
+  }
+};
+
+// 128 consecutive rows of W2 (as [E x d_out, hidden]) per tile; fp32 into the slots' output rows.
+struct SwapDownProblem : SwapChunkTiles {
+  __device__ int k_blocks() const { return p.hidden / kPipeBK; }
+  __device__ void load_a(void* dst, const CUtensorMap* ta, uint64_t* bar, int kb,
+                         const SwapTile& tl) const {
+    tma_load(dst, ta, bar, kb * kPipeBK, tl.e * p.d_out + tl.nt * 128);
+  }
+  template <int N>
+  __device__ __forceinline__ void epilogue(const float (&d)[N / 2], const SwapTile& tl, int row,
+                                           int col) const {
+    const int o = tl.nt * 128 + row;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int tok = col + 8 * j + q;
+        if (tok >= tl.len) continue;
+        float* out = p.out + int64_t(p.perm[tl.b_row + tok]) * p.d_out + o;
+        if (o < p.d_out) out[0] = d[4 * j + q];
+        if (o + 8 < p.d_out) out[8] = d[4 * j + 2 + q];
+      }
+  }
+};
+
 #endif  // FMLP_SM90A
 
 // The tile shapes: 128 x 256 for both GEMMs (TALL false), or 192 rows (three consumers) x 176
@@ -173,6 +240,31 @@ __global__ void __launch_bounds__(Tiles<TALL>::Down::kThreads, 1)
       {p, p.hdr->chunks, (p.d_out + Tiles<TALL>::Down::kBN - 1) / Tiles<TALL>::Down::kBN}};
   gemm_sm90_pipe<T, Problem, Tiles<TALL>::kConsumers, Tiles<TALL>::kDownBox>(smem_raw, &ta, &tb,
                                                                              &tb, pr);
+#endif
+}
+
+template <typename T, fmlp_activation_t ACT>
+__global__ void __launch_bounds__(SwapShape::kThreads, 1)
+    moe_sm90_grouped_gate_up_swap(const __grid_constant__ CUtensorMap ta,
+                                  const __grid_constant__ CUtensorMap tb,
+                                  const __grid_constant__ MoeParams p) {
+#ifdef FMLP_SM90A
+  extern __shared__ unsigned char smem_raw[];
+  using Problem = SwapGateUpProblem<T, ACT>;
+  const Problem pr{{p, p.hdr->chunks, (p.hidden + 63) / 64}};
+  gemm_sm90_swap<T, Problem>(smem_raw, &ta, &tb, pr);
+#endif
+}
+
+template <typename T>
+__global__ void __launch_bounds__(SwapShape::kThreads, 1)
+    moe_sm90_grouped_down_swap(const __grid_constant__ CUtensorMap ta,
+                               const __grid_constant__ CUtensorMap tb,
+                               const __grid_constant__ MoeParams p) {
+#ifdef FMLP_SM90A
+  extern __shared__ unsigned char smem_raw[];
+  const SwapDownProblem pr{{p, p.hdr->chunks, (p.d_out + 127) / 128}};
+  gemm_sm90_swap<T, SwapDownProblem>(smem_raw, &ta, &tb, pr);
 #endif
 }
 
@@ -229,6 +321,57 @@ fmlp_status_t launch_gemms(const MoeParams& p, int sms, cudaStream_t s) {
                                                       s);
 }
 
+// The swapped tiles: W1 through a 5-d map whose 128-row box interleaves 8 gate and 8 up rows
+// (dims k, row in group, gate / up, group, expert), W2 in 128-row boxes, the chunk's tokens
+// (gathered x, then h) in kSwapBoxT-row boxes.
+template <typename T>
+fmlp_status_t launch_swapped(const MoeParams& p, int sms, cudaStream_t s) {
+  const fmlp_dtype_t t = p.w_t;
+  const char* name = "moe_sm90_grouped";
+  CUtensorMap tw1, tx, tw2, th;
+  const int64_t ld1 = p.w1_ld * 2;
+  const cuuint64_t dims[5] = {cuuint64_t(p.d), 8, 2, cuuint64_t(p.hidden / 8),
+                              cuuint64_t(p.experts)};
+  const cuuint64_t strides[4] = {cuuint64_t(ld1), cuuint64_t(ld1 * p.hidden), cuuint64_t(ld1 * 8),
+                                 cuuint64_t(p.w1_e * 2)};
+  const cuuint32_t box[5] = {kPipeBK, 8, 2, 8, 1};
+  fmlp_status_t st = make_tma_map(
+      &tw1, name, "W1 (gate and up rows interleaved)",
+      t == FMLP_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      p.w1, 5, dims, strides, box);
+  if (st == FMLP_SUCCESS)
+    st = pipe_make_map(&tx, name, "the gathered x", t, p.xg, p.slots, p.d, p.d, kSwapBoxT);
+  if (st == FMLP_SUCCESS)
+    st = pipe_make_map(&tw2, name, "W2", t, p.w2, int64_t(p.experts) * p.d_out, p.hidden, p.w2_ld);
+  if (st == FMLP_SUCCESS)
+    st = pipe_make_map(&th, name, "h", t, p.hbuf, p.slots, p.hidden, p.hidden, kSwapBoxT);
+  if (st != FMLP_SUCCESS) return st;
+  const int64_t n1 = (p.hidden + 63) / 64, n2 = (p.d_out + 127) / 128;
+  const int grid1 = int(std::clamp<int64_t>(int64_t(p.max_chunks) * n1, 1, sms));
+  const int grid2 = int(std::clamp<int64_t>(int64_t(p.max_chunks) * n2, 1, sms));
+  const char* up = "moe_sm90_grouped_gate_up_swap";
+  switch (p.act) {
+    case FMLP_ACT_RELU:
+      st = start<&moe_sm90_grouped_gate_up_swap<T, FMLP_ACT_RELU>, SwapShape>(up, grid1, tw1, tx, p,
+                                                                              s);
+      break;
+    case FMLP_ACT_GELU:
+      st = start<&moe_sm90_grouped_gate_up_swap<T, FMLP_ACT_GELU>, SwapShape>(up, grid1, tw1, tx, p,
+                                                                              s);
+      break;
+    case FMLP_ACT_GELU_TANH:
+      st = start<&moe_sm90_grouped_gate_up_swap<T, FMLP_ACT_GELU_TANH>, SwapShape>(up, grid1, tw1,
+                                                                                   tx, p, s);
+      break;
+    default:
+      st = start<&moe_sm90_grouped_gate_up_swap<T, FMLP_ACT_SILU>, SwapShape>(up, grid1, tw1, tx, p,
+                                                                              s);
+  }
+  if (st != FMLP_SUCCESS) return st;
+  return start<&moe_sm90_grouped_down_swap<T>, SwapShape>("moe_sm90_grouped_down_swap", grid2, tw2,
+                                                          th, p, s);
+}
+
 template <typename T>
 fmlp_status_t launch(const MoeParams& p, int sms, cudaStream_t s) {
   const int64_t pieces = int64_t(p.slots) * (p.d / 8);
@@ -236,6 +379,7 @@ fmlp_status_t launch(const MoeParams& p, int sms, cudaStream_t s) {
       int(std::clamp<int64_t>((pieces + kGatherThreads - 1) / kGatherThreads, 1, 8 * sms));
   moe_sm90_gather_x<T><<<gather_blocks, kGatherThreads, 0, s>>>(p);
   if (const fmlp_status_t st = launch_status("moe_sm90_gather_x"); st != FMLP_SUCCESS) return st;
+  if (p.sm90_swap) return launch_swapped<T>(p, sms, s);
   // The plan's chunk is the tiles' rows: 192 (tall, three consumer warpgroups) or 128.
   return p.chunk == Tiles<true>::Up::kBM ? launch_gemms<T, true>(p, sms, s)
                                          : launch_gemms<T, false>(p, sms, s);

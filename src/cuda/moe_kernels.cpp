@@ -94,9 +94,13 @@ constexpr double kGroupedBigExpert = 64.0 * (1 << 20);
 // moe_sm90_grouped (TMA + wgmma) against moe_sm80_grouped, same device session on an H200
 // (session 14, fusedmlp_moe_bench --kernel): Mixtral-like T = 64 (16 tokens per hit expert)
 // 722.8 vs 752.5 us, T = 512 1043.1 vs 1413.2; E = 64 top-8 T = 64 (8) 339.6 vs 357.7, T = 512
-// 473.8 vs 491.3. Below 8 it is not measured: moe_sm80_grouped keeps those calls.
-// FMLP_MOE_SM90_MIN_ROWS overrides it.
-const double kGroupedSm90MinRows = tuned("FMLP_MOE_SM90_MIN_ROWS", 8);
+// 473.8 vs 491.3. Below 8 the swapped tiles (below) win too (session 26, two rounds each, forced
+// by FMLP_MOE_SM90_MIN_ROWS=0.5 against the default of 8, us): E = 64 top-8 T = 8 (1.5 expected)
+// 227.6 / 230.9 against 251.6 / 251.8, T = 16 (2.2) 271.0 / 270.3 against 301.7 / 302.3, T = 32
+// (4) 302.8 / 305.7 against 343.9 / 343.9; Mixtral-like T = 8 (2) 685.7 / 687.1 against 701.4 /
+// 700.9, T = 16 (4) 690.0 / 690.7 against 701.9 / 701.8; at T = 4 (1.46) they lose (619.5 / 620.2
+// against 615.8 / 616.4). FMLP_MOE_SM90_MIN_ROWS overrides it.
+const double kGroupedSm90MinRows = tuned("FMLP_MOE_SM90_MIN_ROWS", 1.5);
 // moe_sm90_grouped's tall tiles: chunks of 192 slots on three consumer warpgroups when the expected
 // tokens per hit expert lie in [kGroupedSm90TallRows, kGroupedSm90TallMax]. An expert of 129..192
 // tokens is then one chunk and its weights are read once, where 128-row tiles add a short second
@@ -113,7 +117,18 @@ const double kGroupedSm90MinRows = tuned("FMLP_MOE_SM90_MIN_ROWS", 8);
 const double kGroupedSm90TallRows = tuned("FMLP_MOE_SM90_TALL_ROWS", 100);
 constexpr double kGroupedSm90TallMax = 160;
 constexpr int kGroupedSm90TallChunk = 192;
-
+// moe_sm90_grouped's swapped tiles (sm90_gemm_swap.cuh): the weights as the wgmma's A, a chunk of
+// up to 160 tokens as its N (96 or 160), up to kGroupedSm90SwapRows expected slots per hit local
+// expert. Measured on an H200 (session 26, fusedmlp_moe_bench, two rounds each, swapped against
+// the tokens-as-A tiles in the same binary, us): E = 64 top-8 T = 64 (8 expected) 313.3 / 313.3
+// against 336.7 / 335.7, T = 128 (16) 337.6 / 335.8 against 355.6 / 356.4, T = 256 (32) 402.6 /
+// 402.1 against 414.0 / 416.2, T = 512 (64) 493.3 / 492.1 against 471.6 / 471.6; Mixtral-like
+// T = 64 (16) 705.0 / 700.7 against 721.5 / 711.3, T = 128 (32) 723.6 / 724.2 against 735.4 /
+// 726.9, T = 256 (64) 769.8 / 769.9 against 760.5 / 760.7, T = 512 (128) 884.5 / 883.9 against
+// 879.9 / 881.4, T = 640 (160: two chunks an expert) 1395 against 929. FMLP_MOE_SM90_SWAP_ROWS
+// overrides the bound (1e-9: never swapped).
+const double kGroupedSm90SwapRows = tuned("FMLP_MOE_SM90_SWAP_ROWS", 48);
+constexpr int kGroupedSm90SwapChunk = 160;
 // Expected tokens per hit expert under uniform routing: T*k slots over the E(1 - (1 - k/E)^T)
 // experts expected to receive any.
 double tokens_per_hit_expert(const MoeDesc& d) {
@@ -338,6 +353,10 @@ MoePlan moe_plan_grouped_sm90(const MoeDesc& d, bool tall) {
 // From the expected slots per hit local expert: with expert parallelism, the local experts' share
 // of the slots over the local experts hit (tokens_per_hit_expert counts every slot against the
 // local experts).
+bool grouped_sm90_swapped(const MoeDesc& d) {
+  return local_slots_per_hit_expert(d) <= kGroupedSm90SwapRows;
+}
+
 bool grouped_sm90_tall(const MoeDesc& d) {
   const double per = local_slots_per_hit_expert(d);
   return per >= kGroupedSm90TallRows && per <= kGroupedSm90TallMax;
@@ -409,6 +428,7 @@ MoeParams moe_params(const fmlp_moe_args_t& a, const MoeDesc& d, const MoePlan& 
   p.hbuf_words = int64_t(pl.total - pl.hbuf) / 16;
   p.xg = pl.xg ? base + pl.xg : nullptr;
   p.max_chunks = int(pl.max_chunks);
+  p.sm90_swap = pl.sm90_swap;
   p.experts_smem = pl.experts_smem;
   return p;
 }
@@ -481,8 +501,9 @@ bool moe_grouped_sm90_supports(const MoeDesc& d, std::string* why) {
   return true;
 }
 
-size_t moe_grouped_sm90_workspace(const MoeDesc& d) {  // room for either plan (see the run)
-  return std::max(moe_plan_grouped_sm90(d, false).total, moe_plan_grouped_sm90(d, true).total);
+size_t moe_grouped_sm90_workspace(const MoeDesc& d) {  // room for every plan (see the run)
+  return std::max({moe_plan_grouped_sm90(d, false).total, moe_plan_grouped_sm90(d, true).total,
+                   grouped_plan(d, kGroupedSm90SwapChunk, true).total});
 }
 
 // The sm_90 GEMMs where the call's tensors allow them (one TMA map over every expert's W1 and
@@ -499,7 +520,13 @@ fmlp_status_t moe_launch_grouped_sm90_or_sm80(const MoeParams& p, cudaStream_t s
 fmlp_status_t moe_grouped_sm90_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* ws,
                                    void* stream) {
   MoePlan pl = moe_plan_grouped_sm90(d, false);
-  if (grouped_sm90_tall(d)) {
+  if (grouped_sm90_swapped(d)) {
+    // Swapped tiles only where the sm_90 GEMMs take the tensors (as the tall ones below).
+    MoePlan swapped = grouped_plan(d, kGroupedSm90SwapChunk, true);
+    swapped.sm90_swap = true;
+    std::string why;
+    if (moe_grouped_sm90_takes(moe_params(a, d, swapped, ws), &why)) pl = swapped;
+  } else if (grouped_sm90_tall(d)) {
     // Tall chunks only where the sm_90 GEMMs take the tensors: the fallback (moe_sm80_grouped's
     // GEMMs on the same plan) tiles at most 128 rows.
     const MoePlan tall = moe_plan_grouped_sm90(d, true);
@@ -547,7 +574,12 @@ const MoeKernel* cuda_moe_plan(const MoeDesc& d, std::string* reason) {
             "per slot)",
             share, kStreamMaxShare, list.kernels[i].name, stream->name);
         if (list.kernels[i].run == moe_grouped_sm90_run)
-          *reason += grouped_sm90_tall(d)
+          *reason += grouped_sm90_swapped(d)
+                         ? fmt::format(
+                               "; swapped tiles ({:.1f} expected slots per hit expert <= {}: "
+                               "weights as the wgmma's M, chunks of up to 160 tokens as its N)",
+                               share, kGroupedSm90SwapRows)
+                     : grouped_sm90_tall(d)
                          ? fmt::format(
                                "; 192-row tiles ({:.1f} expected slots per hit expert in "
                                "[{}, {}]: one chunk per typical expert)",

@@ -38,8 +38,31 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   return fn;
 }
 
+// A tensor of `rank` dimensions (dims innermost first, byte strides of dims 1.. in strides) read in
+// boxes of box[] elements with 128-byte swizzle (box[0] x the element size must be 128 bytes),
+// zeros outside; the error names the kernel and the operand.
+inline fmlp_status_t make_tma_map(CUtensorMap* map, const char* kernel, const char* what,
+                                  CUtensorMapDataType elem, const void* p, uint32_t rank,
+                                  const cuuint64_t* dims, const cuuint64_t* strides,
+                                  const cuuint32_t* box) {
+  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
+  const auto encode = encode_tiled();
+  const CUresult r =
+      encode == nullptr
+          ? CUDA_ERROR_NOT_SUPPORTED
+          : encode(map, elem, rank, const_cast<void*>(p), dims, strides, box, elem_strides,
+                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return fmlp::detail::fail(FMLP_ERROR_CUDA,
+                              "{}: encoding the {}-d TMA descriptor of {} (dims {} x {}, second "
+                              "stride {} bytes) failed (CUresult {})",
+                              kernel, rank, what, dims[0], dims[1], strides[0], int(r));
+  return FMLP_SUCCESS;
+}
+
 // A [rows, cols] row-major matrix of `elem` values (rows ld_bytes apart) read in boxes of box_rows
-// x box_cols with 128-byte swizzle, zeros outside; the error names the kernel and the operand.
+// x box_cols with 128-byte swizzle, zeros outside.
 inline fmlp_status_t make_tma_map_2d(CUtensorMap* map, const char* kernel, const char* what,
                                      CUtensorMapDataType elem, const void* p, int64_t rows,
                                      int64_t cols, int64_t ld_bytes, uint32_t box_cols,
@@ -47,20 +70,7 @@ inline fmlp_status_t make_tma_map_2d(CUtensorMap* map, const char* kernel, const
   const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(ld_bytes)};
   const cuuint32_t box[2] = {box_cols, box_rows};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const auto encode = encode_tiled();
-  const CUresult r =
-      encode == nullptr
-          ? CUDA_ERROR_NOT_SUPPORTED
-          : encode(map, elem, 2, const_cast<void*>(p), dims, strides, box, elem_strides,
-                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    return fmlp::detail::fail(FMLP_ERROR_CUDA,
-                              "{}: encoding the TMA descriptor of {} ([{}, {}], row stride {} "
-                              "bytes) failed (CUresult {})",
-                              kernel, what, rows, cols, ld_bytes, int(r));
-  return FMLP_SUCCESS;
+  return make_tma_map(map, kernel, what, elem, p, 2, dims, strides, box);
 }
 
 #ifdef FMLP_SM90A
@@ -104,6 +114,17 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
       "%3}], [%4];" ::"r"(smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(smem_u32(bar))
+      : "memory");
+}
+
+// One box of a 5-d tensor map (coordinates innermost first).
+__device__ __forceinline__ void tma_load_5d(void* dst, const CUtensorMap* map, uint64_t* bar,
+                                            int c0, int c1, int c2, int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3, %4, %5, %6}], [%7];" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4),
+      "r"(smem_u32(bar))
       : "memory");
 }
 

@@ -125,23 +125,24 @@ __device__ __forceinline__ void fence_acc(float (&d)[R]) {
 #define FMLP_ACC_BIND8(B)                                                                     \
   "+f"(d[B]), "+f"(d[B + 1]), "+f"(d[B + 2]), "+f"(d[B + 3]), "+f"(d[B + 4]), "+f"(d[B + 5]), \
       "+f"(d[B + 6]), "+f"(d[B + 7])
-#define FMLP_ACC64_NAMES                                                             \
-  FMLP_ACC_NAMES_0 ", " FMLP_ACC_NAMES_1 ", " FMLP_ACC_NAMES_2 ", " FMLP_ACC_NAMES_3 \
-                   ", " FMLP_ACC_NAMES_4 ", " FMLP_ACC_NAMES_5 ", " FMLP_ACC_NAMES_6 \
-                   ", " FMLP_ACC_NAMES_7
-#define FMLP_ACC64_BINDS                                                        \
-  FMLP_ACC_BIND8(0), FMLP_ACC_BIND8(8), FMLP_ACC_BIND8(16), FMLP_ACC_BIND8(24), \
-      FMLP_ACC_BIND8(32), FMLP_ACC_BIND8(40), FMLP_ACC_BIND8(48), FMLP_ACC_BIND8(56)
-#define FMLP_ACC88_NAMES \
-  FMLP_ACC64_NAMES ", " FMLP_ACC_NAMES_8 ", " FMLP_ACC_NAMES_9 ", " FMLP_ACC_NAMES_10
-#define FMLP_ACC88_BINDS \
-  FMLP_ACC64_BINDS, FMLP_ACC_BIND8(64), FMLP_ACC_BIND8(72), FMLP_ACC_BIND8(80)
-#define FMLP_ACC128_NAMES                                                               \
-  FMLP_ACC88_NAMES ", " FMLP_ACC_NAMES_11 ", " FMLP_ACC_NAMES_12 ", " FMLP_ACC_NAMES_13 \
-                   ", " FMLP_ACC_NAMES_14 ", " FMLP_ACC_NAMES_15
-#define FMLP_ACC128_BINDS                                                        \
-  FMLP_ACC88_BINDS, FMLP_ACC_BIND8(88), FMLP_ACC_BIND8(96), FMLP_ACC_BIND8(104), \
-      FMLP_ACC_BIND8(112), FMLP_ACC_BIND8(120)
+#define FMLP_ACC16_NAMES FMLP_ACC_NAMES_0 ", " FMLP_ACC_NAMES_1
+#define FMLP_ACC16_BINDS FMLP_ACC_BIND8(0), FMLP_ACC_BIND8(8)
+#define FMLP_ACC32_NAMES FMLP_ACC16_NAMES ", " FMLP_ACC_NAMES_2 ", " FMLP_ACC_NAMES_3
+#define FMLP_ACC32_BINDS FMLP_ACC16_BINDS, FMLP_ACC_BIND8(16), FMLP_ACC_BIND8(24)
+#define FMLP_ACC48_NAMES FMLP_ACC32_NAMES ", " FMLP_ACC_NAMES_4 ", " FMLP_ACC_NAMES_5
+#define FMLP_ACC48_BINDS FMLP_ACC32_BINDS, FMLP_ACC_BIND8(32), FMLP_ACC_BIND8(40)
+#define FMLP_ACC64_NAMES FMLP_ACC48_NAMES ", " FMLP_ACC_NAMES_6 ", " FMLP_ACC_NAMES_7
+#define FMLP_ACC64_BINDS FMLP_ACC48_BINDS, FMLP_ACC_BIND8(48), FMLP_ACC_BIND8(56)
+#define FMLP_ACC80_NAMES FMLP_ACC64_NAMES ", " FMLP_ACC_NAMES_8 ", " FMLP_ACC_NAMES_9
+#define FMLP_ACC80_BINDS FMLP_ACC64_BINDS, FMLP_ACC_BIND8(64), FMLP_ACC_BIND8(72)
+#define FMLP_ACC88_NAMES FMLP_ACC80_NAMES ", " FMLP_ACC_NAMES_10
+#define FMLP_ACC88_BINDS FMLP_ACC80_BINDS, FMLP_ACC_BIND8(80)
+#define FMLP_ACC96_NAMES FMLP_ACC88_NAMES ", " FMLP_ACC_NAMES_11
+#define FMLP_ACC96_BINDS FMLP_ACC88_BINDS, FMLP_ACC_BIND8(88)
+#define FMLP_ACC112_NAMES FMLP_ACC96_NAMES ", " FMLP_ACC_NAMES_12 ", " FMLP_ACC_NAMES_13
+#define FMLP_ACC112_BINDS FMLP_ACC96_BINDS, FMLP_ACC_BIND8(96), FMLP_ACC_BIND8(104)
+#define FMLP_ACC128_NAMES FMLP_ACC112_NAMES ", " FMLP_ACC_NAMES_14 ", " FMLP_ACC_NAMES_15
+#define FMLP_ACC128_BINDS FMLP_ACC112_BINDS, FMLP_ACC_BIND8(112), FMLP_ACC_BIND8(120)
 
 // One wgmma of shape m64 x N x k16 with R = N / 2 accumulators (%0 .. %R-1), then da, db and
 // scale_d as %R, %R+1 and %R+2 (DA, DB, SCALE).
@@ -162,14 +163,22 @@ __device__ __forceinline__ void fence_acc(float (&d)[R]) {
 
 // d[64 x NN] (+)= A[64 x 16] B[NN x 16]^T, both K-major in shared memory, NN / 2 fp32 accumulators
 // a thread; scale_d = 0 starts the accumulation (the registers' old values are ignored). NN = 256
-// (two 128-row B boxes), 176 and 128 (the tall tiles' two 88- and 64-row boxes).
+// (two 128-row B boxes), 176 and 128 (the tall tiles' two 88- and 64-row boxes), and 32 .. 256 in
+// steps of 32 (sm90_gemm_swap.cuh: a chunk's tokens as N).
 template <typename T, int NN>
 __device__ __forceinline__ void wgmma_m64nk16(float (&d)[NN / 2], uint64_t da, uint64_t db,
                                               int scale_d) {
-  static_assert(NN == 256 || NN == 176 || NN == 128, "the instantiated wgmma shapes");
+  static_assert(NN == 176 || (NN % 32 == 0 && NN >= 32 && NN <= 256),
+                "the instantiated wgmma shapes");
   FMLP_WGMMA_TYPED(256, 128, "%128", "%129", "%130")
+  FMLP_WGMMA_TYPED(224, 112, "%112", "%113", "%114")
+  FMLP_WGMMA_TYPED(192, 96, "%96", "%97", "%98")
   FMLP_WGMMA_TYPED(176, 88, "%88", "%89", "%90")
+  FMLP_WGMMA_TYPED(160, 80, "%80", "%81", "%82")
   FMLP_WGMMA_TYPED(128, 64, "%64", "%65", "%66")
+  FMLP_WGMMA_TYPED(96, 48, "%48", "%49", "%50")
+  FMLP_WGMMA_TYPED(64, 32, "%32", "%33", "%34")
+  FMLP_WGMMA_TYPED(32, 16, "%16", "%17", "%18")
 }
 #undef FMLP_ACC_NAMES_0
 #undef FMLP_ACC_NAMES_1
@@ -188,10 +197,22 @@ __device__ __forceinline__ void wgmma_m64nk16(float (&d)[NN / 2], uint64_t da, u
 #undef FMLP_ACC_NAMES_14
 #undef FMLP_ACC_NAMES_15
 #undef FMLP_ACC_BIND8
+#undef FMLP_ACC16_NAMES
+#undef FMLP_ACC16_BINDS
+#undef FMLP_ACC32_NAMES
+#undef FMLP_ACC32_BINDS
+#undef FMLP_ACC48_NAMES
+#undef FMLP_ACC48_BINDS
 #undef FMLP_ACC64_NAMES
 #undef FMLP_ACC64_BINDS
+#undef FMLP_ACC80_NAMES
+#undef FMLP_ACC80_BINDS
 #undef FMLP_ACC88_NAMES
 #undef FMLP_ACC88_BINDS
+#undef FMLP_ACC96_NAMES
+#undef FMLP_ACC96_BINDS
+#undef FMLP_ACC112_NAMES
+#undef FMLP_ACC112_BINDS
 #undef FMLP_ACC128_NAMES
 #undef FMLP_ACC128_BINDS
 #undef FMLP_WGMMA
