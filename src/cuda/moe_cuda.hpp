@@ -63,7 +63,8 @@ struct MoeHeader {
 };
 
 struct MoePlan {
-  int chunk = 8;           // tokens per chunk: 8, 16, 32 or 64 (chunked), 64 or 128 (grouped)
+  int chunk = 8;  // tokens per chunk: 8, 16, 32 or 64 (chunked), 64 or 128 (grouped), 128, 160 or
+                  // 192 (moe_sm90_grouped)
   int64_t max_chunks = 0;  // bound on sum_e ceil(count_e / chunk) from T, k and E alone
   int slices = 1;          // hidden slices per chunk (grid y)
   int tiles = 0;           // 16-unit tiles of the hidden dimension

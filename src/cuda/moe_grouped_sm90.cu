@@ -13,7 +13,9 @@
 //   down     tile (chunk, 256 outputs; tall: 128): A = the chunk's h rows, B = those rows of the
 //            expert's W2 (W2 seen as [E * d_out, d_hidden]); fp32 results into the per-slot
 //            output rows that the combine kernel reads.
-// The plan's chunk (128 or 192 slots, moe_kernels.cpp) picks the tiles (Tiles below).
+// The plan's chunk (128 or 192 slots, moe_kernels.cpp) picks the tiles (Tiles below). Up to 48
+// expected slots per hit expert the plan asks for the swapped tiles instead (chunks of 160,
+// sm90_gemm_swap.cuh: the weights as the wgmma's M, the chunk's tokens as N; Swap* below).
 // A tile's rows past the chunk (the next chunk's tokens, or zeros past the buffers) and B rows
 // past the expert (the next expert's rows) are multiplied and dropped, never stored: MMA rows and
 // columns are independent. Tiles are walked chunk-fastest, so the chunks of one expert read the
