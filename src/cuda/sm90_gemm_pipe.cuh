@@ -163,22 +163,18 @@ __device__ __forceinline__ void fence_acc(float (&d)[R]) {
 
 // d[64 x NN] (+)= A[64 x 16] B[NN x 16]^T, both K-major in shared memory, NN / 2 fp32 accumulators
 // a thread; scale_d = 0 starts the accumulation (the registers' old values are ignored). NN = 256
-// (two 128-row B boxes), 176 and 128 (the tall tiles' two 88- and 64-row boxes), and 32 .. 256 in
-// steps of 32 (sm90_gemm_swap.cuh: a chunk's tokens as N).
+// (two 128-row B boxes), 176 and 128 (the tall tiles' two 88- and 64-row boxes), 96 and 160
+// (sm90_gemm_swap.cuh: a chunk's tokens as N).
 template <typename T, int NN>
 __device__ __forceinline__ void wgmma_m64nk16(float (&d)[NN / 2], uint64_t da, uint64_t db,
                                               int scale_d) {
-  static_assert(NN == 176 || (NN % 32 == 0 && NN >= 32 && NN <= 256),
+  static_assert(NN == 256 || NN == 176 || NN == 160 || NN == 128 || NN == 96,
                 "the instantiated wgmma shapes");
   FMLP_WGMMA_TYPED(256, 128, "%128", "%129", "%130")
-  FMLP_WGMMA_TYPED(224, 112, "%112", "%113", "%114")
-  FMLP_WGMMA_TYPED(192, 96, "%96", "%97", "%98")
   FMLP_WGMMA_TYPED(176, 88, "%88", "%89", "%90")
   FMLP_WGMMA_TYPED(160, 80, "%80", "%81", "%82")
   FMLP_WGMMA_TYPED(128, 64, "%64", "%65", "%66")
   FMLP_WGMMA_TYPED(96, 48, "%48", "%49", "%50")
-  FMLP_WGMMA_TYPED(64, 32, "%32", "%33", "%34")
-  FMLP_WGMMA_TYPED(32, 16, "%16", "%17", "%18")
 }
 #undef FMLP_ACC_NAMES_0
 #undef FMLP_ACC_NAMES_1
