@@ -135,14 +135,14 @@ struct DownProblem : ChunkTiles {
 };
 
 // The swapped tiles (sm90_gemm_swap.cuh): the weights are the wgmma's A, the chunk's tokens its B.
-// A tile is (chunk, 128 weight rows): N = the chunk's length rounded up to 32.
+// A tile is (chunk, 128 weight rows); the pipe picks N (96 or 160) from the chunk's length.
 struct SwapChunkTiles {
   const MoeParams& p;
   int chunks, n_tiles;
   __device__ int tiles() const { return chunks * n_tiles; }
   __device__ SwapTile tile(int t) const {
     const int ci = t % chunks, nt = t / chunks;
-    return SwapTile{p.chunk_expert[ci], p.chunk_start[ci], min(kSwapMaxN, p.chunk_len[ci]), ci, nt};
+    return SwapTile{p.chunk_expert[ci], p.chunk_start[ci], min(kSwapMaxN, p.chunk_len[ci]), nt};
   }
 };
 

@@ -43,7 +43,6 @@ struct SwapTile {
   int e;      // the chunk's expert
   int b_row;  // first token row
   int len;    // valid token rows
-  int id;     // the problem's own index (chunk)
   int nt;     // the problem's weight tile
 };
 
