@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/error.hpp"
 #include "cuda/common.cuh"
@@ -272,6 +273,19 @@ __global__ void __launch_bounds__(SwapShape::kThreads, 1)
 
 // ---- host ----
 
+// f(std::integral_constant<fmlp_activation_t, ACT>{}) for the call's activation: the one switch
+// from the runtime activation to the gate/up kernels' template parameter.
+template <typename F>
+fmlp_status_t with_activation(fmlp_activation_t act, F&& f) {
+  using A = fmlp_activation_t;
+  switch (act) {
+    case FMLP_ACT_RELU: return f(std::integral_constant<A, FMLP_ACT_RELU>{});
+    case FMLP_ACT_GELU: return f(std::integral_constant<A, FMLP_ACT_GELU>{});
+    case FMLP_ACT_GELU_TANH: return f(std::integral_constant<A, FMLP_ACT_GELU_TANH>{});
+    default: return f(std::integral_constant<A, FMLP_ACT_SILU>{});
+  }
+}
+
 template <auto KERNEL, typename SHAPE>
 fmlp_status_t start(const char* name, int grid, const CUtensorMap& ta, const CUtensorMap& tb,
                     const MoeParams& p, cudaStream_t s) {
@@ -303,21 +317,10 @@ fmlp_status_t launch_gemms(const MoeParams& p, int sms, cudaStream_t s) {
   const int64_t n2 = (p.d_out + Down::kBN - 1) / Down::kBN;
   const int grid1 = int(std::clamp<int64_t>(int64_t(p.max_chunks) * n1, 1, sms));
   const int grid2 = int(std::clamp<int64_t>(int64_t(p.max_chunks) * n2, 1, sms));
-  const char* up = "moe_sm90_grouped_gate_up";
-  switch (p.act) {
-    case FMLP_ACT_RELU:
-      st = start<&moe_sm90_grouped_gate_up<T, FMLP_ACT_RELU, TALL>, Up>(up, grid1, ta1, tb1, p, s);
-      break;
-    case FMLP_ACT_GELU:
-      st = start<&moe_sm90_grouped_gate_up<T, FMLP_ACT_GELU, TALL>, Up>(up, grid1, ta1, tb1, p, s);
-      break;
-    case FMLP_ACT_GELU_TANH:
-      st = start<&moe_sm90_grouped_gate_up<T, FMLP_ACT_GELU_TANH, TALL>, Up>(up, grid1, ta1, tb1, p,
-                                                                             s);
-      break;
-    default:
-      st = start<&moe_sm90_grouped_gate_up<T, FMLP_ACT_SILU, TALL>, Up>(up, grid1, ta1, tb1, p, s);
-  }
+  st = with_activation(p.act, [&](auto act) {
+    return start<&moe_sm90_grouped_gate_up<T, decltype(act)::value, TALL>, Up>(
+        "moe_sm90_grouped_gate_up", grid1, ta1, tb1, p, s);
+  });
   if (st != FMLP_SUCCESS) return st;
   return start<&moe_sm90_grouped_down<T, TALL>, Down>("moe_sm90_grouped_down", grid2, ta2, tb2, p,
                                                       s);
@@ -351,24 +354,10 @@ fmlp_status_t launch_swapped(const MoeParams& p, int sms, cudaStream_t s) {
   const int64_t n1 = (p.hidden + 63) / 64, n2 = (p.d_out + 127) / 128;
   const int grid1 = int(std::clamp<int64_t>(int64_t(p.max_chunks) * n1, 1, sms));
   const int grid2 = int(std::clamp<int64_t>(int64_t(p.max_chunks) * n2, 1, sms));
-  const char* up = "moe_sm90_grouped_gate_up_swap";
-  switch (p.act) {
-    case FMLP_ACT_RELU:
-      st = start<&moe_sm90_grouped_gate_up_swap<T, FMLP_ACT_RELU>, SwapShape>(up, grid1, tw1, tx, p,
-                                                                              s);
-      break;
-    case FMLP_ACT_GELU:
-      st = start<&moe_sm90_grouped_gate_up_swap<T, FMLP_ACT_GELU>, SwapShape>(up, grid1, tw1, tx, p,
-                                                                              s);
-      break;
-    case FMLP_ACT_GELU_TANH:
-      st = start<&moe_sm90_grouped_gate_up_swap<T, FMLP_ACT_GELU_TANH>, SwapShape>(up, grid1, tw1,
-                                                                                   tx, p, s);
-      break;
-    default:
-      st = start<&moe_sm90_grouped_gate_up_swap<T, FMLP_ACT_SILU>, SwapShape>(up, grid1, tw1, tx, p,
-                                                                              s);
-  }
+  st = with_activation(p.act, [&](auto act) {
+    return start<&moe_sm90_grouped_gate_up_swap<T, decltype(act)::value>, SwapShape>(
+        "moe_sm90_grouped_gate_up_swap", grid1, tw1, tx, p, s);
+  });
   if (st != FMLP_SUCCESS) return st;
   return start<&moe_sm90_grouped_down_swap<T>, SwapShape>("moe_sm90_grouped_down_swap", grid2, tw2,
                                                           th, p, s);
