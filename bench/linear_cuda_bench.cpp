@@ -5,7 +5,9 @@
 // call reads HBM), warm-up, median of --reps replays; reported against the floor (bytes / copy
 // bandwidth measured in this run). Outputs are spot-checked against an fp64 host reference.
 // usage: fusedmlp_ops_bench [--json FILE] [--reps N] [--only linear|fp8|softmax] [--shape NAME]
-//   --only fp8: the fp8 linear rows alone; --shape: the linear rows of that shape alone.
+//                           [--softmax-kernel NAME]
+//   --only fp8: the fp8 linear rows alone; --shape: the linear rows of that shape alone;
+//   --softmax-kernel: the softmax rows on that op-table entry (rows it does not take are left out).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -250,6 +252,14 @@ Row bench_linear(const Shape& sh, int64_t m, fmlp_dtype_t wt, size_t l2, cudaStr
   return r;
 }
 
+const char* g_softmax_kernel = nullptr;  // --softmax-kernel: forced entry, or dispatch
+
+// The call the softmax rows time: dispatch, or the entry --softmax-kernel names.
+fmlp_status_t softmax_call(const fmlp_softmax_args_t& a, void* ws, size_t wsb, cudaStream_t s) {
+  return g_softmax_kernel ? fmlp_softmax_with_kernel(&a, g_softmax_kernel, ws, wsb, s)
+                          : fmlp_softmax(&a, FMLP_BACKEND_CUDA, ws, wsb, s);
+}
+
 Row bench_softmax(int64_t rows, int64_t n, fmlp_dtype_t t, bool log, size_t l2, cudaStream_t s,
                   int reps) {
   const size_t bytes = size_t(rows * n) * esize(t);
@@ -261,14 +271,27 @@ Row bench_softmax(int64_t rows, int64_t n, fmlp_dtype_t t, bool log, size_t l2, 
     CK(cudaMalloc(&ys[size_t(c)], bytes));
   }
   fmlp_softmax_args_t a{dev2d(ys[0], t, rows, n), dev2d(xs[0], t, rows, n), 1.f, log ? 1 : 0};
+  if (g_softmax_kernel && fmlp_softmax_kernel_supports(&a, g_softmax_kernel) != FMLP_SUCCESS) {
+    std::printf("%s %lldx%lld %s: %s does not take it (%s)\n", log ? "logsoftm" : "softmax",
+                (long long)rows, (long long)n, fmlp_dtype_name(t), g_softmax_kernel,
+                fmlp_last_error());
+    for (int c = 0; c < copies; ++c) {
+      CK(cudaFree(xs[size_t(c)]));
+      CK(cudaFree(ys[size_t(c)]));
+    }
+    return {};
+  }
   size_t wsb = 0;
-  FK(fmlp_softmax_workspace_size(&a, FMLP_BACKEND_CUDA, &wsb));
+  if (g_softmax_kernel)
+    FK(fmlp_softmax_kernel_workspace_size(&a, g_softmax_kernel, &wsb));
+  else
+    FK(fmlp_softmax_workspace_size(&a, FMLP_BACKEND_CUDA, &wsb));
   void* ws = nullptr;
   if (wsb) {
     CK(cudaMalloc(&ws, wsb));
     CK(cudaMemset(ws, 0, wsb));
   }
-  FK(fmlp_softmax(&a, FMLP_BACKEND_CUDA, ws, wsb, s));
+  FK(softmax_call(a, ws, wsb, s));
   CK(cudaStreamSynchronize(s));
   std::vector<uint8_t> hy(bytes);
   CK(cudaMemcpy(hy.data(), ys[0], bytes, cudaMemcpyDeviceToHost));
@@ -291,7 +314,7 @@ Row bench_softmax(int64_t rows, int64_t n, fmlp_dtype_t t, bool log, size_t l2, 
     for (int c = 0; c < copies; ++c) {
       a.x.data = xs[size_t(c)];
       a.y.data = ys[size_t(c)];
-      FK(fmlp_softmax(&a, FMLP_BACKEND_CUDA, ws, wsb, s));
+      FK(softmax_call(a, ws, wsb, s));
     }
   });
   Row r{log ? "logsoftm" : "softmax",
@@ -303,7 +326,7 @@ Row bench_softmax(int64_t rows, int64_t n, fmlp_dtype_t t, bool log, size_t l2, 
         0,
         0.0,
         2.0 * double(bytes)};
-  r.kernel = chosen_kernel(fmlp_softmax_explain, a);
+  r.kernel = g_softmax_kernel ? g_softmax_kernel : chosen_kernel(fmlp_softmax_explain, a);
   r.us = graph_us_per_call(g, s, copies, reps);
   CK(cudaGraphExecDestroy(g));
   for (int c = 0; c < copies; ++c) {
@@ -329,6 +352,8 @@ int main(int argc, char** argv) {
       only = argv[++i];
     else if (a == "--shape" && i + 1 < argc)
       shape = argv[++i];
+    else if (a == "--softmax-kernel" && i + 1 < argc)
+      g_softmax_kernel = argv[++i];
   }
   auto wanted = [&](const char* name) { return shape.empty() || shape == name; };
   cudaDeviceProp prop;
@@ -362,28 +387,23 @@ int main(int argc, char** argv) {
               print_row(rows.back(), bw);
   }
   if (only.empty() || only == "softmax") {
+    auto add_softmax = [&](Row r) {
+      if (r.op.empty()) return;  // --softmax-kernel does not take the row
+      rows.push_back(r);
+      print_row(rows.back(), bw);
+    };
     for (bool log : {false, true}) {
-      rows.push_back(bench_softmax(1, 128256, FMLP_DTYPE_F32, log, l2, s, reps)),
-          print_row(rows.back(), bw);
-      rows.push_back(bench_softmax(256, 128256, FMLP_DTYPE_F32, log, l2, s, reps)),
-          print_row(rows.back(), bw);
+      add_softmax(bench_softmax(1, 128256, FMLP_DTYPE_F32, log, l2, s, reps));
+      add_softmax(bench_softmax(256, 128256, FMLP_DTYPE_F32, log, l2, s, reps));
     }
-    rows.push_back(bench_softmax(32, 128256, FMLP_DTYPE_F32, false, l2, s, reps)),
-        print_row(rows.back(), bw);
-    rows.push_back(bench_softmax(1, 128256, FMLP_DTYPE_BF16, false, l2, s, reps)),
-        print_row(rows.back(), bw);
-    rows.push_back(bench_softmax(256, 128256, FMLP_DTYPE_BF16, false, l2, s, reps)),
-        print_row(rows.back(), bw);
-    rows.push_back(bench_softmax(256, 32000, FMLP_DTYPE_BF16, false, l2, s, reps)),
-        print_row(rows.back(), bw);
-    rows.push_back(bench_softmax(64, 32000, FMLP_DTYPE_BF16, false, l2, s, reps)),
-        print_row(rows.back(), bw);
-    rows.push_back(bench_softmax(4096, 1024, FMLP_DTYPE_F32, false, l2, s, reps)),
-        print_row(rows.back(), bw);
-    rows.push_back(bench_softmax(8192, 2048, FMLP_DTYPE_BF16, false, l2, s, reps)),
-        print_row(rows.back(), bw);
-    rows.push_back(bench_softmax(1, 1 << 20, FMLP_DTYPE_F32, false, l2, s, reps)),
-        print_row(rows.back(), bw);
+    add_softmax(bench_softmax(32, 128256, FMLP_DTYPE_F32, false, l2, s, reps));
+    add_softmax(bench_softmax(1, 128256, FMLP_DTYPE_BF16, false, l2, s, reps));
+    add_softmax(bench_softmax(256, 128256, FMLP_DTYPE_BF16, false, l2, s, reps));
+    add_softmax(bench_softmax(256, 32000, FMLP_DTYPE_BF16, false, l2, s, reps));
+    add_softmax(bench_softmax(64, 32000, FMLP_DTYPE_BF16, false, l2, s, reps));
+    add_softmax(bench_softmax(4096, 1024, FMLP_DTYPE_F32, false, l2, s, reps));
+    add_softmax(bench_softmax(8192, 2048, FMLP_DTYPE_BF16, false, l2, s, reps));
+    add_softmax(bench_softmax(1, 1 << 20, FMLP_DTYPE_F32, false, l2, s, reps));
   }
   FILE* f = std::fopen(json.c_str(), "w");
   if (!f) return 1;

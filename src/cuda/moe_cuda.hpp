@@ -69,7 +69,7 @@ struct MoePlan {
   int slices = 1;          // hidden slices per chunk (grid y)
   int tiles = 0;           // 16-unit tiles of the hidden dimension
   bool partial = true;     // per-slice partials summed in order (deterministic), else red.add
-  int route_tokens = 4;    // tokens per route block
+  int route_tokens = 4;    // tokens per route block (route_tokens_for, moe_kernels.cpp)
   int route_split = 1;     // router blocks per token block (expert groups of the router rows)
   size_t counts = 0, ids = 0, wts = 0, perm = 0, chunk_expert = 0, chunk_start = 0, chunk_len = 0,
          logits = 0, route_parts = 0, out = 0, hbuf = 0,

@@ -222,8 +222,23 @@ bool moe_stream_supports(const MoeDesc& d, std::string* why) {
 // The workspace regions after the header, each on a 256-byte boundary; the hbuf region (h_bytes,
 // grouped) is followed by the fp8 staging buffers (h32_bytes: grouped), which combine re-zeroes
 // with it.
+// Tokens per route block: one while that keeps the token blocks within kRouteSplitMaxBlocks, so
+// a decode step's tokens are routed side by side in their own blocks instead of one after the
+// other in one block (a dependent pass over the router rows each); four beyond, where the blocks
+// fill the GPU anyway and fewer re-read the router. FMLP_MOE_ROUTE_TOKENS=1..4 forces it (A/B).
+int route_tokens_for(int64_t tokens) {
+  static const int forced = [] {
+    const char* e = std::getenv("FMLP_MOE_ROUTE_TOKENS");
+    const int v = e ? std::atoi(e) : 0;
+    return v >= 1 && v <= 4 ? v : 0;
+  }();
+  if (forced) return forced;
+  return tokens <= kRouteSplitMaxBlocks ? 1 : 4;
+}
+
 void lay_out(const MoeDesc& d, size_t out_bytes, size_t h_bytes, size_t h32_bytes, MoePlan* pl) {
   const int64_t n = d.tokens * d.top_k;
+  pl->route_tokens = route_tokens_for(d.tokens);
   size_t at = align256(sizeof(MoeHeader));
   const auto take = [&](size_t bytes) {
     const size_t here = at;
