@@ -29,9 +29,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <map>
-#include <mutex>
 #include <type_traits>
 
 #include "core/error.hpp"
@@ -308,14 +305,22 @@ fmlp_status_t start(const char* name, int grid, const CUtensorMap& ta, const CUt
 }
 
 // KERNEL on clusters of two CTAs (the swapped tiles' multicast pairs): as many clusters as fit at
-// once, at most `pairs`. The cluster occupancy is a host query, made once per kernel and device.
+// once, at most `pairs`.
 template <auto KERNEL, typename SHAPE>
 fmlp_status_t start_pairs(const char* name, int64_t pairs, const CUtensorMap& ta,
                           const CUtensorMap& tb, const MoeParams& p, cudaStream_t s) {
   if (const fmlp_status_t st = allow_dynamic_smem<KERNEL>(SHAPE::kSmemBytes, name);
       st != FMLP_SUCCESS)
     return st;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError();
+  const int clusters =
+      clusters_resident(KERNEL, SHAPE::kThreads, SHAPE::kSmemBytes, /*cluster=*/2, device);
+  if (clusters < 1)
+    return fail(FMLP_ERROR_CUDA, "{}: cuda:{} cannot co-schedule a cluster of two {}-byte blocks",
+                name, device, SHAPE::kSmemBytes);
   cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(2 * std::clamp<int64_t>(pairs, 1, clusters)));
   cfg.blockDim = dim3(SHAPE::kThreads);
   cfg.dynamicSmemBytes = SHAPE::kSmemBytes;
   cfg.stream = s;
@@ -324,41 +329,18 @@ fmlp_status_t start_pairs(const char* name, int64_t pairs, const CUtensorMap& ta
   attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  static std::mutex mu;
-  static std::map<int, int> fit;  // device -> clusters resident at once
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError();
-  int clusters = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = fit.find(device);
-    if (it == fit.end()) {
-      cfg.gridDim = dim3(2);
-      if (cudaOccupancyMaxActiveClusters(&clusters, KERNEL, &cfg) != cudaSuccess)
-        cudaGetLastError(), clusters = 0;
-      it = fit.emplace(device, clusters).first;
-    }
-    clusters = it->second;
-  }
-  if (clusters < 1)
-    return fail(FMLP_ERROR_CUDA, "{}: cuda:{} cannot co-schedule a cluster of two {}-byte blocks",
-                name, device, SHAPE::kSmemBytes);
-  cfg.gridDim = dim3(unsigned(2 * std::clamp<int64_t>(pairs, 1, clusters)));
   if (const cudaError_t e = cudaLaunchKernelEx(&cfg, KERNEL, ta, tb, p); e != cudaSuccess) {
     cudaGetLastError();
     return fail(FMLP_ERROR_CUDA, "{} launch ({} clusters of 2) failed: {}", name, cfg.gridDim.x / 2,
                 cudaGetErrorString(e));
   }
-  return launch_status(name, fmt::format("{} clusters of 2", cfg.gridDim.x / 2));
+  return launch_status(name);
 }
 
 // The swapped tiles' multicast pairs (sm90_gemm_swap.cuh's MCAST): off unless
 // FMLP_MOE_SM90_MCAST=1, until measured (docs/moe.md, session 28).
 bool swap_multicast() {
-  static const bool on = [] {
-    const char* e = std::getenv("FMLP_MOE_SM90_MCAST");
-    return e && e[0] == '1';
-  }();
+  static const bool on = env_knob("FMLP_MOE_SM90_MCAST", 0, 1, 0) == 1;
   return on;
 }
 

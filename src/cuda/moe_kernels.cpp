@@ -10,6 +10,7 @@
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "cuda/device_scope.hpp"
+#include "cuda/launch_util.hpp"
 #include "cuda/moe_cuda.hpp"
 #include "cuda/ops.cuh"
 
@@ -219,23 +220,19 @@ bool moe_stream_supports(const MoeDesc& d, std::string* why) {
   return true;
 }
 
-// The workspace regions after the header, each on a 256-byte boundary; the hbuf region (h_bytes,
-// grouped) is followed by the fp8 staging buffers (h32_bytes: grouped), which combine re-zeroes
-// with it.
 // Tokens per route block: one while that keeps the token blocks within kRouteSplitMaxBlocks, so
 // a decode step's tokens are routed side by side in their own blocks instead of one after the
 // other in one block (a dependent pass over the router rows each); four beyond, where the blocks
 // fill the GPU anyway and fewer re-read the router. FMLP_MOE_ROUTE_TOKENS=1..4 forces it (A/B).
 int route_tokens_for(int64_t tokens) {
-  static const int forced = [] {
-    const char* e = std::getenv("FMLP_MOE_ROUTE_TOKENS");
-    const int v = e ? std::atoi(e) : 0;
-    return v >= 1 && v <= 4 ? v : 0;
-  }();
+  static const int forced = int(env_knob("FMLP_MOE_ROUTE_TOKENS", 1, 4, 0));
   if (forced) return forced;
   return tokens <= kRouteSplitMaxBlocks ? 1 : 4;
 }
 
+// The workspace regions after the header, each on a 256-byte boundary; the hbuf region (h_bytes,
+// grouped) is followed by the fp8 staging buffers (h32_bytes: grouped), which combine re-zeroes
+// with it.
 void lay_out(const MoeDesc& d, size_t out_bytes, size_t h_bytes, size_t h32_bytes, MoePlan* pl) {
   const int64_t n = d.tokens * d.top_k;
   pl->route_tokens = route_tokens_for(d.tokens);

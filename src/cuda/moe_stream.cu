@@ -25,7 +25,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "core/error.hpp"
 #include "cuda/common.cuh"
@@ -249,10 +248,7 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
   const StreamShape up = stream_shape(int64_t(p.top_k) * rows1, p.d, 2, 1, p.gated ? 2 : 1);
   // FMLP_MOE_STREAM_PREFETCH_MB=m: the up blocks request the down's first rows into L2 as they
   // finish, m MiB in all (moe_sm80_stream_up). Off by default until measured.
-  static const int64_t prefetch_mb = [] {
-    const char* e = std::getenv("FMLP_MOE_STREAM_PREFETCH_MB");
-    return e ? std::clamp<int64_t>(std::atoll(e), 0, 1024) : 0;
-  }();
+  static const int64_t prefetch_mb = env_knob("FMLP_MOE_STREAM_PREFETCH_MB", 0, 1024, 0);
   MoeParams q = p;
   const int64_t row_bytes = int64_t(p.top_k) * p.tokens * p.hidden * 2;  // a W2 row of every slot
   q.down_prefetch_rows = int(std::min<int64_t>(p.d_out, (prefetch_mb << 20) / row_bytes));
