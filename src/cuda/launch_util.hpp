@@ -52,35 +52,6 @@ int blocks_per_sm(KERNEL kernel, int threads, size_t smem, int device) {
   return it->second;
 }
 
-// Clusters of `cluster` blocks of KERNEL (`threads` threads, `smem` dynamic bytes, the smem
-// opt-in already made) that the current device `device` co-schedules at once; 0 when none (or the
-// query fails). Asked once per kernel, shape and device, like blocks_per_sm.
-template <typename KERNEL>
-int clusters_resident(KERNEL kernel, int threads, size_t smem, int cluster, int device) {
-  using Key = std::tuple<const void*, int, size_t, int, int>;
-  static std::mutex mu;
-  static std::map<Key, int> cache;
-  const Key key{reinterpret_cast<const void*>(kernel), threads, smem, cluster, device};
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(key);
-  if (it == cache.end()) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(unsigned(cluster));
-    cfg.blockDim = dim3(unsigned(threads));
-    cfg.dynamicSmemBytes = smem;
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = unsigned(cluster), attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess)
-      cudaGetLastError(), clusters = 0;
-    it = cache.emplace(key, std::max(0, clusters)).first;
-  }
-  return it->second;
-}
-
 // A tuning knob for measurements: the integer in environment variable `name` when it parses
 // whole and lies in [lo, hi], else `fallback`. Callers read it once (a function-local static).
 inline long long env_knob(const char* name, long long lo, long long hi, long long fallback) {
@@ -95,10 +66,7 @@ inline long long env_knob(const char* name, long long lo, long long hi, long lon
 // compute capability cc (major * 10 + minor): sm_90 and newer, unless FMLP_STREAM_PDL=0 (for
 // measurements).
 inline bool pdl_enabled(int cc) {
-  static const bool env_on = [] {
-    const char* e = std::getenv("FMLP_STREAM_PDL");
-    return !(e && e[0] == '0');
-  }();
+  static const bool env_on = env_knob("FMLP_STREAM_PDL", 0, 1, 1) != 0;
   return env_on && cc >= 90;
 }
 

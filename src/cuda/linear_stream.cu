@@ -56,10 +56,7 @@ struct StreamParams : LinearOperands {
 // shared memory) and on the 14336-column downs it changed nothing (32.7 -> 32.4).
 // FMLP_STREAM_XDIRECT=0|1 forces staging / in place (where allowed) for measurements.
 bool x_direct(const LinearDesc& d, const void* x, const StreamShape& s) {
-  static const int env = [] {
-    const char* e = std::getenv("FMLP_STREAM_XDIRECT");
-    return e ? std::atoi(e) : -1;
-  }();
+  static const int env = int(env_knob("FMLP_STREAM_XDIRECT", 0, 1, -1));
   if (env == 0 || d.m != 1 || d.w_dtype == FMLP_DTYPE_F8_E4M3 ||
       reinterpret_cast<uintptr_t>(x) % 16 != 0)
     return false;

@@ -492,9 +492,8 @@ bool make_plan(const MlpDesc& d, Plan* pl, std::string* why) {
   const int sms = cuda_sm_count(d.device_id), tiles = int(d.hidden / 16);
   const int limit = cuda_max_dynamic_smem(d.device_id, 1024);
   static const int forced = [] {
-    const char* e = std::getenv("FMLP_DECODE_CLUSTER");
-    const int v = e ? std::atoi(e) : 0;
-    return v == 1 || v == 2 || v == 4 || v == 8 ? v : 0;
+    const int v = int(env_knob("FMLP_DECODE_CLUSTER", 1, 8, 0));
+    return (v & (v - 1)) == 0 ? v : 0;  // 1, 2, 4 or 8
   }();
   KernelFn k = pick_kernel(d);
   for (int c : {8, 4, 2, 1}) {

@@ -277,10 +277,7 @@ fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc
   // Prefetching helps where W2 outgrows the L2 (llama3-8b M = 1: 91.6 us against 92.7 without)
   // and hurt where most of W2 fits it (4096 -> 4096: 28.0 against 23.8), measured on an H200.
   // FMLP_STREAM_PREFETCH=0 turns it off, =1 on, for measurements.
-  static const int prefetch_env = [] {
-    const char* e = std::getenv("FMLP_STREAM_PREFETCH");
-    return e ? (e[0] == '0' ? 0 : 1) : -1;
-  }();
+  static const int prefetch_env = int(env_knob("FMLP_STREAM_PREFETCH", 0, 1, -1));
   const int64_t w2_bytes = d.d_out * d.hidden * es;
   const bool prefetch =
       prefetch_env >= 0 ? prefetch_env == 1 : w2_bytes > cuda_l2_bytes(d.device_id);

@@ -55,10 +55,7 @@ bool gelu_in_epilogue(const MlpDesc& d) {
 }
 
 bool wgmma_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("FMLP_PREFILL_WGMMA");
-    return e && std::strcmp(e, "1") == 0;
-  }();
+  static const bool on = env_knob("FMLP_PREFILL_WGMMA", 0, 1, 0) == 1;
   return on;
 }
 

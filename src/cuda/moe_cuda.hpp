@@ -140,9 +140,6 @@ struct MoeParams {
   void* xg;            // moe_sm90_grouped: x rows in chunk order (MoePlan::xg), else nullptr
   int max_chunks;
   bool sm90_swap;  // moe_sm90_grouped: swapped tiles (sm90_gemm_swap.cuh), chunks of 192
-  // moe_sm80_stream: W2 rows [0, down_prefetch_rows) of every slot's expert are requested into L2
-  // by the up blocks as they finish (moe_stream.cu); 0: none.
-  int down_prefetch_rows;
   size_t experts_smem;
 };
 

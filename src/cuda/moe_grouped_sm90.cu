@@ -137,21 +137,13 @@ struct DownProblem : ChunkTiles {
 
 // The swapped tiles (sm90_gemm_swap.cuh): the weights are the wgmma's A, the chunk's tokens its B.
 // A tile is (chunk, 128 weight rows); the pipe picks N (96 or 160) from the chunk's length.
-// With multicast pairs (sm90_gemm_swap.cuh's MCAST) pair q is chunk q % chunks and weight tiles
-// 2 (q / chunks) + rank: where n_tiles is odd, rank 1 of the last pair of each chunk runs a tile
-// past the weights (boxes out of bounds read as zeros, or the next expert's W2 rows) whose rows
-// the epilogues drop, so both CTAs of a pair walk the same stages.
 struct SwapChunkTiles {
   const MoeParams& p;
   int chunks, n_tiles;
   __device__ int tiles() const { return chunks * n_tiles; }
-  __device__ int pairs() const { return chunks * ((n_tiles + 1) / 2); }
-  __device__ SwapTile at(int ci, int nt) const {
+  __device__ SwapTile tile(int t) const {
+    const int ci = t % chunks, nt = t / chunks;
     return SwapTile{p.chunk_expert[ci], p.chunk_start[ci], min(kSwapMaxN, p.chunk_len[ci]), nt};
-  }
-  __device__ SwapTile tile(int t) const { return at(t % chunks, t / chunks); }
-  __device__ SwapTile pair_tile(int q, int rank) const {
-    return at(q % chunks, 2 * (q / chunks) + rank);
   }
 };
 
@@ -254,7 +246,7 @@ __global__ void __launch_bounds__(Tiles<TALL>::Down::kThreads, 1)
 #endif
 }
 
-template <typename T, fmlp_activation_t ACT, bool MCAST>
+template <typename T, fmlp_activation_t ACT>
 __global__ void __launch_bounds__(SwapShape::kThreads, 1)
     moe_sm90_grouped_gate_up_swap(const __grid_constant__ CUtensorMap ta,
                                   const __grid_constant__ CUtensorMap tb,
@@ -263,11 +255,11 @@ __global__ void __launch_bounds__(SwapShape::kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   using Problem = SwapGateUpProblem<T, ACT>;
   const Problem pr{{p, p.hdr->chunks, (p.hidden + 63) / 64}};
-  gemm_sm90_swap<T, Problem, MCAST>(smem_raw, &ta, &tb, pr);
+  gemm_sm90_swap<T, Problem>(smem_raw, &ta, &tb, pr);
 #endif
 }
 
-template <typename T, bool MCAST>
+template <typename T>
 __global__ void __launch_bounds__(SwapShape::kThreads, 1)
     moe_sm90_grouped_down_swap(const __grid_constant__ CUtensorMap ta,
                                const __grid_constant__ CUtensorMap tb,
@@ -275,7 +267,7 @@ __global__ void __launch_bounds__(SwapShape::kThreads, 1)
 #ifdef FMLP_SM90A
   extern __shared__ unsigned char smem_raw[];
   const SwapDownProblem pr{{p, p.hdr->chunks, (p.d_out + 127) / 128}};
-  gemm_sm90_swap<T, SwapDownProblem, MCAST>(smem_raw, &ta, &tb, pr);
+  gemm_sm90_swap<T, SwapDownProblem>(smem_raw, &ta, &tb, pr);
 #endif
 }
 
@@ -302,46 +294,6 @@ fmlp_status_t start(const char* name, int grid, const CUtensorMap& ta, const CUt
     return st;
   KERNEL<<<grid, SHAPE::kThreads, SHAPE::kSmemBytes, s>>>(ta, tb, p);
   return launch_status(name, fmt::format("{} blocks", grid));
-}
-
-// KERNEL on clusters of two CTAs (the swapped tiles' multicast pairs): as many clusters as fit at
-// once, at most `pairs`.
-template <auto KERNEL, typename SHAPE>
-fmlp_status_t start_pairs(const char* name, int64_t pairs, const CUtensorMap& ta,
-                          const CUtensorMap& tb, const MoeParams& p, cudaStream_t s) {
-  if (const fmlp_status_t st = allow_dynamic_smem<KERNEL>(SHAPE::kSmemBytes, name);
-      st != FMLP_SUCCESS)
-    return st;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError();
-  const int clusters =
-      clusters_resident(KERNEL, SHAPE::kThreads, SHAPE::kSmemBytes, /*cluster=*/2, device);
-  if (clusters < 1)
-    return fail(FMLP_ERROR_CUDA, "{}: cuda:{} cannot co-schedule a cluster of two {}-byte blocks",
-                name, device, SHAPE::kSmemBytes);
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(2 * std::clamp<int64_t>(pairs, 1, clusters)));
-  cfg.blockDim = dim3(SHAPE::kThreads);
-  cfg.dynamicSmemBytes = SHAPE::kSmemBytes;
-  cfg.stream = s;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  if (const cudaError_t e = cudaLaunchKernelEx(&cfg, KERNEL, ta, tb, p); e != cudaSuccess) {
-    cudaGetLastError();
-    return fail(FMLP_ERROR_CUDA, "{} launch ({} clusters of 2) failed: {}", name, cfg.gridDim.x / 2,
-                cudaGetErrorString(e));
-  }
-  return launch_status(name);
-}
-
-// The swapped tiles' multicast pairs (sm90_gemm_swap.cuh's MCAST): off unless
-// FMLP_MOE_SM90_MCAST=1, until measured (docs/moe.md, session 28).
-bool swap_multicast() {
-  static const bool on = env_knob("FMLP_MOE_SM90_MCAST", 0, 1, 0) == 1;
-  return on;
 }
 
 template <typename T, bool TALL>
@@ -400,26 +352,15 @@ fmlp_status_t launch_swapped(const MoeParams& p, int sms, cudaStream_t s) {
     st = pipe_make_map(&th, name, "h", t, p.hbuf, p.slots, p.hidden, p.hidden, kSwapBoxT);
   if (st != FMLP_SUCCESS) return st;
   const int64_t n1 = (p.hidden + 63) / 64, n2 = (p.d_out + 127) / 128;
-  if (swap_multicast()) {
-    const int64_t pairs1 = int64_t(p.max_chunks) * ((n1 + 1) / 2);
-    const int64_t pairs2 = int64_t(p.max_chunks) * ((n2 + 1) / 2);
-    st = with_activation(p.act, [&](auto act) {
-      return start_pairs<&moe_sm90_grouped_gate_up_swap<T, decltype(act)::value, true>, SwapShape>(
-          "moe_sm90_grouped_gate_up_swap", pairs1, tw1, tx, p, s);
-    });
-    if (st != FMLP_SUCCESS) return st;
-    return start_pairs<&moe_sm90_grouped_down_swap<T, true>, SwapShape>(
-        "moe_sm90_grouped_down_swap", pairs2, tw2, th, p, s);
-  }
   const int grid1 = int(std::clamp<int64_t>(int64_t(p.max_chunks) * n1, 1, sms));
   const int grid2 = int(std::clamp<int64_t>(int64_t(p.max_chunks) * n2, 1, sms));
   st = with_activation(p.act, [&](auto act) {
-    return start<&moe_sm90_grouped_gate_up_swap<T, decltype(act)::value, false>, SwapShape>(
+    return start<&moe_sm90_grouped_gate_up_swap<T, decltype(act)::value>, SwapShape>(
         "moe_sm90_grouped_gate_up_swap", grid1, tw1, tx, p, s);
   });
   if (st != FMLP_SUCCESS) return st;
-  return start<&moe_sm90_grouped_down_swap<T, false>, SwapShape>("moe_sm90_grouped_down_swap",
-                                                                 grid2, tw2, th, p, s);
+  return start<&moe_sm90_grouped_down_swap<T>, SwapShape>("moe_sm90_grouped_down_swap", grid2, tw2,
+                                                          th, p, s);
 }
 
 template <typename T>

@@ -114,26 +114,6 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
     auto finish = [&](int v, int, const float(&sum)[1]) { store_h(v, sum[0], 0.f); };
     stream_run_rows<WT, XT, 1, 1, true>(s, sp, x_rows, row_ptr, finish, cur, red);
   }
-  // The down launch reads its first rows while the last up blocks drain: requested into L2 now
-  // (each block its share of this token's slots' first down_prefetch_rows W2 rows), they are the
-  // most recent lines in L2 when it starts, and DRAM serves them in the up stream's tail, where
-  // fewer blocks stream. Off by default until measured (launch_all: FMLP_MOE_STREAM_PREFETCH_MB).
-  if (p.down_prefetch_rows > 0) {
-    const int per = (p.down_prefetch_rows + int(gridDim.x) - 1) / int(gridDim.x);
-    const int r0 = int(blockIdx.x) * per, r1 = min(p.down_prefetch_rows, r0 + per);
-    const int lines = int((int64_t(p.hidden) * int64_t(sizeof(WT)) + 127) / 128);
-    for (int j = 0; j < k; ++j) {
-      const int e = eid[j];
-      if (e < 0) continue;
-      const char* w2 =
-          reinterpret_cast<const char*>(static_cast<const WT*>(p.w2) + int64_t(e) * p.w2_e);
-      for (int i = threadIdx.x; i < (r1 - r0) * lines; i += kStreamThreads) {
-        const int64_t r = r0 + i / lines;
-        const char* a = w2 + r * p.w2_ld * int64_t(sizeof(WT)) + int64_t(i % lines) * 128;
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-      }
-    }
-  }
 }
 
 template <typename WT, int KP, int U>
@@ -246,18 +226,12 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
   const int kp = moe_stream_pair(p.top_k);
   // Each slot's rows are read for its one token.
   const StreamShape up = stream_shape(int64_t(p.top_k) * rows1, p.d, 2, 1, p.gated ? 2 : 1);
-  // FMLP_MOE_STREAM_PREFETCH_MB=m: the up blocks request the down's first rows into L2 as they
-  // finish, m MiB in all (moe_sm80_stream_up). Off by default until measured.
-  static const int64_t prefetch_mb = env_knob("FMLP_MOE_STREAM_PREFETCH_MB", 0, 1024, 0);
-  MoeParams q = p;
-  const int64_t row_bytes = int64_t(p.top_k) * p.tokens * p.hidden * 2;  // a W2 row of every slot
-  q.down_prefetch_rows = int(std::min<int64_t>(p.d_out, (prefetch_mb << 20) / row_bytes));
   StreamShape down = stream_shape(int64_t(kp) * p.d_out, p.hidden, 2, 1, kp);
   // E = 64's 1408-wide rows: 176 chunks, two batches either way, 192 loaded at U = 3 against 256
   stream_pick_loads(down, int64_t(p.top_k) * p.d_out * p.hidden * 2);
-  fmlp_status_t e = p.x_t == FMLP_DTYPE_F32   ? launch_up<WT, float>(q, up, w)
-                    : p.x_t == FMLP_DTYPE_F16 ? launch_up<WT, __half>(q, up, w)
-                                              : launch_up<WT, __nv_bfloat16>(q, up, w);
+  fmlp_status_t e = p.x_t == FMLP_DTYPE_F32   ? launch_up<WT, float>(p, up, w)
+                    : p.x_t == FMLP_DTYPE_F16 ? launch_up<WT, __half>(p, up, w)
+                                              : launch_up<WT, __nv_bfloat16>(p, up, w);
   if (e != FMLP_SUCCESS) return e;
   switch (kp) {
     case 1: return launch_down<WT, 1>(p, down, w);

@@ -12,18 +12,9 @@
 //   c * 64 .. + 63 (m64nNk16, N / 2 fp32 accumulators a thread; ptxas allocates the 168
 //   registers a thread that a 384-thread block compiles to, whatever setmaxnreg grants later).
 // - Persistent: one block per SM walks tiles t = blockIdx.x, + gridDim.x, ...
-// - MCAST (clusters of two CTAs, launched as such): the pair walks pairs of tiles q =
-//   blockIdx.x / 2, + gridDim.x / 2, ..., rank r taking PROBLEM::pair_tile(q, r) (adjacent weight
-//   tiles of one chunk), and each CTA copies every other token box into both CTAs' shared
-//   memory with one multicast copy, so the chunk's tokens leave the L2 once per pair instead of
-//   once per tile (Mixtral T = 512: the L2 was the busiest unit, docs/moe.md session 27). A stage
-//   is refilled only once the consumers of both CTAs released it (empty barriers count 16: each
-//   consumer warp arrives on its own CTA's and on the peer's), and no thread leaves before a
-//   final cluster barrier, so no copy or arrive targets a CTA that has exited.
 //
 // PROBLEM (a struct passed by value) gives:
 //   int tiles() const, int k_blocks() const, SwapTile tile(int t) const
-//   (MCAST) int pairs() const, SwapTile pair_tile(int q, int rank) const
 //   void load_a(void* dst, const CUtensorMap* ta, uint64_t* bar, int kb, const SwapTile&) const
 //       issues the TMA copies of the tile's 128 weight rows of k block kb (kSwapTileA bytes)
 //   template <int N> void epilogue(const float (&d)[N / 2], const SwapTile&, int row, int col)
@@ -58,16 +49,10 @@ struct SwapTile {
 #ifdef FMLP_SM90A
 
 // One tile's k loop and epilogue for a consumer warpgroup, at the tile's N.
-// MCAST: a stage is released to both CTAs' producers (peer: the other rank).
-template <typename T, int N, bool MCAST, typename PROBLEM>
+template <typename T, int N, typename PROBLEM>
 __device__ __forceinline__ void swap_consume(const PROBLEM& pr, const SwapTile& tl,
                                              unsigned char* smem, uint64_t* full, uint64_t* empty,
-                                             int& stage, uint32_t& phase, int k_blocks, int c,
-                                             uint32_t peer) {
-  auto release = [&](int s) {
-    mbar_arrive(&empty[s]);
-    if constexpr (MCAST) mbar_arrive_cluster(&empty[s], peer);
-  };
+                                             int& stage, uint32_t& phase, int k_blocks, int c) {
   const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
   float d[N / 2];
   int prev = 0;
@@ -87,20 +72,20 @@ __device__ __forceinline__ void swap_consume(const PROBLEM& pr, const SwapTile& 
     // The previous stage's wgmmas are complete once at most this stage's group is pending.
     wgmma_wait<1>();
     fence_acc(d);
-    if (kb > 0 && lane == 0) release(prev);
+    if (kb > 0 && lane == 0) mbar_arrive(&empty[prev]);
     prev = stage;
     if (++stage == SwapShape::kStages) stage = 0, phase ^= 1;
   }
   wgmma_wait<0>();
   fence_acc(d);
-  if (lane == 0) release(prev);
+  if (lane == 0) mbar_arrive(&empty[prev]);
   pr.template epilogue<N>(d, tl, c * 64 + warp * 16 + lane / 4, 2 * (lane % 4));
 }
 
 // The kernel body (every thread of a SwapShape::kThreads block calls it, with kSmemBytes of
 // dynamic shared memory at smem_raw): ta maps the weights (PROBLEM::load_a reads it), tb the
-// tokens (kSwapBoxT-row boxes). MCAST: the launch has clusters of two CTAs (file comment).
-template <typename T, typename PROBLEM, bool MCAST = false>
+// tokens (kSwapBoxT-row boxes).
+template <typename T, typename PROBLEM>
 __device__ __forceinline__ void gemm_sm90_swap(unsigned char* smem_raw, const CUtensorMap* ta,
                                                const CUtensorMap* tb, const PROBLEM& pr) {
   using S = SwapShape;
@@ -109,62 +94,38 @@ __device__ __forceinline__ void gemm_sm90_swap(unsigned char* smem_raw, const CU
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kStages * S::kStageBytes);
   uint64_t* empty = full + S::kStages;
   const int wg = threadIdx.x / 128;
-  const uint32_t rank = MCAST ? cluster_rank() : 0;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S::kStages; ++s) {
-      mbar_init(&full[s], 1);                // the producer's arrive.expect_tx
-      mbar_init(&empty[s], MCAST ? 16 : 8);  // one arrive per consumer warp (of both CTAs)
+      mbar_init(&full[s], 1);   // the producer's arrive.expect_tx
+      mbar_init(&empty[s], 8);  // one arrive per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if constexpr (MCAST)
-    cluster_sync();  // the peer's barriers exist before a copy or an arrive targets them
-  else
-    __syncthreads();
-  const int k_blocks = pr.k_blocks();
-  // The walk: tile i of this CTA, first = its first index, step between them, count of indices.
-  int first, step, count;
-  if constexpr (MCAST)
-    first = int(blockIdx.x) / 2, step = int(gridDim.x) / 2, count = pr.pairs();
-  else
-    first = int(blockIdx.x), step = int(gridDim.x), count = pr.tiles();
-  auto tile_at = [&](int i) {
-    if constexpr (MCAST)
-      return pr.pair_tile(i, int(rank));
-    else
-      return pr.tile(i);
-  };
+  __syncthreads();
+  const int tiles = pr.tiles(), k_blocks = pr.k_blocks();
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x == 0) {
-      prefetch_tensormap(ta);
-      prefetch_tensormap(tb);
-      int stage = 0;
-      uint32_t phase = 0;
-      for (int i = first; i < count; i += step) {
-        const SwapTile tl = tile_at(i);
-        const int boxes = (tl.len + kSwapBoxT - 1) / kSwapBoxT;
-        for (int kb = 0; kb < k_blocks; ++kb) {
-          mbar_wait(&empty[stage], phase ^ 1);  // a fresh barrier passes parity 1 at once
-          unsigned char* st = smem + stage * S::kStageBytes;
-          // Out-of-bounds box parts count too; MCAST: half the boxes come from the peer.
-          mbar_expect_tx(&full[stage], S::kTileA + uint32_t(boxes) * S::kBoxB);
-          pr.load_a(st, ta, &full[stage], kb, tl);
-          if constexpr (MCAST) {
-            for (int b = int(rank); b < boxes; b += 2)
-              tma_load_multicast(st + S::kTileA + b * S::kBoxB, tb, &full[stage], kb * kPipeBK,
-                                 tl.b_row + b * kSwapBoxT, uint16_t(0x3));
-          } else {
-            for (int b = 0; b < boxes; ++b)
-              tma_load(st + S::kTileA + b * S::kBoxB, tb, &full[stage], kb * kPipeBK,
-                       tl.b_row + b * kSwapBoxT);
-          }
-          if (++stage == S::kStages) stage = 0, phase ^= 1;
-        }
+    if (threadIdx.x != 0) return;
+    prefetch_tensormap(ta);
+    prefetch_tensormap(tb);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const SwapTile tl = pr.tile(t);
+      const int boxes = (tl.len + kSwapBoxT - 1) / kSwapBoxT;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        mbar_wait(&empty[stage], phase ^ 1);  // a fresh barrier passes parity 1 at once
+        unsigned char* st = smem + stage * S::kStageBytes;
+        // Out-of-bounds box parts count too.
+        mbar_expect_tx(&full[stage], S::kTileA + uint32_t(boxes) * S::kBoxB);
+        pr.load_a(st, ta, &full[stage], kb, tl);
+        for (int b = 0; b < boxes; ++b)
+          tma_load(st + S::kTileA + b * S::kBoxB, tb, &full[stage], kb * kPipeBK,
+                   tl.b_row + b * kSwapBoxT);
+        if (++stage == S::kStages) stage = 0, phase ^= 1;
       }
     }
-    if constexpr (MCAST) cluster_sync();
     return;
   }
 
@@ -172,17 +133,16 @@ __device__ __forceinline__ void gemm_sm90_swap(unsigned char* smem_raw, const CU
   const int c = wg - 1;
   int stage = 0;
   uint32_t phase = 0;
-  for (int i = first; i < count; i += step) {
-    const SwapTile tl = tile_at(i);
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const SwapTile tl = pr.tile(t);
     // Two instantiated N: ptxas (13.0) spills the accumulators of every variant once a third one
     // (or a switch) joins them. Columns past the chunk compute on whatever the stage holds there
     // (MMA columns are independent) and are never stored.
     if (tl.len <= 96)
-      swap_consume<T, 96, MCAST>(pr, tl, smem, full, empty, stage, phase, k_blocks, c, rank ^ 1);
+      swap_consume<T, 96>(pr, tl, smem, full, empty, stage, phase, k_blocks, c);
     else
-      swap_consume<T, 160, MCAST>(pr, tl, smem, full, empty, stage, phase, k_blocks, c, rank ^ 1);
+      swap_consume<T, 160>(pr, tl, smem, full, empty, stage, phase, k_blocks, c);
   }
-  if constexpr (MCAST) cluster_sync();
 }
 
 #endif  // FMLP_SM90A

@@ -336,10 +336,8 @@ __global__ void __launch_bounds__(kWarpRowsThreads) softmax_sm80_warp_rows(const
 
 bool warp_rows_supports(const SoftmaxDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
-  static const bool on = [] {  // FMLP_SOFTMAX_WARP_ROWS=0 turns the entry off (A/B measurements)
-    const char* e = std::getenv("FMLP_SOFTMAX_WARP_ROWS");
-    return !(e && e[0] == '0');
-  }();
+  // FMLP_SOFTMAX_WARP_ROWS=0 turns the entry off (A/B measurements).
+  static const bool on = env_knob("FMLP_SOFTMAX_WARP_ROWS", 0, 1, 1) != 0;
   if (!on) return (*why = "switched off by FMLP_SOFTMAX_WARP_ROWS=0", false);
   const int64_t es = int64_t(dtype_size(d.dtype));
   if (d.n * es > kWarpRowsMaxBytes)
@@ -405,11 +403,7 @@ fmlp_status_t warp_rows_run(const fmlp_softmax_args_t& a, const SoftmaxDesc& d, 
 constexpr int kClusterThreads = 256;
 // A block's part: 32 KB unless FMLP_SOFTMAX_CLUSTER_KB (4..200) sets it, for measurements.
 int64_t cluster_part_bytes() {
-  static const int64_t bytes = [] {
-    const char* e = std::getenv("FMLP_SOFTMAX_CLUSTER_KB");
-    const int kb = e ? std::atoi(e) : 0;
-    return int64_t(kb >= 4 && kb <= 200 ? kb : 32) * 1024;
-  }();
+  static const int64_t bytes = env_knob("FMLP_SOFTMAX_CLUSTER_KB", 4, 200, 32) * 1024;
   return bytes;
 }
 constexpr int64_t kClusterMaxPartBytes = 200 * 1024;

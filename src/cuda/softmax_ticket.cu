@@ -331,18 +331,12 @@ struct Plan {
 };
 
 int64_t env_part_bytes() {
-  static const int64_t kb = [] {
-    const char* e = std::getenv("FMLP_SOFTMAX_PART_KB");
-    return e ? std::clamp<int64_t>(std::atoll(e), 0, kMaxPartBytes / 1024) : 0;
-  }();
+  static const int64_t kb = env_knob("FMLP_SOFTMAX_PART_KB", 0, kMaxPartBytes / 1024, 0);
   return kb * 1024;
 }
 
 bool ticket_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("FMLP_SOFTMAX_TICKET");
-    return !(e && e[0] == '0');
-  }();
+  static const bool on = env_knob("FMLP_SOFTMAX_TICKET", 0, 1, 1) != 0;
   return on;
 }
 
