@@ -116,8 +116,9 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   }
 }
 
+// U = 6 (FMLP_MOE_STREAM_DOWN_U) holds two 6-load batches: three blocks per SM, not four.
 template <typename WT, int KP, int U>
-__global__ void __launch_bounds__(kStreamThreads, 4)
+__global__ void __launch_bounds__(kStreamThreads, U > 4 ? 3 : 4)
     moe_sm80_stream_down(const MoeParams p, const StreamShape s) {
   __shared__ float red[2][kStreamWarps][1];
   __shared__ int eid[KP];
@@ -211,6 +212,9 @@ fmlp_status_t launch_up(const MoeParams& p, const StreamShape& s, const Where& w
 
 template <typename WT, int KP>
 fmlp_status_t launch_down(const MoeParams& p, const StreamShape& s, const Where& w) {
+  if constexpr (KP == 8)
+    if (s.u == 6)
+      return launch_rows<&moe_sm80_stream_down<WT, 8, 6>>(p, s, 0, w, "moe_sm80_stream_down");
   return stream_dispatch_u(s, [&](auto u) {
     return launch_rows<&moe_sm80_stream_down<WT, KP, decltype(u)::value>>(p, s, 0, w,
                                                                           "moe_sm80_stream_down");
@@ -229,6 +233,15 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
   StreamShape down = stream_shape(int64_t(kp) * p.d_out, p.hidden, 2, 1, kp);
   // E = 64's 1408-wide rows: 176 chunks, two batches either way, 192 loaded at U = 3 against 256
   stream_pick_loads(down, int64_t(p.top_k) * p.d_out * p.hidden * 2);
+  // Under ncu (E = 64 T = 1, docs/moe.md session 29) the down streamed at 1.80 TB/s against the
+  // up's 3.07, with about 30 % fewer bytes in flight a warp. FMLP_MOE_STREAM_DOWN_U=3|4|6 forces
+  // its loads per lane; 6 (k = 8 only) reads a 1408-wide row in one batch, 3 KB a warp in flight.
+  // Off until measured.
+  static const int forced_u = int(env_knob("FMLP_MOE_STREAM_DOWN_U", 3, 6, 0));
+  if (forced_u == 3 || forced_u == 4 || (forced_u == 6 && kp == 8)) {
+    down.u = forced_u;
+    down.batches = (down.cpw + 32 * forced_u - 1) / (32 * forced_u);
+  }
   fmlp_status_t e = p.x_t == FMLP_DTYPE_F32   ? launch_up<WT, float>(p, up, w)
                     : p.x_t == FMLP_DTYPE_F16 ? launch_up<WT, __half>(p, up, w)
                                               : launch_up<WT, __nv_bfloat16>(p, up, w);
