@@ -30,7 +30,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"

@@ -24,8 +24,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"

@@ -35,7 +35,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <utility>
 
 #include "core/dtype.hpp"

@@ -48,7 +48,6 @@
 #include <stdint.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "cuda/common.cuh"
