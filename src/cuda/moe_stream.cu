@@ -234,14 +234,11 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
   // E = 64's 1408-wide rows: 176 chunks, two batches either way, 192 loaded at U = 3 against 256
   stream_pick_loads(down, int64_t(p.top_k) * p.d_out * p.hidden * 2);
   // Under ncu (E = 64 T = 1, docs/moe.md session 29) the down streamed at 1.80 TB/s against the
-  // up's 3.07, with about 30 % fewer bytes in flight a warp. FMLP_MOE_STREAM_DOWN_U=3|4|6 forces
-  // its loads per lane; 6 (k = 8 only) reads a 1408-wide row in one batch, 3 KB a warp in flight.
-  // Off until measured.
-  static const int forced_u = int(env_knob("FMLP_MOE_STREAM_DOWN_U", 3, 6, 0));
-  if (forced_u == 3 || forced_u == 4 || (forced_u == 6 && kp == 8)) {
-    down.u = forced_u;
-    down.batches = (down.cpw + 32 * forced_u - 1) / (32 * forced_u);
-  }
+  // up's 3.07, with about 30 % fewer bytes in flight a warp. FMLP_MOE_STREAM_DOWN_U=6 (k = 8 only)
+  // reads a 1408-wide row in one batch, 3 KB a warp in flight (FMLP_STREAM_U=3|4 forces the
+  // others). Off until measured.
+  static const bool six = env_knob("FMLP_MOE_STREAM_DOWN_U", 6, 6, 0) == 6;
+  if (six && kp == 8) stream_set_loads(down, 6);
   fmlp_status_t e = p.x_t == FMLP_DTYPE_F32   ? launch_up<WT, float>(p, up, w)
                     : p.x_t == FMLP_DTYPE_F16 ? launch_up<WT, __half>(p, up, w)
                                               : launch_up<WT, __nv_bfloat16>(p, up, w);

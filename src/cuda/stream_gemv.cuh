@@ -99,6 +99,17 @@ inline int64_t stream_group_bytes(int64_t n, int64_t row_bytes, int elem_bytes, 
                                              : 64 * 1024;
 }
 
+// Batches of U 16-byte loads a lane that take a warp's cpw chunks.
+inline int stream_batches(int cpw, int u) {
+  return (cpw + 32 * u - 1) / (32 * u);
+}
+
+// U loads per lane for shape s, and the batches that follow from it.
+inline void stream_set_loads(StreamShape& s, int u) {
+  s.u = u;
+  s.batches = stream_batches(s.cpw, u);
+}
+
 // The partition of an [n, k] stream of `elem_bytes` weights at exactly `rows` rows per group (a
 // power of two up to kStreamWarps).
 inline StreamShape stream_shape_rows(int64_t n, int64_t k, int elem_bytes, int rows) {
@@ -109,8 +120,7 @@ inline StreamShape stream_shape_rows(int64_t n, int64_t k, int elem_bytes, int r
   s.wpr = kStreamWarps / s.rows;
   const int64_t kchunks = k * elem_bytes / 16;
   s.cpw = int((kchunks + s.wpr - 1) / s.wpr);
-  s.u = kStreamU;
-  s.batches = (s.cpw + 32 * s.u - 1) / (32 * s.u);
+  stream_set_loads(s, kStreamU);
   s.groups = int((n + s.rows - 1) / s.rows);
   return s;
 }
@@ -135,11 +145,10 @@ inline StreamShape stream_shape(int64_t n, int64_t k, int elem_bytes, int64_t to
 // rows: 4096 x 14336 32.9 -> 34.4 us, at three blocks per SM). FMLP_STREAM_U=3|4 forces one.
 inline void stream_pick_loads(StreamShape& s, int64_t stream_bytes) {
   static const int env_u = int(fmlp::detail::env_knob("FMLP_STREAM_U", 3, 4, 0));
-  auto batches = [&](int u) { return (s.cpw + 32 * u - 1) / (32 * u); };
+  auto batches = [&](int u) { return stream_batches(s.cpw, u); };
   const bool three = stream_bytes >= (int64_t(16) << 20) && batches(3) == batches(4) &&
                      batches(3) * 96 < batches(4) * 128;
-  s.u = env_u ? env_u : three ? 3 : 4;
-  s.batches = batches(s.u);
+  stream_set_loads(s, env_u ? env_u : three ? 3 : 4);
 }
 
 // launch(std::integral_constant<int, U>{}) for the shape's U: the one place that maps the picked
