@@ -150,6 +150,8 @@ struct MoeParams {
 constexpr int kMoeStreamMaxTokens = 16;
 constexpr int kMoeStreamMaxTopK = 8;
 constexpr size_t kMoeStreamStageBytes = 64 * 1024;
+// The moe down stream's staged h (FMLP_MOE_STREAM_DOWN_STAGE): four blocks per SM still fit.
+constexpr size_t kMoeStreamDownStageBytes = 32 * 1024;
 // The slots per output row of the down stream: k rounded up to a power of two.
 constexpr int moe_stream_pair(int k) {
   return k <= 1 ? 1 : k <= 2 ? 2 : k <= 4 ? 4 : 8;

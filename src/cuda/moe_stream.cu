@@ -12,11 +12,11 @@
 //      (gated: gate row i and up row i adjacent, one thread gets both sums). Epilogue: b1, the
 //      activation, the gating; h[slot][i] stored in the experts' dtype into the workspace (the
 //      rounding PyTorch and moe_sm80_chunked apply).
-//   2. moe_sm80_stream_down, grid (blocks, T): the block reads its token's k rows of h where the
-//      up launch wrote them (through L1), and the last block to finish re-zeroes h and the routing
-//      (the workspace contract). Virtual rows (r, j) with j padded to KP (k rounded up to a power
-//      of two), so one thread gets the k slot sums of output r and adds w_j (sum_j + b2) in slot
-//      order, then the residual, and writes y: no per-slot outputs, no combine.
+//   2. moe_sm80_stream_down, grid (blocks, T): the block reads its token's k rows of h, staged in
+//      shared memory where they fit (down_h_rows), and the last block to finish re-zeroes h and
+//      the routing (the workspace contract). Virtual rows (r, j) with j padded to KP (k rounded up
+//      to a power of two), so one thread gets the k slot sums of output r and adds w_j (sum_j + b2)
+//      in slot order, then the residual, and writes y: no per-slot outputs, no combine.
 // Tokens that share an expert each read its rows, at the same place of the same order at about
 // the same time (all blocks are resident), so the repeats mostly hit L2; the entry declines when
 // the expected repeats would make L2 the bottleneck (moe_kernels.cpp). fp32 accumulation in a
@@ -39,9 +39,11 @@ namespace {
 
 using fmlp::cuda::activate;
 using fmlp::cuda::from_f;
+using fmlp::cuda::kStreamPerChunk;
 using fmlp::cuda::kStreamThreads;
 using fmlp::cuda::kStreamU;
 using fmlp::cuda::kStreamWarps;
+using fmlp::cuda::ld_stream_v4;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::pdl_allow_next_grid;
 using fmlp::cuda::pdl_wait_previous_grid;
@@ -53,8 +55,10 @@ using fmlp::cuda::stream_pick_loads;
 using fmlp::cuda::stream_resident_blocks;
 using fmlp::cuda::stream_run_rows;
 using fmlp::cuda::stream_shape;
+using fmlp::cuda::stream_shape_rows;
 using fmlp::cuda::stream_span;
 using fmlp::cuda::StreamShape;
+using fmlp::cuda::widen8;
 
 static_assert(kMoeStreamMaxTopK <= kStreamWarps, "a row's k slot sums must fit one group");
 
@@ -116,64 +120,69 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   }
 }
 
-// U = 6 (FMLP_MOE_STREAM_DOWN_U) holds two 6-load batches: three blocks per SM, not four.
-template <typename WT, int KP, int U>
-__global__ void __launch_bounds__(kStreamThreads, U > 4 ? 3 : 4)
-    moe_sm80_stream_down(const MoeParams p, const StreamShape s) {
-  __shared__ float red[2][kStreamWarps][1];
-  __shared__ int eid[KP];
-  __shared__ float wt[KP];
-  __shared__ int bad;
-  const int t = blockIdx.y, k = p.top_k;
-  if (threadIdx.x == 0) bad = 0;
+// A down block's routing for its token t: each slot's local expert (padding slots j >= k and
+// remote ones < 0) and weight. The routing is complete when the down launch starts: every block of
+// the up launch let it start only after its own wait for the route kernel.
+template <int KP>
+struct DownSlots {
+  int eid[KP];
+  float wt[KP];
+  int bad;  // an expert id was out of range: the token's row becomes NaN
+};
+
+template <int KP>
+__device__ __forceinline__ void down_slots_load(DownSlots<KP>& d, const MoeParams& p, int t) {
+  const int k = p.top_k;
+  if (threadIdx.x == 0) d.bad = 0;
   __syncthreads();
   if (threadIdx.x < KP) {
     const int j = threadIdx.x;
     const int e = j < k ? __ldcg(p.ids + t * k + j) : kMoeSlotRemote;
-    eid[j] = e;
-    wt[j] = e >= 0 ? __ldcg(p.wts + t * k + j) : 0.f;
-    if (e == kMoeSlotBad) bad = 1;  // an expert id was out of range: the row becomes NaN
+    d.eid[j] = e;
+    d.wt[j] = e >= 0 ? __ldcg(p.wts + t * k + j) : 0.f;
+    if (e == kMoeSlotBad) d.bad = 1;
   }
   __syncthreads();
-  const auto sp = stream_span<WT>(s);
-  const WT* w2 = static_cast<const WT*>(p.w2);
-  // Virtual row v: output r = v / KP of slot j = v % KP (padding slots j >= k have eid < 0).
-  auto row_ptr = [&](int v) -> const WT* {
-    const int e = eid[v % KP];
-    return e < 0 ? nullptr : w2 + int64_t(e) * p.w2_e + int64_t(v / KP) * p.w2_ld;
-  };
-  uint4 cur[U];
-  // The routing read above is complete: every block of the up launch let this launch start only
-  // after its own wait for the route kernel. h is not, until stream_begin's wait.
-  stream_begin<WT, true>(cur, s, sp, row_ptr, 0);
-  // h is read where the up launch left it (L2, then L1: the blocks of one token read the same k
-  // rows) rather than staged: staging k x hidden 16-bit values (56 KiB at Mixtral's k = 2) in
-  // shared memory left three blocks per SM and 74 % of DRAM bandwidth (ncu), and delayed each
-  // block's first FMA by a 56 KiB copy.
-  const WT* hrow = reinterpret_cast<const WT*>(p.hbuf) + int64_t(t) * k * p.hidden;
-  auto x_rows = [&](int v) {
-    const int j = v % KP;
-    return hrow + int64_t(j < k ? j : 0) * p.hidden;
-  };
+}
+
+// Token t's k rows of h: where the up launch left them, or (STAGE_H) copied into `hs` first, after
+// the caller's wait for the up launch. Staging needs k x hidden <= kMoeStreamDownStageBytes, which
+// keeps four blocks per SM: under ncu (E = 64 T = 1, docs/moe.md session 30) the in-place reads
+// were issued one L1 round trip at a time inside the compute phase. Mixtral's k = 2 rows (56 KiB)
+// are read in place: staging them left three blocks per SM and 74 % of DRAM bandwidth (ncu).
+template <typename WT, bool STAGE_H>
+__device__ __forceinline__ const WT* down_h_rows(const MoeParams& p, int t, uint4* hs) {
+  const WT* h = reinterpret_cast<const WT*>(p.hbuf) + int64_t(t) * p.top_k * p.hidden;
+  if constexpr (!STAGE_H) return h;
+  const int words = p.top_k * p.hidden * int(sizeof(WT)) / 16;  // hidden is a multiple of 8
+  for (int i = threadIdx.x; i < words; i += kStreamThreads)
+    hs[i] = __ldcg(reinterpret_cast<const uint4*>(h) + i);
+  __syncthreads();
+  return reinterpret_cast<const WT*>(hs);
+}
+
+// y[t][r] from output r's slot sums `sum(j)`: w_j (sum_j + b2) in slot order, the residual, NaN
+// for a bad id.
+template <int KP, typename Sum>
+__device__ __forceinline__ void down_store(const MoeParams& p, const DownSlots<KP>& d, int t, int r,
+                                           Sum sum) {
   const size_t es = p.x_t == FMLP_DTYPE_F32 ? 4 : 2;
-  auto finish = [&](int v, int, const float(&sum)[KP]) {
-    const int r = v / KP;
-    float acc = 0.f;
+  float acc = 0.f;
 #pragma unroll
-    for (int j = 0; j < KP; ++j) {
-      const int e = eid[j];
-      if (e < 0) continue;
-      const float o = sum[j] + expert_elem(p.b2, p.b2_t, p.b2_e, e, r);
-      acc = fmaf(wt[j], o, acc);
-    }
-    if (p.res)
-      acc += load_scalar(static_cast<const char*>(p.res) + int64_t(t) * p.res_ld * es, p.x_t, r);
-    if (bad) acc = __int_as_float(0x7fc00000);
-    store_scalar(static_cast<char*>(p.y) + int64_t(t) * p.y_ld * es, p.x_t, r, acc);
-  };
-  stream_run_rows<WT, WT, 1, KP, true>(s, sp, x_rows, row_ptr, finish, cur, red);
-  // The last block to finish leaves the workspace zeroed: every block's reads of h and of the
-  // routing are done once its stream is (their values were used).
+  for (int j = 0; j < KP; ++j) {
+    const int e = d.eid[j];
+    if (e < 0) continue;
+    acc = fmaf(d.wt[j], sum(j) + expert_elem(p.b2, p.b2_t, p.b2_e, e, r), acc);
+  }
+  if (p.res)
+    acc += load_scalar(static_cast<const char*>(p.res) + int64_t(t) * p.res_ld * es, p.x_t, r);
+  if (d.bad) acc = __int_as_float(0x7fc00000);
+  store_scalar(static_cast<char*>(p.y) + int64_t(t) * p.y_ld * es, p.x_t, r, acc);
+}
+
+// The last down block to finish leaves the workspace zeroed: every block's reads of h and of the
+// routing are done once its stream is (their values were used).
+__device__ __forceinline__ void down_clear_workspace(const MoeParams& p) {
   if (!fmlp::cuda::block_arrive_last(&p.hdr->combine_done, gridDim.x * gridDim.y)) return;
   for (int64_t i = threadIdx.x; i < p.hbuf_words; i += kStreamThreads)
     p.hbuf[i] = make_uint4(0, 0, 0, 0);
@@ -182,6 +191,119 @@ __global__ void __launch_bounds__(kStreamThreads, U > 4 ? 3 : 4)
   for (int i = threadIdx.x; i < p.max_chunks; i += kStreamThreads)
     p.chunk_expert[i] = p.chunk_start[i] = p.chunk_len[i] = 0;  // the route kernel's plan
   if (threadIdx.x == 0) p.hdr->chunks = 0, p.hdr->combine_done = 0;
+}
+
+template <typename WT, int KP, int U, bool STAGE_H>
+__global__ void __launch_bounds__(kStreamThreads, 4)
+    moe_sm80_stream_down(const MoeParams p, const StreamShape s) {
+  extern __shared__ uint4 hs_v[];  // STAGE_H: [k][hidden] of this block's token
+  __shared__ float red[2][kStreamWarps][1];
+  __shared__ DownSlots<KP> d;
+  const int t = blockIdx.y, k = p.top_k;
+  down_slots_load(d, p, t);
+  const auto sp = stream_span<WT>(s);
+  const WT* w2 = static_cast<const WT*>(p.w2);
+  // Virtual row v: output r = v / KP of slot j = v % KP (padding slots j >= k have eid < 0).
+  auto row_ptr = [&](int v) -> const WT* {
+    const int e = d.eid[v % KP];
+    return e < 0 ? nullptr : w2 + int64_t(e) * p.w2_e + int64_t(v / KP) * p.w2_ld;
+  };
+  uint4 cur[U];
+  stream_begin<WT, true>(cur, s, sp, row_ptr, 0);  // then h is complete
+  const WT* hrow = down_h_rows<WT, STAGE_H>(p, t, hs_v);
+  auto x_rows = [&](int v) {
+    const int j = v % KP;
+    return hrow + int64_t(j < k ? j : 0) * p.hidden;
+  };
+  auto finish = [&](int v, int, const float(&sum)[KP]) {
+    down_store(p, d, t, v / KP, [&](int j) { return sum[j]; });
+  };
+  stream_run_rows<WT, WT, 1, KP, true>(s, sp, x_rows, row_ptr, finish, cur, red);
+  down_clear_workspace(p);
+}
+
+// moe_sm80_stream_down_warp (from two tokens on, for rows of up to 4 KB: launch_all): the same
+// sums with one warp per output row r, which reads W2 row r of each of the token's slots in turn
+// (s.batches batches of U loads a row, the next one always in flight) and keeps slot j's sum in
+// lane j, so no block barrier ties the warps together: under ncu (E = 64 T = 1, docs/moe.md
+// session 30) moe_sm80_stream_down spent a third of its cycles at stream_run_rows' per-group
+// barrier. The warps of a block take consecutive rows, so each step reads 8 adjacent rows of one
+// expert. Grid: (blocks, T); warp w of block b takes rows b * 8 + w, + 8 * gridDim.x, ...
+template <typename WT, int U, bool STAGE_H>
+__global__ void __launch_bounds__(kStreamThreads, 4)
+    moe_sm80_stream_down_warp(const MoeParams p, const StreamShape s) {
+  constexpr int KP = kMoeStreamMaxTopK;
+  extern __shared__ uint4 hs_v[];
+  __shared__ DownSlots<KP> d;
+  const int t = blockIdx.y, k = p.top_k, lane = threadIdx.x % 32;
+  const int chunks = p.hidden / kStreamPerChunk<WT>;
+  const int step = int(gridDim.x) * kStreamWarps;
+  down_slots_load(d, p, t);
+  const WT* w2 = static_cast<const WT*>(p.w2);
+  // Position (row r, slot j, batch b) of this warp's sequence, and its successor.
+  struct Pos {
+    int r, j, b;
+  };
+  auto next = [&](Pos q) {
+    if (++q.b < s.batches) return q;
+    q.b = 0;
+    if (++q.j < k) return q;
+    q.j = 0, q.r += step;
+    return q;
+  };
+  auto load = [&](uint4(&v)[U], Pos q) {
+    const int e = q.r < p.d_out ? d.eid[q.j] : -1;
+    const WT* wr = e < 0 ? nullptr : w2 + int64_t(e) * p.w2_e + int64_t(q.r) * p.w2_ld;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = (q.b * U + u) * 32 + lane;
+      v[u] = wr && c < chunks ? ld_stream_v4(wr + int64_t(c) * kStreamPerChunk<WT>)
+                              : make_uint4(0, 0, 0, 0);
+    }
+  };
+  Pos at{int(blockIdx.x) * kStreamWarps + int(threadIdx.x) / 32, 0, 0};
+  uint4 cur[U], alt[U];
+  load(cur, at);
+  pdl_wait_previous_grid();  // h (the weights and the routing were complete before)
+  pdl_allow_next_grid();
+  const WT* h = down_h_rows<WT, STAGE_H>(p, t, hs_v);
+  float acc = 0.f, mine = 0.f;  // lane j: slot j's sum of the current row
+  bool flip = false;            // as in stream_run_rows: the buffers swap roles, never copied
+  auto run = [&](const uint4(&use)[U], uint4(&fill)[U]) {
+    const Pos n = next(at);
+    if (n.r < p.d_out) load(fill, n);
+    const WT* x = h + int64_t(at.j) * p.hidden;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = (at.b * U + u) * 32 + lane;
+      if (c >= chunks) continue;
+      float wf[8], xf[8];
+      widen8<WT>(use[u], wf);
+      fmlp::cuda::stream_x8<WT>(x, c, xf);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc = fmaf(wf[e], xf[e], acc);
+    }
+    if (at.b + 1 == s.batches) {
+      const float sum = fmlp::cuda::warp_sum(acc);
+      acc = 0.f;
+      if (lane == at.j) mine = sum;
+      if (at.j + 1 == k) {
+        float sums[KP];
+#pragma unroll
+        for (int j = 0; j < KP; ++j) sums[j] = __shfl_sync(0xffffffffu, mine, j);
+        if (lane == 0) down_store(p, d, t, at.r, [&](int j) { return sums[j]; });
+      }
+    }
+    at = n;
+  };
+  while (at.r < p.d_out) {
+    if (flip)
+      run(alt, cur);
+    else
+      run(cur, alt);
+    flip = !flip;
+  }
+  down_clear_workspace(p);
 }
 
 // Where the launches go: the caller's stream, its device, programmatic dependent launch or not.
@@ -210,14 +332,21 @@ fmlp_status_t launch_up(const MoeParams& p, const StreamShape& s, const Where& w
                                                   "moe_sm80_stream_up");
 }
 
+// The down launch: the stream_run_rows kernel for shape s (KP slots a row group), or with
+// `warp_rows` the warp-per-row kernel for shape sw; h staged when `stage`.
 template <typename WT, int KP>
-fmlp_status_t launch_down(const MoeParams& p, const StreamShape& s, const Where& w) {
-  if constexpr (KP == 8)
-    if (s.u == 6)
-      return launch_rows<&moe_sm80_stream_down<WT, 8, 6>>(p, s, 0, w, "moe_sm80_stream_down");
-  return stream_dispatch_u(s, [&](auto u) {
-    return launch_rows<&moe_sm80_stream_down<WT, KP, decltype(u)::value>>(p, s, 0, w,
-                                                                          "moe_sm80_stream_down");
+fmlp_status_t launch_down(const MoeParams& p, const StreamShape& s, const StreamShape& sw,
+                          bool warp_rows, bool stage, const Where& w) {
+  const size_t hs = stage ? size_t(p.top_k) * p.hidden * sizeof(WT) : 0;
+  const char* name = warp_rows ? "moe_sm80_stream_down_warp" : "moe_sm80_stream_down";
+  return stream_dispatch_u(warp_rows ? sw : s, [&](auto u) {
+    constexpr int U = decltype(u)::value;
+    if (warp_rows)
+      return stage ? launch_rows<&moe_sm80_stream_down_warp<WT, U, true>>(p, sw, hs, w, name)
+                   : launch_rows<&moe_sm80_stream_down_warp<WT, U, false>>(p, sw, 0, w, name);
+    if constexpr (KP == kMoeStreamMaxTopK)
+      if (stage) return launch_rows<&moe_sm80_stream_down<WT, KP, U, true>>(p, s, hs, w, name);
+    return launch_rows<&moe_sm80_stream_down<WT, KP, U, false>>(p, s, 0, w, name);
   });
 }
 
@@ -228,26 +357,38 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
   const Where w{st, device, pdl_enabled(cuda_compute_capability(device))};
   const int rows1 = p.gated ? 2 * p.hidden : p.hidden;
   const int kp = moe_stream_pair(p.top_k);
+  const int64_t down_bytes = int64_t(p.top_k) * p.d_out * p.hidden * 2;
   // Each slot's rows are read for its one token.
   const StreamShape up = stream_shape(int64_t(p.top_k) * rows1, p.d, 2, 1, p.gated ? 2 : 1);
   StreamShape down = stream_shape(int64_t(kp) * p.d_out, p.hidden, 2, 1, kp);
   // E = 64's 1408-wide rows: 176 chunks, two batches either way, 192 loaded at U = 3 against 256
-  stream_pick_loads(down, int64_t(p.top_k) * p.d_out * p.hidden * 2);
-  // Under ncu (E = 64 T = 1, docs/moe.md session 29) the down streamed at 1.80 TB/s against the
-  // up's 3.07, with about 30 % fewer bytes in flight a warp. FMLP_MOE_STREAM_DOWN_U=6 (k = 8 only)
-  // reads a 1408-wide row in one batch, 3 KB a warp in flight (FMLP_STREAM_U=3|4 forces the
-  // others). Off until measured.
-  static const bool six = env_knob("FMLP_MOE_STREAM_DOWN_U", 6, 6, 0) == 6;
-  if (six && kp == 8) stream_set_loads(down, 6);
+  stream_pick_loads(down, down_bytes);
+  // The warp-per-row kernel's shape: a group is 8 output rows, each read whole by one warp.
+  StreamShape down_w = stream_shape_rows(p.d_out, p.hidden, 2, kStreamWarps);
+  stream_pick_loads(down_w, down_bytes);
+  // The warp-per-row kernel from two tokens on where a W2 row is at most 4 KB (measured,
+  // docs/moe.md session 30, us: E = 64 T = 2 / 4 81.8 / 142.9 -> 78.4 / 134.4, T = 16 a tie). One
+  // token fills only half the GPU with a warp per row (E = 64 T = 1 53.1 -> 57.6), and Mixtral's 28
+  // KB rows, each streamed whole by one warp, scatter the reads over all of W2 (T = 1 / 2 175.5 /
+  // 343.1 -> 184.3 / 349.1, T = 4 / 16 a tie). FMLP_MOE_STREAM_DOWN_WARP=0|1 forces either kernel.
+  static const int warp_knob = int(env_knob("FMLP_MOE_STREAM_DOWN_WARP", 0, 1, -1));
+  const bool warp_rows =
+      warp_knob >= 0 ? warp_knob == 1 : p.tokens >= 2 && p.hidden * sizeof(WT) <= 4096;
+  // h staged for k = 8 (measured there, docs/moe.md session 30: E = 64 T = 1 / 2 / 4 53.4 / 87.2 /
+  // 143.5 -> 53.1 / 85.2 / 143.2 us, the down 26.6 -> 24.8 us under ncu) where it fits.
+  // FMLP_MOE_STREAM_DOWN_STAGE=0 reads h in place.
+  static const bool stage_on = env_knob("FMLP_MOE_STREAM_DOWN_STAGE", 0, 1, 1) == 1;
+  const bool stage = stage_on && (kp == kMoeStreamMaxTopK || warp_rows) &&
+                     size_t(p.top_k) * p.hidden * sizeof(WT) <= kMoeStreamDownStageBytes;
   fmlp_status_t e = p.x_t == FMLP_DTYPE_F32   ? launch_up<WT, float>(p, up, w)
                     : p.x_t == FMLP_DTYPE_F16 ? launch_up<WT, __half>(p, up, w)
                                               : launch_up<WT, __nv_bfloat16>(p, up, w);
   if (e != FMLP_SUCCESS) return e;
   switch (kp) {
-    case 1: return launch_down<WT, 1>(p, down, w);
-    case 2: return launch_down<WT, 2>(p, down, w);
-    case 4: return launch_down<WT, 4>(p, down, w);
-    default: return launch_down<WT, 8>(p, down, w);
+    case 1: return launch_down<WT, 1>(p, down, down_w, warp_rows, stage, w);
+    case 2: return launch_down<WT, 2>(p, down, down_w, warp_rows, stage, w);
+    case 4: return launch_down<WT, 4>(p, down, down_w, warp_rows, stage, w);
+    default: return launch_down<WT, 8>(p, down, down_w, warp_rows, stage, w);
   }
 }
 
