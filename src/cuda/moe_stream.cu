@@ -366,17 +366,19 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
   // The warp-per-row kernel's shape: a group is 8 output rows, each read whole by one warp.
   StreamShape down_w = stream_shape_rows(p.d_out, p.hidden, 2, kStreamWarps);
   stream_pick_loads(down_w, down_bytes);
-  // The warp-per-row kernel from two tokens on where a W2 row is at most 4 KB (measured,
-  // docs/moe.md session 30, us: E = 64 T = 2 / 4 81.8 / 142.9 -> 78.4 / 134.4, T = 16 a tie). One
-  // token fills only half the GPU with a warp per row (E = 64 T = 1 53.1 -> 57.6), and Mixtral's 28
-  // KB rows, each streamed whole by one warp, scatter the reads over all of W2 (T = 1 / 2 175.5 /
-  // 343.1 -> 184.3 / 349.1, T = 4 / 16 a tie). FMLP_MOE_STREAM_DOWN_WARP=0|1 forces either kernel.
+  // The warp-per-row kernel from two tokens on where a W2 row is at most 4 KB. Measured
+  // (docs/moe.md session 30, us): E = 64 T = 2 / 4 81.8 / 142.9 -> 78.4 / 134.4, T = 16 a tie.
+  // One token fills only half the GPU with a warp per row (E = 64 T = 1 53.1 -> 57.6), and
+  // Mixtral's rows (28 KB, each streamed whole by one warp) scatter the reads over all of W2:
+  // T = 1 / 2 175.5 / 343.1 -> 184.3 / 349.1, T = 4 / 16 a tie.
+  // FMLP_MOE_STREAM_DOWN_WARP=0|1 forces either kernel.
   static const int warp_knob = int(env_knob("FMLP_MOE_STREAM_DOWN_WARP", 0, 1, -1));
   const bool warp_rows =
       warp_knob >= 0 ? warp_knob == 1 : p.tokens >= 2 && p.hidden * sizeof(WT) <= 4096;
-  // h staged for k = 8 (measured there, docs/moe.md session 30: E = 64 T = 1 / 2 / 4 53.4 / 87.2 /
-  // 143.5 -> 53.1 / 85.2 / 143.2 us, the down 26.6 -> 24.8 us under ncu) where it fits.
-  // FMLP_MOE_STREAM_DOWN_STAGE=0 reads h in place.
+  // h staged where it fits, by the row-group kernel at k = 8 (measured there, docs/moe.md session
+  // 30: E = 64 T = 1 / 2 / 4 53.4 / 87.2 / 143.5 -> 53.1 / 85.2 / 143.2 us, the down 26.6 -> 24.8
+  // us under ncu) and by the warp kernel (measured staged). FMLP_MOE_STREAM_DOWN_STAGE=0 reads h
+  // in place.
   static const bool stage_on = env_knob("FMLP_MOE_STREAM_DOWN_STAGE", 0, 1, 1) == 1;
   const bool stage = stage_on && (kp == kMoeStreamMaxTopK || warp_rows) &&
                      size_t(p.top_k) * p.hidden * sizeof(WT) <= kMoeStreamDownStageBytes;
