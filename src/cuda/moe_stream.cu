@@ -50,6 +50,7 @@ using fmlp::cuda::pdl_wait_previous_grid;
 using fmlp::cuda::store_scalar;
 using fmlp::cuda::stream_begin;
 using fmlp::cuda::stream_dispatch_u;
+using fmlp::cuda::stream_fma_x8;
 using fmlp::cuda::stream_load;
 using fmlp::cuda::stream_pick_loads;
 using fmlp::cuda::stream_resident_blocks;
@@ -277,11 +278,9 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
     for (int u = 0; u < U; ++u) {
       const int c = (at.b * U + u) * 32 + lane;
       if (c >= chunks) continue;
-      float wf[8], xf[8];
+      float wf[8];
       widen8<WT>(use[u], wf);
-      fmlp::cuda::stream_x8<WT>(x, c, xf);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc = fmaf(wf[e], xf[e], acc);
+      stream_fma_x8<WT>(acc, wf, x, c);
     }
     if (at.b + 1 == s.batches) {
       const float sum = fmlp::cuda::warp_sum(acc);

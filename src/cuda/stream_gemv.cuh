@@ -257,6 +257,17 @@ __device__ __forceinline__ void stream_x8(const XS* xr, int c, float (&f)[8]) {
   }
 }
 
+// acc += a chunk's 8 weights (widened, wf) times x's values of chunk c (a staged row, XS), in
+// order.
+template <typename XS>
+__device__ __forceinline__ void stream_fma_x8(float& acc, const float (&wf)[8], const XS* xr,
+                                              int c) {
+  float xf[8];
+  stream_x8<XS>(xr, c, xf);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc = fmaf(wf[e], xf[e], acc);
+}
+
 // The e4m3 bytes 1 and 3 of `w` as the fp16 pair {w1, w3} * 2^-8 (file comment); `nan` gets bit
 // 15 or 31 set when one of them is NaN.
 __device__ __forceinline__ uint32_t stream_e4m3_odd(uint32_t w, uint32_t& nan) {
@@ -411,12 +422,7 @@ __device__ __forceinline__ void stream_run_rows(const StreamShape& s, StreamSpan
           float wf[8];
           widen8<WT>(use[u], wf);
 #pragma unroll
-          for (int t = 0; t < MT; ++t) {
-            float xf[8];
-            stream_x8<XS>(xs + int64_t(t) * s.k, c, xf);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[t] = fmaf(wf[e], xf[e], acc[t]);
-          }
+          for (int t = 0; t < MT; ++t) stream_fma_x8<XS>(acc[t], wf, xs + int64_t(t) * s.k, c);
         }
       }
     };
