@@ -229,16 +229,22 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
 // lane j, so no block barrier ties the warps together: under ncu (E = 64 T = 1, docs/moe.md
 // session 30) moe_sm80_stream_down spent a third of its cycles at stream_run_rows' per-group
 // barrier. The warps of a block take consecutive rows, so each step reads 8 adjacent rows of one
-// expert. Grid: (blocks, T); warp w of block b takes rows b * 8 + w, + 8 * gridDim.x, ...
+// expert. Grid: (blocks, T); warp w of block b takes rows b * 8 + w, + 8 * gridDim.x, ... With
+// s.wpr = 2 (FMLP_MOE_STREAM_DOWN_WARP=2, off until measured) a pair of warps takes each row,
+// half of it each, so one token's rows make twice the warps; the halves meet at a barrier of the
+// two warps only.
 template <typename WT, int U, bool STAGE_H>
 __global__ void __launch_bounds__(kStreamThreads, 4)
     moe_sm80_stream_down_warp(const MoeParams p, const StreamShape s) {
   constexpr int KP = kMoeStreamMaxTopK;
   extern __shared__ uint4 hs_v[];
   __shared__ DownSlots<KP> d;
-  const int t = blockIdx.y, k = p.top_k, lane = threadIdx.x % 32;
-  const int chunks = p.hidden / kStreamPerChunk<WT>;
-  const int step = int(gridDim.x) * kStreamWarps;
+  __shared__ float part[2][kStreamWarps / 2][KP];  // s.wpr == 2: the second half's slot sums
+  const int t = blockIdx.y, k = p.top_k, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // s.wpr warps (1 or 2) share a row, warp `half` taking chunks [c0, c1) of it.
+  const int half = warp % s.wpr, c0 = half * s.cpw;
+  const int c1 = min(p.hidden / kStreamPerChunk<WT>, c0 + s.cpw);
+  const int step = int(gridDim.x) * s.rows;
   down_slots_load(d, p, t);
   const WT* w2 = static_cast<const WT*>(p.w2);
   // Position (row r, slot j, batch b) of this warp's sequence, and its successor.
@@ -257,12 +263,12 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
     const WT* wr = e < 0 ? nullptr : w2 + int64_t(e) * p.w2_e + int64_t(q.r) * p.w2_ld;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = (q.b * U + u) * 32 + lane;
-      v[u] = wr && c < chunks ? ld_stream_v4(wr + int64_t(c) * kStreamPerChunk<WT>)
-                              : make_uint4(0, 0, 0, 0);
+      const int c = c0 + (q.b * U + u) * 32 + lane;
+      v[u] = wr && c < c1 ? ld_stream_v4(wr + int64_t(c) * kStreamPerChunk<WT>)
+                          : make_uint4(0, 0, 0, 0);
     }
   };
-  Pos at{int(blockIdx.x) * kStreamWarps + int(threadIdx.x) / 32, 0, 0};
+  Pos at{int(blockIdx.x) * s.rows + warp / s.wpr, 0, 0};
   uint4 cur[U], alt[U];
   load(cur, at);
   pdl_wait_previous_grid();  // h (the weights and the routing were complete before)
@@ -270,14 +276,15 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   const WT* h = down_h_rows<WT, STAGE_H>(p, t, hs_v);
   float acc = 0.f, mine = 0.f;  // lane j: slot j's sum of the current row
   bool flip = false;            // as in stream_run_rows: the buffers swap roles, never copied
+  int parity = 0;               // s.wpr == 2: the `part` buffer of the current row
   auto run = [&](const uint4(&use)[U], uint4(&fill)[U]) {
     const Pos n = next(at);
     if (n.r < p.d_out) load(fill, n);
     const WT* x = h + int64_t(at.j) * p.hidden;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = (at.b * U + u) * 32 + lane;
-      if (c >= chunks) continue;
+      const int c = c0 + (at.b * U + u) * 32 + lane;
+      if (c >= c1) continue;
       float wf[8];
       widen8<WT>(use[u], wf);
       stream_fma_x8<WT>(acc, wf, x, c);
@@ -286,7 +293,16 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
       const float sum = fmlp::cuda::warp_sum(acc);
       acc = 0.f;
       if (lane == at.j) mine = sum;
-      if (at.j + 1 == k) {
+      if (at.j + 1 == k && s.wpr == 2) {
+        // The pair's two halves meet through shared memory: the second hands its sums to the
+        // first at a barrier of the two warps only (ids 1..4), double-buffered by row parity.
+        float* pp = part[parity][warp / 2];
+        if (half == 1 && lane < KP) pp[lane] = mine;
+        asm volatile("bar.sync %0, 64;" ::"r"(1 + warp / 2) : "memory");
+        if (half == 0 && lane < KP) mine += pp[lane];
+        parity ^= 1;
+      }
+      if (at.j + 1 == k && half == 0) {
         float sums[KP];
 #pragma unroll
         for (int j = 0; j < KP; ++j) sums[j] = __shfl_sync(0xffffffffu, mine, j);
@@ -362,18 +378,20 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
   StreamShape down = stream_shape(int64_t(kp) * p.d_out, p.hidden, 2, 1, kp);
   // E = 64's 1408-wide rows: 176 chunks, two batches either way, 192 loaded at U = 3 against 256
   stream_pick_loads(down, down_bytes);
-  // The warp-per-row kernel's shape: a group is 8 output rows, each read whole by one warp.
-  StreamShape down_w = stream_shape_rows(p.d_out, p.hidden, 2, kStreamWarps);
+  static const int warp_knob = int(env_knob("FMLP_MOE_STREAM_DOWN_WARP", 0, 2, -1));
+  // The warp-per-row kernel's shape: a group is 8 output rows, each read whole by one warp, or
+  // (FMLP_MOE_STREAM_DOWN_WARP=2) 4 rows, each read by a pair of warps, half a row each.
+  StreamShape down_w =
+      stream_shape_rows(p.d_out, p.hidden, 2, warp_knob == 2 ? kStreamWarps / 2 : kStreamWarps);
   stream_pick_loads(down_w, down_bytes);
   // The warp-per-row kernel from two tokens on where a W2 row is at most 4 KB. Measured
   // (docs/moe.md session 30, us): E = 64 T = 2 / 4 81.8 / 142.9 -> 78.4 / 134.4, T = 16 a tie.
   // One token fills only half the GPU with a warp per row (E = 64 T = 1 53.1 -> 57.6), and
   // Mixtral's rows (28 KB, each streamed whole by one warp) scatter the reads over all of W2:
   // T = 1 / 2 175.5 / 343.1 -> 184.3 / 349.1, T = 4 / 16 a tie.
-  // FMLP_MOE_STREAM_DOWN_WARP=0|1 forces either kernel.
-  static const int warp_knob = int(env_knob("FMLP_MOE_STREAM_DOWN_WARP", 0, 1, -1));
+  // FMLP_MOE_STREAM_DOWN_WARP=0|1|2 forces the row groups, a warp or a pair of warps per row.
   const bool warp_rows =
-      warp_knob >= 0 ? warp_knob == 1 : p.tokens >= 2 && p.hidden * sizeof(WT) <= 4096;
+      warp_knob >= 0 ? warp_knob >= 1 : p.tokens >= 2 && p.hidden * sizeof(WT) <= 4096;
   // h staged where it fits, by the row-group kernel at k = 8 (measured there, docs/moe.md session
   // 30: E = 64 T = 1 / 2 / 4 53.4 / 87.2 / 143.5 -> 53.1 / 85.2 / 143.2 us, the down 26.6 -> 24.8
   // us under ncu) and by the warp kernel (measured staged). FMLP_MOE_STREAM_DOWN_STAGE=0 reads h
