@@ -25,6 +25,10 @@ struct DeviceRun {
   std::vector<unsigned char>* y_bytes = nullptr;
   int64_t nan_token = -1;  // x[nan_token][d / 2] = NaN: that row of y must be all NaN
   ExpertRange range;       // expert parallelism: the call holds these experts only
+  // > 0: router row e is a copy of row e - e % tied_router_rows, so experts tie exactly (no
+  // router bias) and every token is compared, a tie at the k-th pick included (both sides give it
+  // to the lower id).
+  int64_t tied_router_rows = 0;
 };
 
 // The args of a call holding only the experts of r (views into the same buffers).
@@ -49,6 +53,10 @@ inline std::string run_device(const MoeCase& c, const char* kernel, uint64_t see
   make(c, seed, &m);
   const auto spoil_x = [&](MoeData& d) {
     if (run.nan_token >= 0) d.x.set(run.nan_token * c.d + c.d / 2, std::nan(""));
+    if (run.tied_router_rows > 0)
+      for (int64_t e = 0; e < c.e; ++e)
+        for (int64_t i = 0; i < c.d; ++i)
+          d.rw.set(e * c.d + i, d.rw.get((e - e % run.tied_router_rows) * c.d + i));
   };
   spoil_x(m);
   DeviceCase dc(c, m);
@@ -91,7 +99,8 @@ inline std::string run_device(const MoeCase& c, const char* kernel, uint64_t see
            std::to_string(run.bad_ids.size());
   for (unsigned char v : ws.download())
     if (v != 0) return "the workspace was not left zero-filled";
-  return check_y(c, used, residual, nan_rows, c.routing == 0, run.range);
+  return check_y(c, used, residual, nan_rows, c.routing == 0 && run.tied_router_rows == 0,
+                 run.range);
 }
 
 }  // namespace fmlp_test

@@ -489,6 +489,29 @@ TEST(MoeCuda, GraphReplaysRouteTheNewInputs) {
              });
 }
 
+// Router rows in groups of three equal rows: every score ties with two others, and the k-th pick
+// falls inside a group (k = 2 of E = 8, k = 8 of E = 64), where the lower ids must win (the
+// ranked top-k and the arg-max rounds alike; E = 64 also takes the cluster hand-off on sm_90).
+TEST(MoeCuda, TiedRouterScoresGoToTheLowerIds) {
+  SKIP_WITHOUT_GPU();
+  std::vector<MoeCase> cs;
+  for (int64_t e : {8, 64})
+    for (bool sigmoid : {false, true}) {
+      MoeCase c;
+      c.t = e == 8 ? 5 : 3, c.e = e, c.k = e == 8 ? 2 : 8, c.d = 256, c.hidden = 72, c.d_out = 40;
+      c.xt = c.wt = c.rt = FMLP_DTYPE_BF16, c.gated = true, c.sigmoid = sigmoid;
+      cs.push_back(c);
+    }
+  MoeCase many = cs[0];  // 64 tokens per expert: the grouped entries
+  many.t = 256, many.hidden = 128;
+  cs.push_back(many);
+  DeviceRun tied;
+  tied.tied_router_rows = 3;
+  each_entry(cs, [&](const char* kernel, const MoeCase& c, int n) {
+    return run_device(c, kernel, mix_seed(test_seed(), uint64_t(n + 40)), tied);
+  });
+}
+
 TEST(MoeCuda, DeterministicModeIsBitwiseReproducible) {
   SKIP_WITHOUT_GPU();
   MoeCase c;

@@ -99,6 +99,9 @@ struct MoeParams {
   bool ids_only;      // the weight streams follow: the route kernel writes ids and weights only (no
                       // counts per expert, no chunk plan) and lets their launch start early
   bool round_logits;  // router logits rounded to x's dtype (x_t is f16 or bf16 then)
+  // Set by moe_launch_route: the top-k by ranks (NaN-free scores), the split router's blocks of a
+  // token block as one cluster meeting in distributed shared memory (sm_90).
+  bool topk_rank, route_cluster;
   fmlp_activation_t act;
   const void* x;
   int64_t x_ld;

@@ -21,6 +21,7 @@
 // fixed order, weighted, + b2, + residual, stored as y's dtype; remote slots add nothing. Every
 // value read is re-zeroed (and the grouped path's h buffer); the last block clears the routing, so
 // the workspace is left zero-filled (the error count aside).
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -32,9 +33,12 @@
 #include "cuda/launch_util.hpp"
 #include "cuda/moe_cuda.hpp"
 #include "cuda/moe_device.cuh"
+#include "cuda/ops.cuh"
 
 namespace fmlp::detail {
 namespace {
+
+namespace cg = cooperative_groups;
 
 using fmlp::cuda::block_arrive_last;
 using fmlp::cuda::load8;
@@ -49,6 +53,10 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRouteTokens = 4;
 constexpr int kRouteExperts = kRouteSplitExperts;  // router rows per pass of router_logits_columns
 constexpr unsigned kFull = 0xffffffffu;
+// select_topk ranks every score at once up to this many experts (a lane holds E / 32 of them).
+constexpr int kRankMaxExperts = 128;
+// The split router's blocks of one token block meet in a cluster up to this many (portable size).
+constexpr int kRouteClusterMax = 8;
 
 struct RouteShared {
   float scores[kMaxRouteTokens][kMoeMaxExperts];
@@ -144,16 +152,27 @@ __device__ void router_logits_columns(const MoeParams& p, int t, float* scores, 
   }
 }
 
+// The j-th pick of a token, in slot `slot`: its local expert (kMoeSlotRemote when another rank
+// holds it), its weight in `picked` (remote ones too: the renormalisation sums all k) and, for the
+// chunk plan, its expert's count.
+__device__ __forceinline__ void record_pick(const MoeParams& p, int slot, int e, float w,
+                                            float& picked) {
+  const int local = e - p.first_expert;
+  const bool here = local >= 0 && local < p.experts;
+  p.ids[slot] = here ? local : kMoeSlotRemote;
+  picked = w;
+  if (here && !p.ids_only) atomicAdd(p.counts + local, 1);
+}
+
 // Scores, top-k and weights of token t (one warp; its logits in s, `picked` room for top_k
 // weights).
 __device__ void select_topk(const MoeParams& p, int t, float* s, unsigned char* taken,
                             float* picked) {
   const int lane = threadIdx.x % 32, E = p.global_experts;
-#pragma unroll 1
-  for (int e = lane; e < E; e += 32) taken[e] = 0;
+  bool nan = false;
   if (p.sigmoid) {
 #pragma unroll 1
-    for (int e = lane; e < E; e += 32) s[e] = 1.f / (1.f + expf(-s[e]));
+    for (int e = lane; e < E; e += 32) nan |= isnan(s[e] = 1.f / (1.f + expf(-s[e])));
   } else {
     float mx = -INFINITY;  // fmaxf skips NaN, as the ref's std::fmax
 #pragma unroll 1
@@ -164,42 +183,65 @@ __device__ void select_topk(const MoeParams& p, int t, float* s, unsigned char* 
     for (int e = lane; e < E; e += 32) sum += (s[e] = expf(s[e] - mx));
     sum = warp_sum(sum);
 #pragma unroll 1
-    for (int e = lane; e < E; e += 32) s[e] /= sum;
+    for (int e = lane; e < E; e += 32) nan |= isnan(s[e] /= sum);
   }
   __syncwarp();
   const int slot0 = t * p.top_k;
   float wsum = 0.f;
-#pragma unroll 1
-  for (int j = 0; j < p.top_k; ++j) {
-    int first = INT_MAX, best = INT_MAX;
-    float bv = 0.f;
-#pragma unroll 1
-    for (int e = lane; e < E; e += 32) {
-      if (taken[e]) continue;
-      first = min(first, e);
-      const float v = s[e];
-      if (!isnan(v) && (best == INT_MAX || v > bv)) bv = v, best = e;
+  if (p.topk_rank && !__any_sync(kFull, nan)) {
+    // Without NaN the pick rule is a strict total order (higher score, then lower id), so the
+    // j-th pick is the score with j scores ahead of it: every rank at once, where the arg-max
+    // rounds below are top_k dependent warp reductions one after the other.
+    constexpr int kPer = kRankMaxExperts / 32;
+    float v[kPer];
+    int r[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) v[i] = lane + 32 * i < E ? s[lane + 32 * i] : 0.f, r[i] = 0;
+#pragma unroll 4
+    for (int f = 0; f < E; ++f) {
+      const float u = s[f];
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) r[i] += u > v[i] || (u == v[i] && f < lane + 32 * i);
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      first = min(first, __shfl_xor_sync(kFull, first, o));
-      const float ov = __shfl_xor_sync(kFull, bv, o);
-      const int ob = __shfl_xor_sync(kFull, best, o);
-      if (ob != INT_MAX && (best == INT_MAX || ov > bv || (ov == bv && ob < best)))
-        bv = ov, best = ob;
-    }
-    const int pick = isnan(s[first]) ? first : best;
-    if (lane == 0) {
-      taken[pick] = 1;
-      const float w = s[pick];
-      const int local = pick - p.first_expert;
-      const bool here = local >= 0 && local < p.experts;
-      p.ids[slot0 + j] = here ? local : kMoeSlotRemote;
-      picked[j] = w;  // remote ones too: the renormalisation sums all k
-      wsum += w;
-      if (here && !p.ids_only) atomicAdd(p.counts + local, 1);
-    }
+    for (int i = 0; i < kPer; ++i)
+      if (lane + 32 * i < E && r[i] < p.top_k)
+        record_pick(p, slot0 + r[i], lane + 32 * i, v[i], picked[r[i]]);
     __syncwarp();
+    if (lane == 0)
+#pragma unroll 1
+      for (int j = 0; j < p.top_k; ++j) wsum += picked[j];  // in pick order, as below
+  } else {
+#pragma unroll 1
+    for (int e = lane; e < E; e += 32) taken[e] = 0;
+    __syncwarp();
+#pragma unroll 1
+    for (int j = 0; j < p.top_k; ++j) {
+      int first = INT_MAX, best = INT_MAX;
+      float bv = 0.f;
+#pragma unroll 1
+      for (int e = lane; e < E; e += 32) {
+        if (taken[e]) continue;
+        first = min(first, e);
+        const float v = s[e];
+        if (!isnan(v) && (best == INT_MAX || v > bv)) bv = v, best = e;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        first = min(first, __shfl_xor_sync(kFull, first, o));
+        const float ov = __shfl_xor_sync(kFull, bv, o);
+        const int ob = __shfl_xor_sync(kFull, best, o);
+        if (ob != INT_MAX && (best == INT_MAX || ov > bv || (ov == bv && ob < best)))
+          bv = ov, best = ob;
+      }
+      const int pick = isnan(s[first]) ? first : best;
+      if (lane == 0) {
+        taken[pick] = 1;
+        record_pick(p, slot0 + j, pick, s[pick], picked[j]);
+        wsum += picked[j];
+      }
+      __syncwarp();
+    }
   }
   // The weights are stored once, by all lanes, from shared memory: renormalising them in place
   // in global memory (p.wts[j] /= wsum, lane 0, one pick after the other) put top_k dependent
@@ -209,6 +251,35 @@ __device__ void select_topk(const MoeParams& p, int t, float* s, unsigned char* 
 #pragma unroll 1
   for (int j = lane; j < p.top_k; j += 32)
     p.wts[slot0 + j] = p.renormalize ? picked[j] / total : picked[j];
+}
+
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+
+// The split router's hand-off inside one cluster (p.route_cluster: the token block's gridDim.y
+// router blocks, sm_90): every block stores its logits straight into rank 0's scores through
+// distributed shared memory, and after one cluster barrier rank 0 has them all; true in rank 0.
+// The global hand-off below it costs a fence, a counter and a reload from the L2 on the critical
+// path of every routed call.
+__device__ bool route_cluster_gather(RouteShared& sh, int tn, int e0, int e1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cg::cluster_group cluster = cg::this_cluster();
+  const bool leader = cluster.block_rank() == 0;
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // the arrive at the kernel's start
+  if (!leader)
+#pragma unroll 1
+    for (int i = threadIdx.x; i < tn * (e1 - e0); i += kThreads) {
+      const int tk = i / (e1 - e0), e = e0 + i % (e1 - e0);
+      *cluster.map_shared_rank(&sh.scores[tk][e], 0) = sh.scores[tk][e];
+    }
+  cluster.sync();
+  return leader;
+#else
+  return false;  // never launched as a cluster below sm_90 (moe_launch_route)
+#endif
 }
 
 // The last route block: group the slots by expert and cut the groups into chunks.
@@ -295,6 +366,9 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_route(const MoeParams p) {
   // The weight streams wait for this grid (griddepcontrol.wait) before they read the routing, so
   // their blocks may become resident now and request weights the moment the routing is complete.
   if (p.ids_only) pdl_allow_next_grid();
+  // Distributed shared memory may be written only once every block of the cluster runs
+  // (route_cluster_gather waits for this arrive).
+  if (p.route_cluster) cluster_arrive_relaxed();
   const int t0 = blockIdx.x * p.route_tokens, tn = min(p.route_tokens, p.tokens - t0);
   const int warp = threadIdx.x / 32;
   if (p.given) {
@@ -332,7 +406,9 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_route(const MoeParams p) {
         router_logits_columns<__half>(p, t0 + q, sh.scores[q], sh, e0, e1);
     }
     __syncthreads();
-    if (split) {
+    if (p.route_cluster) {
+      if (!route_cluster_gather(sh, tn, e0, e1)) return;
+    } else if (split) {
 #pragma unroll 1
       for (int i = threadIdx.x; i < tn * (e1 - e0); i += kThreads) {
         const int tk = i / (e1 - e0), e = e0 + i % (e1 - e0);
@@ -491,14 +567,44 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_combine_rows(const MoeParam
 
 }  // namespace
 
-fmlp_status_t moe_launch_route(const MoeParams& p, cudaStream_t s) {
+// FMLP_MOE_ROUTE_RANK=0 and FMLP_MOE_ROUTE_CLUSTER=0 turn the ranked top-k and the cluster
+// hand-off off (A/B).
+fmlp_status_t moe_launch_route(const MoeParams& p_in, cudaStream_t s) {
+  static const bool rank_on = env_knob("FMLP_MOE_ROUTE_RANK", 0, 1, 1) == 1;
+  static const bool cluster_on = env_knob("FMLP_MOE_ROUTE_CLUSTER", 0, 1, 1) == 1;
+  MoeParams p = p_in;
+  p.topk_rank = rank_on && p.global_experts <= kRankMaxExperts;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError(), device = -1;
+  p.route_cluster = cluster_on && !p.given && p.route_split > 1 &&
+                    p.route_split <= kRouteClusterMax && device >= 0 &&
+                    cuda_compute_capability(device) >= 90;
   const int blocks = (p.tokens + p.route_tokens - 1) / p.route_tokens;
   const dim3 grid(unsigned(blocks), unsigned(std::max(1, p.route_split)));
-  if (p.given ||
-      (p.rw_vec16 && p.d % 8 == 0 && (p.rw_t == FMLP_DTYPE_BF16 || p.rw_t == FMLP_DTYPE_F16)))
+  const bool columns = p.given || (p.rw_vec16 && p.d % 8 == 0 &&
+                                   (p.rw_t == FMLP_DTYPE_BF16 || p.rw_t == FMLP_DTYPE_F16));
+  if (p.route_cluster) {  // columns always: the host splits only 16-bit rows in 16-byte pieces
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kThreads);
+    cfg.stream = s;
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 1;
+    attr.val.clusterDim.y = unsigned(p.route_split);
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    if (const cudaError_t e = cudaLaunchKernelEx(&cfg, moe_sm80_route<true>, p); e != cudaSuccess) {
+      cudaGetLastError();
+      return fail(FMLP_ERROR_CUDA, "moe_sm80_route launch (a cluster of {} blocks) failed: {}",
+                  p.route_split, cudaGetErrorString(e));
+    }
+  } else if (columns) {
     moe_sm80_route<true><<<grid, kThreads, 0, s>>>(p);
-  else
+  } else {
     moe_sm80_route<false><<<grid, kThreads, 0, s>>>(p);
+  }
   return launch_status("moe_sm80_route");
 }
 
