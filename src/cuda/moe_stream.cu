@@ -223,16 +223,15 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   down_clear_workspace(p);
 }
 
-// moe_sm80_stream_down_warp (from two tokens on, for rows of up to 4 KB: launch_all): the same
+// moe_sm80_stream_down_warp (rows of up to 4 KB: launch_all): the same
 // sums with one warp per output row r, which reads W2 row r of each of the token's slots in turn
 // (s.batches batches of U loads a row, the next one always in flight) and keeps slot j's sum in
 // lane j, so no block barrier ties the warps together: under ncu (E = 64 T = 1, docs/moe.md
 // session 30) moe_sm80_stream_down spent a third of its cycles at stream_run_rows' per-group
 // barrier. The warps of a block take consecutive rows, so each step reads 8 adjacent rows of one
 // expert. Grid: (blocks, T); warp w of block b takes rows b * 8 + w, + 8 * gridDim.x, ... With
-// s.wpr = 2 (FMLP_MOE_STREAM_DOWN_WARP=2, off until measured) a pair of warps takes each row,
-// half of it each, so one token's rows make twice the warps; the halves meet at a barrier of the
-// two warps only.
+// s.wpr = 2 (one token) a pair of warps takes each row, half of it each, so one token's rows make
+// twice the warps; the halves meet at a barrier of the two warps only.
 template <typename WT, int U, bool STAGE_H>
 __global__ void __launch_bounds__(kStreamThreads, 4)
     moe_sm80_stream_down_warp(const MoeParams p, const StreamShape s) {
@@ -378,20 +377,24 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
   StreamShape down = stream_shape(int64_t(kp) * p.d_out, p.hidden, 2, 1, kp);
   // E = 64's 1408-wide rows: 176 chunks, two batches either way, 192 loaded at U = 3 against 256
   stream_pick_loads(down, down_bytes);
+  // The down kernel: 0 row groups, 1 a warp per output row, 2 a pair of warps per row (half a
+  // row each), where a W2 row is at most 4 KB: a pair at one token, a warp from two on.
+  // Measured (docs/moe.md, us): E = 64 T = 1 row groups 52.5, pairs 50.9 (session 31), a warp
+  // per row 57.6 against 53.1 (session 30: one token's rows make 2048 warps, half the GPU);
+  // T = 2 / 4 a warp per row 78.4 / 134.4 against row groups 81.8 / 142.9 (session 30) and pairs
+  // 82.7 / 134.1 against 81.8 / 131.7 (session 31); T = 16 a tie. Mixtral's rows (28 KB, each
+  // streamed by one warp or pair) scatter the reads over all of W2: a warp per row T = 1 / 2
+  // 184.3 / 349.1 against 175.5 / 343.1, pairs 182.8 against 176.4 at T = 1.
+  // FMLP_MOE_STREAM_DOWN_WARP=0|1|2 forces one of them.
   static const int warp_knob = int(env_knob("FMLP_MOE_STREAM_DOWN_WARP", 0, 2, -1));
-  // The warp-per-row kernel's shape: a group is 8 output rows, each read whole by one warp, or
-  // (FMLP_MOE_STREAM_DOWN_WARP=2) 4 rows, each read by a pair of warps, half a row each.
+  const int down_mode = warp_knob >= 0                 ? warp_knob
+                        : p.hidden * sizeof(WT) > 4096 ? 0
+                        : p.tokens == 1                ? 2
+                                                       : 1;
+  const bool warp_rows = down_mode >= 1;
   StreamShape down_w =
-      stream_shape_rows(p.d_out, p.hidden, 2, warp_knob == 2 ? kStreamWarps / 2 : kStreamWarps);
+      stream_shape_rows(p.d_out, p.hidden, 2, down_mode == 2 ? kStreamWarps / 2 : kStreamWarps);
   stream_pick_loads(down_w, down_bytes);
-  // The warp-per-row kernel from two tokens on where a W2 row is at most 4 KB. Measured
-  // (docs/moe.md session 30, us): E = 64 T = 2 / 4 81.8 / 142.9 -> 78.4 / 134.4, T = 16 a tie.
-  // One token fills only half the GPU with a warp per row (E = 64 T = 1 53.1 -> 57.6), and
-  // Mixtral's rows (28 KB, each streamed whole by one warp) scatter the reads over all of W2:
-  // T = 1 / 2 175.5 / 343.1 -> 184.3 / 349.1, T = 4 / 16 a tie.
-  // FMLP_MOE_STREAM_DOWN_WARP=0|1|2 forces the row groups, a warp or a pair of warps per row.
-  const bool warp_rows =
-      warp_knob >= 0 ? warp_knob >= 1 : p.tokens >= 2 && p.hidden * sizeof(WT) <= 4096;
   // h staged where it fits, by the row-group kernel at k = 8 (measured there, docs/moe.md session
   // 30: E = 64 T = 1 / 2 / 4 53.4 / 87.2 / 143.5 -> 53.1 / 85.2 / 143.2 us, the down 26.6 -> 24.8
   // us under ncu) and by the warp kernel (measured staged). FMLP_MOE_STREAM_DOWN_STAGE=0 reads h
