@@ -57,17 +57,9 @@ __device__ __forceinline__ void split_bf16(float v, __nv_bfloat16* hi, __nv_bflo
 // Streaming 16-byte weight load: read once per call, so keep it out of L1.
 __device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
   uint4 r;
-#if defined(FMLP_STREAM_L2_EVICT_FIRST) && FMLP_STREAM_L2_EVICT_FIRST
-  uint64_t policy;  // one instruction, hoisted out of the callers' loops
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p), "l"(policy));
-#else
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                : "l"(p));
-#endif
   return r;
 }
 
