@@ -223,15 +223,15 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   down_clear_workspace(p);
 }
 
-// moe_sm80_stream_down_warp (rows of up to 4 KB: launch_all): the same
-// sums with one warp per output row r, which reads W2 row r of each of the token's slots in turn
-// (s.batches batches of U loads a row, the next one always in flight) and keeps slot j's sum in
-// lane j, so no block barrier ties the warps together: under ncu (E = 64 T = 1, docs/moe.md
-// session 30) moe_sm80_stream_down spent a third of its cycles at stream_run_rows' per-group
-// barrier. The warps of a block take consecutive rows, so each step reads 8 adjacent rows of one
-// expert. Grid: (blocks, T); warp w of block b takes rows b * 8 + w, + 8 * gridDim.x, ... With
-// s.wpr = 2 (one token) a pair of warps takes each row, half of it each, so one token's rows make
-// twice the warps; the halves meet at a barrier of the two warps only.
+// moe_sm80_stream_down_warp (rows of up to 4 KB: launch_all): the same sums with one warp per
+// output row r, which reads W2 row r of each of the token's slots in turn (s.batches batches of U
+// loads a row, the next one always in flight) and keeps slot j's sum in lane j, so no block
+// barrier ties the warps together: under ncu (E = 64 T = 1, docs/moe.md session 30)
+// moe_sm80_stream_down spent a third of its cycles at stream_run_rows' per-group barrier. The warps
+// of a block take consecutive rows, so each step reads 8 adjacent rows of one expert. Grid:
+// (blocks, T); warp w of block b takes rows b * 8 + w, + 8 * gridDim.x, ... With s.wpr = 2 (one
+// token) a pair of warps takes each row, half of it each, so one token's rows make twice the warps;
+// the halves meet at a barrier of the two warps only.
 template <typename WT, int U, bool STAGE_H>
 __global__ void __launch_bounds__(kStreamThreads, 4)
     moe_sm80_stream_down_warp(const MoeParams p, const StreamShape s) {
