@@ -42,8 +42,8 @@ constexpr int32_t kMoeSlotBad = -1;     // a given id outside [0, global experts
 constexpr int32_t kMoeSlotRemote = -2;  // an expert of another range: contributes nothing
 // The split router (moe_route.cu): router rows per block, and the token blocks up to which a
 // route launch splits the rows over grid y (a decode step's router is otherwise one block reading
-// every row in passes of 16).
-constexpr int kRouteSplitExperts = 16;
+// every row in passes of kRouteSplitExperts).
+constexpr int kRouteSplitExperts = 8;
 constexpr int kRouteSplitMaxBlocks = 32;
 constexpr int kMoeSubTiles = 16;     // 16-unit hidden tiles a block keeps on chip at a time
 constexpr int kMoeHsStride = 288;    // elements per row of h in shared memory: 256 + 32, so the

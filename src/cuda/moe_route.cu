@@ -1,10 +1,12 @@
 // The routing and combine kernels of moe_sm80_chunked (moe_cuda.hpp has the overview).
 //
 // moe_sm80_route: a block routes route_tokens tokens, one at a time. Router logits in fp32 (16-bit
-// router rows in 16-byte pieces: threads over the pieces, 16 router rows at a time; otherwise warps
-// over experts, a lane over 8-column pieces of a router row), softmax or sigmoid,
-// top-k by repeated arg-max with the ref's rule (strict >, so ties go to the lower id; a NaN score
-// never wins unless it is the lowest unpicked id), optional renormalisation. Given routing is read
+// router rows in 16-byte pieces: threads over the pieces, kRouteExperts router rows at a time;
+// otherwise warps over experts, a lane over 8-column pieces of a router row), softmax or sigmoid,
+// top-k with the ref's rule (strict >, so ties go to the lower id; a NaN score never wins unless it
+// is the lowest unpicked id: by rank where no score is NaN, else by repeated arg-max), optional
+// renormalisation. The split router's blocks of a token block meet in a cluster on sm_90
+// (route_cluster_gather), else through the workspace. Given routing is read
 // as is; an id outside [0, global experts) is never used as an index: its slot is marked
 // kMoeSlotBad (combine turns the token's row into NaN) and counted in the workspace header.
 // Per-expert counts by atomics. For the weight streams (ids_only) only ids and weights are written:
