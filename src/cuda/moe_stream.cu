@@ -346,18 +346,18 @@ fmlp_status_t launch_up(const MoeParams& p, const StreamShape& s, const Where& w
                                                   "moe_sm80_stream_up");
 }
 
-// The down launch: the stream_run_rows kernel for shape s (KP slots a row group), or with
-// `warp_rows` the warp-per-row kernel for shape sw; h staged when `stage`.
+// The down launch for shape s: the stream_run_rows kernel (KP slots a row group), or with
+// `warp_rows` the warp-per-row kernel; h staged when `stage`.
 template <typename WT, int KP>
-fmlp_status_t launch_down(const MoeParams& p, const StreamShape& s, const StreamShape& sw,
-                          bool warp_rows, bool stage, const Where& w) {
+fmlp_status_t launch_down(const MoeParams& p, const StreamShape& s, bool warp_rows, bool stage,
+                          const Where& w) {
   const size_t hs = stage ? size_t(p.top_k) * p.hidden * sizeof(WT) : 0;
   const char* name = warp_rows ? "moe_sm80_stream_down_warp" : "moe_sm80_stream_down";
-  return stream_dispatch_u(warp_rows ? sw : s, [&](auto u) {
+  return stream_dispatch_u(s, [&](auto u) {
     constexpr int U = decltype(u)::value;
     if (warp_rows)
-      return stage ? launch_rows<&moe_sm80_stream_down_warp<WT, U, true>>(p, sw, hs, w, name)
-                   : launch_rows<&moe_sm80_stream_down_warp<WT, U, false>>(p, sw, 0, w, name);
+      return stage ? launch_rows<&moe_sm80_stream_down_warp<WT, U, true>>(p, s, hs, w, name)
+                   : launch_rows<&moe_sm80_stream_down_warp<WT, U, false>>(p, s, 0, w, name);
     if constexpr (KP == kMoeStreamMaxTopK)
       if (stage) return launch_rows<&moe_sm80_stream_down<WT, KP, U, true>>(p, s, hs, w, name);
     return launch_rows<&moe_sm80_stream_down<WT, KP, U, false>>(p, s, 0, w, name);
@@ -371,12 +371,8 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
   const Where w{st, device, pdl_enabled(cuda_compute_capability(device))};
   const int rows1 = p.gated ? 2 * p.hidden : p.hidden;
   const int kp = moe_stream_pair(p.top_k);
-  const int64_t down_bytes = int64_t(p.top_k) * p.d_out * p.hidden * 2;
   // Each slot's rows are read for its one token.
   const StreamShape up = stream_shape(int64_t(p.top_k) * rows1, p.d, 2, 1, p.gated ? 2 : 1);
-  StreamShape down = stream_shape(int64_t(kp) * p.d_out, p.hidden, 2, 1, kp);
-  // E = 64's 1408-wide rows: 176 chunks, two batches either way, 192 loaded at U = 3 against 256
-  stream_pick_loads(down, down_bytes);
   // The down kernel: 0 row groups, 1 a warp per output row, 2 a pair of warps per row (half a
   // row each), where a W2 row is at most 4 KB: a pair at one token, a warp from two on.
   // Measured (docs/moe.md, us): E = 64 T = 1 row groups 52.5, pairs 50.9 (session 31), a warp
@@ -392,9 +388,13 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
                         : p.tokens == 1                ? 2
                                                        : 1;
   const bool warp_rows = down_mode >= 1;
-  StreamShape down_w =
-      stream_shape_rows(p.d_out, p.hidden, 2, down_mode == 2 ? kStreamWarps / 2 : kStreamWarps);
-  stream_pick_loads(down_w, down_bytes);
+  // Row groups: k (padded to kp) virtual rows an output row. A warp per row: groups of 8 output
+  // rows, or 4 read by pairs.
+  StreamShape down = warp_rows ? stream_shape_rows(p.d_out, p.hidden, 2,
+                                                   down_mode == 2 ? kStreamWarps / 2 : kStreamWarps)
+                               : stream_shape(int64_t(kp) * p.d_out, p.hidden, 2, 1, kp);
+  // E = 64's 1408-wide rows: 176 chunks, two batches either way, 192 loaded at U = 3 against 256
+  stream_pick_loads(down, int64_t(p.top_k) * p.d_out * p.hidden * 2);
   // h staged where it fits, by the row-group kernel at k = 8 (measured there, docs/moe.md session
   // 30: E = 64 T = 1 / 2 / 4 53.4 / 87.2 / 143.5 -> 53.1 / 85.2 / 143.2 us, the down 26.6 -> 24.8
   // us under ncu) and by the warp kernel (measured staged). FMLP_MOE_STREAM_DOWN_STAGE=0 reads h
@@ -407,10 +407,10 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
                                               : launch_up<WT, __nv_bfloat16>(p, up, w);
   if (e != FMLP_SUCCESS) return e;
   switch (kp) {
-    case 1: return launch_down<WT, 1>(p, down, down_w, warp_rows, stage, w);
-    case 2: return launch_down<WT, 2>(p, down, down_w, warp_rows, stage, w);
-    case 4: return launch_down<WT, 4>(p, down, down_w, warp_rows, stage, w);
-    default: return launch_down<WT, 8>(p, down, down_w, warp_rows, stage, w);
+    case 1: return launch_down<WT, 1>(p, down, warp_rows, stage, w);
+    case 2: return launch_down<WT, 2>(p, down, warp_rows, stage, w);
+    case 4: return launch_down<WT, 4>(p, down, warp_rows, stage, w);
+    default: return launch_down<WT, 8>(p, down, warp_rows, stage, w);
   }
 }
 
