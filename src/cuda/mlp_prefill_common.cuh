@@ -20,9 +20,10 @@ inline int64_t round8(int64_t n) {
 }
 // Rows per pass: passes of equal size (a short last pass would run its GEMMs on a mostly idle
 // GPU) whose scratch, row_bytes a row, stays within 128 MiB (ample to fill the GPU many times).
+// FMLP_PREFILL_SCRATCH_MB (8..1024) sets another budget, for measurements.
 inline int64_t pass_rows(int64_t m, int64_t row_bytes) {
-  constexpr int64_t kScratchBudgetBytes = int64_t(128) << 20;
-  const int64_t max_rows = std::max<int64_t>(64, kScratchBudgetBytes / row_bytes / 64 * 64);
+  static const int64_t budget = env_knob("FMLP_PREFILL_SCRATCH_MB", 8, 1024, 128) << 20;
+  const int64_t max_rows = std::max<int64_t>(64, budget / row_bytes / 64 * 64);
   if (m <= 0) return 0;
   const int64_t passes = (m + max_rows - 1) / max_rows;
   return std::min(m, round8((m + passes - 1) / passes));
