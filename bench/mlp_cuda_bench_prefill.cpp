@@ -294,6 +294,10 @@ double matmul_rate(int64_t n, bool fp8) {
   return 2.0 * double(n) * double(n) * double(n) / median(ts) * 1e-12;
 }
 
+// --tune: the warm call of each (shape, M, kernel) runs between fmlp_tune_begin and _end, so the
+// timed graph replays the tuned cuBLASLt algorithms (docs/cuda-prefill.md, session 32).
+bool g_tune = false;
+
 // Median us of one call of `kernel`, by graph replay over the weight copies.
 double time_kernel(Model& md, int64_t m, int copies, const char* kernel, cudaStream_t s) {
   std::vector<void*> ws(size_t(copies), nullptr);
@@ -305,8 +309,12 @@ double time_kernel(Model& md, int64_t m, int copies, const char* kernel, cudaStr
       CK(cudaMalloc(&ws[size_t(i)], wsb[size_t(i)]));
       CK(cudaMemset(ws[size_t(i)], 0, wsb[size_t(i)]));
     }
-    // Warm call: creates library handles and caches algorithm choices outside the capture.
-    if (fmlp_mlp_with_kernel(&a, kernel, ws[size_t(i)], wsb[size_t(i)], s) != FMLP_SUCCESS) {
+    // Warm call: creates library handles and caches algorithm choices outside the capture
+    // (with --tune, the first copy's call tunes its cuBLASLt GEMMs; the others share the entries).
+    if (g_tune && i == 0) FK(fmlp_tune_begin());
+    const fmlp_status_t warm = fmlp_mlp_with_kernel(&a, kernel, ws[size_t(i)], wsb[size_t(i)], s);
+    if (g_tune && i == 0) FK(fmlp_tune_end());
+    if (warm != FMLP_SUCCESS) {
       std::fprintf(stderr, "%s M=%lld: %s\n", kernel, (long long)m, fmlp_last_error());
       return -1;
     }
@@ -364,6 +372,8 @@ int main(int argc, char** argv) {
       kernels_arg = argv[++i];
     else if (a == "--wdtype" && i + 1 < argc)
       wt = std::string(argv[++i]) == "f8" ? FMLP_DTYPE_F8_E4M3 : FMLP_DTYPE_BF16;
+    else if (a == "--tune")
+      g_tune = true;
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       return 1;
@@ -387,13 +397,14 @@ int main(int argc, char** argv) {
   const bool f8 = wt == FMLP_DTYPE_F8_E4M3;
   // The % of matmul column is against the GEMM rate of the weight dtype (fp8 for the W8A8 path).
   const double peak = matmul_rate(8192, f8);
-  std::printf("%s (sm_%d%d), %d SMs, L2 %d MiB, cuBLASLt %s 8192^3: %.1f TFLOP/s\n", prop.name,
+  std::printf("%s (sm_%d%d), %d SMs, L2 %d MiB, cuBLASLt %s 8192^3: %.1f TFLOP/s%s\n", prop.name,
               prop.major, prop.minor, prop.multiProcessorCount, prop.l2CacheSize >> 20,
-              f8 ? "e4m3->bf16" : "bf16", peak);
+              f8 ? "e4m3->bf16" : "bf16", peak, g_tune ? ", cuBLASLt algorithms tuned" : "");
   std::string out = "{\"gpu\": \"" + std::string(prop.name) +
                     "\", \"sm\": " + std::to_string(prop.major * 10 + prop.minor) +
                     ", \"wdtype\": \"" + fmlp_dtype_name(wt) +
-                    "\", \"matmul_TFLOPs\": " + std::to_string(peak) + ", \"prefill\": [";
+                    "\", \"matmul_TFLOPs\": " + std::to_string(peak) +
+                    ", \"tuned\": " + (g_tune ? "true" : "false") + ", \"prefill\": [";
   std::string rows_out;
   bool first = true;
   int failures = 0;

@@ -7,12 +7,14 @@
 
 #include <algorithm>
 #include <array>
+#include <vector>
 #include <map>
 #include <mutex>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "cuda/cublaslt_handle.hpp"
+#include "cuda/cublaslt_tune.hpp"
 
 namespace fmlp::detail {
 namespace {
@@ -51,11 +53,12 @@ cublasLtEpilogue_t lt_epilogue(LtEpilogue e) {
   }
 }
 
-using Key = std::array<int64_t, 20>;
+using Key = LtKey;
 struct Choice {
   bool ok;  // false: the heuristic had no algorithm (cached too, so supports() asks once)
   cublasLtMatmulAlgo_t algo;
   size_t workspace;
+  size_t offer;  // the workspace bytes offered when it was chosen
 };
 
 std::mutex& cache_mutex() {
@@ -120,14 +123,60 @@ fmlp_status_t lt_prepare(int device) {
 
 namespace {
 
-// One GEMM's descriptors, leading dimensions and cached heuristic answer.
+// One GEMM's descriptors, leading dimensions and cached answer.
 struct Prepared {
   Descriptors ds;
   int64_t ldb = 0, ldc = 0, ldd = 0;
   const void* c = nullptr;
   uint32_t al[4] = {};  // alignments of A, B, C, D in bytes
+  Key key{};
   Choice choice{};
 };
+
+// Up to `want` heuristic answers for the prepared problem within `offer` workspace bytes.
+cublasStatus_t heuristic(const LtGemm& g, cublasLtHandle_t h, const Prepared& p, uint64_t offer,
+                         int want, cublasLtMatmulHeuristicResult_t* results, int* count) {
+  cublasLtMatmulPreferenceOpaque_t pref_s;
+  cublasLtMatmulPreference_t pref = &pref_s;
+  cublasStatus_t s = cublasLtMatmulPreferenceInit(pref);
+  auto set = [&](cublasLtMatmulPreferenceAttributes_t attr, const void* v, size_t n) {
+    if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulPreferenceSetAttribute(pref, attr, v, n);
+  };
+  set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &offer, sizeof(offer));
+  set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &p.al[0], sizeof(p.al[0]));
+  set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &p.al[1], sizeof(p.al[1]));
+  set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &p.al[2], sizeof(p.al[2]));
+  set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &p.al[3], sizeof(p.al[3]));
+  if (g.deterministic) {
+    // Split-K reductions are the only place where the summation order could depend on the
+    // algorithm's scheduling; without them every output is one fixed-order dot product.
+    const uint32_t none = CUBLASLT_REDUCTION_SCHEME_NONE;
+    set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &none, sizeof(none));
+  }
+  *count = 0;
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = cublasLtMatmulAlgoGetHeuristic(h, p.ds.op, p.ds.a, p.ds.b, p.ds.c, p.ds.d, pref, want,
+                                       results, count);
+  return s;
+}
+
+// The algorithm for the prepared problem within `offer` workspace bytes: the tune table's, when it
+// has one that this cuBLASLt accepts for these descriptors, else the heuristic's first answer
+// (c->ok false when there is none).
+cublasStatus_t choose(const LtGemm& g, cublasLtHandle_t h, const Prepared& p, size_t offer,
+                      Choice* c) {
+  LtTuned t;
+  cublasLtMatmulHeuristicResult_t r{};
+  if (lt_tuned_find(p.key, &t) &&
+      cublasLtMatmulAlgoCheck(h, p.ds.op, p.ds.a, p.ds.b, p.ds.c, p.ds.d, &t.algo, &r) ==
+          CUBLAS_STATUS_SUCCESS &&
+      r.workspaceSize <= offer)
+    return *c = {true, t.algo, r.workspaceSize, offer}, CUBLAS_STATUS_SUCCESS;
+  int count = 0;
+  const cublasStatus_t s = heuristic(g, h, p, offer, 1, &r, &count);
+  *c = {s == CUBLAS_STATUS_SUCCESS && count > 0, r.algo, r.workspaceSize, offer};
+  return s;
+}
 
 cublasStatus_t prepare(const LtGemm& g, cublasLtHandle_t h, size_t ws_bytes, Prepared* p) {
   // With one column (one token) the leading dimension is never used; cuBLASLt still wants it to
@@ -144,7 +193,7 @@ cublasStatus_t prepare(const LtGemm& g, cublasLtHandle_t h, size_t ws_bytes, Pre
   p->al[1] = alignment(g.b, p->ldb, ab);
   p->al[2] = alignment(p->c, p->ldc, g.dtype);
   p->al[3] = alignment(g.d, p->ldd, g.dtype);
-  const Key key{g.device,
+  const Key& key = p->key = Key{g.device,
                 int64_t(g.dtype),
                 g.m,
                 g.n,
@@ -169,47 +218,111 @@ cublasStatus_t prepare(const LtGemm& g, cublasLtHandle_t h, size_t ws_bytes, Pre
     const auto it = cache().find(key);
     if (it != cache().end()) return p->choice = it->second, CUBLAS_STATUS_SUCCESS;
   }
-  cublasLtMatmulPreferenceOpaque_t pref_s;
-  cublasLtMatmulPreference_t pref = &pref_s;
-  s = cublasLtMatmulPreferenceInit(pref);
-  auto set = [&](cublasLtMatmulPreferenceAttributes_t attr, const void* v, size_t n) {
-    if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulPreferenceSetAttribute(pref, attr, v, n);
-  };
-  const uint64_t max_ws = ws_bytes;
-  set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_ws, sizeof(max_ws));
-  set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &p->al[0], sizeof(p->al[0]));
-  set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &p->al[1], sizeof(p->al[1]));
-  set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &p->al[2], sizeof(p->al[2]));
-  set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &p->al[3], sizeof(p->al[3]));
-  if (g.deterministic) {
-    // Split-K reductions are the only place where the summation order could depend on the
-    // algorithm's scheduling; without them every output is one fixed-order dot product.
-    const uint32_t none = CUBLASLT_REDUCTION_SCHEME_NONE;
-    set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &none, sizeof(none));
-  }
-  cublasLtMatmulHeuristicResult_t result{};
-  int count = 0;
-  if (s == CUBLAS_STATUS_SUCCESS)
-    s = cublasLtMatmulAlgoGetHeuristic(h, p->ds.op, p->ds.a, p->ds.b, p->ds.c, p->ds.d, pref, 1,
-                                       &result, &count);
-  if ((s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && count == 0)) &&
-      g.ws_fallback > ws_bytes) {
-    const uint64_t more = g.ws_fallback;
-    s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &more,
-                                             sizeof(more));
-    if (s == CUBLAS_STATUS_SUCCESS)
-      s = cublasLtMatmulAlgoGetHeuristic(h, p->ds.op, p->ds.a, p->ds.b, p->ds.c, p->ds.d, pref, 1,
-                                         &result, &count);
-  }
+  Choice c{};
+  s = choose(g, h, *p, ws_bytes, &c);
+  if ((s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && !c.ok)) &&
+      g.ws_fallback > ws_bytes)
+    s = choose(g, h, *p, g.ws_fallback, &c);
   // A refusal (NOT_SUPPORTED or no result) is an answer worth caching; other failures are not.
   if (s != CUBLAS_STATUS_SUCCESS && s != CUBLAS_STATUS_NOT_SUPPORTED) return s;
-  p->choice = {s == CUBLAS_STATUS_SUCCESS && count > 0, result.algo, result.workspaceSize};
+  p->choice = c;
   std::lock_guard<std::mutex> lock(cache_mutex());
   cache().emplace(key, p->choice);
   return CUBLAS_STATUS_SUCCESS;
 }
 
+constexpr int kTuneCandidates = 16;
+
+// Median microseconds of `run` (which enqueues one GEMM) over 5 samples of enough back-to-back
+// runs to fill ~0.5 ms each, after 2 warm-up runs. Synchronises the stream.
+template <typename RUN>
+cudaError_t time_gemm(cudaStream_t stream, RUN run, double* us) {
+  cudaEvent_t e0, e1;
+  cudaError_t e = cudaEventCreate(&e0);
+  if (e != cudaSuccess) return e;
+  if ((e = cudaEventCreate(&e1)) != cudaSuccess) return cudaEventDestroy(e0), e;
+  auto timed = [&](int runs, double* out) {
+    cudaEventRecord(e0, stream);
+    for (int i = 0; i < runs; ++i) run();
+    cudaEventRecord(e1, stream);
+    cudaError_t r = cudaEventSynchronize(e1);
+    float ms = 0.f;
+    if (r == cudaSuccess) r = cudaEventElapsedTime(&ms, e0, e1);
+    *out = double(ms) * 1e3 / runs;
+    return r;
+  };
+  double one = 0;
+  e = timed(2, &one);
+  const int runs = std::clamp(int(500.0 / std::max(one, 1.0)), 1, 100);
+  std::vector<double> t(5);
+  for (size_t i = 0; i < t.size() && e == cudaSuccess; ++i) e = timed(runs, &t[i]);
+  std::sort(t.begin(), t.end());
+  *us = t[t.size() / 2];
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return e;
+}
+
+// Tuning (cublaslt_tune.hpp): every heuristic answer within the choice's offer runs on g's
+// operands, D going to a scratch buffer so the call's output (and C where it is D) stays as it
+// was; the fastest becomes the choice, in the cache and the tune table. The offered workspace is
+// zeroed afterwards (candidates may touch more of it than the choice), as the contract asks.
+fmlp_status_t tune(const LtGemm& g, cublasLtHandle_t h, void* ws, Prepared* p,
+                   cudaStream_t stream) {
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess || cs != cudaStreamCaptureStatusNone)
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "tuning times GEMMs on the stream and cannot run while it is captured into a "
+                "CUDA graph; tune before the capture (the capture then records the tuned choice)");
+  std::vector<cublasLtMatmulHeuristicResult_t> res(kTuneCandidates);
+  int count = 0;
+  const cublasStatus_t hs =
+      heuristic(g, h, *p, p->choice.offer, kTuneCandidates, res.data(), &count);
+  if (hs != CUBLAS_STATUS_SUCCESS || count == 0) return FMLP_SUCCESS;  // keep the current choice
+  const size_t d_bytes = size_t((g.n - 1) * p->ldd + g.m) * dtype_size(g.dtype);
+  void* scratch = nullptr;
+  if (cudaMalloc(&scratch, d_bytes) != cudaSuccess)
+    return cudaGetLastError(), fail(FMLP_ERROR_OUT_OF_MEMORY,
+                                    "tuning needs {} bytes of scratch for the GEMM's output",
+                                    d_bytes);
+  const float alpha = 1.f, beta = g.c ? 1.f : 0.f;
+  // C is the call's own C (D itself when the GEMM runs in place), which no candidate writes.
+  const void* c = p->c;
+  double best = 0;
+  int best_i = -1;
+  cudaError_t ce = cudaSuccess;
+  for (int i = 0; i < count && ce == cudaSuccess; ++i) {
+    auto run = [&] {
+      return cublasLtMatmul(h, p->ds.op, &alpha, g.a, p->ds.a, g.b, p->ds.b, &beta, c, p->ds.c,
+                            scratch, p->ds.d, &res[size_t(i)].algo, ws,
+                            res[size_t(i)].workspaceSize, stream);
+    };
+    if (run() != CUBLAS_STATUS_SUCCESS) continue;  // an answer this problem cannot launch
+    double us = 0;
+    ce = time_gemm(stream, run, &us);
+    if (ce == cudaSuccess && (best_i < 0 || us < best)) best = us, best_i = i;
+  }
+  if (ce == cudaSuccess && p->choice.offer > 0) ce = cudaMemsetAsync(ws, 0, p->choice.offer, stream);
+  if (ce == cudaSuccess) ce = cudaStreamSynchronize(stream);
+  cudaFree(scratch);
+  if (ce != cudaSuccess)
+    return fail(FMLP_ERROR_CUDA, "tuning the {} GEMM m={} n={} k={} failed: {}",
+                fmlp_dtype_name(g.dtype), g.m, g.n, g.k, cudaGetErrorString(ce));
+  if (best_i < 0) return FMLP_SUCCESS;
+  const cublasLtMatmulHeuristicResult_t& r = res[size_t(best_i)];
+  p->choice = {true, r.algo, r.workspaceSize, p->choice.offer};
+  lt_tuned_put(p->key, {r.algo, r.workspaceSize, best});
+  std::lock_guard<std::mutex> lock(cache_mutex());
+  cache()[p->key] = p->choice;
+  return FMLP_SUCCESS;
+}
+
 }  // namespace
+
+void lt_cache_clear() {
+  std::lock_guard<std::mutex> lock(cache_mutex());
+  cache().clear();
+}
 
 bool lt_available(const LtGemm& g, size_t ws_bytes) {
   cublasLtHandle_t h;
@@ -222,6 +335,7 @@ fmlp_status_t lt_matmul(const LtGemm& g, void* ws, size_t ws_bytes, size_t* ws_u
                         cudaStream_t stream) {
   cublasLtHandle_t h;
   if (const fmlp_status_t st = cublaslt_handle(g.device, &h); st != FMLP_SUCCESS) return st;
+  if (const fmlp_status_t st = lt_tune_env_status(); st != FMLP_SUCCESS) return st;
   Prepared p;
   const cublasStatus_t s = prepare(g, h, ws_bytes, &p);
   if (s != CUBLAS_STATUS_SUCCESS || !p.choice.ok)
@@ -232,6 +346,8 @@ fmlp_status_t lt_matmul(const LtGemm& g, void* ws, size_t ws_bytes, size_t* ws_u
                 g.fp8 ? "fp8 e4m3 -> " : "", fmlp_dtype_name(g.dtype), g.m, g.n, g.k, g.lda, p.ldb,
                 p.ldc, p.ldd, p.al[0], p.al[1], p.al[2], p.al[3],
                 s != CUBLAS_STATUS_SUCCESS ? cublasLtGetStatusString(s) : "no result");
+  if (lt_tuning())
+    if (const fmlp_status_t st = tune(g, h, ws, &p, stream); st != FMLP_SUCCESS) return st;
   const float alpha = 1.f, beta = g.c ? 1.f : 0.f;
   const cublasStatus_t r =
       cublasLtMatmul(h, p.ds.op, &alpha, g.a, p.ds.a, g.b, p.ds.b, &beta, p.c, p.ds.c, g.d, p.ds.d,
