@@ -17,18 +17,9 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "bench_cublaslt.hpp"
 
 namespace {
-
-#define LK(call)                                                        \
-  do {                                                                  \
-    const cublasStatus_t s_ = (call);                                   \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, \
-                   cublasLtGetStatusString(s_));                        \
-      std::exit(4);                                                     \
-    }                                                                   \
-  } while (0)
 
 struct Gemm {
   const char* name;

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "bench_cublaslt.hpp"
 #include "fusedmlp/dtype.hpp"
 #include "fusedmlp/fusedmlp.h"
 
@@ -33,16 +34,6 @@ namespace {
 
 using fmlp_bench::chosen_kernel;
 using fmlp_bench::median;
-
-#define LK(call)                                                        \
-  do {                                                                  \
-    const cublasStatus_t s_ = (call);                                   \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, \
-                   cublasLtGetStatusString(s_));                        \
-      std::exit(2);                                                     \
-    }                                                                   \
-  } while (0)
 
 struct Shape {
   const char* name;

@@ -30,6 +30,16 @@ inline std::string device_unavailable_reason() {
 #endif
 }
 
+// First statement of a GPU test: skips it, with the reason, where the cuda backend or device
+// buffers are unavailable.
+#define SKIP_WITHOUT_GPU()                                               \
+  do {                                                                   \
+    if (fmlp_backend_available(FMLP_BACKEND_CUDA) != FMLP_SUCCESS)       \
+      GTEST_SKIP() << "cuda backend unavailable: " << fmlp_last_error(); \
+    if (!::fmlp_test::device_unavailable_reason().empty())               \
+      GTEST_SKIP() << ::fmlp_test::device_unavailable_reason();          \
+  } while (0)
+
 #ifdef FMLP_TEST_WITH_CUDA
 inline void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));

@@ -412,13 +412,6 @@ inline std::vector<const char*> cuda_moe_kernels() {
   return v;
 }
 
-#define SKIP_WITHOUT_GPU()                                                                 \
-  do {                                                                                     \
-    if (fmlp_backend_available(FMLP_BACKEND_CUDA) != FMLP_SUCCESS)                         \
-      GTEST_SKIP() << "cuda backend unavailable: " << fmlp_last_error();                   \
-    if (!device_unavailable_reason().empty()) GTEST_SKIP() << device_unavailable_reason(); \
-  } while (0)
-
 // A bad-input case: spoil(m) breaks valid args; the call must fail with `status`, its message
 // must hold every one of `words`, and y must keep its poison.
 struct BadCase {

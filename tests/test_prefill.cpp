@@ -31,14 +31,6 @@ TEST(Prefill, NeedsCuda) {
 #else
 constexpr const char* kPrefill = "mlp_prefill_sm90_cublaslt";
 
-#define SKIP_WITHOUT_GPU()                                               \
-  do {                                                                   \
-    if (fmlp_backend_available(FMLP_BACKEND_CUDA) != FMLP_SUCCESS)       \
-      GTEST_SKIP() << "cuda backend: " << fmlp_last_error();             \
-    if (!device_unavailable_reason().empty())                            \
-      GTEST_SKIP() << "device buffers: " << device_unavailable_reason(); \
-  } while (0)
-
 MlpCase base_case(int64_t m, int64_t d_in, int64_t hidden, int64_t d_out, fmlp_dtype_t t) {
   MlpCase c;
   c.m = m, c.d_in = d_in, c.hidden = hidden, c.d_out = d_out;

@@ -63,10 +63,10 @@ std::string file_with(const std::string& version, const std::string& entries) {
          ", \"entries\": [" + entries + "]}";
 }
 
-#define SKIP_WITHOUT_TABLE()                                                           \
-  do {                                                                                 \
+#define SKIP_WITHOUT_TABLE()                                                          \
+  do {                                                                                \
     if (fmlp_tune_save(temp_path("probe").c_str()) == FMLP_ERROR_BACKEND_UNAVAILABLE) \
-      GTEST_SKIP() << fmlp_last_error();                                               \
+      GTEST_SKIP() << fmlp_last_error();                                              \
   } while (0)
 
 TEST(TuneFile, RoundTripsAnEntry) {
@@ -110,10 +110,8 @@ TEST(TuneFile, CorruptFilesAreRejectedWithTheFieldAndLeaveTheTable) {
                           kAlgo, "0", "1")),
        "key element 18"},
       {file_with(v, entry(key_of(19), "\"abc\"", "0", "1")), "\"algo\""},
-      {file_with(v, entry(key_of(19), "\"" + std::string(127, 'a') + "g\"", "0", "1")),
-       "\"algo\""},
-      {file_with(v, good + ", " + entry(key_of(19), kAlgo, "-5", "1")),
-       "entry 1: \"workspace\""},
+      {file_with(v, entry(key_of(19), "\"" + std::string(127, 'a') + "g\"", "0", "1")), "\"algo\""},
+      {file_with(v, good + ", " + entry(key_of(19), kAlgo, "-5", "1")), "entry 1: \"workspace\""},
       {file_with(v, entry(key_of(19), kAlgo, "0", "-1")), "\"us\""},
       {file_with(v, entry(key_of(19), kAlgo, "0", "\"fast\"")), "\"us\""},
   };
@@ -162,14 +160,6 @@ TEST(TuneScope, BeginAndEndPairUp) {
 }
 
 #ifdef FMLP_TEST_WITH_CUDA
-#define SKIP_WITHOUT_GPU()                                               \
-  do {                                                                   \
-    if (fmlp_backend_available(FMLP_BACKEND_CUDA) != FMLP_SUCCESS)       \
-      GTEST_SKIP() << "cuda backend: " << fmlp_last_error();             \
-    if (!device_unavailable_reason().empty())                            \
-      GTEST_SKIP() << "device buffers: " << device_unavailable_reason(); \
-  } while (0)
-
 // Prefill-sized gated and dense cases (the cuBLASLt path), one with the residual in place.
 std::vector<MlpCase> tune_cases() {
   std::vector<MlpCase> v;

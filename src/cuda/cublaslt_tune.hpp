@@ -43,10 +43,10 @@ void lt_tuned_put(const LtKey& key, const LtTuned& t);
 size_t lt_tuned_count();
 void lt_tuned_clear();
 
-// JSON, {"format": "fusedmlp-cublaslt-tune", "version": 1, "cublaslt_version": N, "entries": [...]}.
-// Load merges a file into the table, all or nothing: FMLP_ERROR_CORRUPT_FILE names the entry and
-// field that did not parse; a file of another cuBLASLt version is FMLP_ERROR_NOT_SUPPORTED (its
-// algorithm descriptors are that version's).
+// JSON, {"format": "fusedmlp-cublaslt-tune", "version": 1, "cublaslt_version": N, "entries":
+// [...]}. Load merges a file into the table, all or nothing: FMLP_ERROR_CORRUPT_FILE names the
+// entry and field that did not parse; a file of another cuBLASLt version is
+// FMLP_ERROR_NOT_SUPPORTED (its algorithm descriptors are that version's).
 fmlp_status_t lt_tune_save(const char* path);
 fmlp_status_t lt_tune_load(const char* path);
 // FMLP_TUNE_FILE, loaded once by the first GEMM of the process; its status on every later call,

@@ -7,9 +7,9 @@
 
 #include <algorithm>
 #include <array>
-#include <vector>
 #include <map>
 #include <mutex>
+#include <vector>
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
@@ -194,25 +194,25 @@ cublasStatus_t prepare(const LtGemm& g, cublasLtHandle_t h, size_t ws_bytes, Pre
   p->al[2] = alignment(p->c, p->ldc, g.dtype);
   p->al[3] = alignment(g.d, p->ldd, g.dtype);
   const Key& key = p->key = Key{g.device,
-                int64_t(g.dtype),
-                g.m,
-                g.n,
-                g.k,
-                g.lda,
-                p->ldb,
-                p->ldc,
-                p->ldd,
-                int64_t(g.c != nullptr) + 2 * int64_t(g.c == g.d),
-                int64_t(g.epilogue),
-                p->al[0],
-                p->al[1],
-                p->al[2],
-                p->al[3],
-                g.bias ? alignment(g.bias) : 0,
-                int64_t(g.deterministic),
-                int64_t(ws_bytes),
-                int64_t(g.fp8),
-                int64_t(g.ws_fallback)};
+                                int64_t(g.dtype),
+                                g.m,
+                                g.n,
+                                g.k,
+                                g.lda,
+                                p->ldb,
+                                p->ldc,
+                                p->ldd,
+                                int64_t(g.c != nullptr) + 2 * int64_t(g.c == g.d),
+                                int64_t(g.epilogue),
+                                p->al[0],
+                                p->al[1],
+                                p->al[2],
+                                p->al[3],
+                                g.bias ? alignment(g.bias) : 0,
+                                int64_t(g.deterministic),
+                                int64_t(ws_bytes),
+                                int64_t(g.fp8),
+                                int64_t(g.ws_fallback)};
   {
     std::lock_guard<std::mutex> lock(cache_mutex());
     const auto it = cache().find(key);
@@ -282,9 +282,9 @@ fmlp_status_t tune(const LtGemm& g, cublasLtHandle_t h, void* ws, Prepared* p,
   const size_t d_bytes = size_t((g.n - 1) * p->ldd + g.m) * dtype_size(g.dtype);
   void* scratch = nullptr;
   if (cudaMalloc(&scratch, d_bytes) != cudaSuccess)
-    return cudaGetLastError(), fail(FMLP_ERROR_OUT_OF_MEMORY,
-                                    "tuning needs {} bytes of scratch for the GEMM's output",
-                                    d_bytes);
+    return cudaGetLastError(),
+           fail(FMLP_ERROR_OUT_OF_MEMORY, "tuning needs {} bytes of scratch for the GEMM's output",
+                d_bytes);
   const float alpha = 1.f, beta = g.c ? 1.f : 0.f;
   // C is the call's own C (D itself when the GEMM runs in place), which no candidate writes.
   const void* c = p->c;
@@ -302,7 +302,8 @@ fmlp_status_t tune(const LtGemm& g, cublasLtHandle_t h, void* ws, Prepared* p,
     ce = time_gemm(stream, run, &us);
     if (ce == cudaSuccess && (best_i < 0 || us < best)) best = us, best_i = i;
   }
-  if (ce == cudaSuccess && p->choice.offer > 0) ce = cudaMemsetAsync(ws, 0, p->choice.offer, stream);
+  if (ce == cudaSuccess && p->choice.offer > 0)
+    ce = cudaMemsetAsync(ws, 0, p->choice.offer, stream);
   if (ce == cudaSuccess) ce = cudaStreamSynchronize(stream);
   cudaFree(scratch);
   if (ce != cudaSuccess)
