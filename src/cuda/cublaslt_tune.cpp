@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -26,6 +27,7 @@ constexpr size_t kAlgoWords = sizeof(cublasLtMatmulAlgo_t) / sizeof(uint64_t);
 static_assert(sizeof(cublasLtMatmulAlgo_t) % sizeof(uint64_t) == 0, "opaque algo of 64-bit words");
 
 thread_local int t_tuning = 0;  // depth of fmlp_tune_begin on this thread
+thread_local std::set<LtKey> t_tuned_in_scope;
 
 // Key without the ordinal (key[0] = 0), per device name.
 using TableKey = std::pair<std::string, LtKey>;
@@ -115,7 +117,10 @@ bool lt_tuning() {
   return t_tuning > 0;
 }
 void lt_tune_begin() {
-  ++t_tuning;
+  if (t_tuning++ == 0) t_tuned_in_scope.clear();
+}
+bool lt_tune_first_in_scope(const LtKey& key) {
+  return t_tuned_in_scope.insert(key).second;
 }
 bool lt_tune_end() {
   if (t_tuning == 0) return false;

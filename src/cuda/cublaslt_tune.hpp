@@ -36,6 +36,9 @@ struct LtTuned {
 bool lt_tuning();
 void lt_tune_begin();
 bool lt_tune_end();
+// True the first time a problem is met inside the outermost begin/end pair on this thread: a
+// call that runs the same GEMM in several passes (the prefill path's chunks) tunes it once.
+bool lt_tune_first_in_scope(const LtKey& key);
 
 // Entries are per device name (a file serves every GPU of that model); key[0] is the ordinal.
 bool lt_tuned_find(const LtKey& key, LtTuned* out);
