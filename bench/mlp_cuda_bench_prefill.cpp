@@ -285,10 +285,6 @@ double matmul_rate(int64_t n, bool fp8) {
   return 2.0 * double(n) * double(n) * double(n) / median(ts) * 1e-12;
 }
 
-// --tune: the warm call of each (shape, M, kernel) runs between fmlp_tune_begin and _end, so the
-// timed graph replays the tuned cuBLASLt algorithms (docs/cuda-prefill.md, session 32).
-bool g_tune = false, g_tune_ab = false;
-
 // Median us of one call of `kernel`, by graph replay over the weight copies.
 double time_kernel(Model& md, int64_t m, int copies, const char* kernel, cudaStream_t s) {
   std::vector<void*> ws(size_t(copies), nullptr);
@@ -300,12 +296,8 @@ double time_kernel(Model& md, int64_t m, int copies, const char* kernel, cudaStr
       CK(cudaMalloc(&ws[size_t(i)], wsb[size_t(i)]));
       CK(cudaMemset(ws[size_t(i)], 0, wsb[size_t(i)]));
     }
-    // Warm call: creates library handles and caches algorithm choices outside the capture
-    // (with --tune, the first copy's call tunes its cuBLASLt GEMMs; the others share the entries).
-    if (g_tune && i == 0) FK(fmlp_tune_begin());
-    const fmlp_status_t warm = fmlp_mlp_with_kernel(&a, kernel, ws[size_t(i)], wsb[size_t(i)], s);
-    if (g_tune && i == 0) FK(fmlp_tune_end());
-    if (warm != FMLP_SUCCESS) {
+    // Warm call: creates library handles and caches algorithm choices outside the capture.
+    if (fmlp_mlp_with_kernel(&a, kernel, ws[size_t(i)], wsb[size_t(i)], s) != FMLP_SUCCESS) {
       std::fprintf(stderr, "%s M=%lld: %s\n", kernel, (long long)m, fmlp_last_error());
       return -1;
     }
@@ -344,24 +336,6 @@ double time_kernel(Model& md, int64_t m, int copies, const char* kernel, cudaStr
   return median(t);
 }
 
-// --tune-ab: three rounds, each timing the call untuned (tune table cleared: cuBLASLt's first
-// heuristic answers) and then tuned, in that order; the medians of both, tuned returned.
-double time_tune_ab(Model& md, int64_t m, int copies, const char* kernel, cudaStream_t s,
-                    double* plain_us) {
-  std::vector<double> plain, tuned;
-  for (int r = 0; r < 3; ++r) {
-    fmlp_tune_clear();
-    g_tune = false;
-    plain.push_back(time_kernel(md, m, copies, kernel, s));
-    g_tune = true;
-    tuned.push_back(time_kernel(md, m, copies, kernel, s));
-    g_tune = false;
-    if (plain.back() < 0 || tuned.back() < 0) return -1;
-  }
-  *plain_us = median(plain);
-  return median(tuned);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -381,10 +355,6 @@ int main(int argc, char** argv) {
       kernels_arg = argv[++i];
     else if (a == "--wdtype" && i + 1 < argc)
       wt = std::string(argv[++i]) == "f8" ? FMLP_DTYPE_F8_E4M3 : FMLP_DTYPE_BF16;
-    else if (a == "--tune")
-      g_tune = true;
-    else if (a == "--tune-ab")
-      g_tune_ab = true;
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       return 1;
@@ -408,15 +378,13 @@ int main(int argc, char** argv) {
   const bool f8 = wt == FMLP_DTYPE_F8_E4M3;
   // The % of matmul column is against the GEMM rate of the weight dtype (fp8 for the W8A8 path).
   const double peak = matmul_rate(8192, f8);
-  std::printf("%s (sm_%d%d), %d SMs, L2 %d MiB, cuBLASLt %s 8192^3: %.1f TFLOP/s%s\n", prop.name,
+  std::printf("%s (sm_%d%d), %d SMs, L2 %d MiB, cuBLASLt %s 8192^3: %.1f TFLOP/s\n", prop.name,
               prop.major, prop.minor, prop.multiProcessorCount, prop.l2CacheSize >> 20,
-              f8 ? "e4m3->bf16" : "bf16", peak,
-              g_tune || g_tune_ab ? ", cuBLASLt algorithms tuned" : "");
+              f8 ? "e4m3->bf16" : "bf16", peak);
   std::string out = "{\"gpu\": \"" + std::string(prop.name) +
                     "\", \"sm\": " + std::to_string(prop.major * 10 + prop.minor) +
                     ", \"wdtype\": \"" + fmlp_dtype_name(wt) +
-                    "\", \"matmul_TFLOPs\": " + std::to_string(peak) +
-                    ", \"tuned\": " + (g_tune || g_tune_ab ? "true" : "false") + ", \"prefill\": [";
+                    "\", \"matmul_TFLOPs\": " + std::to_string(peak) + ", \"prefill\": [";
   std::string rows_out;
   bool first = true;
   int failures = 0;
@@ -443,9 +411,7 @@ int main(int argc, char** argv) {
       double best_us = 1e300;
       for (const std::string& k : kernels) {
         if (fmlp_mlp_kernel_supports(&a0, k.c_str()) != FMLP_SUCCESS) continue;
-        double plain_us = -1;  // --tune-ab: the untuned median of the same rounds
-        const double us = g_tune_ab ? time_tune_ab(md, m, copies, k.c_str(), s, &plain_us)
-                                    : time_kernel(md, m, copies, k.c_str(), s);
+        const double us = time_kernel(md, m, copies, k.c_str(), s);
         if (us < 0) {
           ++failures;
           continue;
@@ -461,20 +427,16 @@ int main(int argc, char** argv) {
         std::printf("%-11s %5lld %-26s %10.2f %9.3f %8.1f %6.1f%% %9.2e %s%s\n", sh.name,
                     (long long)m, k.c_str(), us, us / double(m), tf, 100 * tf / peak, err,
                     k == pick ? "<- planner" : "", ok ? "" : " CHECK FAILED");
-        if (plain_us > 0)
-          std::printf("%-11s %5lld tuned %.2f us against %.2f untuned: %.3fx\n", sh.name,
-                      (long long)m, us, plain_us, plain_us / us);
         std::fflush(stdout);
         char row[640];
         std::snprintf(row, sizeof row,
                       "%s{\"shape\": \"%s\", \"d_in\": %lld, \"hidden\": %lld, \"gated\": %s, "
                       "\"M\": %lld, \"kernel\": \"%s\", \"us\": %.3f, \"us_per_token\": %.4f, "
                       "\"TFLOPs\": %.2f, \"pct_of_matmul\": %.2f, \"rel_err\": %.3e, "
-                      "\"check_ok\": %s, \"planner_pick\": \"%s\", \"copies\": %d, "
-                      "\"untuned_us\": %.3f}",
+                      "\"check_ok\": %s, \"planner_pick\": \"%s\", \"copies\": %d}",
                       first ? "" : ", ", sh.name, (long long)sh.d, (long long)sh.h,
                       sh.gated ? "true" : "false", (long long)m, k.c_str(), us, us / double(m), tf,
-                      100 * tf / peak, err, ok ? "true" : "false", pick.c_str(), copies, plain_us);
+                      100 * tf / peak, err, ok ? "true" : "false", pick.c_str(), copies);
         out += row;
         first = false;
       }

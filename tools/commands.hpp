@@ -12,6 +12,5 @@ void add_check_command(CLI::App& app, Command* selected);
 void add_explain_command(CLI::App& app, Command* selected);
 void add_info_command(CLI::App& app, Command* selected);
 void add_quantize_command(CLI::App& app, Command* selected);
-void add_tune_command(CLI::App& app, Command* selected);
 
 }  // namespace fmlp_cli

@@ -20,7 +20,6 @@ int main(int argc, char** argv) {
   add_explain_command(app, &selected);
   add_info_command(app, &selected);
   add_quantize_command(app, &selected);
-  add_tune_command(app, &selected);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -202,29 +202,6 @@ FMLP_API fmlp_status_t fmlp_mlp_packed_run(const fmlp_mlp_packed_t* packed, cons
                                            const fmlp_tensor_t* x, const fmlp_tensor_t* residual,
                                            void* workspace, size_t workspace_bytes, void* stream);
 
-/* ---- cuBLASLt algorithm tuning (the prefill path and the cuBLASLt linear entries) ----
- * By default each cuBLASLt GEMM takes the heuristic's first answer for its problem (shapes,
- * strides, alignments, epilogue). Between fmlp_tune_begin() and fmlp_tune_end(), op calls on this
- * thread (mlp, packed mlp, linear) first time every answer the heuristic offers on the call's own
- * operands (writing a scratch copy of each GEMM's output, so results are the op's usual ones) and
- * keep the fastest in the process's tune table, which later calls and CUDA-graph captures use.
- * Tuned calls synchronise their stream, allocate temporary device memory and must not be
- * captured. Pairs nest; fmlp_tune_end without a begin is FMLP_ERROR_INVALID_VALUE.
- * The table persists as a JSON file: fmlp_tune_save writes it, fmlp_tune_load merges one (all or
- * nothing: FMLP_ERROR_CORRUPT_FILE names the entry and field that did not parse; a file measured
- * with another cuBLASLt version is FMLP_ERROR_NOT_SUPPORTED), and the environment variable
- * FMLP_TUNE_FILE names a file loaded at the process's first cuBLASLt GEMM (a bad one fails every
- * such GEMM with its message). Entries apply to GPUs of the model they were measured on. Without
- * CUDA, begin/end do nothing and save/load are FMLP_ERROR_BACKEND_UNAVAILABLE. */
-FMLP_API fmlp_status_t fmlp_tune_begin(void);
-FMLP_API fmlp_status_t fmlp_tune_end(void);
-FMLP_API fmlp_status_t fmlp_tune_save(const char* path);
-FMLP_API fmlp_status_t fmlp_tune_load(const char* path);
-/* Entries in the tune table (measured or loaded). */
-FMLP_API size_t fmlp_tune_count(void);
-/* Empties the tune table: later GEMMs take the heuristic's first answer again. */
-FMLP_API void fmlp_tune_clear(void);
-
 /* ---- the op table, for tests, benchmarks and explain ----
  * Every kernel of every backend is an entry with a unique name (op_arch_technique). Dispatch
  * takes the first supporting entry of the chosen backend; these calls address one entry. */

@@ -104,22 +104,6 @@ inline std::string explain(const fmlp_mlp_args_t& args,
   return s;
 }
 
-// While a Tuning lives, op calls on this thread time their cuBLASLt GEMMs' candidate algorithms
-// and keep the fastest (synchronising, not capturable; fusedmlp.h, "cuBLASLt algorithm tuning").
-class Tuning {
- public:
-  Tuning() { check(fmlp_tune_begin()); }
-  ~Tuning() { fmlp_tune_end(); }
-  Tuning(const Tuning&) = delete;
-  Tuning& operator=(const Tuning&) = delete;
-};
-inline void tune_save(const std::string& path) {
-  check(fmlp_tune_save(path.c_str()));
-}
-inline void tune_load(const std::string& path) {
-  check(fmlp_tune_load(path.c_str()));
-}
-
 // Weights packed once for one backend; run() many times.
 class PackedMlp {
  public:

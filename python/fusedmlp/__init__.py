@@ -32,8 +32,7 @@ __all__ = ["mlp", "explain", "mlp_workspace_size", "pack", "PackedMlp", "moe", "
            "moe_workspace_size", "moe_device_errors", "linear",
            "linear_explain", "linear_workspace_size", "softmax", "log_softmax",
            "softmax_explain", "softmax_workspace_size", "quantize_fp8", "available",
-           "build_info", "devices", "kernels", "patch", "register_experts", "tuning",
-           "tune_save", "tune_load", "tune_count", "tune_clear", "__version__"]
+           "build_info", "devices", "kernels", "patch", "register_experts", "__version__"]
 __version__ = _ext.version()
 
 _ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
@@ -648,42 +647,6 @@ def kernels(op="mlp"):
     pairs, in
     dispatch order."""
     return _ext.kernels(op)
-
-
-@contextlib.contextmanager
-def tuning():
-    """Inside `with fusedmlp.tuning():`, op calls on this thread that run cuBLASLt GEMMs (the
-    prefill path, the cuBLASLt linear entries) first time every algorithm cuBLASLt's heuristic
-    offers on the call's own tensors and keep the fastest for that problem (results are the op's
-    usual ones). Such calls synchronise their stream and must not be captured in a CUDA graph;
-    later calls and captures use the tuned choices. Keep them with tune_save() and load them in
-    another process with tune_load() or the FMLP_TUNE_FILE environment variable."""
-    _ext.tune_begin()
-    try:
-        yield
-    finally:
-        _ext.tune_end()
-
-
-def tune_save(path):
-    """Writes the process's tuned cuBLASLt choices to `path` (JSON, versioned)."""
-    _ext.tune_save(str(path))
-
-
-def tune_load(path):
-    """Merges a file written by tune_save() or `fusedmlp tune`; RuntimeError naming the entry
-    and field when it is corrupt, NotImplementedError when another cuBLASLt version made it."""
-    _ext.tune_load(str(path))
-
-
-def tune_count():
-    """Entries in the process's tune table."""
-    return _ext.tune_count()
-
-
-def tune_clear():
-    """Forgets every tuned choice: cuBLASLt's first heuristic answer again."""
-    _ext.tune_clear()
 
 
 def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_group=None,

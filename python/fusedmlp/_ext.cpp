@@ -623,12 +623,6 @@ NB_MODULE(_ext, m) {
   m.def("softmax", &softmax, "mode"_a, "tensors"_a, "bits"_a, "temperature"_a, "log"_a, "backend"_a,
         "workspace"_a.none(), "stream"_a);
   m.def("quantize_fp8", &quantize_fp8, "tensors"_a, "bits"_a);
-  m.def("tune_begin", [] { check(fmlp_tune_begin()); });
-  m.def("tune_end", [] { check(fmlp_tune_end()); });
-  m.def("tune_save", [](const std::string& path) { check(fmlp_tune_save(path.c_str())); });
-  m.def("tune_load", [](const std::string& path) { check(fmlp_tune_load(path.c_str())); });
-  m.def("tune_count", [] { return fmlp_tune_count(); });
-  m.def("tune_clear", [] { fmlp_tune_clear(); });
   m.def("available", &available);
   m.def("kernels", &kernels, "op"_a = "mlp");
   m.def("devices", &devices);
