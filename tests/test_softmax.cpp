@@ -164,6 +164,13 @@ std::vector<SmCase> cases() {
     c.nonfinite = true;
     v.push_back(c);
   }
+  // 513 KB fp32 rows, enough of them for clusters of eight 64 KB parts whose blocks prefetch the
+  // parts of later blocks into L2 (48 rows: 384 blocks, more than 30 % of those resident ahead).
+  {
+    SmCase c;
+    c.rows = 48, c.n = 128256, c.t = FMLP_DTYPE_F32, c.nonfinite = true;
+    v.push_back(c);
+  }
   // Rows of 16-byte vectors up to 4 KB, the warp-per-row entry's (softmax_sm80_warp_rows): one
   // vector a row, a lane round left partial, exactly 4 KB in fp32 and in bf16; non-finite rows,
   // both outputs, a temperature, strided views, in place.
