@@ -412,7 +412,7 @@ fmlp_status_t warp_rows_run(const fmlp_softmax_args_t& a, const SoftmaxDesc& d, 
 constexpr int kClusterThreads = 256;
 // A block's part: 32 KB (64 KB in a cluster of 8 that would otherwise be 16) unless
 // FMLP_SOFTMAX_CLUSTER_KB (4..200) sets it, for measurements.
-constexpr long long kClusterPartKb = 32;
+constexpr int64_t kClusterPartBytes = 32 * 1024;
 constexpr int64_t kClusterWidePartBytes = 64 * 1024;
 int64_t cluster_part_bytes() {
   static const int64_t bytes = env_knob("FMLP_SOFTMAX_CLUSTER_KB", 4, 200, 0) * 1024;
@@ -514,7 +514,7 @@ int cluster_size(const SoftmaxDesc& d, int max_c) {
   const int64_t bytes = d.n * int64_t(dtype_size(d.dtype));
   if (bytes < kClusterMinRowBytes) return 0;
   const int64_t sms = std::max(1, cuda_sm_count(d.device_id));
-  const int64_t part = cluster_part_bytes() ? cluster_part_bytes() : kClusterPartKb * 1024;
+  const int64_t part = cluster_part_bytes() ? cluster_part_bytes() : kClusterPartBytes;
   int fit = 1;
   while (fit < max_c && (bytes + fit - 1) / fit > part) fit *= 2;
   if (fit == 16 && !cluster_part_bytes() && (bytes + 7) / 8 <= kClusterWidePartBytes) fit = 8;
