@@ -26,18 +26,6 @@ struct Gemm {
   int64_t out, k;
 };
 
-std::vector<int64_t> parse_list(const std::string& s) {
-  std::vector<int64_t> v;
-  size_t at = 0;
-  while (at < s.size()) {
-    const size_t c = s.find(',', at);
-    v.push_back(std::atoll(s.substr(at, c - at).c_str()));
-    if (c == std::string::npos) break;
-    at = c + 1;
-  }
-  return v;
-}
-
 __global__ void fill_bf16(__nv_bfloat16* p, int64_t n, uint32_t seed, float scale) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -73,7 +61,12 @@ int main(int argc, char** argv) {
   if (shapes.find("70b") != std::string::npos)
     gemms.push_back({"70b gate/up", 57344, 8192}), gemms.push_back({"70b down", 8192, 28672});
   if (shapes.find("4096") != std::string::npos) gemms.push_back({"4096 dense", 4096, 4096});
-  const std::vector<int64_t> toks = parse_list(tokens_s);
+  std::vector<int64_t> toks;
+  if (!fmlp_bench::parse_positive_list(tokens_s.c_str(), &toks)) {
+    std::fprintf(stderr, "--tokens: '%s' is not a list of positive integers (16,64,256)\n",
+                 tokens_s.c_str());
+    return 2;
+  }
 
   cublasLtHandle_t h;
   LK(cublasLtCreate(&h));
