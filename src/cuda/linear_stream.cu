@@ -43,7 +43,21 @@ struct StreamParams : LinearOperands {
   StreamShape s;
   int prefetch_groups;  // groups per block requested into L2 before the previous grid is done
   bool x_direct;        // one token read in place (x_direct)
+  bool epi_ahead;       // a row's bias and scale loaded one group ahead (epi_ahead below)
 };
+
+// Whether the kernel loads each row's bias and fp8 scale one group ahead (stream_run_rows'
+// fetch): where every block takes one group and a row's warps combine it through the block
+// barrier, so the load goes out with the block's first weights instead of after the barrier.
+// Same-call A/Bs on an H200 (session 34, M = 1, us, ahead / in the epilogue): such shapes
+// 768 <- 3072 2.50 / 2.72, 1024 <- 4096 3.77 / 3.96, 8 <- 4096 1.90 / 2.12, 512 <- 3584 2.51
+// / 2.65; one group of whole rows per warp 3072 x 768 2.78 / 2.66, 4096 x 1024 3.94 / 3.80; blocks
+// that loop over groups 4096 x 4096 10.69 / 10.55, fp8 4096 <- 14336 19.49 / 19.11, the lm heads
+// within 1 %. FMLP_LINEAR_EPI_AHEAD=0|1 forces it off / on for measurements.
+bool epi_ahead(const StreamShape& s, int grid) {
+  static const int env = int(env_knob("FMLP_LINEAR_EPI_AHEAD", 0, 1, -1));
+  return env >= 0 ? env == 1 : grid >= s.groups && s.wpr > 1;
+}
 
 // One token whose row is 16-byte aligned is read in place through L1 (every block reads the same
 // lines), instead of being staged in each block's shared memory, where staging costs more than
@@ -118,15 +132,30 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
     if constexpr (kFp8)
       fmlp::cuda::stream_f16_scaled<MT>(xs, p.s.k, p.x_t == FMLP_DTYPE_F16, inv, amax);
   }
+  struct Epi {
+    float scale, bias;
+  };
+  auto epi = [&](int row) {
+    Epi e{1.f, 0.f};
+    if constexpr (kFp8) e.scale = p.scale[p.scale_per_row ? row : 0];
+    if (p.bias) e.bias = load_scalar(p.bias, p.bias_t, row);
+    return e;
+  };
+  Epi next{};
+  int next_row = -1;  // the row `next` belongs to
+  auto fetch = [&](int row, int) {
+    if (p.epi_ahead) next = epi(row), next_row = row;
+  };
   auto finish = [&](int row, int t, const float(&sum)[1]) {
     if (t >= p.m) return;
+    const Epi e = row == next_row ? next : epi(row);
     float v = sum[0];
-    if constexpr (kFp8) v *= inv[t] * p.scale[p.scale_per_row ? row : 0];
-    if (p.bias) v += load_scalar(p.bias, p.bias_t, row);
+    if constexpr (kFp8) v *= inv[t] * e.scale;
+    if (p.bias) v += e.bias;
     const int64_t es = p.y_t == FMLP_DTYPE_F32 ? 4 : 2;
     store_scalar(static_cast<char*>(p.y) + int64_t(t) * p.y_ld * es, p.y_t, row, v);
   };
-  stream_run<WT, XS, MT>(p.s, sp, xrun, row_ptr, finish, cur, red);
+  stream_run<WT, XS, MT>(p.s, sp, xrun, row_ptr, finish, cur, red, fetch);
 }
 
 size_t smem_bytes(const LinearDesc& d, int mt) {
@@ -146,8 +175,10 @@ fmlp_status_t launch(const StreamParams& p, size_t smem, int device, cudaStream_
     return st;
   const int grid =
       stream_grid(p.s.groups, stream_resident_blocks(kernel, smem, device, cuda_sm_count(device)));
+  StreamParams q = p;
+  q.epi_ahead = epi_ahead(p.s, grid);
   return launch_ex(kernel, dim3(grid), dim3(kStreamThreads), smem,
-                   pdl_enabled(cuda_compute_capability(device)), s, "linear_sm80_stream", p);
+                   pdl_enabled(cuda_compute_capability(device)), s, "linear_sm80_stream", q);
 }
 
 template <typename WT, typename XT, int MT>

@@ -388,12 +388,29 @@ __device__ void stream_f16_scaled(__half* xs, int k, bool f16, float* inv, unsig
 // block calls it. x_rows is the staged x ([MT][k]) of every row, or a functor whose x_rows(row)
 // gives row `row`'s own (the moe stream's slots each have theirs). `red` is [2][kStreamWarps][MT]
 // shared floats. PAIR divides R.
+// `fetch(row, t)` runs in the thread that will call finish(row, t, ...), one group before that
+// finish (for the block's first group: before the stream starts), so the epilogue can have its own
+// operands (bias, scales) loaded while the weights stream (linear_stream.cu says where that was
+// measured to pay).
+struct StreamNoFetch {
+  __device__ void operator()(int, int) const {}
+};
+
 template <typename WT, typename XS, int MT, int PAIR = 1, bool SKIP = false, typename XRows,
-          typename RowPtr, typename Finish, int U>
+          typename RowPtr, typename Finish, int U, typename Fetch = StreamNoFetch>
 __device__ __forceinline__ void stream_run_rows(const StreamShape& s, StreamSpan sp, XRows x_rows,
                                                 RowPtr row_ptr, Finish finish, uint4 (&cur)[U],
-                                                float (*red)[kStreamWarps][MT]) {
+                                                float (*red)[kStreamWarps][MT], Fetch fetch = {}) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // The row this thread finishes in each group is its first one plus gridDim.x groups a step.
+  const bool whole_rows = PAIR == 1 && s.wpr == 1;
+  const bool finisher = whole_rows ? lane < MT : int(threadIdx.x) < s.rows / PAIR * MT;
+  const int row_step = int(gridDim.x) * s.rows;
+  if (finisher) {
+    const int r = whole_rows ? warp : int(threadIdx.x) / MT * PAIR;
+    const int t = whole_rows ? lane : int(threadIdx.x) % MT;
+    if (int(blockIdx.x) * s.rows + r < s.n) fetch(int(blockIdx.x) * s.rows + r, t);
+  }
   float acc[MT] = {};
   int parity = 0;
   uint4 alt[U];
@@ -448,7 +465,10 @@ __device__ __forceinline__ void stream_run_rows(const StreamShape& s, StreamSpan
           if (lane == t) v[0] = sum;
           acc[t] = 0.f;
         }
-        if (lane < MT && row < s.n) finish(row, lane, v);
+        if (lane < MT && row < s.n) {
+          finish(row, lane, v);
+          if (row + row_step < s.n) fetch(row + row_step, lane);
+        }
         continue;
       }
     }
@@ -470,6 +490,7 @@ __device__ __forceinline__ void stream_run_rows(const StreamShape& s, StreamSpan
           for (int q = 0; q < s.wpr; ++q) v[i] += red[parity][(r + i) * s.wpr + q][t];
         }
         finish(row, t, v);
+        if (row + row_step < s.n) fetch(row + row_step, t);
       }
     }
     parity ^= 1;
@@ -477,11 +498,12 @@ __device__ __forceinline__ void stream_run_rows(const StreamShape& s, StreamSpan
 }
 
 // stream_run_rows with one staged x ([MT][k] at xs) for every row.
-template <typename WT, typename XS, int MT, int PAIR = 1, typename RowPtr, typename Finish, int U>
+template <typename WT, typename XS, int MT, int PAIR = 1, typename RowPtr, typename Finish, int U,
+          typename Fetch = StreamNoFetch>
 __device__ __forceinline__ void stream_run(const StreamShape& s, StreamSpan sp, const XS* xs,
                                            RowPtr row_ptr, Finish finish, uint4 (&cur)[U],
-                                           float (*red)[kStreamWarps][MT]) {
-  stream_run_rows<WT, XS, MT, PAIR>(s, sp, xs, row_ptr, finish, cur, red);
+                                           float (*red)[kStreamWarps][MT], Fetch fetch = {}) {
+  stream_run_rows<WT, XS, MT, PAIR>(s, sp, xs, row_ptr, finish, cur, red, fetch);
 }
 
 }  // namespace fmlp::cuda
