@@ -398,13 +398,13 @@ fmlp_status_t warp_rows_run(const fmlp_softmax_args_t& a, const SoftmaxDesc& d, 
 // except that 8 blocks take parts of up to 64 KB rather than become 16, and, for few rows, until
 // the grid covers the GPU twice); every block copies its part into shared memory with cp.async
 // (all of it in flight at once), reduces it to (max, sum), the blocks of the cluster exchange
-// these through distributed shared memory and combine them in rank order (every block gets the
-// same bits), and each block writes its part from shared memory. y may be x: a block reads all of
-// its part before it writes any of it, and only its own part.
-// Blocks run ahead of the DRAM: as it loads its part, each block also requests into L2 the part
-// of the block 30 % of the resident blocks after it (cluster_prefetch_ahead), so DRAM keeps
-// reading while the resident blocks reduce, wait at the cluster barrier and write. Measured on an
-// H200 (session 33, three rounds, 256 x 128256 fp32, us): 0 / 20 / 30 / 40 / 50 / 60 / 75 % ahead
+// these through distributed shared memory (st.async on mbarriers: no fence) and combine them in
+// rank order (every block gets the same bits), and each block writes its part from shared memory. y
+// may be x: a block reads all of its part before it writes any of it, and only its own part. Blocks
+// run ahead of the DRAM: as it loads its part, each block also requests into L2 the part of the
+// block 30 % of the resident blocks after it (cluster_prefetch_ahead), so DRAM keeps reading while
+// the resident blocks reduce, wait for their cluster's pairs and write. Measured on an H200
+// (session 33, three rounds, 256 x 128256 fp32, us): 0 / 20 / 30 / 40 / 50 / 60 / 75 % ahead
 // 83.3-83.9 / 79.9-80.4 / 79.4-79.7 / 79.2-79.3 / 80.3-80.5 / 81.9-82.2 / 85.7-86.0; 8 x 64 KB
 // parts instead of 16 x 32 KB at 0 / 25 / 50 %: 82.0-82.4 / 77.7-77.8 / 79.6-79.8; bf16
 // 256 x 128256 (8 x 32 KB parts) 45.8 -> 44.5-44.7 at 30-40 %; more than half a wave ahead
@@ -450,7 +450,8 @@ __global__ void __launch_bounds__(kClusterThreads) softmax_sm90_cluster(const So
   extern __shared__ uint4 part[];
   __shared__ Ms scratch[32];
   __shared__ Ms total;
-  __shared__ Ms pairs[kClusterMax];  // rank q's (max, sum) at q
+  __shared__ alignas(8) Ms pairs[kClusterMax];         // rank q's (max, sum) at q
+  __shared__ alignas(8) unsigned long long pairs_bar;  // completes once all C pairs landed
   constexpr int E = kWidth<T, VEC>;
   cg::cluster_group cluster = cg::this_cluster();
   const int C = int(cluster.num_blocks()), rank = int(cluster.block_rank());
@@ -459,7 +460,15 @@ __global__ void __launch_bounds__(kClusterThreads) softmax_sm90_cluster(const So
   const int64_t len = e > b ? e - b : 0, nv = len / E;  // whole vectors when VEC
   const char* x = static_cast<const char*>(p.x) + (r * p.x_ld + b) * es;
   char* y = static_cast<char*>(p.y) + (r * p.y_ld + b) * es;
-  // Distributed shared memory may be written only once every block of the cluster runs.
+  const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&pairs_bar));
+  if (threadIdx.x == 0) {  // one arrival (this one) and C pairs of 8 bytes
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(C * 8)
+                 : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // Distributed shared memory may be written only once every block of the cluster runs and has
+  // its mbarrier set up.
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   if constexpr (VEC) {
     for (int64_t i = threadIdx.x; i < nv; i += kClusterThreads) {
@@ -483,14 +492,40 @@ __global__ void __launch_bounds__(kClusterThreads) softmax_sm90_cluster(const So
     accumulate<E>(acc, f, p.sc2);
   }
   acc = block_reduce(acc, p.sc2, scratch);
-  // Every block's pair goes into every block of the cluster (remote stores before the barrier),
-  // so nothing is read remotely after it and a block leaves as soon as its writes are issued:
-  // with the pairs read remotely instead, each block had to wait at the end for the whole
-  // cluster (64 x 32000 bf16: 7.63 -> 7.16 us; 256 x 128256 fp32 unchanged).
+  // Every block's pair goes into every block of the cluster, so nothing is read remotely later
+  // and a block leaves as soon as its writes are issued (with the pairs read remotely instead,
+  // each block waited at the end for the whole cluster: 64 x 32000 bf16 7.63 -> 7.16 us). The
+  // pairs go by st.async, each counting its 8 bytes on the receiving block's mbarrier, and a
+  // block waits on its own mbarrier for all C: no fence. Remote stores and a cluster barrier
+  // instead cost a GPU-scope fence (the barrier's release: MEMBAR.ALL.GPU + ERRBAR), which waits
+  // for everything the block has in flight, the L2 prefetches included. Same-call A/B on an H200
+  // (session 34, three rounds, us): 256 x 128256 fp32 73.0-73.3 against 78.2-78.9, bf16
+  // 41.8-41.9 against 44.8, 32 x 128256 fp32 14.9-15.0 against 15.7, 64 x 32000 bf16 7.25
+  // against 7.54. A block leaves only after the C pairs sent to it have landed.
   // (The remote blocks have started: the wait completes the arrive at the kernel's start.)
   asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-  if (int(threadIdx.x) < C) *cluster.map_shared_rank(&pairs[rank], int(threadIdx.x)) = acc;
-  cluster.sync();
+  if (int(threadIdx.x) < C) {
+    unsigned dst, dst_bar;
+    asm("mapa.shared::cluster.u32 %0, %1, %2;"
+        : "=r"(dst)
+        : "r"(static_cast<unsigned>(__cvta_generic_to_shared(&pairs[rank]))),
+          "r"(int(threadIdx.x)));
+    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst_bar) : "r"(bar), "r"(int(threadIdx.x)));
+    asm volatile(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(
+            dst),
+        "f"(acc.m), "f"(acc.s), "r"(dst_bar)
+        : "memory");
+  }
+  if (threadIdx.x < 32)
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_PAIRS:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+        "@!done bra WAIT_PAIRS;\n"
+        "}\n" ::"r"(bar)
+        : "memory");
   if (threadIdx.x < 32) {  // lane q holds rank q's pair, lane 0 combines them in rank order
     const Ms got = int(threadIdx.x) < C ? pairs[threadIdx.x] : Ms{-INFINITY, 0.f};
     Ms v{-INFINITY, 0.f};
