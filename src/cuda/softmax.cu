@@ -517,7 +517,9 @@ __global__ void __launch_bounds__(kClusterThreads) softmax_sm90_cluster(const So
         "f"(acc.m), "f"(acc.s), "r"(dst_bar)
         : "memory");
   }
-  if (threadIdx.x < 32)
+  // Once all C pairs have landed, lane q holds rank q's pair and lane 0 combines them in rank
+  // order.
+  if (threadIdx.x < 32) {
     asm volatile(
         "{\n"
         ".reg .pred done;\n"
@@ -526,7 +528,6 @@ __global__ void __launch_bounds__(kClusterThreads) softmax_sm90_cluster(const So
         "@!done bra WAIT_PAIRS;\n"
         "}\n" ::"r"(bar)
         : "memory");
-  if (threadIdx.x < 32) {  // lane q holds rank q's pair, lane 0 combines them in rank order
     const Ms got = int(threadIdx.x) < C ? pairs[threadIdx.x] : Ms{-INFINITY, 0.f};
     Ms v{-INFINITY, 0.f};
     for (int q = 0; q < C; ++q)
