@@ -73,7 +73,8 @@ inline fmlp_status_t make_tma_map_2d(CUtensorMap* map, const char* kernel, const
   return make_tma_map(map, kernel, what, elem, p, 2, dims, strides, box);
 }
 
-#ifdef FMLP_SM90A
+// mbarrier helpers: plain sm_90 PTX, also used outside the sm_90a kernels (softmax_sm90_cluster).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return uint32_t(__cvta_generic_to_shared(p));
@@ -105,6 +106,9 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+#endif
+
+#ifdef FMLP_SM90A
 
 // One box of a tensor map (inner coordinate k, outer coordinate row) into shared memory; the
 // bytes count against bar's transaction count.

@@ -29,6 +29,7 @@
 #include "cuda/device_scope.hpp"
 #include "cuda/launch_util.hpp"
 #include "cuda/ops.cuh"
+#include "cuda/sm90_async.cuh"
 #include "cuda/softmax_common.cuh"
 
 namespace fmlp::detail {
@@ -450,8 +451,8 @@ __global__ void __launch_bounds__(kClusterThreads) softmax_sm90_cluster(const So
   extern __shared__ uint4 part[];
   __shared__ Ms scratch[32];
   __shared__ Ms total;
-  __shared__ alignas(8) Ms pairs[kClusterMax];         // rank q's (max, sum) at q
-  __shared__ alignas(8) unsigned long long pairs_bar;  // completes once all C pairs landed
+  __shared__ alignas(8) Ms pairs[kClusterMax];  // rank q's (max, sum) at q
+  __shared__ uint64_t pairs_bar;                // completes once all C pairs landed
   constexpr int E = kWidth<T, VEC>;
   cg::cluster_group cluster = cg::this_cluster();
   const int C = int(cluster.num_blocks()), rank = int(cluster.block_rank());
@@ -460,11 +461,9 @@ __global__ void __launch_bounds__(kClusterThreads) softmax_sm90_cluster(const So
   const int64_t len = e > b ? e - b : 0, nv = len / E;  // whole vectors when VEC
   const char* x = static_cast<const char*>(p.x) + (r * p.x_ld + b) * es;
   char* y = static_cast<char*>(p.y) + (r * p.y_ld + b) * es;
-  const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&pairs_bar));
   if (threadIdx.x == 0) {  // one arrival (this one) and C pairs of 8 bytes
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(C * 8)
-                 : "memory");
+    fmlp::cuda::sm90::mbar_init(&pairs_bar, 1);
+    fmlp::cuda::sm90::mbar_expect_tx(&pairs_bar, uint32_t(C) * 8);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // Distributed shared memory may be written only once every block of the cluster runs and has
@@ -508,9 +507,10 @@ __global__ void __launch_bounds__(kClusterThreads) softmax_sm90_cluster(const So
     unsigned dst, dst_bar;
     asm("mapa.shared::cluster.u32 %0, %1, %2;"
         : "=r"(dst)
-        : "r"(static_cast<unsigned>(__cvta_generic_to_shared(&pairs[rank]))),
-          "r"(int(threadIdx.x)));
-    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst_bar) : "r"(bar), "r"(int(threadIdx.x)));
+        : "r"(fmlp::cuda::sm90::smem_u32(&pairs[rank])), "r"(int(threadIdx.x)));
+    asm("mapa.shared::cluster.u32 %0, %1, %2;"
+        : "=r"(dst_bar)
+        : "r"(fmlp::cuda::sm90::smem_u32(&pairs_bar)), "r"(int(threadIdx.x)));
     asm volatile(
         "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(
             dst),
@@ -520,14 +520,7 @@ __global__ void __launch_bounds__(kClusterThreads) softmax_sm90_cluster(const So
   // Once all C pairs have landed, lane q holds rank q's pair and lane 0 combines them in rank
   // order.
   if (threadIdx.x < 32) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT_PAIRS:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
-        "@!done bra WAIT_PAIRS;\n"
-        "}\n" ::"r"(bar)
-        : "memory");
+    fmlp::cuda::sm90::mbar_wait(&pairs_bar, 0);
     const Ms got = int(threadIdx.x) < C ? pairs[threadIdx.x] : Ms{-INFINITY, 0.f};
     Ms v{-INFINITY, 0.f};
     for (int q = 0; q < C; ++q)
