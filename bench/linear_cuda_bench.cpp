@@ -4,9 +4,10 @@
 // Every case: CUDA-graph replay of `copies` calls over inputs rotated through > 3x the L2 (each
 // call reads HBM), warm-up, median of --reps replays; reported against the floor (bytes / copy
 // bandwidth measured in this run). Outputs are spot-checked against an fp64 host reference.
-// usage: fusedmlp_ops_bench [--json FILE] [--reps N] [--only linear|fp8|softmax] [--shape NAME]
+// usage: fusedmlp_ops_bench [--json FILE] [--reps N] [--only linear|fp8|softmax] [--shape
+// NAME[,NAME...]]
 //                           [--softmax-kernel NAME]
-//   --only fp8: the fp8 linear rows alone; --shape: the linear rows of that shape alone;
+//   --only fp8: the fp8 linear rows alone; --shape: the linear rows of those shapes alone;
 //   --softmax-kernel: the softmax rows on that op-table entry (rows it does not take are left out).
 #include <cuda_runtime.h>
 
@@ -355,7 +356,11 @@ int main(int argc, char** argv) {
     else if (a == "--softmax-kernel" && i + 1 < argc)
       g_softmax_kernel = argv[++i];
   }
-  auto wanted = [&](const char* name) { return shape.empty() || shape == name; };
+  auto wanted = [&](const char* name) {  // --shape a,b,c: those suite entries only
+    if (shape.empty()) return true;
+    const std::string list = "," + shape + ",";
+    return list.find("," + std::string(name) + ",") != std::string::npos;
+  };
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   cudaStream_t s;

@@ -315,10 +315,10 @@ std::vector<LinCase> cases() {
     v.push_back(c);
   }
   // The weight stream's partition edges (linear_sm80_stream, stream_gemv.cuh): short rows (K = 8,
-  // 24, 96, 768, 776: one partial batch per warp), rows that end mid-batch (1408, 2056, 14336,
-  // 14344), N not a multiple of a group's rows, W rows padded past K, bf16 / f16 / fp8 weights,
-  // fp32 x, M = 1..4, N = 1; one token of few rows and long K reads x in place (x_direct in
-  // linear_stream.cu: 127 x 14344, 33 x 2056, 9 x 4104 and the router-like cases above).
+  // 24, 96, 768, 776: one partial batch per warp), rows that end mid-batch (1408, 2056, 8704,
+  // 14336, 14344), N not a multiple of a group's rows, W rows padded past K, bf16 / f16 / fp8
+  // weights, fp32 x, M = 1..4, N = 1; one token of few rows and long K reads x in place (x_direct
+  // in linear_stream.cu: 127 x 14344, 33 x 2056, 9 x 4104 and the router-like cases above).
   struct StreamEdge {
     int64_t m, n, k;
     fmlp_dtype_t x, w;
@@ -344,7 +344,13 @@ std::vector<LinCase> cases() {
                               {1, 263, 14336, hf, hf, 0},
                               {2, 769, 2056, FMLP_DTYPE_F32, hf, 0},
                               {1, 33, 2056, FMLP_DTYPE_F32, bf, 0},
-                              {1, 9, 4104, hf, hf, 0}}) {
+                              {1, 9, 4104, hf, hf, 0},
+                              // More row groups than resident blocks, each warp's part of a row
+                              // ending inside a batch (224 and 136 chunks at one token, 544 for
+                              // fp8's whole rows per warp).
+                              {1, 1200, 14336, bf, bf, 0},
+                              {1, 1031, 8704, hf, hf, 8},
+                              {1, 2100, 8704, bf, f8, 0}}) {
     LinCase c;
     c.m = e.m, c.n = e.n, c.k = e.k;
     c.xt = e.x, c.wt = e.w, c.w_pad = e.pad;

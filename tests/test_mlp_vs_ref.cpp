@@ -120,14 +120,17 @@ std::vector<MlpCase> section_cases(Section s) {
       // GPU), past the MAC budget: the stream kernels' blocks loop over groups, carrying their
       // batch buffers and reduction state across them; gated (the up stream's gate/up pairs) with
       // two-warp rows in the down stream, and dense with whole-row warps in the up stream.
-      for (int i = 0; i < 2; ++i) {
+      // The last two at one token: down rows of 8704 (136 chunks a warp, 544 for fp8's whole
+      // rows per warp) that end inside a batch, over more row groups than resident blocks.
+      for (int i = 0; i < 4; ++i) {
         MlpCase c = random_case(rng, kMaxMacs);
-        c.gate = i == 0 ? Gate::kStacked : Gate::kDense;
-        c.d_in = 1024;
-        c.hidden = i == 0 ? 4096 : 8200;
-        c.d_out = i == 0 ? 4104 : 1024;
-        c.m = i == 0 ? 1 : 3;
-        c.w_dtype = c.x_dtype = i == 0 ? FMLP_DTYPE_BF16 : FMLP_DTYPE_F16;
+        c.gate = i == 1 ? Gate::kDense : Gate::kStacked;
+        c.d_in = i < 2 ? 1024 : 256;
+        c.hidden = i == 0 ? 4096 : i == 1 ? 8200 : 8704;
+        c.d_out = i == 0 ? 4104 : i == 1 ? 1024 : 1100;
+        c.m = i == 1 ? 3 : 1;
+        c.w_dtype = c.x_dtype = i == 1 ? FMLP_DTYPE_F16 : FMLP_DTYPE_BF16;
+        if (i == 3) c.w_dtype = FMLP_DTYPE_F8_E4M3, c.per_row_scale = true;
         c.misaligned = c.strided = false;
         add(c);
       }

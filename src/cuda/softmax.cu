@@ -60,6 +60,7 @@ struct SoftmaxParams {
   float2* stats;       // [rows]: max, sum
   unsigned* counters;  // [rows], zero between calls
   int64_t l2_ahead;    // cluster launch: blocks ahead whose parts a block prefetches
+  int evict;           // cluster launch: x loads and y stores marked L2 evict-first
 };
 
 template <typename T, bool VEC>
@@ -409,7 +410,8 @@ fmlp_status_t warp_rows_run(const fmlp_softmax_args_t& a, const SoftmaxDesc& d, 
 // 83.3-83.9 / 79.9-80.4 / 79.4-79.7 / 79.2-79.3 / 80.3-80.5 / 81.9-82.2 / 85.7-86.0; 8 x 64 KB
 // parts instead of 16 x 32 KB at 0 / 25 / 50 %: 82.0-82.4 / 77.7-77.8 / 79.6-79.8; bf16
 // 256 x 128256 (8 x 32 KB parts) 45.8 -> 44.5-44.7 at 30-40 %; more than half a wave ahead
-// evicts what the resident blocks are about to read.
+// evicts what the resident blocks are about to read. Where x fits in half the L2, x's copies and
+// y's stores are marked L2 evict-first (cluster_evict_first).
 constexpr int kClusterThreads = 256;
 // A block's part: 32 KB (64 KB in a cluster of 8 that would otherwise be 16) unless
 // FMLP_SOFTMAX_CLUSTER_KB (4..200) sets it, for measurements.
@@ -424,6 +426,16 @@ int64_t cluster_part_bytes() {
 int cluster_l2_ahead_pct() {
   static const int pct = int(env_knob("FMLP_SOFTMAX_L2_AHEAD", 0, 400, 30));
   return pct;
+}
+// Whether x's loads and y's stores carry an L2 evict-first hint: where x fits in half the L2,
+// unless FMLP_SOFTMAX_EVICT=0|1 says. Measured on an H200 (session 35, three rounds, same binary,
+// us without / with): 32 x 128256 fp32 (16 MB) 14.40-14.50 / 13.54-13.63, 256 x 32000 bf16
+// 14.38-14.42 / 13.48-13.52, 64 x 32000 bf16 6.84-6.85 / 6.69-6.71; but 256 x 128256 fp32 (131
+// MB) 70.30-70.43 / 72.40-72.56 and bf16 (66 MB) 40.73-40.91 / 41.37-41.49.
+bool cluster_evict_first(const SoftmaxDesc& d) {
+  static const int env = int(env_knob("FMLP_SOFTMAX_EVICT", 0, 1, -1));
+  if (env >= 0) return env == 1;
+  return d.rows * d.n * int64_t(dtype_size(d.dtype)) * 2 <= cuda_l2_bytes(d.device_id);
 }
 constexpr int64_t kClusterMaxPartBytes = 200 * 1024;
 constexpr int64_t kClusterMinPartBytes = 4 * 1024;
@@ -461,19 +473,25 @@ __global__ void __launch_bounds__(kClusterThreads) softmax_sm90_cluster(const So
   const int64_t len = e > b ? e - b : 0, nv = len / E;  // whole vectors when VEC
   const char* x = static_cast<const char*>(p.x) + (r * p.x_ld + b) * es;
   char* y = static_cast<char*>(p.y) + (r * p.y_ld + b) * es;
-  if (threadIdx.x == 0) {  // one arrival (this one) and C pairs of 8 bytes
+  if (threadIdx.x == 0) {  // one arrival (thread 0's expect_tx, below) and C pairs of 8 bytes
     fmlp::cuda::sm90::mbar_init(&pairs_bar, 1);
-    fmlp::cuda::sm90::mbar_expect_tx(&pairs_bar, uint32_t(C) * 8);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  uint64_t pol = 0;
+  if (p.evict) asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
   // Distributed shared memory may be written only once every block of the cluster runs and has
   // its mbarrier set up.
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   if constexpr (VEC) {
     for (int64_t i = threadIdx.x; i < nv; i += kClusterThreads) {
       const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(part + i));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(x + i * 16)
-                   : "memory");
+      if (p.evict)
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst),
+                     "l"(x + i * 16), "l"(pol)
+                     : "memory");
+      else
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(x + i * 16)
+                     : "memory");
     }
     cluster_prefetch_ahead(p, es);
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -519,6 +537,9 @@ __global__ void __launch_bounds__(kClusterThreads) softmax_sm90_cluster(const So
   }
   // Once all C pairs have landed, lane q holds rank q's pair and lane 0 combines them in rank
   // order.
+  // The expected bytes may be counted after some pairs have landed (the transaction count goes
+  // negative meanwhile; the phase cannot complete before this arrival).
+  if (threadIdx.x == 0) fmlp::cuda::sm90::mbar_expect_tx(&pairs_bar, uint32_t(C) * 8);
   if (threadIdx.x < 32) {
     fmlp::cuda::sm90::mbar_wait(&pairs_bar, 0);
     const Ms got = int(threadIdx.x) < C ? pairs[threadIdx.x] : Ms{-INFINITY, 0.f};
@@ -533,6 +554,16 @@ __global__ void __launch_bounds__(kClusterThreads) softmax_sm90_cluster(const So
     float f[E];
     load<T, VEC>(reinterpret_cast<const char*>(part), i, p.t, f);
     finish<E>(f, p.log, p.inv_t, p.sc2, tot);
+    if constexpr (VEC) {
+      if (p.evict) {
+        const uint4 v = pack<T>(f);
+        asm volatile(
+            "st.global.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(y + i * 16),
+            "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(pol)
+            : "memory");
+        continue;
+      }
+    }
     store<T, VEC>(y, i, p.t, f);
   }
 #endif
@@ -671,6 +702,7 @@ fmlp_status_t softmax_cluster_run(const fmlp_softmax_args_t& a, const SoftmaxDes
   p.chunks = c;
   p.chunk_len = part_len(d, c);
   p.l2_ahead = int64_t(resident) * cluster_l2_ahead_pct() / 100 * c;
+  p.evict = cluster_evict_first(d);
   const DeviceScope scope(d.device_id);
   if (scope.status() != FMLP_SUCCESS) return scope.status();
   auto s = static_cast<cudaStream_t>(stream);
