@@ -164,6 +164,15 @@ std::vector<SmCase> cases() {
     c.nonfinite = true;
     v.push_back(c);
   }
+  // Rows of 16-32 KB, more of them than twice the multiprocessors: the cluster entry runs
+  // clusters of one block, which exchange nothing (st.async needs two blocks or more).
+  for (fmlp_dtype_t t : {FMLP_DTYPE_BF16, FMLP_DTYPE_F32}) {
+    SmCase c;
+    c.rows = 300, c.n = t == FMLP_DTYPE_F32 ? 7000 : 8200, c.t = t;
+    c.log = t == FMLP_DTYPE_F32;
+    c.nonfinite = true;
+    v.push_back(c);
+  }
   // 513 KB fp32 rows, enough of them for clusters of eight 64 KB parts whose blocks prefetch the
   // parts of later blocks into L2 (48 rows: 384 blocks, more than 30 % of those resident ahead).
   {
