@@ -4,9 +4,8 @@
 // Every case: CUDA-graph replay of `copies` calls over inputs rotated through > 3x the L2 (each
 // call reads HBM), warm-up, median of --reps replays; reported against the floor (bytes / copy
 // bandwidth measured in this run). Outputs are spot-checked against an fp64 host reference.
-// usage: fusedmlp_ops_bench [--json FILE] [--reps N] [--only linear|fp8|softmax] [--shape
-// NAME[,NAME...]]
-//                           [--softmax-kernel NAME]
+// usage: fusedmlp_ops_bench [--json FILE] [--reps N] [--only linear|fp8|softmax]
+//                           [--shape NAME[,NAME...]] [--softmax-kernel NAME]
 //   --only fp8: the fp8 linear rows alone; --shape: the linear rows of those shapes alone;
 //   --softmax-kernel: the softmax rows on that op-table entry (rows it does not take are left out).
 #include <cuda_runtime.h>

@@ -60,7 +60,7 @@ struct SoftmaxParams {
   float2* stats;       // [rows]: max, sum
   unsigned* counters;  // [rows], zero between calls
   int64_t l2_ahead;    // cluster launch: blocks ahead whose parts a block prefetches
-  int evict;           // cluster launch: x loads and y stores marked L2 evict-first
+  int evict;           // cluster launch: x copies and y stores (16-byte vectors) L2 evict-first
 };
 
 template <typename T, bool VEC>
