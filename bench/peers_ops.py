@@ -2,7 +2,7 @@
 # inputs rotated over more than 3x the L2 so each call reads HBM, each variant replayed from a
 # CUDA graph, median (same method as bench/peers.py). With --ours (fusedmlp_ops_bench's JSON) it
 # prints our time over the peer's for every shape measured by both.
-# usage: python3 bench/peers_ops.py [--json peers_ops.json] [--ours ops.json] [--only softmax]
+# usage: python3 bench/peers_ops.py [--json peers_ops.json] [--ours ops.json] [--only softmax|fp8]
 import argparse
 import json
 import math
@@ -36,7 +36,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="peers_ops.json")
     ap.add_argument("--ours", default=None)
-    ap.add_argument("--only", choices=("softmax",), default=None, help="skip the linear peers")
+    ap.add_argument("--only", choices=("softmax", "fp8"), default=None,
+                    help="softmax: the softmax peers alone; fp8: the fp8 linear peers alone")
     a = ap.parse_args()
     dev = "cuda"
     l2, bw, res = session("rows", dev)
@@ -53,9 +54,10 @@ def main():
             json.dump(res, f, indent=1)
 
     linear = a.only != "softmax"
-    cases = [(s, 1) for s in bench_shapes()] if linear else []
+    cases = [(s, 1) for s in bench_shapes()] if a.only is None else []
     for name in ("llama3-8b.q", "llama3-8b.down", "llama3-8b.lm_head", "mixtral.router"):
-        cases += [(s, m) for s in bench_shapes() if s[0] == name and linear for m in (4, 16, 64)]
+        cases += [(s, m) for s in bench_shapes() if s[0] == name and a.only is None
+                  for m in (4, 16, 64)]
     for (name, n, k), m in cases:
         wbytes = n * k * 2
         copies = min(64, max(1, math.ceil(3 * l2 / wbytes)))
@@ -102,7 +104,7 @@ def main():
                     "scaled_mm_us": times,
                     "pct_of_copy": 100 * (wbytes + 2 * (n + k)) / bw / (times[best] * 1e-6)})
         del ws
-    for log in (False, True):
+    for log in (False, True) if a.only != "fp8" else ():
         for rows, n, dt in softmax_shapes():
             nbytes = rows * n * (4 if dt == torch.float32 else 2)
             copies = min(256, max(1, math.ceil(3 * l2 / nbytes)))
