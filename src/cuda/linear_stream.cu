@@ -266,7 +266,11 @@ fmlp_status_t linear_stream_run(const fmlp_linear_args_t& a, const LinearDesc& d
   stream_pick_loads(p.s, w_bytes);
   // Each block's first group into L2 while the previous kernel drains, where W outgrows the L2
   // (mlp_decode_stream.cu measured prefetching to hurt where most of the matrix fits it).
-  p.prefetch_groups = w_bytes > cuda_l2_bytes(d.device_id) ? 1 : 0;
+  // FMLP_STREAM_PREFETCH=0 turns it off, =1 on, for measurements (as for the MLP streams).
+  static const int prefetch_env = int(env_knob("FMLP_STREAM_PREFETCH", 0, 1, -1));
+  p.prefetch_groups = prefetch_env >= 0                      ? prefetch_env
+                      : w_bytes > cuda_l2_bytes(d.device_id) ? 1
+                                                             : 0;
   p.x_direct = x_direct(d, a.x.data, p.s);
   if (p.s.groups == 0) return FMLP_SUCCESS;  // N = 0: nothing to write
   const int mt = token_tile(d.m);
