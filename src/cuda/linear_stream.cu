@@ -167,17 +167,19 @@ int token_tile(int64_t m) {
   return m <= 1 ? 1 : m <= 2 ? 2 : 4;
 }
 
-// Each block's first group into L2 while the previous kernel drains (p.prefetch_groups: where W
-// outgrows the L2) or where the blocks take four or more groups each, so that first groups are at
-// most a quarter of W. mlp_decode_stream.cu measured the prefetch to hurt where most of the matrix
-// fits the L2; what hurt is prefetching much of it at once: on an H200 (session 36, two rounds
-// each, us without / with) the fp8 4096 -> 14336 (58.7 MB, four groups a block) 17.26 / 16.77,
-// while the fp8 4096 <- 14336 (one group a block: all of W) 19.1 / 25.6 and 4096 x 4096 7.1 / 7.7.
+// Each block's first group into L2 while the previous kernel drains, where W outgrows the L2 or
+// the blocks take four or more groups each (so first groups are at most a quarter of W).
+// mlp_decode_stream.cu measured the prefetch to hurt where most of the matrix fits the L2; what
+// hurt is prefetching much of it at once: on an H200 (session 36, two rounds each, us without /
+// with) the fp8 4096 -> 14336 (58.7 MB, four groups a block) 17.26 / 16.77, while the fp8 4096 <-
+// 14336 (one group a block: all of W) 19.1 / 25.6 and 4096 x 4096 7.1 / 7.7.
 // FMLP_STREAM_PREFETCH=0 turns it off, =1 on, for measurements (as for the MLP streams).
-int prefetch_groups(const StreamParams& p, int grid) {
+template <typename WT>
+int prefetch_groups(const StreamShape& s, int grid, int device) {
   static const int env = int(env_knob("FMLP_STREAM_PREFETCH", 0, 1, -1));
   if (env >= 0) return env;
-  return p.prefetch_groups > 0 || p.s.groups >= 4 * grid ? 1 : 0;
+  const int64_t w_bytes = int64_t(s.n) * s.k * int64_t(sizeof(WT));
+  return w_bytes > cuda_l2_bytes(device) || s.groups >= 4 * grid ? 1 : 0;
 }
 
 template <typename WT, typename XT, int MT, int U, bool XDIRECT>
@@ -190,7 +192,7 @@ fmlp_status_t launch(const StreamParams& p, size_t smem, int device, cudaStream_
       stream_grid(p.s.groups, stream_resident_blocks(kernel, smem, device, cuda_sm_count(device)));
   StreamParams q = p;
   q.epi_ahead = epi_ahead(p.s, grid);
-  q.prefetch_groups = prefetch_groups(p, grid);
+  q.prefetch_groups = prefetch_groups<WT>(p.s, grid, device);
   return launch_ex(kernel, dim3(grid), dim3(kStreamThreads), smem,
                    pdl_enabled(cuda_compute_capability(device)), s, "linear_sm80_stream", q);
 }
@@ -278,7 +280,6 @@ fmlp_status_t linear_stream_run(const fmlp_linear_args_t& a, const LinearDesc& d
   const int64_t w_bytes = d.n * d.k * (fp8 ? 1 : 2);
   p.s = stream_shape(d.n, d.k, fp8 ? 1 : 2, d.m);
   stream_pick_loads(p.s, w_bytes);
-  p.prefetch_groups = w_bytes > cuda_l2_bytes(d.device_id) ? 1 : 0;  // launch() has the rest
   p.x_direct = x_direct(d, a.x.data, p.s);
   if (p.s.groups == 0) return FMLP_SUCCESS;  // N = 0: nothing to write
   const int mt = token_tile(d.m);
