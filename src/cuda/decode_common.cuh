@@ -153,66 +153,125 @@ __device__ float block_sum(float v, float* scratch) {
   return warp_sum(t);
 }
 
-// Stage the M rows of x in shared memory as fp32 ([M, k]), normalised when asked.
-template <int THREADS, int M>
-__device__ void stage_tokens(const DecodeOperands& p, float* xs, float* scratch) {
-  for (int m = 0; m < M; ++m) {
-    const char* row =
-        static_cast<const char*>(p.x) + m * p.x_ld * int64_t(p.act_t == FMLP_DTYPE_F32 ? 4 : 2);
-    float* xr = xs + m * p.k;
-    for (int c = threadIdx.x; c < p.k; c += THREADS) xr[c] = load_scalar(row, p.act_t, c);
-    if (p.norm == FMLP_NORM_NONE) continue;
-    __syncthreads();
+// Calls fn(c0, f) for each run of 8 elements c0 .. c0 + 7 of this thread's share of a row of k
+// values of dtype t (fp32, fp16 or bf16), f their fp32 values. Where the row is 16-byte aligned
+// and k a multiple of 8 (`vec`), a thread requests PIECES runs with 16-byte loads before it uses
+// any: one memory latency a round. One scalar load at a time, each used before the next went out
+// (a dtype switch and shared-memory stores between them), staging llama3-8b's x (16 values a
+// thread) waited for 16 latencies in a row. Otherwise the elements go one by one (fn(c, f) with
+// f[0] only meaningful: n = 1).
+template <int THREADS, int PIECES = 2, typename Fn>
+__device__ __forceinline__ void for_row_runs(const char* row, fmlp_dtype_t t, int k, bool vec,
+                                             Fn fn) {
+  if (!vec) {
+    for (int c = threadIdx.x; c < k; c += THREADS) {
+      float f[8] = {load_scalar(row, t, c)};
+      fn(c, 1, f);
+    }
+    return;
+  }
+  const bool f32 = t == FMLP_DTYPE_F32;
+  const uint4* src = reinterpret_cast<const uint4*>(row);
+  const int runs = k / 8;
+  for (int i0 = threadIdx.x; i0 < runs; i0 += PIECES * THREADS) {
+    uint4 v[PIECES][2];
+#pragma unroll
+    for (int j = 0; j < PIECES; ++j) {
+      const int i = i0 + j * THREADS;
+      const bool in = i < runs;
+      v[j][0] = in ? src[f32 ? 2 * i : i] : make_uint4(0, 0, 0, 0);
+      v[j][1] = in && f32 ? src[2 * i + 1] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < PIECES; ++j) {
+      const int i = i0 + j * THREADS;
+      if (i >= runs) break;
+      float f[8];
+      if (f32) {
+        const uint4 a = v[j][0], b = v[j][1];
+        const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = __uint_as_float(w[e]);
+      } else if (t == FMLP_DTYPE_F16) {
+        widen8<__half>(v[j][0], f);
+      } else {
+        widen8<__nv_bfloat16>(v[j][0], f);
+      }
+      fn(8 * i, 8, f);
+    }
+  }
+}
+
+// Whether token rows of x can be read in 16-byte runs of 8 values (for_row_runs).
+__device__ __forceinline__ bool x_rows_vec(const DecodeOperands& p) {
+  const int64_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
+  return reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && p.k % 8 == 0 &&
+         (p.m == 1 || (p.x_ld * es) % 16 == 0);
+}
+
+// The norm's mean and 1 / rms of one token row (mean 0 for RMSNorm; 0 and 1 without a norm), in
+// fp32 from x itself: two passes over the row for LayerNorm (the row is in L2 after the first).
+template <int THREADS>
+__device__ void token_norm_stats(const DecodeOperands& p, const char* row, bool vec, float* scratch,
+                                 float& mean, float& inv) {
+  mean = 0.f, inv = 1.f;
+  if (p.norm == FMLP_NORM_NONE) return;
+  if (p.norm == FMLP_NORM_LAYERNORM) {
     float s = 0.f;
-    if (p.norm == FMLP_NORM_LAYERNORM)
-      for (int c = threadIdx.x; c < p.k; c += THREADS) s += xr[c];
-    const float mean =
-        p.norm == FMLP_NORM_LAYERNORM ? block_sum<THREADS>(s, scratch) / float(p.k) : 0.f;
-    float q = 0.f;
-    for (int c = threadIdx.x; c < p.k; c += THREADS) q += (xr[c] - mean) * (xr[c] - mean);
-    const float inv = rsqrtf(block_sum<THREADS>(q, scratch) / float(p.k) + p.eps);
-    for (int c = threadIdx.x; c < p.k; c += THREADS)
-      xr[c] =
-          (xr[c] - mean) * inv * opt(p.gamma, p.gamma_t, c, 1.f) + opt(p.beta, p.beta_t, c, 0.f);
+    for_row_runs<THREADS>(row, p.act_t, p.k, vec, [&](int, int n, const float(&f)[8]) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s += e < n ? f[e] : 0.f;
+    });
+    mean = block_sum<THREADS>(s, scratch) / float(p.k);
+  }
+  float q = 0.f;
+  for_row_runs<THREADS>(row, p.act_t, p.k, vec, [&](int, int n, const float(&f)[8]) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) q += e < n ? (f[e] - mean) * (f[e] - mean) : 0.f;
+  });
+  inv = rsqrtf(block_sum<THREADS>(q, scratch) / float(p.k) + p.eps);
+}
+
+// Stage the M rows of x in shared memory as XS ([M, k]): fp32, or bf16/fp16 (half the bytes of
+// fp32 and of the shared-memory reads per weight chunk), normalised when asked. The norm's
+// statistics are taken in fp32 from x itself, so XS only rounds the normalised values, as a
+// 16-bit model's norm output is rounded.
+template <int THREADS, int M, typename XS>
+__device__ void stage_tokens_as(const DecodeOperands& p, XS* xs, float* scratch) {
+  const int64_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
+  const bool vec = x_rows_vec(p);
+  for (int m = 0; m < M; ++m) {
+    const char* row = static_cast<const char*>(p.x) + m * p.x_ld * es;
+    float mean, inv;
+    token_norm_stats<THREADS>(p, row, vec, scratch, mean, inv);
+    XS* xr = xs + m * p.k;
+    for_row_runs<THREADS>(row, p.act_t, p.k, vec, [&](int c0, int n, const float(&f)[8]) {
+      float v[8];
+      if (p.norm == FMLP_NORM_NONE) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = f[e];
+      } else {  // gamma and beta of the run loaded before any store (they may not be hoisted past)
+        float g[8], b[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          g[e] = e < n ? opt(p.gamma, p.gamma_t, c0 + e, 1.f) : 0.f;
+          b[e] = e < n ? opt(p.beta, p.beta_t, c0 + e, 0.f) : 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = (f[e] - mean) * inv * g[e] + b[e];
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        if (e < n) xr[c0 + e] = from_f<XS>(v[e]);
+    });
   }
   __syncthreads();
 }
 
-// Stage the M rows of x in shared memory as XS ([M, k]; bf16/fp16 halves the bytes of fp32 and
-// the shared-memory reads per weight chunk), normalised when asked. The norm's statistics are
-// taken in fp32 from x itself (the row is in L2 after the first pass), so XS only rounds the
-// normalised values, as a 16-bit model's norm output is rounded.
-template <int THREADS, int M, typename XS>
-__device__ void stage_tokens_as(const DecodeOperands& p, XS* xs, float* scratch) {
-  const size_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
-  for (int m = 0; m < M; ++m) {
-    const char* row = static_cast<const char*>(p.x) + m * p.x_ld * int64_t(es);
-    float mean = 0.f, inv = 1.f;
-    if (p.norm != FMLP_NORM_NONE) {
-      float s = 0.f;
-      if (p.norm == FMLP_NORM_LAYERNORM) {
-#pragma unroll 4
-        for (int c = threadIdx.x; c < p.k; c += THREADS) s += load_scalar(row, p.act_t, c);
-        mean = block_sum<THREADS>(s, scratch) / float(p.k);
-      }
-      float q = 0.f;
-#pragma unroll 4
-      for (int c = threadIdx.x; c < p.k; c += THREADS) {
-        const float v = load_scalar(row, p.act_t, c) - mean;
-        q += v * v;
-      }
-      inv = rsqrtf(block_sum<THREADS>(q, scratch) / float(p.k) + p.eps);
-    }
-    XS* xr = xs + m * p.k;
-#pragma unroll 4
-    for (int c = threadIdx.x; c < p.k; c += THREADS) {
-      float v = load_scalar(row, p.act_t, c);
-      if (p.norm != FMLP_NORM_NONE)
-        v = (v - mean) * inv * opt(p.gamma, p.gamma_t, c, 1.f) + opt(p.beta, p.beta_t, c, 0.f);
-      xr[c] = from_f<XS>(v);
-    }
-  }
-  __syncthreads();
+// stage_tokens_as in fp32.
+template <int THREADS, int M>
+__device__ void stage_tokens(const DecodeOperands& p, float* xs, float* scratch) {
+  stage_tokens_as<THREADS, M, float>(p, xs, scratch);
 }
 
 // End of a split-hidden kernel whose blocks added their partial outputs into acc [M, n] (fp32,

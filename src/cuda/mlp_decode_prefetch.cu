@@ -34,6 +34,9 @@ namespace fmlp::detail {
 namespace {
 
 using fmlp::cuda::activate;
+using fmlp::cuda::cp_async16;
+using fmlp::cuda::cp_async_commit;
+using fmlp::cuda::cp_async_wait;
 using fmlp::cuda::finish_last_block;
 using fmlp::cuda::opt;
 using fmlp::cuda::pdl_allow_next_grid;
@@ -54,20 +57,6 @@ struct PrefetchParams : fmlp::cuda::DecodeOperands {
   unsigned* counter;  // blocks done, zero between calls
   int units;          // the largest hidden slice of any block: the shared-memory layout's stride
 };
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-}
 
 template <int M, typename WT, bool GATED>
 // Two blocks' registers per multiprocessor where the accumulators allow it (M <= 2: <= 64 registers
