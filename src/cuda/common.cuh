@@ -63,9 +63,9 @@ __device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
   return r;
 }
 
-// 16 bytes from global to shared memory without passing through registers (sm_80+, L2 only):
-// a thread's copies all go out at once, where register loads followed by shared stores would
-// wait for each load before the next is requested (when a branch or a call sits between them).
+// 16 bytes from global to shared memory without passing through registers (sm_80+), cached in
+// L2 only: for data each block reads once (weights), not for x that every block reads (see
+// linear_stream.cu's stage_x).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");

@@ -88,11 +88,14 @@ __device__ __forceinline__ bool x_vec_ok(const StreamParams& p) {
 }
 
 // Stages x rows [0, MT) (zeros past M) in x's own dtype (16-bit weights), 16 bytes per step; one
-// loop per token, so no step divides by k. Aligned rows go by cp.async, all of a thread's pieces in
-// flight at once: loaded into registers they went one memory latency after another (the
-// misaligned path's branch kept ptxas from hoisting the loads), and at K = 14336 (seven pieces a
-// thread) that wait was ~18 % of the fp8 down's time and ~6 % of the bf16 downs' on an H200
-// (session 37, against a variant that skipped the staging).
+// loop per token, so no step divides by k. Aligned rows: a thread requests four pieces before it
+// stores any, one memory latency per four. With the misaligned path's branch in the same loop
+// ptxas kept each load next to its store, so a thread waited for its pieces one after another:
+// at K = 14336 (seven a thread) that was 3-4 % of the bf16 downs' time and of the fp8 down's
+// (H200, session 37: 31.15 -> 30.1 us, 19.0 -> 18.25). cp.async.cg copies instead (no registers,
+// all in flight) were 10-47 % slower than the serial loads: L2 only, so the four blocks of a
+// multiprocessor no longer share x's lines in L1 and every block's requests for the same few KB
+// meet in the L2 (cp.async.ca measured as the register loads).
 template <typename XT, int MT>
 __device__ void stage_x(const StreamParams& p, XT* xs) {
   const int k = p.s.k;
@@ -103,17 +106,26 @@ __device__ void stage_x(const StreamParams& p, XT* xs) {
   for (int t = 0; t < MT; ++t) {
     const XT* src = static_cast<const XT*>(p.x) + int64_t(t) * p.x_ld;
     uint4* dst = reinterpret_cast<uint4*>(xs + int64_t(t) * k);
-    for (int c = threadIdx.x; c < vecs; c += kStreamThreads) {
-      if (t >= p.m)
-        dst[c] = make_uint4(0, 0, 0, 0);
-      else if (vec)
-        fmlp::cuda::cp_async16(dst + c, src + c * kPerVec);
-      else
+    if (t >= p.m) {
+      for (int c = threadIdx.x; c < vecs; c += kStreamThreads) dst[c] = make_uint4(0, 0, 0, 0);
+    } else if (vec) {
+      const uint4* s4 = reinterpret_cast<const uint4*>(src);
+      for (int c0 = threadIdx.x; c0 < vecs; c0 += 4 * kStreamThreads) {
+        uint4 v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int c = c0 + j * kStreamThreads;
+          v[j] = c < vecs ? s4[c] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (c0 + j * kStreamThreads < vecs) dst[c0 + j * kStreamThreads] = v[j];
+      }
+    } else {
+      for (int c = threadIdx.x; c < vecs; c += kStreamThreads)
         dst[c] = fmlp::cuda::load_16b(src, c * kPerVec, false);
     }
   }
-  fmlp::cuda::cp_async_commit();
-  fmlp::cuda::cp_async_wait<0>();  // the caller's barrier publishes every thread's copies
 }
 
 // XDIRECT: x is read in place through L1 rather than staged (x_direct above says when and why).
