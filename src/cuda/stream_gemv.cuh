@@ -338,37 +338,18 @@ __device__ __forceinline__ float stream_dot16_f16(const uint32_t (&h)[8], const 
 template <typename AT, int MT>
 __device__ void stream_f16_scaled_from(__half* xs, int k, float* inv, unsigned* amax) {
   const int vecs = k / 8;
-  // |x| of a 16-bit float orders like its bits without the sign; from kInf up they are Inf / NaN.
-  constexpr unsigned kInf = std::is_same_v<AT, __half> ? 0x7c00u : 0x7f80u;
   if (threadIdx.x < MT) amax[threadIdx.x] = 0;
   __syncthreads();
 #pragma unroll
   for (int t = 0; t < MT; ++t) {
-    const uint4* row = reinterpret_cast<const uint4*>(xs + int64_t(t) * k);
-    // Two values an instruction (max.u16x2 on sm_90) instead of a widening, a compare and a max
-    // each. NaN / Inf stay unscaled, so a thread whose largest bits are one of them takes its
-    // values again, one by one, skipping them (only rows holding NaN / Inf pay).
-    unsigned m2 = 0;
+    float mx = 0.f;
     for (int c = threadIdx.x; c < vecs; c += kStreamThreads) {
-      const uint4 v = row[c];
-      m2 = __vimax3_u16x2(m2, v.x & 0x7fff7fffu, v.y & 0x7fff7fffu);
-      m2 = __vimax3_u16x2(m2, v.z & 0x7fff7fffu, v.w & 0x7fff7fffu);
+      float f[8];
+      widen8<AT>(reinterpret_cast<const uint4*>(xs + int64_t(t) * k)[c], f);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (fabsf(f[j]) <= 3.4e38f) mx = fmaxf(mx, fabsf(f[j]));  // NaN / Inf stay unscaled
     }
-    unsigned mb = max(m2 & 0xffffu, m2 >> 16);
-    if (mb >= kInf) {
-      mb = 0;
-      for (int c = threadIdx.x; c < vecs; c += kStreamThreads) {
-        const uint4 v = row[c];
-        for (const unsigned w : {v.x, v.y, v.z, v.w})
-          for (const unsigned a : {w & 0x7fffu, (w >> 16) & 0x7fffu})
-            if (a < kInf) mb = max(mb, a);
-      }
-    }
-    float mx;
-    if constexpr (std::is_same_v<AT, __half>)
-      mx = __half2float(__ushort_as_half(static_cast<unsigned short>(mb)));
-    else
-      mx = __uint_as_float(mb << 16);
     mx = warp_max(mx);
     if (threadIdx.x % 32 == 0) atomicMax(amax + t, __float_as_uint(mx));
   }
