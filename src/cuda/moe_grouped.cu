@@ -69,6 +69,8 @@ namespace fmlp::detail {
 namespace {
 
 using fmlp::cuda::activate;
+using fmlp::cuda::cp_async_commit;
+using fmlp::cuda::cp_async_wait;
 using fmlp::cuda::expert_row_scale;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::mma;
@@ -117,15 +119,6 @@ __device__ __forceinline__ int b_copy_row(int i) {
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dst), "l"(src)
                : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
