@@ -153,14 +153,14 @@ __device__ float block_sum(float v, float* scratch) {
   return warp_sum(t);
 }
 
-// Calls fn(c0, f) for each run of 8 elements c0 .. c0 + 7 of this thread's share of a row of k
-// values of dtype t (fp32, fp16 or bf16), f their fp32 values. Where the row is 16-byte aligned
-// and k a multiple of 8 (`vec`), a thread requests PIECES runs with 16-byte loads before it uses
-// any: one memory latency a round. One scalar load at a time, each used before the next went out
-// (a dtype switch and shared-memory stores between them), staging llama3-8b's x (16 values a
-// thread) waited for 16 latencies in a row. Otherwise the elements go one by one (fn(c, f) with
-// f[0] only meaningful: n = 1).
-template <int THREADS, int PIECES = 2, typename Fn>
+// Calls fn(c0, n, f) for each run of n elements c0 .. c0 + n - 1 of this thread's share of a row
+// of k values of dtype t (fp32, fp16 or bf16), f[0 .. n) their fp32 values. Where the row is
+// 16-byte aligned and k a multiple of 8 (`vec`), runs are 8 long and a thread requests RUNS of
+// them with 16-byte loads before it uses any: one memory latency a round. One scalar load at a
+// time, each used before the next went out (a dtype switch and shared-memory stores between them),
+// staging llama3-8b's x (16 values a thread) waited for 16 latencies in a row. Otherwise the
+// elements go one by one (n = 1).
+template <int THREADS, int RUNS = 2, typename Fn>
 __device__ __forceinline__ void for_row_runs(const char* row, fmlp_dtype_t t, int k, bool vec,
                                              Fn fn) {
   if (!vec) {
@@ -173,17 +173,17 @@ __device__ __forceinline__ void for_row_runs(const char* row, fmlp_dtype_t t, in
   const bool f32 = t == FMLP_DTYPE_F32;
   const uint4* src = reinterpret_cast<const uint4*>(row);
   const int runs = k / 8;
-  for (int i0 = threadIdx.x; i0 < runs; i0 += PIECES * THREADS) {
-    uint4 v[PIECES][2];
+  for (int i0 = threadIdx.x; i0 < runs; i0 += RUNS * THREADS) {
+    uint4 v[RUNS][2];
 #pragma unroll
-    for (int j = 0; j < PIECES; ++j) {
+    for (int j = 0; j < RUNS; ++j) {
       const int i = i0 + j * THREADS;
       const bool in = i < runs;
       v[j][0] = in ? src[f32 ? 2 * i : i] : make_uint4(0, 0, 0, 0);
       v[j][1] = in && f32 ? src[2 * i + 1] : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int j = 0; j < PIECES; ++j) {
+    for (int j = 0; j < RUNS; ++j) {
       const int i = i0 + j * THREADS;
       if (i >= runs) break;
       float f[8];
