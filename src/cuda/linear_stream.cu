@@ -93,7 +93,7 @@ __device__ __forceinline__ bool x_vec_ok(const StreamParams& p) {
 // ptxas kept each load next to its store, so a thread waited for its pieces one after another:
 // at K = 14336 (seven a thread) that was 3-4 % of the bf16 downs' time and of the fp8 down's
 // (H200, session 37: 31.15 -> 30.1 us, 19.0 -> 18.25). cp.async.cg copies instead (no registers,
-// all in flight) were 10-47 % slower than the serial loads: L2 only, so the four blocks of a
+// all in flight) were 2-47 % slower than the serial loads: L2 only, so the four blocks of a
 // multiprocessor no longer share x's lines in L1 and every block's requests for the same few KB
 // meet in the L2 (cp.async.ca measured as the register loads).
 template <typename XT, int MT>
