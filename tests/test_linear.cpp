@@ -282,8 +282,9 @@ std::vector<LinCase> cases() {
   }
   // fp8 weights in the memory-order stream (linear_sm80_stream): every token count, rows that end
   // inside a batch (33 and 257 chunks of 16 bytes), both scale kinds, bias, misaligned and
-  // strided x, NaN and Inf in x, NaN codes in W, x spanning 2^-20..2^10 within each row, and x
-  // staged in exactly 48 KiB at one and four tokens.
+  // strided x, NaN and Inf in x (staged from registers where x is aligned, from the raw staged
+  // rows where not), NaN codes in W, x spanning 2^-20..2^10 within each row, and x staged in
+  // exactly 48 KiB at one and four tokens.
   for (int64_t m = 1; m <= 4; ++m)
     for (int64_t k : {528, 4112})
       for (int variant = 0; variant < 3; ++variant) {
@@ -295,7 +296,7 @@ std::vector<LinCase> cases() {
         c.bt = variant == 1 ? FMLP_DTYPE_F32 : variant == 2 ? c.xt : kAbsent;
         c.wide_x = variant == 0;
         c.x_misaligned = variant == 1;
-        c.nonfinite = variant == 1 && k == 528;
+        c.nonfinite = k == 528 ? variant == 1 : variant == 0;
         c.x_strided = variant == 2;
         c.w_nan = variant == 2 && k == 528;
         v.push_back(c);

@@ -326,7 +326,7 @@ std::vector<MlpCase> section_cases(Section s) {
             c.b2 = variant ? c.x_dtype : kAbsent;
             c.residual = variant == 0 ? Residual::kInPlace : kResiduals[(m + variant) % 3];
             if (c.d_out != c.d_in) c.residual = Residual::kNone;
-            c.nonfinite = m >= 3 && variant == 2;
+            c.nonfinite = m >= 3 && variant != 1;  // without a norm and with RMSNorm
             c.nan_weights = m == 2 && variant == 1;
             c.deterministic = variant == 0;
             c.data_seed = rng();

@@ -137,8 +137,8 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
   extern __shared__ uint4 smem_v[];
   XS* xs = reinterpret_cast<XS*>(smem_v);  // [MT][k]
   __shared__ float red[2][kStreamWarps][MT];
-  __shared__ float inv[MT];  // fp8: the per-token factor undoing the staging's power of two
-  __shared__ unsigned amax[MT];
+  __shared__ float inv[MT];      // fp8: the per-token factor undoing the staging's power of two
+  __shared__ unsigned amax[MT];  // fp8, misaligned x
   if (int(blockIdx.x) >= p.s.groups) return;
   const auto sp = stream_span<WT>(p.s);
   auto row_ptr = [&](int row) { return static_cast<const WT*>(p.w) + int64_t(row) * p.w_ld; };
@@ -147,14 +147,25 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
   const XS* xrun = xs;
   if constexpr (XDIRECT) {
     xrun = static_cast<const XS*>(p.x);
-  } else {
-    stage_x<XT, MT>(p, xs);  // fp8: the raw 16-bit x (bf16 or fp16: XT only sizes the pieces)
-    __syncthreads();
-    // fp8: x as fp16 times a power of two per token (stream_gemv.cuh). Per element, with a division
-    // by k per element, this staging was half of the fp8 stream's instructions (ncu, 4096 -> 14336
-    // at M = 1; 25.9 -> 17.9 us in 16-byte steps).
-    if constexpr (kFp8)
+  } else if constexpr (kFp8) {
+    // x as fp16 times a power of two per token (stream_gemv.cuh), from x in registers where its
+    // rows allow 16-byte loads. Per element, with a division by k per element, this staging was
+    // half of the fp8 stream's instructions (ncu, 4096 -> 14336 at M = 1; 25.9 -> 17.9 us in
+    // 16-byte steps).
+    if (!x_vec_ok<XT>(p)) {
+      stage_x<XT, MT>(p, xs);  // the raw 16-bit x (bf16 or fp16: XT only sizes the pieces)
+      __syncthreads();
       fmlp::cuda::stream_f16_scaled<MT>(xs, p.s.k, p.x_t == FMLP_DTYPE_F16, inv, amax);
+    } else if (p.x_t == FMLP_DTYPE_F16) {
+      fmlp::cuda::stream_stage_f16_scaled<__half, MT, false>(
+          xs, static_cast<const __half*>(p.x), p.x_ld, p.m, p.s.k, nullptr, red[0], inv);
+    } else {
+      fmlp::cuda::stream_stage_f16_scaled<__nv_bfloat16, MT, false>(
+          xs, static_cast<const __nv_bfloat16*>(p.x), p.x_ld, p.m, p.s.k, nullptr, red[0], inv);
+    }
+  } else {
+    stage_x<XT, MT>(p, xs);
+    __syncthreads();
   }
   struct Epi {
     float scale, bias;

@@ -61,8 +61,11 @@ using fmlp::cuda::stream_resident_blocks;
 using fmlp::cuda::stream_run;
 using fmlp::cuda::stream_shape;
 using fmlp::cuda::stream_span;
+using fmlp::cuda::stream_stage_f16_scaled;
 using fmlp::cuda::StreamFp8;
 using fmlp::cuda::StreamShape;
+using fmlp::cuda::to_f;
+using fmlp::cuda::x_rows_vec;
 
 constexpr int kMaxTokens = 4;
 // x and h are staged in the weights' 16-bit dtype: up to 2 tokens of llama3-8b's hidden (28 KiB
@@ -77,6 +80,7 @@ constexpr int kMinBlocks = M <= 2 ? 4 : 3;
 struct StreamMlpParams : DecodeOperands, fmlp::cuda::Fp8Scales {
   void* hbuf;         // [m, hidden] in the staged dtype (AT), workspace, zero between calls
   unsigned* counter;  // blocks of the down launch that staged h, zero between calls
+  unsigned* hmax;     // fp8: [m] each token's largest finite |h| (float bits), zero between calls
   StreamShape up, down;
   // Groups per block requested into L2 before the previous grid is complete (W1: its first; W2:
   // up to 64 KiB, 32 MiB over an H200's resident blocks, about half its L2), or none.
@@ -109,28 +113,64 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
   };
   uint4 cur[kStreamU];
   stream_begin<WT>(cur, p.up, sp, row_ptr, p.up_prefetch_groups);  // in flight while x is staged
-  stage_tokens_as<kStreamThreads, M>(p, reinterpret_cast<AT*>(xs), scratch);  // ends with a barrier
-  if constexpr (kFp8) stream_f16_scaled<M>(xs, p.k, std::is_same_v<AT, __half>, inv, amax);
+  bool staged = false;
+  if constexpr (kFp8) {
+    if (p.norm == FMLP_NORM_NONE && x_rows_vec(p)) {  // x is AT: straight to scaled fp16
+      stream_stage_f16_scaled<AT, M, false>(xs, static_cast<const AT*>(p.x), p.x_ld, M, p.k,
+                                            nullptr, red[0], inv);  // ends with a barrier
+      staged = true;
+    }
+  }
+  if (!staged) {
+    stage_tokens_as<kStreamThreads, M>(p, reinterpret_cast<AT*>(xs), scratch);  // ends likewise
+    if constexpr (kFp8) stream_f16_scaled<M>(xs, p.k, std::is_same_v<AT, __half>, inv, amax);
+  }
   // Dot product v of row j of the gate / dense rows (up = false) or of the up rows, dequantised.
   auto dq = [&](float v, int t, int j, bool up) {
     if constexpr (kFp8) v *= inv[t] * (up ? p.su[j * p.su_stride] : p.sg[j * p.sg_stride]);
     return v;
   };
   AT* h = static_cast<AT*>(p.hbuf);
+  // fp8: this thread's largest finite |h| per token, as stored, for the down kernel's power of two
+  float hmax[M] = {};
+  auto store_h = [&](int t, int j, float v) {
+    const AT r = from_f<AT>(v);
+    h[int64_t(t) * p.h + j] = r;
+    if constexpr (kFp8) {
+      const float a = fabsf(to_f(r));
+#pragma unroll
+      for (int tt = 0; tt < M; ++tt)  // a constant index keeps hmax in registers
+        if (tt == t && a <= 3.4e38f) hmax[tt] = fmaxf(hmax[tt], a);
+    }
+  };
   if (gated) {
     auto finish = [&](int row, int t, const float(&v)[2]) {
       const int j = row >> 1;
       const float a = dq(v[0], t, j, false) + opt(p.bg, p.bg_t, j, 0.f);
       const float u = dq(v[1], t, j, true) + opt(p.bu, p.bu_t, j, 0.f);
-      h[int64_t(t) * p.h + j] = from_f<AT>(activate(p.act, a) * u);
+      store_h(t, j, activate(p.act, a) * u);
     };
     stream_run<WT, XS, M, 2>(p.up, sp, xs, row_ptr, finish, cur, red);
   } else {
     auto finish = [&](int row, int t, const float(&v)[1]) {
-      h[int64_t(t) * p.h + row] =
-          from_f<AT>(activate(p.act, dq(v[0], t, row, false) + opt(p.bg, p.bg_t, row, 0.f)));
+      store_h(t, row, activate(p.act, dq(v[0], t, row, false) + opt(p.bg, p.bg_t, row, 0.f)));
     };
     stream_run<WT, XS, M, 1>(p.up, sp, xs, row_ptr, finish, cur, red);
+  }
+  if constexpr (kFp8) {  // one atomic per block and token
+    __shared__ float wmax[kStreamWarps][M];
+#pragma unroll
+    for (int t = 0; t < M; ++t) {
+      const float v = fmlp::cuda::warp_max(hmax[t]);
+      if (threadIdx.x % 32 == 0) wmax[threadIdx.x / 32][t] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < M) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < kStreamWarps; ++w) v = fmaxf(v, wmax[w][threadIdx.x]);
+      atomicMax(p.hmax + threadIdx.x, __float_as_uint(v));
+    }
   }
 }
 
@@ -144,7 +184,6 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
   __shared__ float red[2][kStreamWarps][M];
   __shared__ unsigned is_last;
   __shared__ float inv[M];
-  __shared__ unsigned amax[M];
   if (int(blockIdx.x) >= p.down.groups) return;
   const auto sp = stream_span<WT>(p.down);
   auto row_ptr = [&](int row) { return static_cast<const WT*>(p.w2) + int64_t(row) * p.w2_ld; };
@@ -152,15 +191,20 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
   stream_begin<WT>(cur, p.down, sp, row_ptr, p.down_prefetch_groups);  // then h is complete
   const int vecs = M * p.h / 8;                                        // hidden is a multiple of 8
   uint4* hbuf = static_cast<uint4*>(p.hbuf);
-  for (int i = threadIdx.x; i < vecs; i += kStreamThreads) smem_v[i] = __ldcg(hbuf + i);
-  __syncthreads();  // this block's reads of h are done
+  if constexpr (kFp8) {  // h as scaled fp16 (stream_gemv.cuh) with the up kernel's largest |h|
+    stream_stage_f16_scaled<AT, M, true>(hs, static_cast<const AT*>(p.hbuf), p.h, M, p.h, p.hmax,
+                                         red[0], inv);  // ends with a barrier
+  } else {
+    for (int i = threadIdx.x; i < vecs; i += kStreamThreads) smem_v[i] = __ldcg(hbuf + i);
+    __syncthreads();  // this block's reads of h are done
+  }
   if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
   __syncthreads();
   if (is_last) {  // every block has staged h: re-zero it for the next call
     for (int i = threadIdx.x; i < vecs; i += kStreamThreads) hbuf[i] = make_uint4(0, 0, 0, 0);
     if (threadIdx.x == 0) *p.counter = 0;
+    if (kFp8 && threadIdx.x < M) p.hmax[threadIdx.x] = 0;
   }
-  if constexpr (kFp8) stream_f16_scaled<M>(hs, p.h, std::is_same_v<AT, __half>, inv, amax);
   const size_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
   auto finish = [&](int row, int t, const float(&v)[1]) {
     float r = v[0];
@@ -257,7 +301,8 @@ bool mlp_decode_sm80_stream_supports(const MlpDesc& d, std::string* why) {
 }
 
 size_t mlp_decode_sm80_stream_workspace(const MlpDesc& d) {
-  return align_up(size_t(d.m) * size_t(d.hidden) * stage_elem_bytes(d)) + align_up(4);
+  return align_up(size_t(d.m) * size_t(d.hidden) * stage_elem_bytes(d)) +
+         align_up(4 * (1 + size_t(d.m)));
 }
 
 fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc& d,
@@ -270,6 +315,7 @@ fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc
   p.hbuf = base;
   p.counter = reinterpret_cast<unsigned*>(
       base + align_up(size_t(d.m) * size_t(d.hidden) * stage_elem_bytes(d)));
+  p.hmax = p.counter + 1;
   const int es = int(dtype_size(d.w_dtype));
   p.up = stream_shape(d.gated ? 2 * d.hidden : d.hidden, d.d_in, es, d.m, d.gated ? 2 : 1);
   p.down = stream_shape(d.d_out, d.hidden, es, d.m);

@@ -328,12 +328,40 @@ __device__ __forceinline__ float stream_dot16_f16(const uint32_t (&h)[8], const 
   return f.x + f.y;
 }
 
+// The largest of `mx` and the finite |v| of eight 16-bit values of AT: NaN and Inf stay out of
+// the power of two (they are staged unscaled).
+template <typename AT>
+__device__ __forceinline__ float stream_finite_amax8(const uint4& in, float mx) {
+  float f[8];
+  widen8<AT>(in, f);
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    if (fabsf(f[j]) <= 3.4e38f) mx = fmaxf(mx, fabsf(f[j]));
+  return mx;
+}
+
+// Eight 16-bit values of AT times `mul` (a power of two: exact unless it leaves fp16's range) as
+// fp16.
+template <typename AT>
+__device__ __forceinline__ uint4 stream_f16_times(const uint4& in, float mul) {
+  float f[8];
+  widen8<AT>(in, f);
+  uint32_t h[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __half2 pair = __floats2half2_rn(f[2 * j] * mul, f[2 * j + 1] * mul);
+    h[j] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+  return make_uint4(h[0], h[1], h[2], h[3]);
+}
+
 // For fp8 weights: the staged token rows xs [MT][k] (16-bit values of x's dtype AT, k a multiple
 // of 16) become, in place, fp16 times a power of two per token that puts the token's largest
 // finite |x| in [8, 16) (file comment), each chunk's halves in stream_f16_piece order; inv[t]
 // gets the factor that undoes it. Each thread reads and rewrites the same 32-byte chunks, one
 // loop per token (no division by k). Every thread of the block calls it once the rows are staged
-// and visible; it ends with a barrier.
+// and visible; it ends with a barrier. stream_stage_f16_scaled below does the same from global
+// memory without the staged raw rows.
 template <typename AT, int MT>
 __device__ void stream_f16_scaled_from(__half* xs, int k, float* inv, unsigned* amax) {
   const int vecs = k / 8;
@@ -342,13 +370,8 @@ __device__ void stream_f16_scaled_from(__half* xs, int k, float* inv, unsigned* 
 #pragma unroll
   for (int t = 0; t < MT; ++t) {
     float mx = 0.f;
-    for (int c = threadIdx.x; c < vecs; c += kStreamThreads) {
-      float f[8];
-      widen8<AT>(reinterpret_cast<const uint4*>(xs + int64_t(t) * k)[c], f);
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (fabsf(f[j]) <= 3.4e38f) mx = fmaxf(mx, fabsf(f[j]));  // NaN / Inf stay unscaled
-    }
+    for (int c = threadIdx.x; c < vecs; c += kStreamThreads)
+      mx = stream_finite_amax8<AT>(reinterpret_cast<const uint4*>(xs + int64_t(t) * k)[c], mx);
     mx = warp_max(mx);
     if (threadIdx.x % 32 == 0) atomicMax(amax + t, __float_as_uint(mx));
   }
@@ -362,16 +385,83 @@ __device__ void stream_f16_scaled_from(__half* xs, int k, float* inv, unsigned* 
     for (int c = threadIdx.x; c < vecs / 2; c += kStreamThreads) {
       const uint4 in[2] = {row[2 * c], row[2 * c + 1]};
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float f[8];
-        widen8<AT>(in[half], f);
-        uint32_t h[4];
+      for (int half = 0; half < 2; ++half)
+        row[stream_f16_piece(c, half)] = stream_f16_times<AT>(in[half], mul);
+    }
+  }
+  __syncthreads();
+}
+
+// stream_f16_scaled_from's result straight from token rows of 16-bit x in global memory (rows m
+// .. MT - 1 zero): x at `x` (16-byte aligned, row stride x_ld elements a multiple of 8), k a
+// multiple of 16. One pass of batched loads takes each token's largest finite |x|, unless the
+// producer of x took it (`amax_given`: [m] float bits, read after the previous grid's wait), a
+// second loads x again and stores it scaled, in stream_f16_piece order. Staging the raw rows and
+// then scanning and rewriting them moved each block's x through shared memory four times, with
+// the stream's first batch waiting behind it. L2_ONLY: x was written by the previous grid (read
+// it from L2: this multiprocessor's L1 may hold an older copy). `wmax` is [kStreamWarps][MT]
+// shared floats, free until the end barrier; inv[t] as in stream_f16_scaled_from.
+template <typename AT, int MT, bool L2_ONLY>
+__device__ void stream_stage_f16_scaled(__half* xs, const AT* x, int64_t x_ld, int m, int k,
+                                        const unsigned* amax_given, float (*wmax)[MT], float* inv) {
+  constexpr int kRound = 4;  // 16-byte loads a thread requests before it uses any
+  const int vecs = k / 8;
+  auto load = [](const uint4* src) {
+    if constexpr (L2_ONLY) return __ldcg(src);
+    return *src;
+  };
+  if (amax_given == nullptr) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const __half2 pair = __floats2half2_rn(f[2 * j] * mul, f[2 * j + 1] * mul);
-          h[j] = *reinterpret_cast<const uint32_t*>(&pair);
+    for (int t = 0; t < MT; ++t) {
+      float mx = 0.f;
+      if (t < m) {
+        const uint4* src = reinterpret_cast<const uint4*>(x + int64_t(t) * x_ld);
+        for (int i0 = threadIdx.x; i0 < vecs; i0 += kRound * kStreamThreads) {
+          uint4 v[kRound];
+#pragma unroll
+          for (int j = 0; j < kRound; ++j) {
+            const int i = i0 + j * kStreamThreads;
+            v[j] = i < vecs ? load(src + i) : make_uint4(0, 0, 0, 0);
+          }
+#pragma unroll
+          for (int j = 0; j < kRound; ++j) mx = stream_finite_amax8<AT>(v[j], mx);
         }
-        row[stream_f16_piece(c, half)] = make_uint4(h[0], h[1], h[2], h[3]);
+      }
+      mx = warp_max(mx);
+      if (threadIdx.x % 32 == 0) wmax[threadIdx.x / 32][t] = mx;
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int t = 0; t < MT; ++t) {
+    uint4* dst = reinterpret_cast<uint4*>(xs + int64_t(t) * k);
+    if (t >= m) {
+      for (int i = threadIdx.x; i < vecs; i += kStreamThreads) dst[i] = make_uint4(0, 0, 0, 0);
+      if (threadIdx.x == t) inv[t] = 1.f;
+      continue;
+    }
+    float a = 0.f;
+    if (amax_given) {
+      a = __uint_as_float(__ldcg(amax_given + t));
+    } else {
+#pragma unroll
+      for (int w = 0; w < kStreamWarps; ++w) a = fmaxf(a, wmax[w][t]);
+    }
+    const int shift = pow2_shift_to(__float_as_uint(a), 4);
+    const float mul = ldexpf(1.f, shift);
+    if (threadIdx.x == t) inv[t] = ldexpf(1.f, -shift);
+    const uint4* src = reinterpret_cast<const uint4*>(x + int64_t(t) * x_ld);
+    for (int i0 = threadIdx.x; i0 < vecs; i0 += kRound * kStreamThreads) {
+      uint4 v[kRound];
+#pragma unroll
+      for (int j = 0; j < kRound; ++j) {
+        const int i = i0 + j * kStreamThreads;
+        v[j] = i < vecs ? load(src + i) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int j = 0; j < kRound; ++j) {
+        const int i = i0 + j * kStreamThreads;
+        if (i < vecs) dst[stream_f16_piece(i >> 1, i & 1)] = stream_f16_times<AT>(v[j], mul);
       }
     }
   }
