@@ -87,20 +87,6 @@ std::string shape_text(const MlpDesc& d) {
                      fmlp_dtype_name(d.act_dtype), w);
 }
 
-// fp8 weights on the weight streams (mlp_decode_sm80_stream) against the next decode entry, the
-// cluster kernel, measured on an H200 (session 22, per-row scales, same call, us, stream /
-// cluster): M = 1 gpt2-small 8.1 / 15.6, 4096 -> 4096 17.7 / 34.8, llama3-8b 54.7 / 72.4,
-// llama3-70b 182.3 / 228.5; M = 2 11.5 / 15.8, 23.9 / 35.1, 68.3 / 72.8 (70b: x and h outgrow
-// the stream's shared memory); M = 4 15.8 / 16.0, 42.3 / 36.7 (8b and 70b do not fit). Each
-// token adds two 16-byte x loads from shared memory and a packed-fp16 dot product per weight
-// chunk; from about four tokens on the cluster kernel's tensor cores win: the streams take fp8
-// at M <= 2.
-constexpr const char* kStreamName = "mlp_decode_sm80_stream";
-constexpr int64_t kFp8StreamMaxM = 2;
-bool fp8_stream_preferred(const MlpDesc& d) {
-  return d.w_dtype != FMLP_DTYPE_F8_E4M3 || d.m <= kFp8StreamMaxM;
-}
-
 // What the prefill path does differently for fp8 weights, for explain.
 const char* fp8_note(const MlpDesc& d, bool prefill) {
   if (d.w_dtype != FMLP_DTYPE_F8_E4M3) return "";
@@ -136,20 +122,19 @@ const MlpKernel* cuda_plan(const MlpDesc& d, std::string* reason) {
       return prefill;
     }
   }
-  // Below the crossover (or when the prefill path cannot run it): table order, decode first.
+  // Below the crossover (or when the prefill path cannot run it): table order, decode first. fp8
+  // weights too go to the weight streams (mlp_decode_sm80_stream) at every M they take (1..4, x
+  // and h within their shared memory). Until session 38 the streams were passed over for fp8 from
+  // three tokens on, for the cluster kernel (session 22, M = 4: 15.8 / 42.3 us against 16.0 / 36.7
+  // for gpt2-small / 4096 -> 4096); after sessions 36-38's leaner fp8 chunk and staging they win
+  // at M = 3 and 4 (H200, session 38, kernels forced in one call, us, stream / cluster):
+  // gpt2-small 12.26 / 15.58 and 15.18 / 15.42, 4096 -> 4096 24.34 / 35.82 and 30.53 / 35.80,
+  // llama3-8b at M = 3 72.18 / 72.43 (its M = 4 does not fit the streams).
   const MlpKernelList l = cuda_mlp_kernels();
-  std::string passed_over;
   for (size_t i = 0; i < l.count; ++i) {
     const MlpKernel& k = l.kernels[i];
     if (&k == prefill && d.m >= c.m) continue;  // already asked
     if (!k.supports(d, &why)) continue;
-    if (std::strcmp(k.name, kStreamName) == 0 && !fp8_stream_preferred(d)) {
-      passed_over = fmt::format(
-          "; {} passed over: fp8 weights at M={}, where it is slower (it takes fp8 at M <= {}; "
-          "measured on NVIDIA H200)",
-          kStreamName, d.m, kFp8StreamMaxM);
-      continue;
-    }
     if (reason)
       *reason = d.m >= c.m ? fmt::format(
                                  "M={} >= crossover {} ({}) for {}, but {} cannot run it; "
@@ -157,7 +142,6 @@ const MlpKernel* cuda_plan(const MlpDesc& d, std::string* reason) {
                                  d.m, c.m, c.source, shape_text(d), kPrefillKernelName)
                            : fmt::format("M={} < crossover {} ({}) for {}: decode kernels first{}",
                                          d.m, c.m, c.source, shape_text(d), fp8_note(d, false));
-    if (reason) *reason += passed_over;
     return &k;
   }
   if (reason) *reason = "no CUDA kernel handles the request";
