@@ -27,8 +27,8 @@
 //   - fp32 accumulation; fp8 e4m3 chunks (16 weights) are widened exactly to fp16 pairs with
 //     cvt.rn.f16x2.e4m3x2 and multiplied with packed fp16 FMAs into one fp16x2 sum per chunk (8
 //     products per half) before the fp32 add: widening to fp32 instead costs 16 more conversions
-//     per chunk (4096 -> 14336 at M = 1 on an H200: 16.9 us against a 14.9 us read in session
-//     37; 26.8 us before session 21's x staging in 16-byte steps, 18.3 before session 36's
+//     per chunk (4096 -> 14336 at M = 1 on an H200: 16.3-16.7 us in session 38 against a 14.9
+//     us read; 26.8 us before session 21's x staging in 16-byte steps, 18.3 before session 36's
 //     leaner chunk). Measured and dropped (session 7): widening with integer ops
 //     (an e4m3 byte moved to fp16 bits 15 and 13..7 is w * 2^-8), 31.0 us, and half of each
 //     chunk each way, 29.7 us; the fp8 tensor-core mma.sync is no way around it either: sm_90
