@@ -109,11 +109,18 @@ __device__ void stage_x(const StreamParams& p, XT* xs) {
     if (t >= p.m) {
       for (int c = threadIdx.x; c < vecs; c += kStreamThreads) dst[c] = make_uint4(0, 0, 0, 0);
     } else if (vec) {
-      fmlp::cuda::stream_row_pieces(
-          reinterpret_cast<const uint4*>(src), vecs, [](const uint4* s4) { return *s4; },
-          [&](int c, const uint4& v) {
-            if (c < vecs) dst[c] = v;
-          });
+      const uint4* s4 = reinterpret_cast<const uint4*>(src);
+      for (int c0 = threadIdx.x; c0 < vecs; c0 += 4 * kStreamThreads) {
+        uint4 v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int c = c0 + j * kStreamThreads;
+          v[j] = c < vecs ? s4[c] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (c0 + j * kStreamThreads < vecs) dst[c0 + j * kStreamThreads] = v[j];
+      }
     } else {
       for (int c = threadIdx.x; c < vecs; c += kStreamThreads)
         dst[c] = fmlp::cuda::load_16b(src, c * kPerVec, false);

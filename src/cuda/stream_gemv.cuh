@@ -392,23 +392,6 @@ __device__ void stream_f16_scaled_from(__half* xs, int k, float* inv, unsigned* 
   __syncthreads();
 }
 
-// Calls fn(i, piece) for this thread's 16-byte pieces i of a row of `vecs` pieces at src, loaded by
-// load(src + i), four requested before any is used; pieces past the row (i >= vecs) come as zeros.
-template <typename Load, typename Fn>
-__device__ __forceinline__ void stream_row_pieces(const uint4* src, int vecs, Load load, Fn fn) {
-  constexpr int kRound = 4;
-  for (int i0 = threadIdx.x; i0 < vecs; i0 += kRound * kStreamThreads) {
-    uint4 v[kRound];
-#pragma unroll
-    for (int j = 0; j < kRound; ++j) {
-      const int i = i0 + j * kStreamThreads;
-      v[j] = i < vecs ? load(src + i) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int j = 0; j < kRound; ++j) fn(i0 + j * kStreamThreads, v[j]);
-  }
-}
-
 // stream_f16_scaled_from's result straight from token rows of 16-bit x in global memory (rows m
 // .. MT - 1 zero): x at `x` (16-byte aligned, row stride x_ld elements a multiple of 8), k a
 // multiple of 16. One pass of batched loads takes each token's largest finite |x|, unless the
@@ -421,20 +404,28 @@ __device__ __forceinline__ void stream_row_pieces(const uint4* src, int vecs, Lo
 template <typename AT, int MT, bool L2_ONLY>
 __device__ void stream_stage_f16_scaled(__half* xs, const AT* x, int64_t x_ld, int m, int k,
                                         const unsigned* amax_given, float (*wmax)[MT], float* inv) {
+  constexpr int kRound = 4;  // 16-byte loads a thread requests before it uses any
   const int vecs = k / 8;
   auto load = [](const uint4* src) {
     if constexpr (L2_ONLY) return __ldcg(src);
     return *src;
-  };
-  auto row_pieces = [&](int t, auto fn) {
-    stream_row_pieces(reinterpret_cast<const uint4*>(x + int64_t(t) * x_ld), vecs, load, fn);
   };
   if (amax_given == nullptr) {
 #pragma unroll
     for (int t = 0; t < MT; ++t) {
       float mx = 0.f;
       if (t < m) {
-        row_pieces(t, [&](int, const uint4& v) { mx = stream_finite_amax8<AT>(v, mx); });
+        const uint4* src = reinterpret_cast<const uint4*>(x + int64_t(t) * x_ld);
+        for (int i0 = threadIdx.x; i0 < vecs; i0 += kRound * kStreamThreads) {
+          uint4 v[kRound];
+#pragma unroll
+          for (int j = 0; j < kRound; ++j) {
+            const int i = i0 + j * kStreamThreads;
+            v[j] = i < vecs ? load(src + i) : make_uint4(0, 0, 0, 0);
+          }
+#pragma unroll
+          for (int j = 0; j < kRound; ++j) mx = stream_finite_amax8<AT>(v[j], mx);
+        }
       }
       mx = warp_max(mx);
       if (threadIdx.x % 32 == 0) wmax[threadIdx.x / 32][t] = mx;
@@ -459,9 +450,20 @@ __device__ void stream_stage_f16_scaled(__half* xs, const AT* x, int64_t x_ld, i
     const int shift = pow2_shift_to(__float_as_uint(a), 4);
     const float mul = ldexpf(1.f, shift);
     if (threadIdx.x == t) inv[t] = ldexpf(1.f, -shift);
-    row_pieces(t, [&](int i, const uint4& v) {
-      if (i < vecs) dst[stream_f16_piece(i >> 1, i & 1)] = stream_f16_times<AT>(v, mul);
-    });
+    const uint4* src = reinterpret_cast<const uint4*>(x + int64_t(t) * x_ld);
+    for (int i0 = threadIdx.x; i0 < vecs; i0 += kRound * kStreamThreads) {
+      uint4 v[kRound];
+#pragma unroll
+      for (int j = 0; j < kRound; ++j) {
+        const int i = i0 + j * kStreamThreads;
+        v[j] = i < vecs ? load(src + i) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int j = 0; j < kRound; ++j) {
+        const int i = i0 + j * kStreamThreads;
+        if (i < vecs) dst[stream_f16_piece(i >> 1, i & 1)] = stream_f16_times<AT>(v[j], mul);
+      }
+    }
   }
   __syncthreads();
 }
