@@ -27,7 +27,7 @@
 //   - fp32 accumulation; fp8 e4m3 chunks (16 weights) are widened exactly to fp16 pairs with
 //     cvt.rn.f16x2.e4m3x2 and multiplied with packed fp16 FMAs into one fp16x2 sum per chunk (8
 //     products per half) before the fp32 add: widening to fp32 instead costs 16 more conversions
-//     per chunk (4096 -> 14336 at M = 1 on an H200: 16.3-16.7 us in session 38 against a 14.9
+//     per chunk (4096 -> 14336 at M = 1 on an H200: 16.2-16.7 us in session 38 against a 14.9
 //     us read; 26.8 us before session 21's x staging in 16-byte steps, 18.3 before session 36's
 //     leaner chunk). Measured and dropped (session 7): widening with integer ops
 //     (an e4m3 byte moved to fp16 bits 15 and 13..7 is w * 2^-8), 31.0 us, and half of each
@@ -400,7 +400,9 @@ __device__ void stream_f16_scaled_from(__half* xs, int k, float* inv, unsigned* 
 // then scanning and rewriting them moved each block's x through shared memory four times, with
 // the stream's first batch waiting behind it. L2_ONLY: x was written by the previous grid (read
 // it from L2: this multiprocessor's L1 may hold an older copy). `wmax` is [kStreamWarps][MT]
-// shared floats, free until the end barrier; inv[t] as in stream_f16_scaled_from.
+// shared floats, free until the end barrier; inv[t] as in stream_f16_scaled_from. The two passes'
+// batched loads are written out: one loader shared with them and linear_stream.cu's stage_x
+// changed how ptxas scheduled the fp8 instances and ran them 3-10 % slower (H200, session 38).
 template <typename AT, int MT, bool L2_ONLY>
 __device__ void stream_stage_f16_scaled(__half* xs, const AT* x, int64_t x_ld, int m, int k,
                                         const unsigned* amax_given, float (*wmax)[MT], float* inv) {
