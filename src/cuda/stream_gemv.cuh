@@ -398,11 +398,13 @@ __device__ void stream_f16_scaled_from(__half* xs, int k, float* inv, unsigned* 
 // producer of x took it (`amax_given`: [m] float bits, read after the previous grid's wait), a
 // second loads x again and stores it scaled, in stream_f16_piece order. Staging the raw rows and
 // then scanning and rewriting them moved each block's x through shared memory four times, with
-// the stream's first batch waiting behind it. L2_ONLY: x was written by the previous grid (read
-// it from L2: this multiprocessor's L1 may hold an older copy). `wmax` is [kStreamWarps][MT]
-// shared floats, free until the end barrier; inv[t] as in stream_f16_scaled_from. The two passes'
-// batched loads are written out: one loader shared with them and linear_stream.cu's stage_x
-// changed how ptxas scheduled the fp8 instances and ran them 3-10 % slower (H200, session 38).
+// the stream's first batch waiting behind it. L2_ONLY: x was written by the previous grid; read
+// it from L2, as the MLP down kernel always has (through L1 measured no faster in session 38, and
+// would rest on the wait's visibility guarantee reaching lines an earlier call left in L1). `wmax`
+// is [kStreamWarps][MT] shared floats, free until the end barrier; inv[t] as in
+// stream_f16_scaled_from. The two passes' batched loads are written out: one loader shared with
+// them and linear_stream.cu's stage_x changed how ptxas scheduled the fp8 instances and ran them
+// 3-10 % slower (H200, session 38).
 template <typename AT, int MT, bool L2_ONLY>
 __device__ void stream_stage_f16_scaled(__half* xs, const AT* x, int64_t x_ld, int m, int k,
                                         const unsigned* amax_given, float (*wmax)[MT], float* inv) {
