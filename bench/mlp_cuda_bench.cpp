@@ -8,7 +8,8 @@
 //      median of many replays, against the floor (weight + x/y bytes) / measured copy bandwidth
 //
 // usage: fusedmlp_cuda_bench [--json FILE] [--shapes a,b] [--ms 1,4] [--reps N] [--skip-matrix]
-//                            [--kernel NAME] [--wdtype bf16|f8]
+//                            [--kernel NAME] [--wdtype bf16|f8] [--norm none|layernorm|rmsnorm]
+//   --norm: the model shapes with that pre-norm fused (gamma, and beta for LayerNorm, in bf16)
 // shapes: gpt2-small, seed-4096, llama3-8b, llama3-70b (the default set) and llama3-70b-tp2 (one
 // rank's shard of llama3-70b at tensor parallelism 2)
 #include <cuda_runtime.h>
@@ -298,6 +299,8 @@ struct Case {
 const char* g_kernel = nullptr;
 // Weight dtype of the model-shape sweep (--wdtype bf16 | f8).
 fmlp_dtype_t g_wt = FMLP_DTYPE_BF16;
+// Pre-norm of the model-shape sweep (--norm none | layernorm | rmsnorm).
+fmlp_norm_t g_norm = FMLP_NORM_NONE;
 
 // Runs the cuda op (packed or not) on the whole batch.
 struct Runner {
@@ -601,7 +604,16 @@ int main(int argc, char** argv) {
       g_kernel = argv[++i];
     else if (a == "--wdtype" && i + 1 < argc)
       g_wt = std::string(argv[++i]) == "f8" ? FMLP_DTYPE_F8_E4M3 : FMLP_DTYPE_BF16;
-    else if (a == "--skip-matrix")
+    else if (a == "--norm" && i + 1 < argc) {
+      const std::string n = argv[++i];
+      if (n != "none" && n != "layernorm" && n != "rmsnorm") {
+        std::fprintf(stderr, "--norm %s: expected none, layernorm or rmsnorm\n", n.c_str());
+        return 1;
+      }
+      g_norm = n == "layernorm" ? FMLP_NORM_LAYERNORM
+               : n == "rmsnorm" ? FMLP_NORM_RMSNORM
+                                : FMLP_NORM_NONE;
+    } else if (a == "--skip-matrix")
       matrix = false;
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
@@ -637,7 +649,8 @@ int main(int argc, char** argv) {
     p0 = c == std::string::npos ? ms_arg.size() : c + 1;
   }
   std::string out = "{\"gpu\": \"" + std::string(prop.name) +
-                    "\", \"copy_TBps\": " + std::to_string(bw / 1e12) + ", \"mlp\": [";
+                    "\", \"copy_TBps\": " + std::to_string(bw / 1e12) +
+                    ", \"norm\": " + std::to_string(int(g_norm)) + ", \"mlp\": [";
   bool first = true;
   cudaStream_t s;
   CK(cudaStreamCreate(&s));
@@ -650,9 +663,9 @@ int main(int argc, char** argv) {
     const double wbytes = double(rows1 * sh.d + sh.d * sh.h) * double(esize(g_wt));
     const int copies = std::max(1, int(std::ceil(3.0 * prop.l2CacheSize / wbytes)));
     for (int64_t m : ms) {
-      Problem p{m,      sh.d,           sh.h,     sh.d,  FMLP_DTYPE_BF16, g_wt,  FMLP_DTYPE_BF16,
-                sh.act, FMLP_NORM_NONE, sh.gated, false, !sh.gated,       false, false,
-                false,  false,          0};
+      Problem p{m,      sh.d,   sh.h,     sh.d,  FMLP_DTYPE_BF16, g_wt,  FMLP_DTYPE_BF16,
+                sh.act, g_norm, sh.gated, false, !sh.gated,       false, false,
+                false,  false,  0};
       std::vector<Case> cs(static_cast<size_t>(copies));
       std::vector<Runner> rs(static_cast<size_t>(copies));
       bool skipped = false;
