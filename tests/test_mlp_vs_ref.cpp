@@ -393,7 +393,8 @@ void KernelTest::run_section(Section s) {
     }
     const CaseData data = make_data(c, c.data_seed);
     p.upload(data);
-    const RunOutcome run = run_kernel(p, kernel_);
+    Buffer ws;
+    const RunOutcome run = run_kernel(p, kernel_, &ws);
     if (run.status != FMLP_SUCCESS) {
       ADD_FAILURE() << case_header(s, i, c) << ": " << fmlp_status_name(run.status) << ": "
                     << run.error;
@@ -402,6 +403,13 @@ void KernelTest::run_section(Section s) {
     std::string stray;
     const std::vector<double> out = p.download_y(&stray);
     EXPECT_TRUE(stray.empty()) << case_header(s, i, c) << ": " << stray;
+    if (device_) {  // fusedmlp.h: a CUDA workspace is left zero-filled for the next call
+      const std::vector<unsigned char> left = ws.download();
+      const auto nz = std::find_if(left.begin(), left.end(), [](unsigned char v) { return v; });
+      EXPECT_TRUE(nz == left.end())
+          << case_header(s, i, c) << ": workspace byte " << (nz - left.begin()) << " of "
+          << left.size() << " left nonzero (the next call would read it)";
+    }
     const bool gemm_composed = std::string(kernel_).find("prefill") != std::string::npos;
     const CompareOutcome cmp = compare(c, out, reference(c, data), gemm_composed);
     ++ran;
