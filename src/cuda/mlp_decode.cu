@@ -12,8 +12,9 @@
 //      outputs into an fp32 workspace with red.global.add (deterministic mode: stores its own
 //      partials instead),
 //   4. counts, per 16-row output tile, the blocks that are done; the block that completes a
-//      tile adds b2 and the residual, writes y and re-zeroes the tile's workspace and counter,
-//      so the next call (or a CUDA-graph replay) starts from a clean workspace without a memset.
+//      tile adds b2 and the residual, writes y and re-zeroes the tile's workspace (deterministic
+//      mode: every block's slot of it) and counter, so the next call (or a CUDA-graph replay)
+//      starts from a clean workspace without a memset.
 //
 // Precision: weights enter the tensor cores exactly (fp16/fp32 weights are split into two bf16
 // halves, hi + lo; fp8 e4m3 weights are exact in bf16, their fp32 scales are applied to the
@@ -406,8 +407,10 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_splitk(const Deco
           float* dst = part + int64_t(o) * kMpad + n;
           const float s2 = kFp8<WT> ? p.s2[o * p.s2_stride] : 1.f;  // a partial sum of row o
           const float v0 = acc[q][j][2 * r] * s2, v1 = acc[q][j][2 * r + 1] * s2;
-          if (p.deterministic) {
+          if (p.deterministic && n + 1 < p.m) {  // a padded token's column stays zero
             *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+          } else if (p.deterministic) {
+            *dst = v0;
           } else if (n + 1 < p.m) {
             fmlp::cuda::red_add_v2_f32(dst, v0, v1);
           } else {
@@ -437,9 +440,13 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_splitk(const Deco
         const int o = lmt * 16 + (idx & 15), n = idx >> 4;
         if (o >= p.n) continue;
         float v;
-        if (p.deterministic) {
+        if (p.deterministic) {  // the blocks' slots in block order, each left zero
           v = 0.f;
-          for (int bb = 0; bb < G; ++bb) v += __ldcg(p.ws + (int64_t(bb) * p.n + o) * kMpad + n);
+          for (int bb = 0; bb < G; ++bb) {
+            float* w = p.ws + (int64_t(bb) * p.n + o) * kMpad + n;
+            v += __ldcg(w);
+            __stcg(w, 0.f);
+          }
         } else {
           float* w = p.ws + int64_t(o) * kMpad + n;
           v = __ldcg(w);
