@@ -13,8 +13,9 @@
 //      row j interleaved as rows 2j and 2j + 1 of one virtual matrix, so one thread gets both
 //      sums); the epilogue adds b1 (b_gate, b_up), applies the activation (and the gating) and
 //      stores h rounded to the weights' dtype (as PyTorch rounds it) to the workspace.
-//   2. mlp_decode_sm80_stream_down: launched early, requests its first W2 batch (and, where W2
-//      outgrows the L2, its first groups into L2) before it waits for the up grid; then every
+//   2. mlp_decode_sm80_stream_down: launched early, requests its first W2 batch (and into L2,
+//      where W2 outgrows the L2 its first groups, else where rows are long its next two batches)
+//      before it waits for the up grid; then every
 //      block stages h, counts itself in, and the last block to have staged it re-zeroes h and
 //      the counter (the workspace contract: left zero); W2 is streamed; the epilogue adds b2 and
 //      the residual and writes y.
@@ -88,6 +89,9 @@ struct StreamMlpParams : DecodeOperands, fmlp::cuda::Fp8Scales {
   // Groups per block requested into L2 before the previous grid is complete (W1: its first; W2:
   // up to 64 KiB, 32 MiB over an H200's resident blocks, about half its L2), or none.
   int up_prefetch_groups, down_prefetch_groups;
+  // W2 batches after the first of each block's first group requested into L2 before the wait,
+  // to keep HBM busy while h is staged (where W2 groups are not prefetched).
+  int down_prefetch_batches;
 };
 
 // Both kernels are launched with programmatic dependent launch: stream_begin requests the first
@@ -191,8 +195,9 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
   const auto sp = stream_span<WT>(p.down);
   auto row_ptr = [&](int row) { return static_cast<const WT*>(p.w2) + int64_t(row) * p.w2_ld; };
   uint4 cur[kStreamU];
-  stream_begin<WT>(cur, p.down, sp, row_ptr, p.down_prefetch_groups);  // then h is complete
-  const int vecs = M * p.h / 8;                                        // hidden is a multiple of 8
+  stream_begin<WT>(cur, p.down, sp, row_ptr, p.down_prefetch_groups,
+                   p.down_prefetch_batches);  // then h is complete
+  const int vecs = M * p.h / 8;               // hidden is a multiple of 8
   uint4* hbuf = static_cast<uint4*>(p.hbuf);
   if constexpr (kFp8) {  // h as scaled fp16 (stream_gemv.cuh) with the up kernel's largest |h|
     stream_stage_f16_scaled<AT, M, true>(hs, static_cast<const AT*>(p.hbuf), p.h, M, p.h, p.hmax,
@@ -335,6 +340,16 @@ fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc
                      1, (int64_t(64) << 10) /
                             std::max<int64_t>(1, int64_t(p.down.rows) * d.hidden * es)))
                : 0;
+  // Without those, a down stream whose warps read more than two batches of their first group
+  // requests the next two into L2 while h is staged: fp8 llama3-8b at M = 1 (7 batches of a 14 KB
+  // row a warp) 48.42 -> 47.06 us, with RMSNorm 51.97 -> 50.30; 1 batch 47.0, 4 batches 48.8.
+  // Requesting batch 1 in every stream kernel instead (where it is all that is left) made the 4
+  // KB rows slower: 4096 -> 4096 13.2 -> 14.1 us. H200, session 39.
+  // FMLP_STREAM_PREFETCH_BATCHES=n forces n, for measurements.
+  static const int batches_env = int(env_knob("FMLP_STREAM_PREFETCH_BATCHES", 0, 8, -1));
+  p.down_prefetch_batches = batches_env >= 0                                    ? batches_env
+                            : p.down_prefetch_groups == 0 && p.down.batches > 2 ? 2
+                                                                                : 0;
   if (d.d_out == 0) return FMLP_SUCCESS;
   const DeviceScope scope(d.device_id);
   if (scope.status() != FMLP_SUCCESS) return scope.status();

@@ -231,16 +231,37 @@ __device__ __forceinline__ void stream_prefetch_l2(const StreamShape& s, StreamS
   }
 }
 
+// Requests batches 1 .. `batches` of this warp's part of group blockIdx.x into L2, one prefetch
+// per 128-byte line: where the stream waits behind a long staging, HBM keeps reading them while
+// only the first batch is in registers.
+template <typename WT, typename RowPtr>
+__device__ __forceinline__ void stream_prefetch_batches_l2(const StreamShape& s, StreamSpan sp,
+                                                           RowPtr row_ptr, int batches) {
+  const int row = int(blockIdx.x) * s.rows + sp.row;
+  if (batches <= 0 || row >= s.n) return;
+  const int width = 32 * s.u;  // chunks per batch
+  const int c0 = sp.begin + width, c1 = min(sp.end, sp.begin + width * (1 + batches));
+  if (c0 >= c1) return;
+  const uintptr_t base = reinterpret_cast<uintptr_t>(row_ptr(row));
+  const uintptr_t end = base + uintptr_t(c1) * 16;
+  for (uintptr_t a = ((base + uintptr_t(c0) * 16) & ~uintptr_t(127)) + (threadIdx.x % 32) * 128;
+       a < end; a += 32 * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+}
+
 // The prologue of a stream kernel launched with programmatic dependent launch (launch_ex,
 // launch_util.hpp; weights are never written by a kernel of the caller's stream): the first batch
-// of group blockIdx.x into `cur` and the block's first `prefetch_groups` groups into L2 are
-// requested before the wait for the previous grid, so they arrive while that grid drains;
-// everything else the kernel reads or writes comes after it.
+// of group blockIdx.x into `cur`, the block's first `prefetch_groups` groups into L2 and the next
+// `prefetch_batches` batches of its first group into L2 are requested before the wait for the
+// previous grid, so they arrive while that grid drains; everything else the kernel reads or
+// writes comes after it.
 template <typename WT, bool SKIP = false, typename RowPtr, int U>
 __device__ __forceinline__ void stream_begin(uint4 (&cur)[U], const StreamShape& s, StreamSpan sp,
-                                             RowPtr row_ptr, int prefetch_groups) {
+                                             RowPtr row_ptr, int prefetch_groups,
+                                             int prefetch_batches = 0) {
   stream_load<WT, SKIP>(cur, s, sp, row_ptr, blockIdx.x, 0);
   stream_prefetch_l2<WT>(s, sp, row_ptr, prefetch_groups);
+  stream_prefetch_batches_l2<WT>(s, sp, row_ptr, prefetch_batches);
   pdl_wait_previous_grid();
   pdl_allow_next_grid();
 }
