@@ -15,10 +15,9 @@
 //      stores h rounded to the weights' dtype (as PyTorch rounds it) to the workspace.
 //   2. mlp_decode_sm80_stream_down: launched early, requests its first W2 batch (and into L2,
 //      where W2 outgrows the L2 its first groups, else where rows are long its next two batches)
-//      before it waits for the up grid; then every
-//      block stages h, counts itself in, and the last block to have staged it re-zeroes h and
-//      the counter (the workspace contract: left zero); W2 is streamed; the epilogue adds b2 and
-//      the residual and writes y.
+//      before it waits for the up grid; then every block stages h, counts itself in, and the
+//      last block to have staged it re-zeroes h and the counter (the workspace contract: left
+//      zero); W2 is streamed; the epilogue adds b2 and the residual and writes y.
 // fp32 accumulation in a fixed order (deterministic). x and h in 16 bits halve the shared memory
 // of fp32 staging (four blocks per multiprocessor at M <= 2 instead of three) and the shared-
 // memory reads per weight chunk. Limits: h and the normalised x in shared memory (M x hidden and
