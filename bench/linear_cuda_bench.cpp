@@ -5,8 +5,10 @@
 // call reads HBM), warm-up, median of --reps replays; reported against the floor (bytes / copy
 // bandwidth measured in this run). Outputs are spot-checked against an fp64 host reference.
 // usage: fusedmlp_ops_bench [--json FILE] [--reps N] [--only linear|fp8|softmax]
-//                           [--shape NAME[,NAME...]] [--softmax-kernel NAME]
+//                           [--shape NAME[,NAME...]] [--ms M[,M...]] [--softmax-kernel NAME]
 //   --only fp8: the fp8 linear rows alone; --shape: the linear rows of those shapes alone;
+//   --ms: instead of the default rows, every (--shape) linear shape at each of these M, bf16
+//         (and fp8 for the fp8 rows' shapes);
 //   --softmax-kernel: the softmax rows on that op-table entry (rows it does not take are left out).
 #include <cuda_runtime.h>
 
@@ -341,6 +343,7 @@ Row bench_softmax(int64_t rows, int64_t n, fmlp_dtype_t t, bool log, size_t l2, 
 
 int main(int argc, char** argv) {
   std::string json = "ops.json", only, shape;
+  std::vector<int64_t> ms;
   int reps = 50;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -352,6 +355,12 @@ int main(int argc, char** argv) {
       only = argv[++i];
     else if (a == "--shape" && i + 1 < argc)
       shape = argv[++i];
+    else if (a == "--ms" && i + 1 < argc)
+      for (std::string rest = argv[++i]; !rest.empty();) {
+        const size_t comma = rest.find(',');
+        ms.push_back(std::atoll(rest.substr(0, comma).c_str()));
+        rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
+      }
     else if (a == "--softmax-kernel" && i + 1 < argc)
       g_softmax_kernel = argv[++i];
   }
@@ -368,6 +377,21 @@ int main(int argc, char** argv) {
   const double bw = copy_bandwidth();
   std::printf("%s, copy %.3f TB/s, L2 %zu MB\n", prop.name, bw * 1e-12, l2 >> 20);
   std::vector<Row> rows;
+  const char* const fp8_shapes[] = {"llama3-8b.q", "llama3-8b.down", "llama3-8b.up",
+                                    "llama3-70b.up"};
+  if (!ms.empty()) {  // --ms: the chosen shapes at the chosen M, no softmax
+    for (int64_t m : ms)
+      for (const Shape& sh : kShapes)
+        if (wanted(sh.name)) {
+          rows.push_back(bench_linear(sh, m, FMLP_DTYPE_BF16, l2, s, reps));
+          print_row(rows.back(), bw);
+          for (const char* name : fp8_shapes)
+            if (std::string(sh.name) == name)
+              rows.push_back(bench_linear(sh, m, FMLP_DTYPE_F8_E4M3, l2, s, reps)),
+                  print_row(rows.back(), bw);
+        }
+    only = "none";
+  }
   if (only.empty() || only == "linear") {
     for (const Shape& sh : kShapes)
       if (wanted(sh.name))
@@ -384,7 +408,7 @@ int main(int argc, char** argv) {
   }
   if (only.empty() || only == "linear" || only == "fp8") {
     // fp8 weight-only, per-row scales, M = 1: the 4096 -> 14336 and 8192 -> 28672 targets.
-    for (const char* name : {"llama3-8b.q", "llama3-8b.down", "llama3-8b.up", "llama3-70b.up"})
+    for (const char* name : fp8_shapes)
       for (const Shape& sh : kShapes)
         if (std::string(sh.name) == name && wanted(name))
           rows.push_back(bench_linear(sh, 1, FMLP_DTYPE_F8_E4M3, l2, s, reps)),

@@ -3,6 +3,9 @@
 # CUDA graph, median (same method as bench/peers.py). With --ours (fusedmlp_ops_bench's JSON) it
 # prints our time over the peer's for every shape measured by both.
 # usage: python3 bench/peers_ops.py [--json peers_ops.json] [--ours ops.json] [--only softmax|fp8]
+#                                   [--shape NAME[,NAME...] --ms M[,M...]]
+# --shape with --ms: the bf16 linear peers of those shapes at each M alone (fusedmlp_ops_bench's
+# --shape / --ms rows).
 import argparse
 import json
 import math
@@ -38,7 +41,11 @@ def main():
     ap.add_argument("--ours", default=None)
     ap.add_argument("--only", choices=("softmax", "fp8"), default=None,
                     help="softmax: the softmax peers alone; fp8: the fp8 linear peers alone")
+    ap.add_argument("--shape", default=None, help="with --ms: these linear shapes only")
+    ap.add_argument("--ms", default=None, help="with --shape: at each of these M")
     a = ap.parse_args()
+    if (a.shape is None) != (a.ms is None):
+        ap.error("--shape and --ms go together")
     dev = "cuda"
     l2, bw, res = session("rows", dev)
     # Semantics check for the docs: torch's answer for a +Inf in a row.
@@ -53,11 +60,15 @@ def main():
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
 
-    fp8 = a.only in (None, "fp8")
-    cases = [(s, 1) for s in bench_shapes()] if a.only is None else []
-    for name in ("llama3-8b.q", "llama3-8b.down", "llama3-8b.lm_head", "mixtral.router"):
-        cases += [(s, m) for s in bench_shapes() if s[0] == name and a.only is None
-                  for m in (4, 16, 64)]
+    fp8 = a.only in (None, "fp8") and a.ms is None
+    if a.ms is not None:
+        names = a.shape.split(",")
+        cases = [(s, int(m)) for m in a.ms.split(",") for s in bench_shapes() if s[0] in names]
+    else:
+        cases = [(s, 1) for s in bench_shapes()] if a.only is None else []
+        for name in ("llama3-8b.q", "llama3-8b.down", "llama3-8b.lm_head", "mixtral.router"):
+            cases += [(s, m) for s in bench_shapes() if s[0] == name and a.only is None
+                      for m in (4, 16, 64)]
     for (name, n, k), m in cases:
         wbytes = n * k * 2
         copies = min(64, max(1, math.ceil(3 * l2 / wbytes)))
@@ -104,7 +115,7 @@ def main():
                     "scaled_mm_us": times,
                     "pct_of_copy": 100 * (wbytes + 2 * (n + k)) / bw / (times[best] * 1e-6)})
         del ws
-    for log in (False, True) if a.only != "fp8" else ():
+    for log in (False, True) if a.only != "fp8" and a.ms is None else ():
         for rows, n, dt in softmax_shapes():
             nbytes = rows * n * (4 if dt == torch.float32 else 2)
             copies = min(256, max(1, math.ceil(3 * l2 / nbytes)))
