@@ -91,6 +91,34 @@ const LinearKernel* m1_choice(const LinearDesc& d, std::string* reason) {
   return use_lt ? lt : gemv;
 }
 
+// M = 2..4 (the stream's two- and four-token tiles; M = 3 runs the four-token one), measured on an
+// H200 (session 39: fusedmlp_ops_bench --ms 2,4 with the stream forced against the table order's
+// pick, torch's F.linear in the same call; bench/results/linear_m2_4_h200.json). fp8 weight-only:
+// the stream wins wherever it runs (linear_sm80_mma's time x 0.60-0.67 at M = 2, 0.86-0.87 at
+// M = 4). 16-bit: at M = 2 it wins up to 256 MiB of weights (cuBLASLt's time x 0.32 for the router
+// 8x4096 .. 0.96 for llama3-8b's up; llama3-70b's up, 470 MB, 1.01); at M = 3, 4 only for narrow
+// outputs (N <= 1024: x 0.45 the router, 0.74 qwen2.5-0.5b q, 0.77 llama3-8b k/v); wider ones lost
+// (gpt2 qkv 2304x768 x 1.13, llama3-8b q x 1.13, up x 1.28, gpt2's lm head x 1.17 to the mma
+// entry), so cuBLASLt keeps them.
+constexpr int64_t kStreamM2MaxBytes = int64_t(256) << 20;
+constexpr int64_t kStreamM4MaxN = 1024;
+
+const LinearKernel* few_token_choice(const LinearDesc& d, std::string* reason) {
+  if (d.m < 2 || d.m > 4 || d.w8a8()) return nullptr;
+  const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
+  if (!fp8 && d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16) return nullptr;
+  const LinearKernel* stream = find(kStream);
+  if (!runs(stream, d)) return nullptr;
+  const int64_t bytes = d.n * d.k * (fp8 ? 1 : 2);
+  if (!fp8 && (d.m == 2 ? bytes >= kStreamM2MaxBytes : d.n > kStreamM4MaxN)) return nullptr;
+  if (reason)
+    *reason = fmt::format(
+        "M={} N={} K={}: {} ({}; measured at M = 2..4: fp8 wherever it runs, 16-bit at M = 2 "
+        "below {} MiB of weights, at M = 3..4 for N <= {})",
+        d.m, d.n, d.k, kStream, kMeasured, kStreamM2MaxBytes >> 20, kStreamM4MaxN);
+  return stream;
+}
+
 }  // namespace
 
 const LinearKernel* cuda_linear_plan(const LinearDesc& d, std::string* reason) {
@@ -104,10 +132,11 @@ const LinearKernel* cuda_linear_plan(const LinearDesc& d, std::string* reason) {
     note = k == nullptr ? fmt::format(" (FMLP_LINEAR_KERNEL={} ignored: no such CUDA entry)", env)
                         : fmt::format(" (FMLP_LINEAR_KERNEL={} ignored: {})", env, why);
   }
-  if (const LinearKernel* k = m1_choice(d, reason)) {
-    if (reason) *reason += note;
-    return k;
-  }
+  for (auto choice : {m1_choice, few_token_choice})
+    if (const LinearKernel* k = choice(d, reason)) {
+      if (reason) *reason += note;
+      return k;
+    }
   const LinearKernelList l = cuda_linear_kernels();
   for (size_t i = 0; i < l.count; ++i)
     if (l.kernels[i].supports(d, &why)) {
