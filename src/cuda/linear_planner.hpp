@@ -2,8 +2,10 @@
 // streaming GEMV and cuBLASLt (a tile GEMM) read W once; which one reaches the byte floor sooner
 // depends on the shape, so the choice comes from a table measured on the GPU
 // (bench/linear_cuda_bench prints rows ready to paste into linear_planner.cpp), with a default by
-// weight bytes for shapes never measured. FMLP_LINEAR_KERNEL=<entry> forces an entry (for
-// measuring); an entry that cannot run the request is ignored and explain says why.
+// weight bytes for shapes never measured. At M = 2..4 a rule measured the same way sends what the
+// weight stream reads faster to it, and the rest goes to the first entry of the op table that takes
+// it. FMLP_LINEAR_KERNEL=<entry> forces an entry (for measuring); an entry that cannot run the
+// request is ignored and explain says why.
 #pragma once
 #include <cstdint>
 #include <string>
