@@ -355,13 +355,12 @@ int main(int argc, char** argv) {
       only = argv[++i];
     else if (a == "--shape" && i + 1 < argc)
       shape = argv[++i];
-    else if (a == "--ms" && i + 1 < argc)
-      for (std::string rest = argv[++i]; !rest.empty();) {
-        const size_t comma = rest.find(',');
-        ms.push_back(std::atoll(rest.substr(0, comma).c_str()));
-        rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
+    else if (a == "--ms" && i + 1 < argc) {
+      if (!fmlp_bench::parse_positive_list(argv[++i], &ms)) {
+        std::fprintf(stderr, "--ms %s: expected positive integers separated by commas\n", argv[i]);
+        return 1;
       }
-    else if (a == "--softmax-kernel" && i + 1 < argc)
+    } else if (a == "--softmax-kernel" && i + 1 < argc)
       g_softmax_kernel = argv[++i];
   }
   auto wanted = [&](const char* name) {  // --shape a,b,c: those suite entries only

@@ -643,10 +643,10 @@ int main(int argc, char** argv) {
                        // one rank's shard of llama3-70b at tensor parallelism 2 (issue #9)
                        {"llama3-70b-tp2", 8192, 14336, FMLP_ACT_SILU, true}};
   std::vector<int64_t> ms;
-  for (size_t p0 = 0; p0 < ms_arg.size();) {
-    ms.push_back(std::atoll(ms_arg.c_str() + p0));
-    const size_t c = ms_arg.find(',', p0);
-    p0 = c == std::string::npos ? ms_arg.size() : c + 1;
+  if (!fmlp_bench::parse_positive_list(ms_arg.c_str(), &ms)) {
+    std::fprintf(stderr, "--ms %s: expected positive integers separated by commas\n",
+                 ms_arg.c_str());
+    return 1;
   }
   std::string out = "{\"gpu\": \"" + std::string(prop.name) +
                     "\", \"copy_TBps\": " + std::to_string(bw / 1e12) +

@@ -370,7 +370,11 @@ int main(int argc, char** argv) {
       if (fmlp_mlp_kernel_backend(i) == FMLP_BACKEND_CUDA)
         kernels.push_back(fmlp_mlp_kernel_name(i));
   std::vector<int64_t> ms;
-  for (const std::string& m : split(ms_arg)) ms.push_back(std::atoll(m.c_str()));
+  if (!fmlp_bench::parse_positive_list(ms_arg.c_str(), &ms)) {
+    std::fprintf(stderr, "--ms %s: expected positive integers separated by commas\n",
+                 ms_arg.c_str());
+    return 1;
+  }
   const int64_t max_m = *std::max_element(ms.begin(), ms.end());
 
   cudaDeviceProp prop;
