@@ -210,30 +210,34 @@ __device__ __forceinline__ void stream_load(uint4 (&v)[U], const StreamShape& s,
   }
 }
 
+// Requests 16-byte chunks [c0, c1) of the row at `row` into L2, one prefetch per 128-byte line,
+// the warp's lanes taking every 32nd line; no registers held.
+template <typename WT>
+__device__ __forceinline__ void stream_prefetch_chunks_l2(const WT* row, int c0, int c1) {
+  const uintptr_t base = reinterpret_cast<uintptr_t>(row);
+  const uintptr_t first = (base + uintptr_t(c0) * 16) & ~uintptr_t(127);
+  const uintptr_t end = base + uintptr_t(c1) * 16;
+  for (uintptr_t a = first + uintptr_t(threadIdx.x % 32) * 128; a < end; a += 32 * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+}
+
 // Requests this warp's part of the block's first `groups` groups (from group blockIdx.x, every
-// gridDim.x) into L2, one prefetch per 128-byte line, no registers held: a kernel launched
-// early (programmatic dependent launch) issues it before it waits for the previous grid, so its
-// first groups arrive while that grid drains instead of after.
+// gridDim.x) into L2: a kernel launched early (programmatic dependent launch) issues it before it
+// waits for the previous grid, so its first groups arrive while that grid drains instead of after.
 template <typename WT, typename RowPtr>
 __device__ __forceinline__ void stream_prefetch_l2(const StreamShape& s, StreamSpan sp,
                                                    RowPtr row_ptr, int groups) {
-  const int lane = threadIdx.x % 32;
   int g = blockIdx.x;
   for (int i = 0; i < groups && g < s.groups; ++i, g += gridDim.x) {
     const int row = g * s.rows + sp.row;
     if (row >= s.n || sp.begin >= sp.end) return;
-    const char* base = reinterpret_cast<const char*>(row_ptr(row));
-    const uintptr_t first =
-        (reinterpret_cast<uintptr_t>(base) + uintptr_t(sp.begin) * 16) & ~uintptr_t(127);
-    const uintptr_t end = reinterpret_cast<uintptr_t>(base) + uintptr_t(sp.end) * 16;
-    for (uintptr_t a = first + uintptr_t(lane) * 128; a < end; a += 32 * 128)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+    stream_prefetch_chunks_l2(row_ptr(row), sp.begin, sp.end);
   }
 }
 
-// Requests batches 1 .. `batches` of this warp's part of group blockIdx.x into L2, one prefetch
-// per 128-byte line: where the stream waits behind a long staging, HBM keeps reading them while
-// only the first batch is in registers.
+// Requests batches 1 .. `batches` of this warp's part of group blockIdx.x into L2: where the
+// stream waits behind a long staging, HBM keeps reading them while only the first batch is in
+// registers.
 template <typename WT, typename RowPtr>
 __device__ __forceinline__ void stream_prefetch_batches_l2(const StreamShape& s, StreamSpan sp,
                                                            RowPtr row_ptr, int batches) {
@@ -241,12 +245,7 @@ __device__ __forceinline__ void stream_prefetch_batches_l2(const StreamShape& s,
   if (batches <= 0 || row >= s.n) return;
   const int width = 32 * s.u;  // chunks per batch
   const int c0 = sp.begin + width, c1 = min(sp.end, sp.begin + width * (1 + batches));
-  if (c0 >= c1) return;
-  const uintptr_t base = reinterpret_cast<uintptr_t>(row_ptr(row));
-  const uintptr_t end = base + uintptr_t(c1) * 16;
-  for (uintptr_t a = ((base + uintptr_t(c0) * 16) & ~uintptr_t(127)) + (threadIdx.x % 32) * 128;
-       a < end; a += 32 * 128)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+  if (c0 < c1) stream_prefetch_chunks_l2(row_ptr(row), c0, c1);
 }
 
 // The prologue of a stream kernel launched with programmatic dependent launch (launch_ex,
