@@ -592,23 +592,28 @@ TEST(LinearExplain, NamesTheChosenEntryAndEveryOther) {
 }
 
 // The CUDA planner at M = 2..4 (linear_planner.cpp, measured on an H200 in session 39): the
-// weight stream for fp8 weights wherever it runs, for 16-bit weights at M = 2 below 256 MiB and at
-// M = 3, 4 for N <= 1024; cuBLASLt (table order) for wider 16-bit outputs at M = 3, 4.
+// weight stream for fp8 weights wherever it runs, for 16-bit weights (with x of their dtype) at
+// M = 2 below 256 MiB and at M = 3, 4 for N <= 1024; the table order for wider 16-bit outputs at
+// M = 3, 4 and for f32 x.
 TEST(LinearPlanner, StreamAtTwoToFourTokensWhereMeasured) {
   SKIP_WITHOUT_GPU();
   struct Want {
     int64_t m, n, k;
     fmlp_dtype_t wt;
     bool stream;
+    bool x_f32 = false;
   };
   const Want wants[] = {
-      {2, 4096, 4096, FMLP_DTYPE_BF16, true},    {2, 8, 4096, FMLP_DTYPE_BF16, true},
-      {3, 1024, 4096, FMLP_DTYPE_F16, true},     {4, 896, 896, FMLP_DTYPE_BF16, true},
-      {4, 4096, 4096, FMLP_DTYPE_BF16, false},   {3, 2304, 768, FMLP_DTYPE_BF16, false},
-      {3, 4096, 4096, FMLP_DTYPE_F8_E4M3, true}, {4, 14336, 4096, FMLP_DTYPE_F8_E4M3, true},
+      {2, 4096, 4096, FMLP_DTYPE_BF16, true},        {2, 8, 4096, FMLP_DTYPE_BF16, true},
+      {3, 1024, 4096, FMLP_DTYPE_F16, true},         {4, 896, 896, FMLP_DTYPE_BF16, true},
+      {4, 4096, 4096, FMLP_DTYPE_BF16, false},       {3, 2304, 768, FMLP_DTYPE_BF16, false},
+      {3, 4096, 4096, FMLP_DTYPE_F8_E4M3, true},     {4, 14336, 4096, FMLP_DTYPE_F8_E4M3, true},
+      {2, 1024, 4096, FMLP_DTYPE_BF16, false, true},
   };
   for (const Want& w : wants) {
-    const fmlp_dtype_t xt = w.wt == FMLP_DTYPE_F16 ? FMLP_DTYPE_F16 : FMLP_DTYPE_BF16;
+    const fmlp_dtype_t xt = w.x_f32                  ? FMLP_DTYPE_F32
+                            : w.wt == FMLP_DTYPE_F16 ? FMLP_DTYPE_F16
+                                                     : FMLP_DTYPE_BF16;
     PlacedTensor px(xt, w.m, w.k, true, false, false), pw(w.wt, w.n, w.k, true, false, false);
     PlacedTensor py(xt, w.m, w.n, true, false, false),
         ps(FMLP_DTYPE_F32, 1, w.n, true, false, false);
@@ -621,8 +626,9 @@ TEST(LinearPlanner, StreamAtTwoToFourTokensWhereMeasured) {
     ASSERT_EQ(fmlp_linear_explain(&a, FMLP_BACKEND_CUDA, report.data(), report.size(), &need),
               FMLP_SUCCESS);
     const bool stream = report.find("chosen   linear_sm80_stream") != std::string::npos;
-    EXPECT_EQ(stream, w.stream) << "M=" << w.m << " N=" << w.n << " K=" << w.k << " "
-                                << fmlp_dtype_name(w.wt) << ": " << report;
+    EXPECT_EQ(stream, w.stream) << "M=" << w.m << " N=" << w.n << " K=" << w.k << " x "
+                                << fmlp_dtype_name(xt) << " w " << fmlp_dtype_name(w.wt) << ": "
+                                << report;
   }
 }
 
