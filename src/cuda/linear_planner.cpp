@@ -106,7 +106,7 @@ constexpr int64_t kStreamM4MaxN = 1024;
 const LinearKernel* few_token_choice(const LinearDesc& d, std::string* reason) {
   if (d.m < 2 || d.m > 4 || d.w8a8()) return nullptr;
   const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
-  // 16-bit: with x of the same dtype, as measured (f32 x keeps the table order's GEMV).
+  // 16-bit: with x of the same dtype, as measured (f32 x keeps the table order; unmeasured).
   if (!fp8 &&
       ((d.w_dtype != FMLP_DTYPE_BF16 && d.w_dtype != FMLP_DTYPE_F16) || d.act_dtype != d.w_dtype))
     return nullptr;
