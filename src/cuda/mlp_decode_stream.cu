@@ -127,6 +127,15 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
       staged = true;
     }
   }
+  if constexpr (!kFp8) {
+    constexpr fmlp_dtype_t kAt = std::is_same_v<AT, __half> ? FMLP_DTYPE_F16 : FMLP_DTYPE_BF16;
+    if (p.norm == FMLP_NORM_NONE && p.act_t == kAt && x_rows_vec(p)) {  // x as it is
+      fmlp::cuda::stream_copy_rows<M, false>(smem_v, static_cast<const uint4*>(p.x), p.x_ld / 8, M,
+                                             p.k / 8);
+      __syncthreads();
+      staged = true;
+    }
+  }
   if (!staged) {
     stage_tokens_as<kStreamThreads, M>(p, reinterpret_cast<AT*>(xs), scratch);  // ends likewise
     if constexpr (kFp8) stream_f16_scaled<M>(xs, p.k, std::is_same_v<AT, __half>, inv, amax);
@@ -202,7 +211,7 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
     stream_stage_f16_scaled<AT, M, true>(hs, static_cast<const AT*>(p.hbuf), p.h, M, p.h, p.hmax,
                                          red[0], inv);  // ends with a barrier
   } else {
-    for (int i = threadIdx.x; i < vecs; i += kStreamThreads) smem_v[i] = __ldcg(hbuf + i);
+    fmlp::cuda::stream_copy_rows<1, true>(smem_v, hbuf, vecs, 1, vecs);  // [M][h]: one row
     __syncthreads();  // this block's reads of h are done
   }
   if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;

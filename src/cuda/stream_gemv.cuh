@@ -412,6 +412,38 @@ __device__ void stream_f16_scaled_from(__half* xs, int k, float* inv, unsigned* 
   __syncthreads();
 }
 
+// Copies m token rows of `vecs` 16-byte pieces each (row t at src + t * src_ld pieces) to dst as
+// one [m][vecs] block. The rows' pieces are one token-major sequence with four loads a thread in
+// flight per round: a loop per row costs a memory latency per token, and a plain copy loop left
+// ptxas a serial remainder (one latency per piece; both seen under ncu at gpt2-small M = 4, where
+// staging took about half of the 16-bit MLP stream's up and down kernels, session 40). MT: the
+// most rows (1: no division). L2_ONLY as in stream_stage_f16_scaled. No barrier at the end.
+// The same token-major rounds in stream_stage_f16_scaled's two passes ran the fp8 streams at
+// M = 2..4 2-8 % slower (a division and a token select per load; H200, session 40): they
+// keep a loop per token.
+template <int MT, bool L2_ONLY>
+__device__ __forceinline__ void stream_copy_rows(uint4* dst, const uint4* src, int64_t src_ld,
+                                                 int m, int vecs) {
+  constexpr int kRound = 4;
+  const int total = m * vecs;
+  for (int q0 = threadIdx.x; q0 < total; q0 += kRound * kStreamThreads) {
+    uint4 v[kRound];
+#pragma unroll
+    for (int j = 0; j < kRound; ++j) {
+      const int q = q0 + j * kStreamThreads;
+      const int t = MT == 1 ? 0 : q / vecs;
+      const uint4* a = src + int64_t(t) * src_ld + (q - t * vecs);
+      if constexpr (L2_ONLY)
+        v[j] = q < total ? __ldcg(a) : make_uint4(0, 0, 0, 0);
+      else
+        v[j] = q < total ? *a : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kRound; ++j)
+      if (q0 + j * kStreamThreads < total) dst[q0 + j * kStreamThreads] = v[j];
+  }
+}
+
 // stream_f16_scaled_from's result straight from token rows of 16-bit x in global memory (rows m
 // .. MT - 1 zero): x at `x` (16-byte aligned, row stride x_ld elements a multiple of 8), k a
 // multiple of 16. One pass of batched loads takes each token's largest finite |x|, unless the
