@@ -8,7 +8,7 @@
 //                           [--shape NAME[,NAME...]] [--ms M[,M...]] [--softmax-kernel NAME]
 //   --only fp8: the fp8 linear rows alone; --shape: the linear rows of those shapes alone;
 //   --ms: instead of the default rows, every (--shape) linear shape at each of these M, bf16
-//         (and fp8 for the fp8 rows' shapes);
+//         (and fp8 for the fp8 rows' shapes; with --only fp8 those alone);
 //   --softmax-kernel: the softmax rows on that op-table entry (rows it does not take are left out).
 #include <cuda_runtime.h>
 
@@ -382,8 +382,9 @@ int main(int argc, char** argv) {
     for (int64_t m : ms)
       for (const Shape& sh : kShapes)
         if (wanted(sh.name)) {
-          rows.push_back(bench_linear(sh, m, FMLP_DTYPE_BF16, l2, s, reps));
-          print_row(rows.back(), bw);
+          if (only != "fp8")
+            rows.push_back(bench_linear(sh, m, FMLP_DTYPE_BF16, l2, s, reps)),
+                print_row(rows.back(), bw);
           for (const char* name : fp8_shapes)
             if (std::string(sh.name) == name)
               rows.push_back(bench_linear(sh, m, FMLP_DTYPE_F8_E4M3, l2, s, reps)),
