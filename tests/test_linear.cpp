@@ -601,7 +601,7 @@ TEST(LinearPlanner, StreamAtTwoToFourTokensWhereMeasured) {
   struct Want {
     int64_t m, n, k;
     fmlp_dtype_t wt;
-    bool stream;
+    bool rule_streams;  // the M = 2..4 rule picks linear_sm80_stream
     bool x_f32 = false;
   };
   const Want wants[] = {
@@ -629,7 +629,7 @@ TEST(LinearPlanner, StreamAtTwoToFourTokensWhereMeasured) {
     const bool stream_by_rule =
         report.find("chosen   linear_sm80_stream") != std::string::npos &&
         report.find("planner  first supporting entry in table order") == std::string::npos;
-    EXPECT_EQ(stream_by_rule, w.stream)
+    EXPECT_EQ(stream_by_rule, w.rule_streams)
         << "M=" << w.m << " N=" << w.n << " K=" << w.k << " x " << fmlp_dtype_name(xt) << " w "
         << fmlp_dtype_name(w.wt) << ": " << report;
   }
