@@ -132,12 +132,10 @@ fmlp_status_t validate_linear(const fmlp_linear_args_t* a, LinearDesc* d) {
     return fail(FMLP_ERROR_ALIASING,
                 "y overlaps w; the output must not share memory with the weights");
   const int64_t es = int64_t(dtype_size(d->w_dtype));
-  d->w_vec16 = uintptr_t(a->w.data) % 16 == 0 && (d->k * es) % 16 == 0 &&
-               (d->n <= 1 || (a->w.stride[0] * es) % 16 == 0);
+  d->w_vec16 = rows_start_16b(a->w.data, d->n, a->w.stride[0] * es) && (d->k * es) % 16 == 0;
   auto vec16 = [&](const fmlp_tensor_t& t, int64_t cols) {
     const int64_t es = int64_t(dtype_size(t.dtype));
-    return uintptr_t(t.data) % 16 == 0 && (cols * es) % 16 == 0 &&
-           (d->m <= 1 || (t.stride[0] * es) % 16 == 0);
+    return rows_start_16b(t.data, d->m, t.stride[0] * es) && (cols * es) % 16 == 0;
   };
   d->io_vec16 = vec16(a->x, d->k) && vec16(a->y, d->n);
   return FMLP_SUCCESS;

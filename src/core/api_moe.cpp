@@ -226,8 +226,8 @@ fmlp_status_t validate_moe(const fmlp_moe_args_t* a, MoeDesc* d) {
   d->act_dtype = a->x.dtype;
   d->round_logits = a->config.round_router_logits == 1 && !d->given_routing &&
                     (d->act_dtype == FMLP_DTYPE_BF16 || d->act_dtype == FMLP_DTYPE_F16);
-  d->x_vec16 = uintptr_t(a->x.data) % 16 == 0 &&
-               (d->tokens <= 1 || (a->x.stride[0] * int64_t(dtype_size(d->act_dtype))) % 16 == 0);
+  d->x_vec16 =
+      rows_start_16b(a->x.data, d->tokens, a->x.stride[0] * int64_t(dtype_size(d->act_dtype)));
   if (a->w1.dtype != FMLP_DTYPE_F8_E4M3) FMLP_TRY(check_float_dtype("w1", a->w1));
   if (a->w2.dtype != a->w1.dtype)
     return fail(FMLP_ERROR_DTYPE_MISMATCH, "w2 is {} but w1 is {}; the experts share one dtype",

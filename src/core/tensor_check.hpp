@@ -12,6 +12,13 @@ inline bool tensor_absent(const fmlp_tensor_t& t) {
   return t.data == nullptr && t.ndim == 0;
 }
 
+// Whether `rows` rows from `base`, `row_stride_bytes` apart, all start on a 16-byte boundary (one
+// row needs only the base): what 16-byte loads and stores of whole rows need besides a row length
+// of a multiple of 16 bytes, which callers check where it matters.
+inline bool rows_start_16b(const void* base, int64_t rows, int64_t row_stride_bytes) {
+  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (rows <= 1 || row_stride_bytes % 16 == 0);
+}
+
 std::string shape_string(const fmlp_tensor_t& t);
 std::string device_string(fmlp_device_type_t type, int32_t id);
 int64_t tensor_numel(const fmlp_tensor_t& t);

@@ -9,6 +9,7 @@
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
+#include "core/tensor_check.hpp"
 #include "cuda/device_scope.hpp"
 #include "cuda/launch_util.hpp"
 #include "cuda/moe_cuda.hpp"
@@ -346,8 +347,7 @@ MoePlan moe_plan_grouped(const MoeDesc& d) {
 void moe_routing_inputs(MoeParams* p, const fmlp_moe_args_t& a, const MoeDesc& d) {
   if (!d.given_routing) {
     p->rw = a.router_w.data, p->rw_ld = a.router_w.stride[0], p->rw_t = d.router_dtype;
-    p->rw_vec16 = uintptr_t(p->rw) % 16 == 0 &&
-                  (d.global_experts == 1 || (p->rw_ld * int64_t(dtype_size(p->rw_t))) % 16 == 0);
+    p->rw_vec16 = rows_start_16b(p->rw, d.global_experts, p->rw_ld * int64_t(dtype_size(p->rw_t)));
     if (d.router_bias_dtype != FMLP_DTYPE_INVALID)
       p->rb = a.router_b.data, p->rb_t = d.router_bias_dtype;
   } else {
@@ -397,7 +397,7 @@ MoeParams moe_params(const fmlp_moe_args_t& a, const MoeDesc& d, const MoePlan& 
   p.round_logits = d.round_logits;
   p.act = d.activation;
   p.x = a.x.data, p.x_ld = a.x.stride[0], p.x_t = d.act_dtype;
-  p.x_vec16 = uintptr_t(p.x) % 16 == 0 && (d.tokens == 1 || (p.x_ld * int64_t(xs)) % 16 == 0);
+  p.x_vec16 = rows_start_16b(p.x, d.tokens, p.x_ld * int64_t(xs));
   p.x_direct = p.x_vec16 && d.act_dtype == d.w_dtype;
   p.y = a.y.data, p.y_ld = a.y.stride[0];
   if (d.has_residual) p.res = a.residual.data, p.res_ld = a.residual.stride[0];

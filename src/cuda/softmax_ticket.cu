@@ -39,6 +39,7 @@
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
+#include "core/tensor_check.hpp"
 #include "cuda/device_scope.hpp"
 #include "cuda/launch_util.hpp"
 #include "cuda/ops.cuh"
@@ -406,7 +407,7 @@ fmlp_status_t launch_t(const TicketParams& p, bool vec, int v, int device, cudaS
 // 16-byte loads and stores where every row of x and y starts on a 16-byte boundary.
 bool rows_aligned(const fmlp_tensor_t& t, const SoftmaxDesc& d) {
   const int64_t es = int64_t(dtype_size(d.dtype));
-  return uintptr_t(t.data) % 16 == 0 && !(t.ndim == 2 && d.rows > 1 && (t.stride[0] * es) % 16);
+  return rows_start_16b(t.data, t.ndim == 2 ? d.rows : 1, t.stride[0] * es);
 }
 
 }  // namespace
