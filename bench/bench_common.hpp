@@ -110,6 +110,44 @@ inline bool parse_positive_list(const char* v, std::vector<int64_t>* out) {
   return parse_int_list(v, 1, INT64_MAX, out);
 }
 
+// --wdtype's value: bf16 or f8 (e4m3) weights; anything else is refused on stderr (false).
+inline bool parse_wdtype(const std::string& v, fmlp_dtype_t* out) {
+  if (v != "bf16" && v != "f8") {
+    std::fprintf(stderr, "--wdtype %s: expected bf16 or f8\n", v.c_str());
+    return false;
+  }
+  *out = v == "f8" ? FMLP_DTYPE_F8_E4M3 : FMLP_DTYPE_BF16;
+  return true;
+}
+
+// Whether `name` is an item of the comma-separated `list`.
+inline bool in_list(const std::string& list, const char* name) {
+  return ("," + list + ",").find("," + std::string(name) + ",") != std::string::npos;
+}
+
+// Whether every item of the comma-separated `list` names one of `items` (anything with a .name);
+// if not, says which on stderr and returns false: a typo in --shapes would bench nothing.
+template <typename ITEMS>
+bool check_names(const char* flag, const std::string& list, const ITEMS& items) {
+  for (size_t b = 0; b <= list.size();) {
+    const size_t e = std::min(list.find(',', b), list.size());
+    const std::string item = list.substr(b, e - b);
+    bool known = false;
+    std::string names;
+    for (const auto& it : items) {
+      known = known || item == it.name;
+      names += (names.empty() ? "" : ", ") + std::string(it.name);
+    }
+    if (!known) {
+      std::fprintf(stderr, "%s: no entry '%s' (expected one of %s)\n", flag, item.c_str(),
+                   names.c_str());
+      return false;
+    }
+    b = e + 1;
+  }
+  return true;
+}
+
 // Counter-based random bf16 values in [-scale, scale): element i depends only on (seed, i), so
 // every process of a multi-GPU run holds identical data whatever its thread count.
 inline void fill_bf16(std::vector<uint16_t>& v, uint64_t seed, float scale) {

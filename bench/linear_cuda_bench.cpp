@@ -360,13 +360,20 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--ms %s: expected positive integers separated by commas\n", argv[i]);
         return 1;
       }
-    } else if (a == "--softmax-kernel" && i + 1 < argc)
+    } else if (a == "--softmax-kernel" && i + 1 < argc) {
       g_softmax_kernel = argv[++i];
+    } else {
+      std::fprintf(stderr, "unknown argument %s\n", a.c_str());
+      return 1;
+    }
   }
+  if (!only.empty() && only != "linear" && only != "fp8" && only != "softmax") {
+    std::fprintf(stderr, "--only %s: expected linear, fp8 or softmax\n", only.c_str());
+    return 1;
+  }
+  if (!shape.empty() && !fmlp_bench::check_names("--shape", shape, kShapes)) return 1;
   auto wanted = [&](const char* name) {  // --shape a,b,c: those suite entries only
-    if (shape.empty()) return true;
-    const std::string list = "," + shape + ",";
-    return list.find("," + std::string(name) + ",") != std::string::npos;
+    return shape.empty() || fmlp_bench::in_list(shape, name);
   };
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));

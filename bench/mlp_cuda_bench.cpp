@@ -602,9 +602,9 @@ int main(int argc, char** argv) {
       cases = std::atoi(argv[++i]);
     else if (a == "--kernel" && i + 1 < argc)
       g_kernel = argv[++i];
-    else if (a == "--wdtype" && i + 1 < argc)
-      g_wt = std::string(argv[++i]) == "f8" ? FMLP_DTYPE_F8_E4M3 : FMLP_DTYPE_BF16;
-    else if (a == "--norm" && i + 1 < argc) {
+    else if (a == "--wdtype" && i + 1 < argc) {
+      if (!fmlp_bench::parse_wdtype(argv[++i], &g_wt)) return 1;
+    } else if (a == "--norm" && i + 1 < argc) {
       const std::string n = argv[++i];
       if (n != "none" && n != "layernorm" && n != "rmsnorm") {
         std::fprintf(stderr, "--norm %s: expected none, layernorm or rmsnorm\n", n.c_str());
@@ -620,6 +620,13 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  const Shape all[] = {{"gpt2-small", 768, 3072, FMLP_ACT_GELU_TANH, false},
+                       {"seed-4096", 4096, 4096, FMLP_ACT_GELU, false},
+                       {"llama3-8b", 4096, 14336, FMLP_ACT_SILU, true},
+                       {"llama3-70b", 8192, 28672, FMLP_ACT_SILU, true},
+                       // one rank's shard of llama3-70b at tensor parallelism 2 (issue #9)
+                       {"llama3-70b-tp2", 8192, 14336, FMLP_ACT_SILU, true}};
+  if (!fmlp_bench::check_names("--shapes", shapes_arg, all)) return 1;
   if (fmlp_backend_available(FMLP_BACKEND_CUDA) != FMLP_SUCCESS) {
     std::printf("cuda backend unavailable: %s\n", fmlp_last_error());
     return 1;
@@ -636,12 +643,6 @@ int main(int argc, char** argv) {
   std::printf("%s, %d SMs, L2 %d MiB, copy bandwidth %.3f TB/s\n", prop.name,
               prop.multiProcessorCount, prop.l2CacheSize >> 20, bw / 1e12);
 
-  const Shape all[] = {{"gpt2-small", 768, 3072, FMLP_ACT_GELU_TANH, false},
-                       {"seed-4096", 4096, 4096, FMLP_ACT_GELU, false},
-                       {"llama3-8b", 4096, 14336, FMLP_ACT_SILU, true},
-                       {"llama3-70b", 8192, 28672, FMLP_ACT_SILU, true},
-                       // one rank's shard of llama3-70b at tensor parallelism 2 (issue #9)
-                       {"llama3-70b-tp2", 8192, 14336, FMLP_ACT_SILU, true}};
   std::vector<int64_t> ms;
   if (!fmlp_bench::parse_positive_list(ms_arg.c_str(), &ms)) {
     std::fprintf(stderr, "--ms %s: expected positive integers separated by commas\n",
@@ -657,8 +658,7 @@ int main(int argc, char** argv) {
   std::printf("%-11s %3s %9s %9s %9s %7s %s\n", "shape", "M", "us", "floor_us", "GB/s", "%floor",
               "check");
   for (const Shape& sh : all) {
-    if (("," + shapes_arg + ",").find("," + std::string(sh.name) + ",") == std::string::npos)
-      continue;
+    if (!fmlp_bench::in_list(shapes_arg, sh.name)) continue;
     const int64_t rows1 = sh.gated ? 2 * sh.h : sh.h;
     const double wbytes = double(rows1 * sh.d + sh.d * sh.h) * double(esize(g_wt));
     const int copies = std::max(1, int(std::ceil(3.0 * prop.l2CacheSize / wbytes)));

@@ -353,13 +353,18 @@ int main(int argc, char** argv) {
       ms_arg = argv[++i];
     else if (a == "--kernels" && i + 1 < argc)
       kernels_arg = argv[++i];
-    else if (a == "--wdtype" && i + 1 < argc)
-      wt = std::string(argv[++i]) == "f8" ? FMLP_DTYPE_F8_E4M3 : FMLP_DTYPE_BF16;
-    else {
+    else if (a == "--wdtype" && i + 1 < argc) {
+      if (!fmlp_bench::parse_wdtype(argv[++i], &wt)) return 1;
+    } else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       return 1;
     }
   }
+  const Shape all[] = {{"gpt2-small", 768, 3072, FMLP_ACT_GELU_TANH, false},
+                       {"seed-4096", 4096, 4096, FMLP_ACT_GELU, false},
+                       {"llama3-8b", 4096, 14336, FMLP_ACT_SILU, true},
+                       {"llama3-70b", 8192, 28672, FMLP_ACT_SILU, true}};
+  if (!fmlp_bench::check_names("--shapes", shapes_arg, all)) return 1;
   if (fmlp_backend_available(FMLP_BACKEND_CUDA) != FMLP_SUCCESS) {
     std::printf("cuda backend unavailable: %s\n", fmlp_last_error());
     return 1;
@@ -396,12 +401,8 @@ int main(int argc, char** argv) {
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   std::printf("%-11s %5s %-26s %10s %9s %8s %7s %9s %s\n", "shape", "M", "kernel", "us", "us/token",
               "TFLOP/s", "%mm", "rel_err", "planner");
-  const Shape all[] = {{"gpt2-small", 768, 3072, FMLP_ACT_GELU_TANH, false},
-                       {"seed-4096", 4096, 4096, FMLP_ACT_GELU, false},
-                       {"llama3-8b", 4096, 14336, FMLP_ACT_SILU, true},
-                       {"llama3-70b", 8192, 28672, FMLP_ACT_SILU, true}};
   for (const Shape& sh : all) {
-    if (shapes_arg.find(sh.name) == std::string::npos) continue;
+    if (!fmlp_bench::in_list(shapes_arg, sh.name)) continue;
     const double params = double((sh.gated ? 3 : 2) * sh.d * sh.h);
     const double wbytes = params * (f8 ? 1 : 2);
     const int copies = std::max(1, int(std::ceil(3.0 * prop.l2CacheSize / wbytes)));

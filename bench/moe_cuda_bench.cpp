@@ -332,16 +332,23 @@ int main(int argc, char** argv) {
       kernel = argv[++i];
     else if (a == "--layers" && i + 1 < argc)
       layers = argv[++i];
-    else if (a == "--wdtype" && i + 1 < argc)
-      g_fp8 = std::string(argv[++i]) == "f8";
-    else if (a == "--given")
+    else if (a == "--wdtype" && i + 1 < argc) {
+      fmlp_dtype_t wt = FMLP_DTYPE_BF16;
+      if (!fmlp_bench::parse_wdtype(argv[++i], &wt)) return 1;
+      g_fp8 = wt == FMLP_DTYPE_F8_E4M3;
+    } else if (a == "--given") {
       g_given = true;
+    } else {
+      std::fprintf(stderr, "unknown argument %s\n", a.c_str());
+      return 1;
+    }
   }
   std::vector<int64_t> tv;
-  for (const char* p = ts.c_str(); *p;) {
-    tv.push_back(std::strtoll(p, nullptr, 10));
-    p = std::strchr(p, ',') ? std::strchr(p, ',') + 1 : p + std::strlen(p);
+  if (!fmlp_bench::parse_positive_list(ts.c_str(), &tv)) {
+    std::fprintf(stderr, "--ts %s: expected positive integers separated by commas\n", ts.c_str());
+    return 1;
   }
+  if (!fmlp_bench::check_names("--layers", layers, kLayers)) return 1;
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   cudaStream_t s;
@@ -352,7 +359,7 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   for (const Layer& L : kLayers)
     for (int64_t T : tv) {
-      if (("," + layers + ",").find("," + std::string(L.name) + ",") == std::string::npos) continue;
+      if (!fmlp_bench::in_list(layers, L.name)) continue;
       const Row r = bench(L, T, size_t(prop.l2CacheSize), bw, s, reps, det, kernel);
       if (r.us <= 0) continue;  // the named kernel does not take the case
       rows.push_back(r);
