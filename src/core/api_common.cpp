@@ -23,6 +23,17 @@ const std::string& last_error() {
   return g_last_error;
 }
 
+fmlp_status_t copy_text_out(const std::string& text, char* buf, size_t buf_size, size_t* needed) {
+  if (needed) *needed = text.size() + 1;
+  if (buf && buf_size > 0) {
+    const size_t n = std::min(text.size(), buf_size - 1);
+    text.copy(buf, n);
+    buf[n] = '\0';
+  }
+  clear_last_error();
+  return FMLP_SUCCESS;
+}
+
 const std::string& ref_unavailable_reason() {
   static const std::string none;
   return none;
@@ -76,15 +87,7 @@ const char* fmlp_build_info(void) {
 }
 
 fmlp_status_t fmlp_cuda_devices(char* buf, size_t buf_size, size_t* needed) {
-  const std::string list = cuda_device_list();
-  if (needed) *needed = list.size() + 1;
-  if (buf && buf_size > 0) {
-    const size_t n = std::min(list.size(), buf_size - 1);
-    list.copy(buf, n);
-    buf[n] = '\0';
-  }
-  clear_last_error();
-  return FMLP_SUCCESS;
+  return copy_text_out(cuda_device_list(), buf, buf_size, needed);
 }
 
 const char* fmlp_backend_name(fmlp_backend_t b) {

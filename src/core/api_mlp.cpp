@@ -168,28 +168,11 @@ fmlp_status_t fmlp_mlp_explain(const fmlp_mlp_args_t* args, fmlp_backend_t backe
   }
 #endif
   bool chosen = false;
-  for (const Candidate& c : mlp_candidates(d, b)) {
-    if (c.supported && !chosen && (planned == nullptr || c.kernel == planned)) {
-      chosen = true;
-      report += fmt::format("  chosen   {} (workspace {} bytes)\n", c.kernel->name,
-                            c.kernel->workspace_bytes(d));
-    } else if (c.supported) {
-      report += fmt::format(
-          "  skipped  {}: {}\n", c.kernel->name,
-          planned ? "the planner prefers another entry" : "an earlier entry is preferred");
-    } else {
-      report += fmt::format("  rejected {}: {}\n", c.kernel->name, c.why);
-    }
-  }
+  for (const Candidate& c : mlp_candidates(d, b))
+    explain_entry(&report, &chosen, c.kernel->name, c.supported, c.why, planned != nullptr,
+                  c.kernel == planned, [&] { return c.kernel->workspace_bytes(d); });
   if (!chosen) report += "  no kernel of this backend handles the request\n";
-  if (needed) *needed = report.size() + 1;
-  if (buf && buf_size > 0) {
-    const size_t n = std::min(report.size(), buf_size - 1);
-    std::memcpy(buf, report.data(), n);
-    buf[n] = '\0';
-  }
-  clear_last_error();
-  return FMLP_SUCCESS;
+  return copy_text_out(report, buf, buf_size, needed);
 }
 
 }  // extern "C"

@@ -75,6 +75,29 @@ struct Candidate {
 };
 std::vector<Candidate> mlp_candidates(const MlpDesc& desc, fmlp_backend_t backend);
 
+// An explain report's line for one table entry, in table order: the first supported entry that is
+// the planner's pick (any, without a planner: `planned` false) is chosen, with the workspace
+// ws_bytes() gives (asked of the chosen entry alone); *chosen says whether one was chosen yet.
+template <typename WS>
+void explain_entry(std::string* report, bool* chosen, const char* name, bool supported,
+                   const std::string& why, bool planned, bool is_planned, WS ws_bytes) {
+  if (supported && !*chosen && (!planned || is_planned)) {
+    *chosen = true;
+    *report += "  chosen   " + std::string(name) + " (workspace " + std::to_string(ws_bytes()) +
+               " bytes)\n";
+  } else if (supported) {
+    *report += "  skipped  " + std::string(name) + ": " +
+               (planned ? "the planner prefers another entry" : "an earlier entry is preferred") +
+               "\n";
+  } else {
+    *report += "  rejected " + std::string(name) + ": " + why + "\n";
+  }
+}
+
+// Hands a text to a C caller: its size with the NUL into *needed (if given), as much as fits
+// into buf (NUL-terminated; nothing when buf_size is 0), and success with the last error cleared.
+fmlp_status_t copy_text_out(const std::string& text, char* buf, size_t buf_size, size_t* needed);
+
 // Resolves AUTO (device memory: cuda; host memory: cpu when this CPU has the ISA, else ref) and
 // checks that the backend matches where the data lives and can run here.
 fmlp_status_t resolve_backend(fmlp_backend_t requested, const MlpDesc& desc, fmlp_backend_t* out);

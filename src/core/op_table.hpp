@@ -11,7 +11,6 @@
 //   // planner or it has no opinion; `reason` (may be null) gets its explanation.
 //   static const OpKernel<Args, Desc>* plan(const Desc&, fmlp_backend_t b, std::string* reason);
 #pragma once
-#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -143,27 +142,11 @@ struct OpTable {
       if (k->backend != b) continue;
       std::string why;
       const bool ok = k->supports(d, &why);
-      if (ok && !chosen && (planned == nullptr || k == planned)) {
-        chosen = true;
-        report +=
-            fmt::format("  chosen   {} (workspace {} bytes)\n", k->name, k->workspace_bytes(d));
-      } else if (ok) {
-        report += fmt::format(
-            "  skipped  {}: {}\n", k->name,
-            planned ? "the planner prefers another entry" : "an earlier entry is preferred");
-      } else {
-        report += fmt::format("  rejected {}: {}\n", k->name, why);
-      }
+      explain_entry(&report, &chosen, k->name, ok, why, planned != nullptr, k == planned,
+                    [&] { return k->workspace_bytes(d); });
     }
     if (!chosen) report += "  no kernel of this backend handles the request\n";
-    if (needed) *needed = report.size() + 1;
-    if (buf && buf_size > 0) {
-      const size_t n = std::min(report.size(), buf_size - 1);
-      std::memcpy(buf, report.data(), n);
-      buf[n] = '\0';
-    }
-    clear_last_error();
-    return FMLP_SUCCESS;
+    return copy_text_out(report, buf, buf_size, needed);
   }
 
   // Validates and finds the named kernel; NOT_SUPPORTED with its reason when it cannot run them.
