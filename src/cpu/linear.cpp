@@ -15,65 +15,7 @@
 namespace fmlp::detail {
 namespace {
 
-using cpu::hsum4;
 using cpu::padded;
-
-// e4m3 bits -> fp32: the magnitude bits shifted into an fp32 put the exponent 120 too low
-// (subnormals included, exactly), one multiply fixes it; 0x7f is NaN.
-inline __m256 fp8x8_to_f32(__m128i bytes) {
-  const __m256i b = _mm256_cvtepu8_epi32(bytes);
-  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
-  __m256 f =
-      _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)), _mm256_set1_ps(0x1p120f));
-  const __m256 nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f)));
-  f = _mm256_blendv_ps(f, _mm256_set1_ps(__builtin_nanf("")), nan);
-  return _mm256_or_ps(f, _mm256_castsi256_ps(sign));
-}
-
-template <fmlp_dtype_t WT>
-constexpr int64_t wsize() {
-  return WT == FMLP_DTYPE_F32 ? 4 : WT == FMLP_DTYPE_F8_E4M3 ? 1 : 2;
-}
-
-template <fmlp_dtype_t WT>
-inline __m256 wload8(const char* p) {
-  if constexpr (WT == FMLP_DTYPE_F8_E4M3)
-    return fp8x8_to_f32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  else
-    return cpu::load8<WT>(p);
-}
-
-template <fmlp_dtype_t WT>
-inline __m256 wload_partial(const char* p, int64_t n) {
-  alignas(32) char buf[32] = {};
-  std::memcpy(buf, p, size_t(n * wsize<WT>()));
-  return wload8<WT>(buf);
-}
-
-// out[r] lane j = w[j] . a[r] over k; the a rows are zero-padded to a multiple of 8.
-template <fmlp_dtype_t WT, int MR>
-inline void dot4(const char* const* w, const float* const* a, int64_t k, __m128* out) {
-  __m256 acc[MR][4];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
-  int64_t c = 0;
-  for (; c + 8 <= k; c += 8) {
-    __m256 av[MR];
-    for (int r = 0; r < MR; ++r) av[r] = _mm256_loadu_ps(a[r] + c);
-    for (int j = 0; j < 4; ++j) {
-      const __m256 wv = wload8<WT>(w[j] + c * wsize<WT>());
-      for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(wv, av[r], acc[r][j]);
-    }
-  }
-  if (c < k)
-    for (int j = 0; j < 4; ++j) {
-      const __m256 wv = wload_partial<WT>(w[j] + c * wsize<WT>(), k - c);
-      for (int r = 0; r < MR; ++r)
-        acc[r][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(a[r] + c), acc[r][j]);
-    }
-  for (int r = 0; r < MR; ++r) out[r] = hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-}
 
 struct View {
   const fmlp_linear_args_t* a;
@@ -88,13 +30,13 @@ void row_group(const View& v, int64_t j, int64_t nj, int64_t r0, int64_t r1) {
   const LinearDesc& d = *v.d;
   const size_t es = dtype_size(d.out_dtype);
   const char* w[4];
-  for (int64_t q = 0; q < 4; ++q)
-    w[q] = row_ptr(v.a->w, j + std::min(q, nj - 1), size_t(wsize<WT>()));
+  for (int64_t q = 0; q < 4; ++q) w[q] = row_ptr(v.a->w, j + std::min(q, nj - 1), dtype_size(WT));
   float scale[4] = {1.f, 1.f, 1.f, 1.f}, bias[4] = {0.f, 0.f, 0.f, 0.f};
   for (int64_t q = 0; q < nj; ++q) {
-    if (d.w_scale != ScaleKind::kNone)
-      scale[q] =
-          static_cast<const float*>(v.a->w_scale.data)[d.w_scale == ScaleKind::kPerRow ? j + q : 0];
+    if (d.w_scale != ScaleKind::kNone)  // fp8 dot products are of code / 256 (cpu/fp8.hpp)
+      scale[q] = static_cast<const float*>(
+                     v.a->w_scale.data)[d.w_scale == ScaleKind::kPerRow ? j + q : 0] *
+                 (WT == FMLP_DTYPE_F8_E4M3 ? cpu::kF8Unscale : 1.f);
     if (d.bias_dtype != FMLP_DTYPE_INVALID)
       bias[q] = float(load_as_double(v.a->bias.data, d.bias_dtype, j + q));
   }
@@ -112,13 +54,13 @@ void row_group(const View& v, int64_t j, int64_t nj, int64_t r0, int64_t r1) {
   for (; r + 3 <= r1; r += 3) {
     const float* ar[3] = {v.xs + r * v.ldx, v.xs + (r + 1) * v.ldx, v.xs + (r + 2) * v.ldx};
     __m128 s[3];
-    dot4<WT, 3>(w, ar, d.k, s);
+    cpu::dot_tile<WT, 3>(w, ar, d.k, s);
     for (int q = 0; q < 3; ++q) emit(r + q, s[q]);
   }
   for (; r < r1; ++r) {
     const float* ar[1] = {v.xs + r * v.ldx};
     __m128 s[1];
-    dot4<WT, 1>(w, ar, d.k, s);
+    cpu::dot_tile<WT, 1>(w, ar, d.k, s);
     emit(r, s[0]);
   }
 }
