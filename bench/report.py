@@ -12,6 +12,9 @@
             --det OUT/moe_det.json --gpu-info OUT/gpu.txt --commit SHA --out bench/results/moe_h200
   cpu:  python3 bench/report.py cpu --bench a.json:label [--bench b.json:label] --commit SHA \
             --out bench/results/cpu_speedup
+  cpu-ops: python3 bench/report.py cpu-ops --bench cpu_ops.json --commit SHA \
+            --out bench/results/cpu_ops_2core (fusedmlp_cpu_ops_bench --benchmark_out=cpu_ops.json
+            --benchmark_repetitions=N: the medians)
   probe: python3 bench/report.py probe --ours OUT/hbm_probe.json --gpu-info OUT/gpu.txt \
             --commit SHA --out bench/results/hbm_probe_h200 (a --matrices run: a bar chart)
 
@@ -309,6 +312,30 @@ def cpu(a):
         print(f"| {r['shape']} | {r['M']} | {r['fused_us']:.0f} | {r.get('pct_bandwidth', r.get('pct_read_bandwidth')):.0f}% | {sp} |")
 
 
+def cpu_ops(a):
+    """Google Benchmark JSON of fusedmlp_cpu_ops_bench: its medians (or single runs) as rows, one
+    panel per shape of % of the read bandwidth against M (rows for softmax), a series per dtype."""
+    b = json.load(open(a.bench))
+    runs = [r for r in b["benchmarks"] if r.get("aggregate_name", "median") == "median"]
+    rows = []
+    for r in runs:
+        op, shape, dtype, arg = r["run_name"].split("/")[:4]
+        rows.append({"op": op, "shape": shape if op == "linear" else f"softmax {shape}",
+                     "dtype": dtype, "M": int(arg.split(":")[1]), "us": r["real_time"],
+                     "GBps": r["GB/s"], "pct_floor": r["%floor"]})
+    write_rows(a.out, rows, {"context": b["context"], "commit": a.commit})
+    merged = {}
+    for r in rows:
+        merged.setdefault((r["shape"], r["M"]), {"shape": r["shape"], "M": r["M"]})[r["dtype"]] = r["pct_floor"]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    plot(a.out, list(merged.values()), "M", [(d, d, "o-") for d in dtypes], "% of read bandwidth",
+         f"fusedmlp cpu linear and softmax, {b['context'].get('num_cpus')} cpus, commit {a.commit}")
+    print("| op | shape | dtype | M / rows | µs | GB/s | % of read bw |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['M']} | {r['us']:.1f} | {r['GBps']:.1f} | {r['pct_floor']:.0f}% |")
+
+
 def probe(a):
     """fusedmlp_hbm_probe: µs to read N MB per streaming variant against the copy floor."""
     d = json.load(open(a.ours))
@@ -400,9 +427,14 @@ def main():
     p.add_argument("--bench", action="append", required=True, help="FILE[:label], repeatable")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", required=True)
+    po = sub.add_parser("cpu-ops")
+    po.add_argument("--bench", required=True, help="fusedmlp_cpu_ops_bench --benchmark_out JSON")
+    po.add_argument("--commit", default="unknown")
+    po.add_argument("--out", required=True)
     a = ap.parse_args()
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    return {"cuda": cuda, "prefill": prefill, "ops": ops, "moe": moe, "cpu": cpu, "probe": probe}[a.cmd](a)
+    return {"cuda": cuda, "prefill": prefill, "ops": ops, "moe": moe, "cpu": cpu, "cpu-ops": cpu_ops,
+            "probe": probe}[a.cmd](a)
 
 
 if __name__ == "__main__":
