@@ -22,9 +22,48 @@ struct View {
   const LinearDesc* d;
   const float* xs;  // [m, padded(k)] fp32
   int64_t ldx;
+  float* wide;  // fp8 weights: per thread [4][ldx] fp32 for a row group widened once
 };
 
-// y[i][j..j+nj) for x rows i in [r0, r1), W rows j..j+nj (nj <= 4).
+// x rows from which an fp8 row group is widened into the thread's scratch once rather than in
+// every dot product: below this the stores and reloads cost more than the repeated widening.
+constexpr int64_t kWidenOnceRows = 6;
+
+// The 4 fp8 rows w[q] (k codes) as code / 256 in fp32, rows `ld` floats apart, zero-padded.
+void widen_f8_rows(const char* const* w, int64_t k, int64_t ld, float* out) {
+  for (int q = 0; q < 4; ++q) {
+    float* o = out + q * ld;
+    for (int64_t c = 0; c < k; c += 16) {
+      __m256 lo, hi;
+      if (k - c >= 16)
+        cpu::load16_f8(w[q] + c, &lo, &hi);
+      else
+        cpu::load16_f8_partial(w[q] + c, k - c, &lo, &hi);
+      _mm256_storeu_ps(o + c, lo);
+      _mm256_storeu_ps(o + c + 8, hi);
+    }
+  }
+}
+
+// emit(r, dots of x row r with the 4 rows w) for x rows r in [r0, r1), three rows at a time.
+template <fmlp_dtype_t WT, typename EMIT>
+void dot_rows(const View& v, const char* const* w, int64_t r0, int64_t r1, EMIT& emit) {
+  int64_t r = r0;
+  for (; r + 3 <= r1; r += 3) {
+    const float* ar[3] = {v.xs + r * v.ldx, v.xs + (r + 1) * v.ldx, v.xs + (r + 2) * v.ldx};
+    __m128 s[3];
+    cpu::dot_tile<WT, 3>(w, ar, v.d->k, s);
+    for (int q = 0; q < 3; ++q) emit(r + q, s[q]);
+  }
+  for (; r < r1; ++r) {
+    const float* ar[1] = {v.xs + r * v.ldx};
+    __m128 s[1];
+    cpu::dot_tile<WT, 1>(w, ar, v.d->k, s);
+    emit(r, s[0]);
+  }
+}
+
+// y[i][j..j+nj) for x rows i in [r0, r1), W rows j..j+nj (nj <= 4); `v.wide` is this thread's.
 template <fmlp_dtype_t WT>
 void row_group(const View& v, int64_t j, int64_t nj, int64_t r0, int64_t r1) {
   const LinearDesc& d = *v.d;
@@ -50,25 +89,24 @@ void row_group(const View& v, int64_t j, int64_t nj, int64_t r0, int64_t r1) {
     for (int64_t q = 0; q < nj; ++q)
       store_from_double(y, d.out_dtype, j + q, double(t[q] * (xs * scale[q]) + bias[q]));
   };
-  int64_t r = r0;
-  for (; r + 3 <= r1; r += 3) {
-    const float* ar[3] = {v.xs + r * v.ldx, v.xs + (r + 1) * v.ldx, v.xs + (r + 2) * v.ldx};
-    __m128 s[3];
-    cpu::dot_tile<WT, 3>(w, ar, d.k, s);
-    for (int q = 0; q < 3; ++q) emit(r + q, s[q]);
+  // The same products in the same order either way (fp8.hpp's code / 256 in fp32).
+  if constexpr (WT == FMLP_DTYPE_F8_E4M3) {
+    if (r1 - r0 >= kWidenOnceRows) {
+      widen_f8_rows(w, d.k, v.ldx, v.wide);
+      const char* wf[4];
+      for (int q = 0; q < 4; ++q) wf[q] = reinterpret_cast<const char*>(v.wide + q * v.ldx);
+      dot_rows<FMLP_DTYPE_F32>(v, wf, r0, r1, emit);
+      return;
+    }
   }
-  for (; r < r1; ++r) {
-    const float* ar[1] = {v.xs + r * v.ldx};
-    __m128 s[1];
-    cpu::dot_tile<WT, 1>(w, ar, d.k, s);
-    emit(r, s[0]);
-  }
+  dot_rows<WT>(v, w, r0, r1, emit);
 }
 
 template <fmlp_dtype_t WT>
 void run_impl(const View& v) {
   const LinearDesc& d = *v.d;
-  const int nt_max = cpu::thread_count(double(d.m) * double(d.n) * double(d.k));
+  const int nt_max = std::min(cpu::thread_count(double(d.m) * double(d.n) * double(d.k)),
+                              std::max(1, omp_get_max_threads()));  // what the scratch is sized for
   float* xs = const_cast<float*>(v.xs);
   const size_t es = dtype_size(d.act_dtype);
   constexpr int64_t kRowBlock = 48;  // x rows that stay in L2 while a thread's W slice streams by
@@ -85,9 +123,11 @@ void run_impl(const View& v) {
     }
 #pragma omp barrier
     cpu::split(d.n, 16, nt, t, &b, &e);
+    View mine = v;
+    if (v.wide) mine.wide = v.wide + int64_t(t) * 4 * v.ldx;
     for (int64_t r0 = 0; r0 < d.m; r0 += kRowBlock)
       for (int64_t j = b; j < e; j += 4)
-        row_group<WT>(v, j, std::min<int64_t>(4, e - j), r0, std::min(d.m, r0 + kRowBlock));
+        row_group<WT>(mine, j, std::min<int64_t>(4, e - j), r0, std::min(d.m, r0 + kRowBlock));
   }
 }
 
@@ -97,13 +137,22 @@ bool cpu_supports(const LinearDesc& d, std::string* why) {
   return true;
 }
 
+// fp8 weights with kWidenOnceRows x rows or more add a [4][padded(k)] scratch per thread, sized
+// for omp_get_max_threads() at query time (the API checks the size again at run time; a run uses
+// no more threads), like the cpu mlp's blocked kernel.
+bool widens_once(const LinearDesc& d) {
+  return d.w_dtype == FMLP_DTYPE_F8_E4M3 && d.m >= kWidenOnceRows;
+}
+
 size_t cpu_workspace(const LinearDesc& d) {
-  return size_t(d.m * padded(d.k)) * sizeof(float) + 64;
+  const int64_t wide = widens_once(d) ? int64_t(std::max(1, omp_get_max_threads())) * 4 : 0;
+  return size_t((d.m + wide) * padded(d.k)) * sizeof(float) + 64;
 }
 
 fmlp_status_t cpu_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws, void*) {
   const uintptr_t p = (uintptr_t(ws) + 63) / 64 * 64;
-  const View v{&a, &d, reinterpret_cast<const float*>(p), padded(d.k)};
+  float* xs = reinterpret_cast<float*>(p);
+  const View v{&a, &d, xs, padded(d.k), widens_once(d) ? xs + d.m * padded(d.k) : nullptr};
   switch (d.w_dtype) {
     case FMLP_DTYPE_F16: run_impl<FMLP_DTYPE_F16>(v); break;
     case FMLP_DTYPE_BF16: run_impl<FMLP_DTYPE_BF16>(v); break;
