@@ -1,9 +1,11 @@
 // linear_cpu_avx2_gemv: y = x W^T + b on the host. The op is a stream over W, so each thread owns a
 // contiguous slice of W rows and dots every 4-row group with a block of x rows (converted once to
-// fp32 in the workspace) while the group is in L1. fp8 e4m3 weights are widened in registers; the
-// per-row or per-tensor scale is applied to the finished dot product. fp8 activations (W8A8) are
-// widened exactly when x is converted to fp32; their scale joins the weight scale at the end. Each
-// output's summation order depends only on K, never on the thread count.
+// fp32 in the workspace) while the group is in L1. fp8 e4m3 weights are widened in registers as
+// code / 256 (cpu/fp8.hpp), or, from kWidenOnceRows x rows, once per row group into a per-thread
+// scratch; the per-row or per-tensor scale (times 256) is applied to the finished dot product.
+// fp8 activations (W8A8) are widened exactly when x is converted to fp32; their scale joins the
+// weight scale at the end. Each output's summation order depends only on K, never on the thread
+// count.
 #include <omp.h>
 
 #include <algorithm>
