@@ -189,6 +189,19 @@ std::vector<LinCase> cases() {
         c.strided = rng() % 3 == 0;
         v.push_back(c);
       }
+  // fp8 weights at the M where the cpu kernel widens a row group once for all x rows (6 and
+  // more; more than one 48-row block at 100), K tails inside a 16-code step and past it.
+  for (int64_t m : {6, 16, 100})
+    for (int64_t k : {7, 127, 769}) {
+      LinCase c;
+      c.m = m, c.n = 37, c.k = k;
+      c.xt = acts[rng() % 3];
+      c.wt = FMLP_DTYPE_F8_E4M3;
+      c.bt = rng() % 2 ? FMLP_DTYPE_F32 : kAbsent;
+      c.per_row = rng() % 2;
+      c.strided = rng() % 2;
+      v.push_back(c);
+    }
   for (fmlp_dtype_t x : acts)
     for (fmlp_dtype_t w : ws)
       for (int variant = 0; variant < 4; ++variant) {  // 16-byte friendly and layout variants

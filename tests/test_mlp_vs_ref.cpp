@@ -87,6 +87,17 @@ std::vector<MlpCase> section_cases(Section s) {
             c.m = m;
             add(c);
           }
+      // fp8 at the M where the cpu kernels widen a weight row group once for all rows (6 and
+      // more), with K tails inside a 16-code step and past it.
+      for (int64_t m : {6, 7, 16})
+        for (int64_t k : {7, 127, 769}) {
+          MlpCase c = random_case(rng, kMaxMacs);
+          c.d_in = c.d_out = k;
+          c.hidden = k == 769 ? 64 : 127;
+          c.m = m;
+          c.w_dtype = FMLP_DTYPE_F8_E4M3;
+          add(c);
+        }
       break;
     case Section::kVectorFriendly:  // what 16-byte streaming kernels take: sizes % 8 == 0,
                                     // aligned 16-bit or fp8 weights, up to 64 tokens (every

@@ -1,7 +1,7 @@
 // linear_cpu_avx2_gemv: y = x W^T + b on the host. The op is a stream over W, so each thread owns a
 // contiguous slice of W rows and dots every 4-row group with a block of x rows (converted once to
 // fp32 in the workspace) while the group is in L1. fp8 e4m3 weights are widened in registers as
-// code / 256 (cpu/fp8.hpp), or, from kWidenOnceRows x rows, once per row group into a per-thread
+// code / 256 (cpu/fp8.hpp), or, from cpu::kWidenOnceRows x rows, once per row group into a thread's
 // scratch; the per-row or per-tensor scale (times 256) is applied to the finished dot product.
 // fp8 activations (W8A8) are widened exactly when x is converted to fp32; their scale joins the
 // weight scale at the end. Each output's summation order depends only on K, never on the thread
@@ -26,44 +26,6 @@ struct View {
   int64_t ldx;
   float* wide;  // fp8 weights: per thread [4][ldx] fp32 for a row group widened once
 };
-
-// x rows from which an fp8 row group is widened into the thread's scratch once rather than in
-// every dot product: below this the stores and reloads cost more than the repeated widening.
-constexpr int64_t kWidenOnceRows = 6;
-
-// The 4 fp8 rows w[q] (k codes) as code / 256 in fp32, rows `ld` floats apart, zero-padded.
-void widen_f8_rows(const char* const* w, int64_t k, int64_t ld, float* out) {
-  for (int q = 0; q < 4; ++q) {
-    float* o = out + q * ld;
-    for (int64_t c = 0; c < k; c += 16) {
-      __m256 lo, hi;
-      if (k - c >= 16)
-        cpu::load16_f8(w[q] + c, &lo, &hi);
-      else
-        cpu::load16_f8_partial(w[q] + c, k - c, &lo, &hi);
-      _mm256_storeu_ps(o + c, lo);
-      _mm256_storeu_ps(o + c + 8, hi);
-    }
-  }
-}
-
-// emit(r, dots of x row r with the 4 rows w) for x rows r in [r0, r1), three rows at a time.
-template <fmlp_dtype_t WT, typename EMIT>
-void dot_rows(const View& v, const char* const* w, int64_t r0, int64_t r1, EMIT& emit) {
-  int64_t r = r0;
-  for (; r + 3 <= r1; r += 3) {
-    const float* ar[3] = {v.xs + r * v.ldx, v.xs + (r + 1) * v.ldx, v.xs + (r + 2) * v.ldx};
-    __m128 s[3];
-    cpu::dot_tile<WT, 3>(w, ar, v.d->k, s);
-    for (int q = 0; q < 3; ++q) emit(r + q, s[q]);
-  }
-  for (; r < r1; ++r) {
-    const float* ar[1] = {v.xs + r * v.ldx};
-    __m128 s[1];
-    cpu::dot_tile<WT, 1>(w, ar, v.d->k, s);
-    emit(r, s[0]);
-  }
-}
 
 // y[i][j..j+nj) for x rows i in [r0, r1), W rows j..j+nj (nj <= 4); `v.wide` is this thread's.
 template <fmlp_dtype_t WT>
@@ -91,17 +53,8 @@ void row_group(const View& v, int64_t j, int64_t nj, int64_t r0, int64_t r1) {
     for (int64_t q = 0; q < nj; ++q)
       store_from_double(y, d.out_dtype, j + q, double(t[q] * (xs * scale[q]) + bias[q]));
   };
-  // The same products in the same order either way (fp8.hpp's code / 256 in fp32).
-  if constexpr (WT == FMLP_DTYPE_F8_E4M3) {
-    if (r1 - r0 >= kWidenOnceRows) {
-      widen_f8_rows(w, d.k, v.ldx, v.wide);
-      const char* wf[4];
-      for (int q = 0; q < 4; ++q) wf[q] = reinterpret_cast<const char*>(v.wide + q * v.ldx);
-      dot_rows<FMLP_DTYPE_F32>(v, wf, r0, r1, emit);
-      return;
-    }
-  }
-  dot_rows<WT>(v, w, r0, r1, emit);
+  cpu::dot_row_group<WT>(w, v.xs + r0 * v.ldx, v.ldx, r1 - r0, d.k, v.wide,
+                         [&](int64_t r, __m128 s) { emit(r0 + r, s); });
 }
 
 template <fmlp_dtype_t WT>
@@ -139,11 +92,11 @@ bool cpu_supports(const LinearDesc& d, std::string* why) {
   return true;
 }
 
-// fp8 weights with kWidenOnceRows x rows or more add a [4][padded(k)] scratch per thread, sized
-// for omp_get_max_threads() at query time (the API checks the size again at run time; a run uses
-// no more threads), like the cpu mlp's blocked kernel.
+// fp8 weights with cpu::kWidenOnceRows x rows or more add a [4][padded(k)] scratch per thread,
+// sized for omp_get_max_threads() at query time (the API checks the size again at run time; a run
+// uses no more threads), like the cpu mlp's blocked kernel.
 bool widens_once(const LinearDesc& d) {
-  return d.w_dtype == FMLP_DTYPE_F8_E4M3 && d.m >= kWidenOnceRows;
+  return d.w_dtype == FMLP_DTYPE_F8_E4M3 && d.m >= cpu::kWidenOnceRows;
 }
 
 size_t cpu_workspace(const LinearDesc& d) {

@@ -13,10 +13,11 @@
 namespace fmlp::detail::cpu {
 namespace {
 
-// out[r * ldo + (j - j0)] = w.row(j) . a[r] for j in [j0, j1), r < m.
+// out[r * ldo + (j - j0)] = w.row(j) . a[r] for j in [j0, j1), r < m; `wide` as in
+// dot_row_group (this thread's).
 template <fmlp_dtype_t WT>
 void gemv_rows(const Rows& w, int64_t j0, int64_t j1, const float* a, int64_t lda, int64_t m,
-               int64_t k, float* out, int64_t ldo) {
+               int64_t k, float* out, int64_t ldo, float* wide) {
   for (int64_t j = j0; j < j1; j += 4) {
     const int64_t nj = std::min<int64_t>(4, j1 - j);
     const char* wr[4];
@@ -28,7 +29,7 @@ void gemv_rows(const Rows& w, int64_t j0, int64_t j1, const float* a, int64_t ld
                               w.row_scale(j + std::min<int64_t>(2, nj - 1)),
                               w.row_scale(j + std::min<int64_t>(3, nj - 1)));
     float* o = out + (j - j0);
-    const auto emit = [&](int64_t r, __m128 s) {
+    dot_row_group<WT>(wr, a, lda, m, k, wide, [&](int64_t r, __m128 s) {
       if constexpr (WT == FMLP_DTYPE_F8_E4M3)
         s = _mm_mul_ps(_mm_mul_ps(s, _mm_set1_ps(kF8Unscale)), row_scale);
       if (nj == 4) {
@@ -38,39 +39,29 @@ void gemv_rows(const Rows& w, int64_t j0, int64_t j1, const float* a, int64_t ld
         _mm_store_ps(tmp, s);
         std::copy(tmp, tmp + nj, o + r * ldo);
       }
-    };
-    int64_t r = 0;
-    for (; r + 3 <= m; r += 3) {
-      const float* ar[3] = {a + r * lda, a + (r + 1) * lda, a + (r + 2) * lda};
-      __m128 s[3];
-      dot_tile<WT, 3>(wr, ar, k, s);
-      for (int q = 0; q < 3; ++q) emit(r + q, s[q]);
-    }
-    if (m - r == 2) {
-      const float* ar[2] = {a + r * lda, a + (r + 1) * lda};
-      __m128 s[2];
-      dot_tile<WT, 2>(wr, ar, k, s);
-      emit(r, s[0]);
-      emit(r + 1, s[1]);
-    } else if (m - r == 1) {
-      const float* ar[1] = {a + r * lda};
-      __m128 s[1];
-      dot_tile<WT, 1>(wr, ar, k, s);
-      emit(r, s[0]);
-    }
+    });
   }
 }
 
+// Floats of one thread's widening scratch (dot_row_group) for both passes; 0 where not used.
+int64_t wide_floats(const MlpDesc& d) {
+  if (d.w_dtype != FMLP_DTYPE_F8_E4M3 || d.m < kWidenOnceRows) return 0;
+  return 4 * std::max(padded(d.d_in), padded(d.hidden));
+}
+
 template <fmlp_dtype_t WT>
-void decode_impl(const MlpView& v, float* base) {
+void decode_impl(const MlpView& v, float* base, int64_t wide_per_thread) {
   const int64_t m = v.m, kp = padded(v.k), hp = padded(v.h);
   float* xn = base;
   float* hid = xn + m * kp;
-  float* up = hid + m * hp;  // gated only
+  float* up = hid + m * hp;                        // gated only
+  float* wide_base = up + (v.gated ? m * hp : 0);  // [threads][wide_per_thread]
   const double macs = double(m) * double(v.h * v.k * (v.gated ? 2 : 1) + v.n * v.h);
-#pragma omp parallel num_threads(thread_count(macs))
+  // The widening scratch is sized for omp_get_max_threads() at query time (decode_workspace).
+#pragma omp parallel num_threads(std::min(thread_count(macs), std::max(1, omp_get_max_threads())))
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    float* wide = wide_per_thread ? wide_base + t * wide_per_thread : nullptr;
     int64_t b, e;
     split(m, 1, nt, t, &b, &e);
     for (int64_t i = b; i < e; ++i) normalize_row(v, i, xn + i * kp);
@@ -78,8 +69,8 @@ void decode_impl(const MlpView& v, float* base) {
     // 16 units per chunk keeps each thread's hidden columns on their own cache lines.
     split(v.h, 16, nt, t, &b, &e);
     if (b < e) {
-      gemv_rows<WT>(v.w_gate, b, e, xn, kp, m, v.k, hid + b, hp);
-      if (v.gated) gemv_rows<WT>(v.w_up, b, e, xn, kp, m, v.k, up + b, hp);
+      gemv_rows<WT>(v.w_gate, b, e, xn, kp, m, v.k, hid + b, hp, wide);
+      if (v.gated) gemv_rows<WT>(v.w_up, b, e, xn, kp, m, v.k, up + b, hp, wide);
       for (int64_t i = 0; i < m; ++i)
         hidden_epilogue(v, b, e - b, hid + i * hp + b, v.gated ? up + i * hp + b : nullptr,
                         hid + i * hp + b);
@@ -93,7 +84,7 @@ void decode_impl(const MlpView& v, float* base) {
     alignas(32) float acc[kDecodeMaxM * kBlock];
     for (int64_t o = b; o < e; o += kBlock) {
       const int64_t cnt = std::min(kBlock, e - o);
-      gemv_rows<WT>(v.w2, o, o + cnt, hid, hp, m, v.h, acc, kBlock);
+      gemv_rows<WT>(v.w2, o, o + cnt, hid, hp, m, v.h, acc, kBlock, wide);
       for (int64_t i = 0; i < m; ++i) output_epilogue(v, i, o, cnt, acc + i * kBlock);
     }
   }
@@ -110,18 +101,22 @@ bool decode_supports(const MlpDesc& d, std::string* why) {
   return true;
 }
 
+// The per-thread widening scratch is sized for omp_get_max_threads() at query time; the API checks
+// the workspace against this size again at run time, and a run never uses more threads than that.
 size_t decode_workspace(const MlpDesc& d) {
-  return workspace_floats_bytes(d, d.gated ? d.m * padded(d.hidden) : 0);
+  return workspace_floats_bytes(d, (d.gated ? d.m * padded(d.hidden) : 0) +
+                                       std::max(1, omp_get_max_threads()) * wide_floats(d));
 }
 
 fmlp_status_t decode_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* ws, void*) {
   const MlpView v = make_view(a, d);
   float* base = workspace_base(ws);
+  const int64_t wide = wide_floats(d);
   switch (d.w_dtype) {
-    case FMLP_DTYPE_F16: decode_impl<FMLP_DTYPE_F16>(v, base); break;
-    case FMLP_DTYPE_BF16: decode_impl<FMLP_DTYPE_BF16>(v, base); break;
-    case FMLP_DTYPE_F8_E4M3: decode_impl<FMLP_DTYPE_F8_E4M3>(v, base); break;
-    default: decode_impl<FMLP_DTYPE_F32>(v, base); break;
+    case FMLP_DTYPE_F16: decode_impl<FMLP_DTYPE_F16>(v, base, wide); break;
+    case FMLP_DTYPE_BF16: decode_impl<FMLP_DTYPE_BF16>(v, base, wide); break;
+    case FMLP_DTYPE_F8_E4M3: decode_impl<FMLP_DTYPE_F8_E4M3>(v, base, wide); break;
+    default: decode_impl<FMLP_DTYPE_F32>(v, base, wide); break;
   }
   return FMLP_SUCCESS;
 }
