@@ -133,12 +133,10 @@ bool check_names(const char* flag, const std::string& list, const ITEMS& items) 
     const size_t e = std::min(list.find(',', b), list.size());
     const std::string item = list.substr(b, e - b);
     bool known = false;
-    std::string names;
-    for (const auto& it : items) {
-      known = known || item == it.name;
-      names += (names.empty() ? "" : ", ") + std::string(it.name);
-    }
+    for (const auto& it : items) known = known || item == it.name;
     if (!known) {
+      std::string names;
+      for (const auto& it : items) names += (names.empty() ? "" : ", ") + std::string(it.name);
       std::fprintf(stderr, "%s: no entry '%s' (expected one of %s)\n", flag, item.c_str(),
                    names.c_str());
       return false;

@@ -8,7 +8,6 @@
 //
 //   fusedmlp_cpu_ops_bench [--benchmark_filter=linear] [--benchmark_format=json] ...
 #include <benchmark/benchmark.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <chrono>
