@@ -44,14 +44,18 @@ std::string run_case(const SmCase& c, const char* kernel, bool device, uint64_t 
   for (int64_t r = 0; r < c.rows; ++r)
     for (int64_t i = 0; i < c.n; ++i) x.set(r, i, nd(rng));
   const double inf = std::numeric_limits<double>::infinity();
-  if (c.nonfinite) {  // row 0: NaN; 1: +Inf; 2: all -Inf; 3: some -Inf
-    for (int64_t r = 0; r < std::min<int64_t>(c.rows, 4); ++r) {
+  // row 0: NaN; 1: +Inf; 2: all -Inf; 3: some -Inf; 4: its first three quarters -Inf (masked
+  // logits: in long rows whole chunks and parts of -Inf, whose partial sums must add 0, not NaN)
+  if (c.nonfinite) {
+    for (int64_t r = 0; r < std::min<int64_t>(c.rows, 5); ++r) {
       const int64_t at = int64_t(rng() % uint64_t(c.n));
       if (r == 0) x.set(r, at, NAN);
       if (r == 1) x.set(r, at, inf);
       if (r == 2)
         for (int64_t i = 0; i < c.n; ++i) x.set(r, i, -inf);
       if (r == 3) x.set(r, at, -inf), x.set(r, (at + 1) % c.n, -inf);
+      if (r == 4)
+        for (int64_t i = 0; i < c.n * 3 / 4; ++i) x.set(r, i, -inf);
     }
   }
   PlacedTensor px(c.t, c.rows, c.n, device, c.misaligned, c.strided);

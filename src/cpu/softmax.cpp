@@ -38,6 +38,9 @@ inline float hsum(__m256 v) {
 }
 
 // Max and sum of exp((x - max) / T) of x[0, n). A NaN may be lost by the max but not by the sum.
+// A chunk of only -Inf sums relative to 0 (the CUDA kernels' combine rule): it adds 0 to its
+// row instead of (-Inf - -Inf) = NaN, so masked logits spanning whole chunks leave the rest of the
+// row a softmax; an all -Inf row still comes out NaN (its row max is -Inf).
 template <fmlp_dtype_t T>
 Partial chunk_partial(const char* x, int64_t n, float inv_t) {
   constexpr int64_t es = T == FMLP_DTYPE_F32 ? 4 : 2;
@@ -46,7 +49,8 @@ Partial chunk_partial(const char* x, int64_t n, float inv_t) {
   for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, cpu::load8<T>(x + i * es));
   float m = hmax(mv);
   for (int64_t j = i; j < n; ++j) m = std::max(m, float(load_as_double(x, T, j)));
-  const __m256 m8 = _mm256_set1_ps(m), t8 = _mm256_set1_ps(inv_t);
+  const float ms = m == -INFINITY ? 0.f : m;
+  const __m256 m8 = _mm256_set1_ps(ms), t8 = _mm256_set1_ps(inv_t);
   __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
   i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -56,7 +60,7 @@ Partial chunk_partial(const char* x, int64_t n, float inv_t) {
         s1, cpu::exp8(_mm256_mul_ps(_mm256_sub_ps(cpu::load8<T>(x + (i + 8) * es), m8), t8)));
   }
   double s = double(hsum(_mm256_add_ps(s0, s1)));
-  for (; i < n; ++i) s += std::exp(double((float(load_as_double(x, T, i)) - m) * inv_t));
+  for (; i < n; ++i) s += std::exp(double((float(load_as_double(x, T, i)) - ms) * inv_t));
   return {double(m), s};
 }
 
