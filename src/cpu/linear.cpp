@@ -95,19 +95,17 @@ bool cpu_supports(const LinearDesc& d, std::string* why) {
 // fp8 weights with cpu::kWidenOnceRows x rows or more add a [4][padded(k)] scratch per thread,
 // sized for omp_get_max_threads() at query time (the API checks the size again at run time; a run
 // uses no more threads), like the cpu mlp's blocked kernel.
-bool widens_once(const LinearDesc& d) {
-  return d.w_dtype == FMLP_DTYPE_F8_E4M3 && d.m >= cpu::kWidenOnceRows;
-}
-
 size_t cpu_workspace(const LinearDesc& d) {
-  const int64_t wide = widens_once(d) ? int64_t(std::max(1, omp_get_max_threads())) * 4 : 0;
+  const int64_t wide =
+      cpu::widens_f8_once(d.w_dtype, d.m) ? int64_t(std::max(1, omp_get_max_threads())) * 4 : 0;
   return size_t((d.m + wide) * padded(d.k)) * sizeof(float) + 64;
 }
 
 fmlp_status_t cpu_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws, void*) {
   const uintptr_t p = (uintptr_t(ws) + 63) / 64 * 64;
   float* xs = reinterpret_cast<float*>(p);
-  const View v{&a, &d, xs, padded(d.k), widens_once(d) ? xs + d.m * padded(d.k) : nullptr};
+  const View v{&a, &d, xs, padded(d.k),
+               cpu::widens_f8_once(d.w_dtype, d.m) ? xs + d.m * padded(d.k) : nullptr};
   switch (d.w_dtype) {
     case FMLP_DTYPE_F16: run_impl<FMLP_DTYPE_F16>(v); break;
     case FMLP_DTYPE_BF16: run_impl<FMLP_DTYPE_BF16>(v); break;

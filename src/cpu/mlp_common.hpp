@@ -145,6 +145,11 @@ inline void dot_tile(const char* const* w, const float* const* a, int64_t k, __m
 // on the 2-core CI VM: slower at 4 rows, even at 6 for K = 4096, 1.2x at 8, 1.35x at 16).
 constexpr int64_t kWidenOnceRows = 6;
 
+// Whether m x rows with weights of w_dtype take that path (and the kernels a scratch for it).
+inline bool widens_f8_once(fmlp_dtype_t w_dtype, int64_t m) {
+  return w_dtype == FMLP_DTYPE_F8_E4M3 && m >= kWidenOnceRows;
+}
+
 // The 4 fp8 rows w[q] (k codes) as code / 256 in fp32 at out + q * ld (ld >= padded(k)), the
 // columns from k to padded(k) zero.
 inline void widen_f8_rows(const char* const* w, int64_t k, int64_t ld, float* out) {
@@ -169,7 +174,7 @@ template <fmlp_dtype_t WT, typename EMIT>
 void dot_row_group(const char* const* w, const float* a, int64_t lda, int64_t m, int64_t k,
                    float* wide, const EMIT& emit) {
   if constexpr (WT == FMLP_DTYPE_F8_E4M3) {
-    if (wide != nullptr && m >= kWidenOnceRows) {
+    if (wide != nullptr && widens_f8_once(WT, m)) {
       widen_f8_rows(w, k, padded(k), wide);
       const char* wf[4];
       for (int q = 0; q < 4; ++q) wf[q] = reinterpret_cast<const char*>(wide + q * padded(k));

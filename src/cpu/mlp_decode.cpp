@@ -45,7 +45,7 @@ void gemv_rows(const Rows& w, int64_t j0, int64_t j1, const float* a, int64_t ld
 
 // Floats of one thread's widening scratch (dot_row_group) for both passes; 0 where not used.
 int64_t wide_floats(const MlpDesc& d) {
-  if (d.w_dtype != FMLP_DTYPE_F8_E4M3 || d.m < kWidenOnceRows) return 0;
+  if (!widens_f8_once(d.w_dtype, d.m)) return 0;
   return 4 * std::max(padded(d.d_in), padded(d.hidden));
 }
 
