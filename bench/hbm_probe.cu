@@ -32,8 +32,8 @@
 #include <vector>
 
 #include "bench_common.hpp"
-#include "cuda/common.cuh"
-#include "cuda/stream_gemv.cuh"
+#include "cuda/common/common.cuh"
+#include "cuda/engines/stream_gemv.cuh"
 
 namespace {
 

@@ -8,7 +8,7 @@
 #include "core/linear_desc.hpp"
 #include "core/tensor_check.hpp"
 #if FMLP_WITH_CUDA
-#include "cuda/linear_planner.hpp"
+#include "cuda/linear/planner.hpp"
 #endif
 
 namespace fmlp::detail {

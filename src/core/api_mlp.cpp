@@ -9,7 +9,7 @@
 #include "core/mlp_validate.hpp"
 #include "core/tensor_check.hpp"
 #if FMLP_WITH_CUDA
-#include "cuda/planner.hpp"
+#include "cuda/mlp/planner.hpp"
 #endif
 
 namespace fmlp::detail {

@@ -37,8 +37,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "cuda/allreduce_p2p.hpp"
-#include "cuda/device_scope.hpp"
+#include "cuda/common/device_scope.hpp"
+#include "dist/cuda/allreduce_p2p.hpp"
 #endif
 
 namespace fmlp::detail {

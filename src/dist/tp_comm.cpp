@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "cuda/device_scope.hpp"
+#include "cuda/common/device_scope.hpp"
 #endif
 
 namespace fmlp::detail {

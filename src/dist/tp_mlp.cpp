@@ -16,7 +16,7 @@
 #if FMLP_WITH_NCCL
 #include <cuda_runtime.h>
 
-#include "cuda/device_scope.hpp"
+#include "cuda/common/device_scope.hpp"
 #endif
 
 namespace fmlp::detail {

@@ -18,9 +18,9 @@
 #include <climits>
 #include <initializer_list>
 
-#include "cuda/device_scope.hpp"
-#include "cuda/moe_a2a.hpp"
-#include "cuda/moe_cuda.hpp"
+#include "cuda/common/device_scope.hpp"
+#include "cuda/moe/moe_cuda.hpp"
+#include "dist/cuda/moe_a2a.hpp"
 
 namespace fmlp::detail {
 namespace {
