@@ -6,10 +6,8 @@
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/linear_desc.hpp"
+#include "core/planner.hpp"
 #include "core/tensor_check.hpp"
-#if FMLP_WITH_CUDA
-#include "cuda/linear/planner.hpp"
-#endif
 
 namespace fmlp::detail {
 namespace {
@@ -151,14 +149,9 @@ struct LinearOp {
   static std::array<LinearKernelList, 3> lists() {
     return {cuda_linear_kernels(), cpu_linear_kernels(), ref_linear_kernels()};
   }
-  // The CUDA planner (cuda/linear_planner.hpp) picks between entries by shape.
+  // The CUDA planner picks between entries by shape (core/planner.hpp).
   static const LinearKernel* plan(const LinearDesc& d, fmlp_backend_t b, std::string* reason) {
-#if FMLP_WITH_CUDA
-    if (b == FMLP_BACKEND_CUDA) return cuda_linear_plan(d, reason);
-#else
-    (void)d, (void)b, (void)reason;
-#endif
-    return nullptr;
+    return b == FMLP_BACKEND_CUDA ? cuda_linear_plan(d, reason) : nullptr;
   }
 };
 using Table = OpTable<LinearOp>;

@@ -7,10 +7,8 @@
 #include "core/error.hpp"
 #include "core/mlp_desc.hpp"
 #include "core/mlp_validate.hpp"
+#include "core/planner.hpp"
 #include "core/tensor_check.hpp"
-#if FMLP_WITH_CUDA
-#include "cuda/mlp/planner.hpp"
-#endif
 
 namespace fmlp::detail {
 
@@ -75,14 +73,12 @@ namespace {
 fmlp_status_t select_kernel(const MlpDesc& d, fmlp_backend_t requested, const MlpKernel** out) {
   fmlp_backend_t b;
   if (const fmlp_status_t s = resolve_backend(requested, d, &b); s != FMLP_SUCCESS) return s;
-#if FMLP_WITH_CUDA
-  // The CUDA planner picks decode or prefill entries by M and shape (src/cuda/planner.hpp).
+  // The CUDA planner picks decode or prefill entries by M and shape (core/planner.hpp).
   if (b == FMLP_BACKEND_CUDA)
-    if (const MlpKernel* k = cuda_plan(d, nullptr)) {
+    if (const MlpKernel* k = cuda_mlp_plan(d, nullptr)) {
       *out = k;
       return FMLP_SUCCESS;
     }
-#endif
   // The common case allocates nothing: the first supporting entry wins and nobody reads `why`.
   std::string why;
   for (const MlpKernelList& list : {cuda_mlp_kernels(), cpu_mlp_kernels(), ref_mlp_kernels()})
@@ -160,13 +156,11 @@ fmlp_status_t fmlp_mlp_explain(const fmlp_mlp_args_t* args, fmlp_backend_t backe
   if (const fmlp_status_t s = resolve_backend(backend, d, &b); s != FMLP_SUCCESS) return s;
   std::string report = fmt::format("mlp {}\nbackend {}\n", describe(d), fmlp_backend_name(b));
   const MlpKernel* planned = nullptr;
-#if FMLP_WITH_CUDA
   if (b == FMLP_BACKEND_CUDA) {
     std::string plan;
-    planned = cuda_plan(d, &plan);
+    planned = cuda_mlp_plan(d, &plan);
     report += fmt::format("  planner  {}\n", plan);
   }
-#endif
   bool chosen = false;
   for (const Candidate& c : mlp_candidates(d, b))
     explain_entry(&report, &chosen, c.kernel->name, c.supported, c.why, planned != nullptr,

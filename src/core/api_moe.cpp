@@ -5,6 +5,7 @@
 #include "core/error.hpp"
 #include "core/mlp_validate.hpp"
 #include "core/moe_desc.hpp"
+#include "core/planner.hpp"
 #include "core/tensor_check.hpp"
 
 namespace fmlp::detail {
@@ -311,6 +312,8 @@ struct MoeOp {
   static std::array<MoeKernelList, 3> lists() {
     return {cuda_moe_kernels(), cpu_moe_kernels(), ref_moe_kernels()};
   }
+  // The CUDA planner prefers the weight streams while few tokens share an expert
+  // (core/planner.hpp).
   static const MoeKernel* plan(const MoeDesc& d, fmlp_backend_t b, std::string* reason) {
     return b == FMLP_BACKEND_CUDA ? cuda_moe_plan(d, reason) : nullptr;
   }

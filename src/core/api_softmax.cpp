@@ -73,6 +73,7 @@ struct SoftmaxOp {
   static std::array<SoftmaxKernelList, 3> lists() {
     return {cuda_softmax_kernels(), cpu_softmax_kernels(), ref_softmax_kernels()};
   }
+  // No planner (core/planner.hpp): the first entry that supports a request runs it.
   static const SoftmaxKernel* plan(const SoftmaxDesc&, fmlp_backend_t, std::string*) {
     return nullptr;
   }

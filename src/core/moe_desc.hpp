@@ -39,10 +39,7 @@ using MoeKernel = OpKernel<fmlp_moe_args_t, MoeDesc>;
 using MoeKernelList = OpKernelList<fmlp_moe_args_t, MoeDesc>;
 MoeKernelList ref_moe_kernels();
 MoeKernelList cpu_moe_kernels();
-MoeKernelList cuda_moe_kernels();  // src/cuda/moe_kernels.cpp (empty without CUDA)
-// The cuda entry the planner prefers for d (its reason in *reason when not null), or nullptr to
-// take the first entry that supports d.
-const MoeKernel* cuda_moe_plan(const MoeDesc& d, std::string* reason);
+MoeKernelList cuda_moe_kernels();  // src/cuda/moe/table.cpp (empty without CUDA)
 std::string describe(const MoeDesc& d);
 
 // Expert e's slice of a stacked [E, rows, cols] (or [E, n]) tensor as a 2-D (or 1-D) view.
@@ -82,7 +79,7 @@ void moe_route_token(const fmlp_moe_args_t& a, const MoeDesc& d, int64_t t, doub
                      int32_t* ids, double* weights);
 
 // fmlp_moe_device_errors: reads and clears the count at the start of a cuda moe workspace
-// (src/cuda/moe_kernels.cpp; BACKEND_UNAVAILABLE without CUDA).
+// (src/cuda/moe/table.cpp; BACKEND_UNAVAILABLE without CUDA).
 fmlp_status_t cuda_moe_device_errors(void* workspace, void* stream, int32_t* count);
 
 }  // namespace fmlp::detail

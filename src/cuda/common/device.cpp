@@ -1,4 +1,7 @@
-// The cuda backend's entry in the op table, and whether it can run on this machine.
+// Whether the cuda backend can run on this machine, and the device queries its entries share
+// (common/device.hpp).
+#include "cuda/common/device.hpp"
+
 #include <cuda_runtime.h>
 
 #include <array>
@@ -7,8 +10,6 @@
 #include "core/error.hpp"
 #include "core/mlp_desc.hpp"
 #include "cuda/common/launch_util.hpp"
-#include "cuda/mlp/decode.cuh"
-#include "cuda/mlp/prefill.cuh"
 
 namespace fmlp::detail {
 namespace {
@@ -32,81 +33,6 @@ int compute_capability(int device) {
   return v;
 }
 
-// Both decode kernels need bf16 tensor cores / cp.async-era hardware: compute capability 8.0+.
-bool device_supported(const MlpDesc& d, std::string* why) {
-  if (d.device == FMLP_DEVICE_CUDA) {
-    const int cc = compute_capability(d.device_id);
-    if (cc < 80) {
-      *why = cc == 0 ? fmt::format("cannot query cuda:{}", d.device_id)
-                     : fmt::format(
-                           "cuda:{} has compute capability {}.{}; the kernel needs bf16 "
-                           "tensor cores (8.0 or newer); use backend cpu",
-                           d.device_id, cc / 10, cc % 10);
-      return false;
-    }
-  }
-  return true;
-}
-
-bool splitk_supports(const MlpDesc& d, std::string* why) {
-  return device_supported(d, why) && mlp_decode_sm90_splitk_supports(d, why);
-}
-
-bool cluster_supports(const MlpDesc& d, std::string* why) {
-  if (!device_supported(d, why)) return false;
-  if (const int cc = compute_capability(d.device_id); cc < 90)
-    return (*why = fmt::format("cuda:{} has compute capability {}.{}; thread-block clusters need "
-                               "9.0 (Hopper) or newer",
-                               d.device_id, cc / 10, cc % 10),
-            false);
-  return mlp_decode_sm90_cluster_supports(d, why);
-}
-
-bool gemv_supports(const MlpDesc& d, std::string* why) {
-  return device_supported(d, why) && mlp_decode_sm80_gemv_supports(d, why);
-}
-
-bool stream_supports(const MlpDesc& d, std::string* why) {
-  return device_supported(d, why) && mlp_decode_sm80_stream_supports(d, why);
-}
-
-bool wgmma_fp8_supports(const MlpDesc& d, std::string* why) {
-  return device_supported(d, why) && mlp_decode_sm90_wgmma_fp8_supports(d, why);
-}
-
-bool prefetch_supports(const MlpDesc& d, std::string* why) {
-  return device_supported(d, why) && mlp_decode_sm80_prefetch_supports(d, why);
-}
-
-bool prefill_supports(const MlpDesc& d, std::string* why) {
-  return device_supported(d, why) && mlp_prefill_sm90_cublaslt_supports(d, why);
-}
-
-// Decode preference below the planner's crossover, measured on an H200: the two weight streams for
-// up to four tokens (mlp_decode_stream.cu), whole-slice prefetch into
-// shared memory for MLPs whose weights fit on chip (gpt2-small), the register-stream kernel for one
-// token (gpt2-small M = 1: 11.4 us against 16.4 for the cluster kernel), the
-// tensor-core cluster kernel for up to 64 tokens of matching dtypes, the fp8 tensor-core streams
-// (mlp_decode_wgmma_fp8.cu: llama3-8b M = 1 99.7 us against the cluster kernel's 72.3, so behind
-// it), splitk for the rest (fp32 activations, odd sizes, deterministic mode).
-const MlpKernel kCudaKernels[] = {
-    {"mlp_decode_sm80_stream", FMLP_BACKEND_CUDA, stream_supports, mlp_decode_sm80_stream_workspace,
-     mlp_decode_sm80_stream_run},
-    {"mlp_decode_sm80_prefetch", FMLP_BACKEND_CUDA, prefetch_supports,
-     mlp_decode_sm80_prefetch_workspace, mlp_decode_sm80_prefetch_run},
-    {"mlp_decode_sm80_gemv", FMLP_BACKEND_CUDA, gemv_supports, mlp_decode_sm80_gemv_workspace,
-     mlp_decode_sm80_gemv_run},
-    {"mlp_decode_sm90_cluster", FMLP_BACKEND_CUDA, cluster_supports,
-     mlp_decode_sm90_cluster_workspace, mlp_decode_sm90_cluster_run},
-    {"mlp_decode_sm90_wgmma_fp8", FMLP_BACKEND_CUDA, wgmma_fp8_supports,
-     mlp_decode_sm90_wgmma_fp8_workspace, mlp_decode_sm90_wgmma_fp8_run},
-    {"mlp_decode_sm90_splitk", FMLP_BACKEND_CUDA, splitk_supports, mlp_decode_sm90_splitk_workspace,
-     mlp_decode_sm90_splitk_run},
-    // Any M; dispatch reaches it through the planner (src/cuda/planner.cpp) from the crossover M.
-    {kPrefillKernelName, FMLP_BACKEND_CUDA, prefill_supports, mlp_prefill_sm90_cublaslt_workspace,
-     mlp_prefill_sm90_cublaslt_run},
-};
-
 std::string probe_devices() {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
@@ -123,10 +49,6 @@ std::string probe_devices() {
       "{}.{}); use backend cpu",
       count, compute_capability(0) / 10, compute_capability(0) % 10);
 }
-
-}  // namespace
-
-namespace {
 
 // Device attribute ATTR of `device`, read once per device; 0 when unreadable.
 template <cudaDeviceAttr ATTR>
@@ -168,10 +90,6 @@ int cuda_max_dynamic_smem(int device, int static_bytes) {
   return v - static_bytes;
 }
 
-MlpKernelList cuda_mlp_kernels() {
-  return {kCudaKernels, sizeof(kCudaKernels) / sizeof(kCudaKernels[0])};
-}
-
 std::string cuda_device_list() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
@@ -197,23 +115,24 @@ const std::string& cuda_unavailable_reason() {
   return reason;
 }
 
-}  // namespace fmlp::detail
-
-// ---- linear and softmax ops (src/cuda/linear_gemv.cu, softmax.cu) ----
-#include "cuda/common/ops.cuh"
-
-namespace fmlp::detail {
-
 int cuda_compute_capability(int device) {
   return compute_capability(device);
 }
 
+bool cuda_device_sm80(int device, std::string* why) {
+  const int cc = compute_capability(device);
+  if (cc >= 80) return true;
+  *why = cc == 0 ? fmt::format("cannot query cuda:{}", device)
+                 : fmt::format(
+                       "cuda:{} has compute capability {}.{}; the kernel needs bf16 "
+                       "tensor cores (8.0 or newer); use backend cpu",
+                       device, cc / 10, cc % 10);
+  return false;
+}
+
 bool cuda_op_device_ok(fmlp_device_type_t device, int device_id, std::string* why) {
   if (device != FMLP_DEVICE_CUDA) return (*why = "needs CUDA device memory", false);
-  MlpDesc d;
-  d.device = device;
-  d.device_id = device_id;
-  return device_supported(d, why);
+  return cuda_device_sm80(device_id, why);
 }
 
 }  // namespace fmlp::detail

@@ -1,16 +1,17 @@
-// The CUDA planner of the linear op: which op-table entry runs a request. At M = 1 both the
-// streaming GEMV and cuBLASLt (a tile GEMM) read W once; which one reaches the byte floor sooner
-// depends on the shape, so the choice comes from a table measured on the GPU
-// (bench/linear_cuda_bench prints rows ready to paste into linear_planner.cpp), with a default by
-// weight bytes for shapes never measured. At M = 2..4 a rule measured the same way sends what the
-// weight stream reads faster to it, and the rest goes to the first entry of the op table that takes
-// it. FMLP_LINEAR_KERNEL=<entry> forces an entry (for measuring); an entry that cannot run the
-// request is ignored and explain says why.
+// The CUDA planner of the linear op (cuda_linear_plan, core/planner.hpp): which op-table entry runs
+// a request. At M = 1 both the streaming GEMV and cuBLASLt (a tile GEMM) read W once; which one
+// reaches the byte floor sooner depends on the shape, so the choice comes from a table measured on
+// the GPU (bench/linear_cuda_bench prints rows ready to paste into linear/planner.cpp), with a
+// default by weight bytes for shapes never measured. At M = 2..4 a rule measured the same way sends
+// what the weight stream reads faster to it, and the rest goes to the first entry of the op table
+// that takes it. FMLP_LINEAR_KERNEL=<entry> forces an entry (for measuring); an entry that cannot
+// run the request is ignored and explain says why.
 #pragma once
 #include <cstdint>
 #include <string>
 
 #include "core/linear_desc.hpp"
+#include "core/planner.hpp"
 
 namespace fmlp::detail {
 
@@ -20,16 +21,4 @@ struct LinearChoice {
   const char* kernel;  // the entry to run at M = 1
   const char* source;  // where the choice comes from
 };
-
-// The CUDA entry dispatch runs for d, or nullptr when no CUDA entry handles it. reason (may be
-// null) gets one line for fmlp_linear_explain.
-const LinearKernel* cuda_linear_plan(const LinearDesc& d, std::string* reason);
-
-// linear_sm90_cublaslt_fp8 (linear_cublaslt_fp8.cpp): W8A8 through cuBLASLt's fp8 GEMM with
-// per-row (outer-vector) or per-tensor scales.
-bool linear_cublaslt_fp8_supports(const LinearDesc& d, std::string* why);
-size_t linear_cublaslt_fp8_workspace(const LinearDesc& d);
-fmlp_status_t linear_cublaslt_fp8_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
-                                      void* stream);
-
 }  // namespace fmlp::detail

@@ -38,8 +38,7 @@
 #include "cuda/common/decode_common.cuh"
 #include "cuda/common/device_scope.hpp"
 #include "cuda/common/launch_util.hpp"
-#include "cuda/common/ops.cuh"
-#include "cuda/linear/planner.hpp"
+#include "cuda/linear/entries.hpp"
 
 namespace fmlp::detail {
 namespace {
@@ -286,19 +285,23 @@ Config config_for(const LinearDesc& d) {
   return c;
 }
 
-bool gemv_supports(const LinearDesc& d, std::string* why) {
+}  // namespace
+
+bool linear_sm80_gemv_supports(const LinearDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (d.m >= (int64_t(1) << 31) || d.n >= (int64_t(1) << 31) || d.k >= (int64_t(1) << 31))
     return (*why = "M, N and K must be below 2^31", false);
   return true;
 }
 
-size_t gemv_workspace(const LinearDesc& d) {
+size_t linear_sm80_gemv_workspace(const LinearDesc& d) {
   const Config c = config_for(d);
   if (c.splits == 1) return 0;
   return align_up(size_t(c.splits) * size_t(d.m) * size_t(d.n) * 4) +
          align_up(size_t(c.rowgroups) * size_t(c.mtiles) * 4);
 }
+
+namespace {
 
 // Tasks are dealt to the blocks statically (task = block + i * grid). Up to 16 tasks per resident
 // block, each block takes one and the block scheduler balances them (a static deal of 3.4 tasks
@@ -339,7 +342,10 @@ fmlp_status_t dispatch_mt(const LinearParams& p, const Config& c, bool vec, int 
   }
 }
 
-fmlp_status_t gemv_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws, void* stream) {
+}  // namespace
+
+fmlp_status_t linear_sm80_gemv_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
+                                   void* stream) {
   const Config c = config_for(d);
   LinearParams p{};
   static_cast<LinearOperands&>(p) = linear_operands(a, d);
@@ -361,31 +367,6 @@ fmlp_status_t gemv_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* w
     default: st = dispatch_mt<Fp8>(p, c, d.w_vec16, d.device_id, s); break;
   }
   return st;
-}
-
-// Table order is the planner's order past its M = 1 choice (linear_planner.cpp): cuBLASLt first
-// for 16-bit M >= 2 (measured on an H200: our tensor-core entry reached 0.15-0.9x of cuBLAS at
-// M = 4..64), then the tensor-core entry (fp8 weights at M <= 64, W8A8 included), cuBLASLt's fp8
-// GEMM for W8A8 beyond, the streams, the GEMV for everything else. The fp8 wgmma stream sits
-// behind the entries it has not beaten yet (linear_planner.cpp); FMLP_LINEAR_KERNEL forces it.
-const LinearKernel kCudaKernels[] = {
-    {"linear_sm90_cublaslt", FMLP_BACKEND_CUDA, linear_cublaslt_supports, linear_cublaslt_workspace,
-     linear_cublaslt_run},
-    {"linear_sm80_mma", FMLP_BACKEND_CUDA, linear_mma_supports, linear_mma_workspace,
-     linear_mma_run},
-    {"linear_sm90_cublaslt_fp8", FMLP_BACKEND_CUDA, linear_cublaslt_fp8_supports,
-     linear_cublaslt_fp8_workspace, linear_cublaslt_fp8_run},
-    {"linear_sm80_stream", FMLP_BACKEND_CUDA, linear_stream_supports, linear_stream_workspace,
-     linear_stream_run},
-    {"linear_sm90_wgmma_fp8", FMLP_BACKEND_CUDA, linear_wgmma_fp8_supports,
-     linear_wgmma_fp8_workspace, linear_wgmma_fp8_run},
-    {"linear_sm80_gemv", FMLP_BACKEND_CUDA, gemv_supports, gemv_workspace, gemv_run},
-};
-
-}  // namespace
-
-LinearKernelList cuda_linear_kernels() {
-  return {kCudaKernels, sizeof(kCudaKernels) / sizeof(kCudaKernels[0])};
 }
 
 }  // namespace fmlp::detail

@@ -39,8 +39,8 @@
 #include "cuda/common/decode_common.cuh"
 #include "cuda/common/device_scope.hpp"
 #include "cuda/common/launch_util.hpp"
-#include "cuda/common/ops.cuh"
 #include "cuda/engines/mma_stream.cuh"
+#include "cuda/linear/entries.hpp"
 
 namespace fmlp::detail {
 namespace {
@@ -406,7 +406,7 @@ fmlp_status_t dispatch(const MmaParams& p, const Config& c, cudaStream_t s) {
 
 }  // namespace
 
-bool linear_mma_supports(const LinearDesc& d, std::string* why) {
+bool linear_sm80_mma_supports(const LinearDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
   if (fp8) {
@@ -441,15 +441,15 @@ bool linear_mma_supports(const LinearDesc& d, std::string* why) {
   return true;
 }
 
-size_t linear_mma_workspace(const LinearDesc& d) {
+size_t linear_sm80_mma_workspace(const LinearDesc& d) {
   const Config c = config_for(d);
   if (c.splits == 1) return 0;
   return align_up(size_t(c.splits) * size_t(d.m) * size_t(d.n) * 4) +
          align_up(size_t(c.chunks) * 4);
 }
 
-fmlp_status_t linear_mma_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
-                             void* stream) {
+fmlp_status_t linear_sm80_mma_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
+                                  void* stream) {
   const Config c = config_for(d);
   MmaParams p{};
   static_cast<LinearOperands&>(p) = linear_operands(a, d);

@@ -15,8 +15,8 @@
 #include "cuda/common/common.cuh"
 #include "cuda/common/device_scope.hpp"
 #include "cuda/common/launch_util.hpp"
-#include "cuda/common/ops.cuh"
 #include "cuda/engines/stream_gemv.cuh"
+#include "cuda/linear/entries.hpp"
 
 namespace fmlp::detail {
 namespace {
@@ -269,7 +269,7 @@ fmlp_status_t dispatch_x(const StreamParams& p, int mt, size_t smem, int device,
 
 }  // namespace
 
-bool linear_stream_supports(const LinearDesc& d, std::string* why) {
+bool linear_sm80_stream_supports(const LinearDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (d.w8a8())
     return (*why = "fp8 activations (W8A8): linear_sm80_mma and cuBLASLt take them", false);
@@ -303,12 +303,12 @@ bool linear_stream_supports(const LinearDesc& d, std::string* why) {
   return true;
 }
 
-size_t linear_stream_workspace(const LinearDesc&) {
+size_t linear_sm80_stream_workspace(const LinearDesc&) {
   return 0;
 }
 
-fmlp_status_t linear_stream_run(const fmlp_linear_args_t& a, const LinearDesc& d, void*,
-                                void* stream) {
+fmlp_status_t linear_sm80_stream_run(const fmlp_linear_args_t& a, const LinearDesc& d, void*,
+                                     void* stream) {
   const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
   StreamParams p{};
   static_cast<LinearOperands&>(p) = linear_operands(a, d);

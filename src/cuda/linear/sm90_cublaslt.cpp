@@ -8,11 +8,11 @@
 #include "core/error.hpp"
 #include "cuda/common/device_scope.hpp"
 #include "cuda/common/lt_gemm.hpp"
-#include "cuda/common/ops.cuh"
+#include "cuda/linear/entries.hpp"
 
 namespace fmlp::detail {
 
-bool linear_cublaslt_supports(const LinearDesc& d, std::string* why) {
+bool linear_sm90_cublaslt_supports(const LinearDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (d.k == 0 || d.n == 0)
     return (*why = "K = 0 or N = 0: nothing to multiply; the GEMV entry writes y = bias", false);
@@ -31,13 +31,13 @@ bool linear_cublaslt_supports(const LinearDesc& d, std::string* why) {
   return true;
 }
 
-size_t linear_cublaslt_workspace(const LinearDesc& d) {
+size_t linear_sm90_cublaslt_workspace(const LinearDesc& d) {
   lt_prepare(d.device_id);  // the size query precedes any graph capture: create the handle here
   return kLtWorkspaceBytes;
 }
 
-fmlp_status_t linear_cublaslt_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
-                                  void* stream) {
+fmlp_status_t linear_sm90_cublaslt_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
+                                       void* stream) {
   const DeviceScope scope(d.device_id);
   if (scope.status() != FMLP_SUCCESS) return scope.status();
   LtGemm g;

@@ -15,8 +15,7 @@
 #include "core/error.hpp"
 #include "cuda/common/cublaslt_handle.hpp"
 #include "cuda/common/device_scope.hpp"
-#include "cuda/common/ops.cuh"
-#include "cuda/linear/planner.hpp"
+#include "cuda/linear/entries.hpp"
 
 namespace fmlp::detail {
 namespace {
@@ -126,7 +125,7 @@ fmlp_status_t choose(const LinearDesc& d, int64_t lda, int64_t ldb, int64_t ldd,
 
 }  // namespace
 
-bool linear_cublaslt_fp8_supports(const LinearDesc& d, std::string* why) {
+bool linear_sm90_cublaslt_fp8_supports(const LinearDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (!d.w8a8())
     return (*why = "fp8 x and fp8 W (W8A8) only; weight-only fp8 goes to the streaming entries",
@@ -155,15 +154,15 @@ bool linear_cublaslt_fp8_supports(const LinearDesc& d, std::string* why) {
   return true;
 }
 
-size_t linear_cublaslt_fp8_workspace(const LinearDesc& d) {
+size_t linear_sm90_cublaslt_fp8_workspace(const LinearDesc& d) {
   cublasLtHandle_t h;
   cublaslt_handle(d.device_id,
                   &h);  // the size query precedes any graph capture: create the handle here
   return kWorkspaceBytes;
 }
 
-fmlp_status_t linear_cublaslt_fp8_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
-                                      void* stream) {
+fmlp_status_t linear_sm90_cublaslt_fp8_run(const fmlp_linear_args_t& a, const LinearDesc& d,
+                                           void* ws, void* stream) {
   const DeviceScope scope(d.device_id);
   if (scope.status() != FMLP_SUCCESS) return scope.status();
   // With one row (token or weight) the leading dimension is never used; cuBLASLt still wants it

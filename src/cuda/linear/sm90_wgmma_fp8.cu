@@ -8,8 +8,8 @@
 #include "core/error.hpp"
 #include "cuda/common/device_scope.hpp"
 #include "cuda/common/launch_util.hpp"
-#include "cuda/common/ops.cuh"
 #include "cuda/engines/stream_wgmma_fp8.cuh"
+#include "cuda/linear/entries.hpp"
 
 namespace fmlp::detail {
 namespace {
@@ -62,7 +62,7 @@ WgShape shape_of(const LinearDesc& d) {
 
 }  // namespace
 
-bool linear_wgmma_fp8_supports(const LinearDesc& d, std::string* why) {
+bool linear_sm90_wgmma_fp8_supports(const LinearDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (d.w_dtype != FMLP_DTYPE_F8_E4M3 || d.w8a8())
     return (*why = fmt::format("{} takes fp8 e4m3 weights with bf16/f16 x (weight-only); got {} "
@@ -90,13 +90,13 @@ bool linear_wgmma_fp8_supports(const LinearDesc& d, std::string* why) {
          fmlp::cuda::wg_device_supports(kName, d.device_id, fmlp::cuda::wg_smem_bytes(s), why);
 }
 
-size_t linear_wgmma_fp8_workspace(const LinearDesc& d) {
+size_t linear_sm90_wgmma_fp8_workspace(const LinearDesc& d) {
   const WgShape s = shape_of(d);
   return align_up(fmlp::cuda::wg_partial_bytes(s, 1)) + align_up(fmlp::cuda::wg_counter_bytes(s));
 }
 
-fmlp_status_t linear_wgmma_fp8_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
-                                   void* stream) {
+fmlp_status_t linear_sm90_wgmma_fp8_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
+                                        void* stream) {
   if (d.n == 0) return FMLP_SUCCESS;  // nothing to write
   LinearWgParams p{};
   static_cast<LinearOperands&>(p) = linear_operands(a, d);

@@ -4,7 +4,7 @@
 #include "core/error.hpp"
 #include "cuda/common/decode_common.cuh"
 #include "cuda/common/launch_util.hpp"
-#include "cuda/mlp/decode.cuh"
+#include "cuda/mlp/entries.hpp"
 
 namespace fmlp::cuda {
 

@@ -25,9 +25,10 @@
 #include "core/tensor_check.hpp"
 #include "cuda/common/common.cuh"
 #include "cuda/common/decode_common.cuh"
+#include "cuda/common/device.hpp"
 #include "cuda/common/device_scope.hpp"
 #include "cuda/common/launch_util.hpp"
-#include "cuda/mlp/decode.cuh"
+#include "cuda/mlp/entries.hpp"
 
 namespace fmlp::detail {
 namespace {

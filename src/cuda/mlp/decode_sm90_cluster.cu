@@ -32,10 +32,11 @@
 #include "core/error.hpp"
 #include "cuda/common/common.cuh"
 #include "cuda/common/decode_common.cuh"
+#include "cuda/common/device.hpp"
 #include "cuda/common/device_scope.hpp"
 #include "cuda/common/launch_util.hpp"
 #include "cuda/engines/mma_stream.cuh"
-#include "cuda/mlp/decode.cuh"
+#include "cuda/mlp/entries.hpp"
 
 namespace fmlp::detail {
 namespace {

@@ -35,9 +35,9 @@
 #include "core/tensor_check.hpp"
 #include "cuda/common/common.cuh"
 #include "cuda/common/decode_common.cuh"
+#include "cuda/common/device.hpp"
 #include "cuda/common/device_scope.hpp"
-#include "cuda/common/ops.cuh"
-#include "cuda/mlp/decode.cuh"
+#include "cuda/mlp/entries.hpp"
 
 namespace fmlp::detail {
 namespace {

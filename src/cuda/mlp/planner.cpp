@@ -5,7 +5,7 @@
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
-#include "cuda/mlp/prefill.cuh"
+#include "cuda/mlp/entries.hpp"
 
 namespace fmlp::detail {
 namespace {
@@ -109,7 +109,7 @@ const CrossoverEntry& cuda_crossover(const MlpDesc& d) {
   return bytes < kSmallWeightBytes ? kDefaultSmall : kDefaultLarge;
 }
 
-const MlpKernel* cuda_plan(const MlpDesc& d, std::string* reason) {
+const MlpKernel* cuda_mlp_plan(const MlpDesc& d, std::string* reason) {
   const CrossoverEntry& c = cuda_crossover(d);
   const MlpKernel* prefill = find(kPrefillKernelName);
   std::string why;

@@ -1,13 +1,15 @@
-// The CUDA planner: which op-table entry runs a request. The decode kernels stream the weights
-// once for all tokens and win while the weights dominate the traffic (small M); the cuBLASLt
-// prefill path wins once the GEMMs are compute bound. Where the two cross depends on the shape and
-// dtype, so the crossover M comes from a table measured on the GPU (bench/mlp_cuda_bench prints
-// rows ready to paste into planner.cpp), with a default for shapes never measured.
+// The CUDA planner of the mlp op (cuda_mlp_plan, core/planner.hpp): which op-table entry runs a
+// request. The decode kernels stream the weights once for all tokens and win while the weights
+// dominate the traffic (small M); the cuBLASLt prefill path wins once the GEMMs are compute bound.
+// Where the two cross depends on the shape and dtype, so the crossover M comes from a table
+// measured on the GPU (bench/mlp_cuda_bench prints rows ready to paste into planner.cpp), with a
+// default for shapes never measured.
 #pragma once
 #include <cstdint>
 #include <string>
 
 #include "core/mlp_desc.hpp"
+#include "core/planner.hpp"
 
 namespace fmlp::detail {
 
@@ -21,9 +23,4 @@ struct CrossoverEntry {
 
 // The table entry for d's shape, or the default entry (d_in = hidden = 0) when none matches.
 const CrossoverEntry& cuda_crossover(const MlpDesc& d);
-
-// The CUDA entry dispatch runs for d, or nullptr when no CUDA entry handles it. reason (may be
-// null) gets one line for fmlp_mlp_explain.
-const MlpKernel* cuda_plan(const MlpDesc& d, std::string* reason);
-
 }  // namespace fmlp::detail

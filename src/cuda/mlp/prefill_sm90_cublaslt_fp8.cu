@@ -30,11 +30,11 @@
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "cuda/common/common.cuh"
+#include "cuda/common/device.hpp"
 #include "cuda/common/device_scope.hpp"
 #include "cuda/common/launch_util.hpp"
 #include "cuda/common/lt_gemm.hpp"
-#include "cuda/common/ops.cuh"
-#include "cuda/mlp/prefill.cuh"
+#include "cuda/mlp/entries.hpp"
 #include "cuda/mlp/prefill_common.cuh"
 
 namespace fmlp::detail {

@@ -84,8 +84,15 @@ struct MoePlan {
   bool sm90_swap = false;   // moe_sm90_grouped: swapped tiles (tokens as the wgmma N)
   size_t experts_smem = 0;  // dynamic shared memory of the expert kernel
 };
+// The plans of the entries (moe/plan.cpp): moe_sm80_chunked's, moe_sm80_grouped's,
+// moe_sm80_stream's, moe_sm90_grouped's with 128-row or tall (192-row) tiles, and any grouped plan
+// of `chunk` slots a chunk (gathered_x: x rows in chunk order after h, as moe_sm90_grouped reads
+// them).
 MoePlan moe_plan(const MoeDesc& d);
 MoePlan moe_plan_grouped(const MoeDesc& d);
+MoePlan moe_plan_stream(const MoeDesc& d);
+MoePlan moe_plan_grouped_sm90(const MoeDesc& d, bool tall);
+MoePlan grouped_plan(const MoeDesc& d, int chunk, bool gathered_x);
 
 // The grouped GEMMs' tiles: hidden (and d) must be multiples of kMoeGroupedK.
 constexpr int kMoeGroupedK = 64;
@@ -163,6 +170,8 @@ constexpr int moe_stream_pair(int k) {
 // The router inputs of p (router weights and bias, or the given top-k ids and weights) from the
 // call's args; shared by the moe entries and the expert-parallel dispatch (src/dist).
 void moe_routing_inputs(MoeParams* p, const fmlp_moe_args_t& a, const MoeDesc& d);
+// The kernel parameters of a call under plan pl with workspace ws (moe/plan.cpp).
+MoeParams moe_params(const fmlp_moe_args_t& a, const MoeDesc& d, const MoePlan& pl, void* ws);
 
 fmlp_status_t moe_launch_route(const MoeParams& p, cudaStream_t s);
 fmlp_status_t moe_launch_experts(const MoeParams& p, cudaStream_t s);

@@ -28,8 +28,8 @@
 
 #include "core/error.hpp"
 #include "cuda/common/common.cuh"
+#include "cuda/common/device.hpp"
 #include "cuda/common/launch_util.hpp"
-#include "cuda/common/ops.cuh"
 #include "cuda/engines/stream_gemv.cuh"
 #include "cuda/moe/device.cuh"
 #include "cuda/moe/moe_cuda.hpp"

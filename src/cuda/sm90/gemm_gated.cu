@@ -19,8 +19,8 @@
 
 #include "core/error.hpp"
 #include "cuda/common/common.cuh"
+#include "cuda/common/device.hpp"
 #include "cuda/common/launch_util.hpp"
-#include "cuda/common/ops.cuh"
 #include "cuda/sm90/gemm_gated.cuh"
 #include "cuda/sm90/gemm_pipe.cuh"
 

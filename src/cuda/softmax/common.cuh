@@ -1,6 +1,7 @@
-// Device helpers of the cuda softmax kernels (softmax.cu, softmax_ticket.cu): the (max, sum of
-// exp) pairs and their combination, the 16-byte vector loads and stores, and the output formula.
-// The non-finite rules are those of softmax.cu's file comment.
+// Device helpers of the cuda softmax kernels (softmax/*.cu): the (max, sum of exp) pairs and their
+// combination, the 16-byte vector loads and stores, the output formula, and the parameters of
+// the row kernels (sm80_rows, sm80_warp_rows, sm90_cluster). The non-finite rules are those of
+// sm80_rows.cu's file comment.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -10,14 +11,9 @@
 #include "core/linear_desc.hpp"
 #include "cuda/common/common.cuh"
 #include "cuda/common/decode_common.cuh"
+#include "cuda/softmax/entries.hpp"
 
 namespace fmlp::detail {
-
-// softmax_sm80_ticket (softmax_ticket.cu), listed first in softmax.cu's table.
-bool softmax_ticket_supports(const SoftmaxDesc& d, std::string* why);
-size_t softmax_ticket_workspace(const SoftmaxDesc& d);
-fmlp_status_t softmax_ticket_run(const fmlp_softmax_args_t& a, const SoftmaxDesc& d, void* ws,
-                                 void* stream);
 
 namespace softmax {
 
@@ -157,6 +153,41 @@ __device__ __forceinline__ void finish(float (&f)[E], bool log, float inv_t, flo
 #pragma unroll
     for (int e = 0; e < E; ++e) f[e] = ex2((f[e] - o.m) * sc2) * o.inv_s;
   }
+}
+
+struct SoftmaxParams {
+  const void* x;
+  void* y;
+  int64_t x_ld, y_ld, n;
+  int rows;
+  fmlp_dtype_t t;
+  float sc2;    // log2(e) / T
+  float inv_t;  // 1 / T
+  int log;
+  int chunks;          // split launch: chunks per row (cluster launch: blocks per row)
+  int64_t chunk_len;   // split launch: elements per chunk, a multiple of the vector width
+  int64_t cache_vecs;  // fused launch: 16-byte vectors of a row kept in shared memory
+  float2* partials;    // [rows, chunks]
+  float2* stats;       // [rows]: max, sum
+  unsigned* counters;  // [rows], zero between calls
+  int64_t l2_ahead;    // cluster launch: blocks ahead whose parts a block prefetches
+  int evict;           // cluster launch: x copies and y stores (16-byte vectors) L2 evict-first
+};
+
+// The views, sizes and output formula every launch of the row kernels takes.
+inline SoftmaxParams row_params(const fmlp_softmax_args_t& a, const SoftmaxDesc& d) {
+  SoftmaxParams p{};
+  p.x = a.x.data;
+  p.y = a.y.data;
+  p.x_ld = a.x.ndim == 2 ? a.x.stride[0] : 0;
+  p.y_ld = a.y.ndim == 2 ? a.y.stride[0] : 0;
+  p.n = d.n;
+  p.rows = int(d.rows);
+  p.t = d.dtype;
+  p.inv_t = 1.f / d.temperature;
+  p.sc2 = kLog2e / d.temperature;
+  p.log = d.log;
+  return p;
 }
 
 }  // namespace softmax

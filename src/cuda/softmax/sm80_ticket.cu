@@ -40,9 +40,9 @@
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/tensor_check.hpp"
+#include "cuda/common/device.hpp"
 #include "cuda/common/device_scope.hpp"
 #include "cuda/common/launch_util.hpp"
-#include "cuda/common/ops.cuh"
 #include "cuda/softmax/common.cuh"
 
 namespace fmlp::detail {
@@ -412,7 +412,7 @@ bool rows_aligned(const fmlp_tensor_t& t, const SoftmaxDesc& d) {
 
 }  // namespace
 
-bool softmax_ticket_supports(const SoftmaxDesc& d, std::string* why) {
+bool softmax_sm80_ticket_supports(const SoftmaxDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (!ticket_enabled()) return (*why = "turned off by FMLP_SOFTMAX_TICKET=0", false);
   const int64_t row = d.n * int64_t(dtype_size(d.dtype));
@@ -441,12 +441,12 @@ bool softmax_ticket_supports(const SoftmaxDesc& d, std::string* why) {
   return true;
 }
 
-size_t softmax_ticket_workspace(const SoftmaxDesc& d) {
+size_t softmax_sm80_ticket_workspace(const SoftmaxDesc& d) {
   return layout_for(d, plan_for(d)).bytes;
 }
 
-fmlp_status_t softmax_ticket_run(const fmlp_softmax_args_t& a, const SoftmaxDesc& d, void* ws,
-                                 void* stream) {
+fmlp_status_t softmax_sm80_ticket_run(const fmlp_softmax_args_t& a, const SoftmaxDesc& d, void* ws,
+                                      void* stream) {
   const Plan pl = plan_for(d);
   const Layout l = layout_for(d, pl);
   char* base = static_cast<char*>(ws);

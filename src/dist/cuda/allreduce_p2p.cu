@@ -41,8 +41,8 @@
 
 #include "core/error.hpp"
 #include "cuda/common/common.cuh"
+#include "cuda/common/device.hpp"
 #include "cuda/common/launch_util.hpp"
-#include "cuda/common/ops.cuh"
 #include "dist/cuda/allreduce_p2p.hpp"
 
 namespace fmlp::detail {

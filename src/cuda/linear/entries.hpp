@@ -1,0 +1,85 @@
+// The launch contracts of the cuda linear entries in table order (linear/table.cpp lists them;
+// each is defined in the file of its name: linear_sm80_mma in linear/sm80_mma.cu, ...), and the
+// operands as their kernels read them.
+#pragma once
+#include <cstddef>
+#include <string>
+
+#include "core/linear_desc.hpp"
+#include "cuda/common/device.hpp"
+
+namespace fmlp::detail {
+
+// The operands of one linear call as the CUDA kernels read them (their parameter structs derive
+// from it): absent bias and scales as nullptr, strides in elements. Filled by linear_operands().
+struct LinearOperands {
+  const void* x;
+  void* y;
+  const void* w;
+  const void* bias;      // nullptr: no bias
+  const float* scale;    // fp8 weights: [1] or [N]
+  const float* x_scale;  // fp8 x (W8A8): [1] or [M]
+  int scale_per_row, x_scale_per_row;
+  int64_t x_ld, y_ld, w_ld;
+  fmlp_dtype_t x_t, y_t, bias_t;
+  int m, n, k;
+};
+
+inline LinearOperands linear_operands(const fmlp_linear_args_t& a, const LinearDesc& d) {
+  LinearOperands o{};
+  o.x = a.x.data;
+  o.y = a.y.data;
+  o.w = a.w.data;
+  o.bias = d.bias_dtype == FMLP_DTYPE_INVALID ? nullptr : a.bias.data;
+  o.scale = d.w_scale == ScaleKind::kNone ? nullptr : static_cast<const float*>(a.w_scale.data);
+  o.x_scale = d.x_scale == ScaleKind::kNone ? nullptr : static_cast<const float*>(a.x_scale.data);
+  o.scale_per_row = d.w_scale == ScaleKind::kPerRow;
+  o.x_scale_per_row = d.x_scale == ScaleKind::kPerRow;
+  o.x_ld = a.x.stride[0];
+  o.y_ld = a.y.stride[0];
+  o.w_ld = a.w.stride[0];
+  o.x_t = d.act_dtype;
+  o.y_t = d.out_dtype;
+  o.bias_t = d.bias_dtype;
+  o.m = int(d.m), o.n = int(d.n), o.k = int(d.k);
+  return o;
+}
+
+// linear_sm90_cublaslt (sm90_cublaslt.cpp): one cuBLASLt GEMM for M >= 2, listed first.
+bool linear_sm90_cublaslt_supports(const LinearDesc& d, std::string* why);
+size_t linear_sm90_cublaslt_workspace(const LinearDesc& d);
+fmlp_status_t linear_sm90_cublaslt_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
+                                       void* stream);
+
+// linear_sm80_mma (sm80_mma.cu): the tensor-core entry.
+bool linear_sm80_mma_supports(const LinearDesc& d, std::string* why);
+size_t linear_sm80_mma_workspace(const LinearDesc& d);
+fmlp_status_t linear_sm80_mma_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
+                                  void* stream);
+
+// linear_sm90_cublaslt_fp8 (sm90_cublaslt_fp8.cpp): W8A8 through cuBLASLt's fp8 GEMM with
+// per-row (outer-vector) or per-tensor scales.
+bool linear_sm90_cublaslt_fp8_supports(const LinearDesc& d, std::string* why);
+size_t linear_sm90_cublaslt_fp8_workspace(const LinearDesc& d);
+fmlp_status_t linear_sm90_cublaslt_fp8_run(const fmlp_linear_args_t& a, const LinearDesc& d,
+                                           void* ws, void* stream);
+
+// linear_sm80_stream (sm80_stream.cu): the memory-order GEMV for M <= 4, 16-bit weights.
+bool linear_sm80_stream_supports(const LinearDesc& d, std::string* why);
+size_t linear_sm80_stream_workspace(const LinearDesc& d);
+fmlp_status_t linear_sm80_stream_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
+                                     void* stream);
+
+// linear_sm90_wgmma_fp8 (sm90_wgmma_fp8.cu): fp8 weights on the tensor cores for M <= 4, sm_90a.
+bool linear_sm90_wgmma_fp8_supports(const LinearDesc& d, std::string* why);
+size_t linear_sm90_wgmma_fp8_workspace(const LinearDesc& d);
+fmlp_status_t linear_sm90_wgmma_fp8_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
+                                        void* stream);
+
+// linear_sm80_gemv (sm80_gemv.cu): the general GEMV on the CUDA cores, any dtypes, listed last.
+bool linear_sm80_gemv_supports(const LinearDesc& d, std::string* why);
+size_t linear_sm80_gemv_workspace(const LinearDesc& d);
+fmlp_status_t linear_sm80_gemv_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
+                                   void* stream);
+
+}  // namespace fmlp::detail
