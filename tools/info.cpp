@@ -38,12 +38,30 @@ int run_info() {
   fmt::print("backends:\n");
   for (fmlp_backend_t b : {FMLP_BACKEND_REF, FMLP_BACKEND_CPU, FMLP_BACKEND_CUDA})
     fmt::print("  {:<5} {}\n", fmlp_backend_name(b), availability(b));
-  fmt::print("mlp kernels (dispatch takes the first of the backend that handles the request):\n");
-  const int n = fmlp_mlp_kernel_count();
-  for (int i = 0; i < n; ++i)
-    fmt::print("  {:<5} {}\n", fmlp_backend_name(fmlp_mlp_kernel_backend(i)),
-               fmlp_mlp_kernel_name(i));
-  if (n == 0) fmt::print("  (none)\n");
+  // Every op's table, the names fmlp_*_with_kernel takes (the error for an unknown name points
+  // here).
+  struct OpTable {
+    const char* op;
+    int (*count)();
+    const char* (*name)(int);
+    fmlp_backend_t (*backend)(int);
+  };
+  const OpTable tables[] = {
+      {"mlp", fmlp_mlp_kernel_count, fmlp_mlp_kernel_name, fmlp_mlp_kernel_backend},
+      {"linear", fmlp_linear_kernel_count, fmlp_linear_kernel_name, fmlp_linear_kernel_backend},
+      {"softmax", fmlp_softmax_kernel_count, fmlp_softmax_kernel_name, fmlp_softmax_kernel_backend},
+      {"moe", fmlp_moe_kernel_count, fmlp_moe_kernel_name, fmlp_moe_kernel_backend},
+  };
+  for (const OpTable& t : tables) {
+    fmt::print(
+        "{} kernels (dispatch takes the planner's pick, else the first of the backend that "
+        "handles the request):\n",
+        t.op);
+    const int n = t.count();
+    for (int i = 0; i < n; ++i)
+      fmt::print("  {:<5} {}\n", fmlp_backend_name(t.backend(i)), t.name(i));
+    if (n == 0) fmt::print("  (none)\n");
+  }
   return 0;
 }
 

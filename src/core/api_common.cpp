@@ -4,6 +4,7 @@
 
 #include "core/error.hpp"
 #include "core/mlp_desc.hpp"
+#include "core/tensor_check.hpp"
 
 #ifndef FMLP_VERSION_STRING
 #define FMLP_VERSION_STRING "0.0.0"
@@ -37,6 +38,35 @@ fmlp_status_t copy_text_out(const std::string& text, char* buf, size_t buf_size,
 const std::string& ref_unavailable_reason() {
   static const std::string none;
   return none;
+}
+
+fmlp_status_t resolve_backend(fmlp_backend_t requested, fmlp_device_type_t device,
+                              int32_t device_id, fmlp_backend_t* out) {
+  if (unsigned(requested) > unsigned(FMLP_BACKEND_CUDA))
+    return fail(FMLP_ERROR_INVALID_VALUE,
+                "backend is {}; expected auto (0), ref (1), cpu (2) or "
+                "cuda (3)",
+                int(requested));
+  fmlp_backend_t b = requested;
+  if (b == FMLP_BACKEND_AUTO)
+    b = device == FMLP_DEVICE_CUDA         ? FMLP_BACKEND_CUDA
+        : cpu_unavailable_reason().empty() ? FMLP_BACKEND_CPU
+                                           : FMLP_BACKEND_REF;
+  const bool wants_device = b == FMLP_BACKEND_CUDA;
+  if (wants_device != (device == FMLP_DEVICE_CUDA))
+    return fail(FMLP_ERROR_DEVICE_MISMATCH,
+                "backend {} needs {} memory but the tensors are on {}; "
+                "use backend {} or move the tensors",
+                fmlp_backend_name(b), wants_device ? "CUDA device" : "host",
+                device_string(device, device_id),
+                device == FMLP_DEVICE_CUDA ? "cuda" : "cpu or ref");
+  const std::string& why = b == FMLP_BACKEND_CUDA  ? cuda_unavailable_reason()
+                           : b == FMLP_BACKEND_CPU ? cpu_unavailable_reason()
+                                                   : ref_unavailable_reason();
+  if (!why.empty())
+    return fail(FMLP_ERROR_BACKEND_UNAVAILABLE, "backend {}: {}", fmlp_backend_name(b), why);
+  *out = b;
+  return FMLP_SUCCESS;
 }
 }  // namespace fmlp::detail
 

@@ -1,12 +1,12 @@
 // The mlp op as the kernels see it: a validated, pointer-free description (MlpDesc) and the op
-// table entry every backend registers (MlpKernel). The API layer (api_mlp.cpp) validates all
-// arguments once, builds the MlpDesc and hands kernels arguments they may trust.
+// table entry every backend registers (MlpKernel, core/op_table.hpp). The API layer (api_mlp.cpp)
+// validates all arguments once, builds the MlpDesc and hands kernels arguments they may trust.
 #pragma once
 #include <cstddef>
 #include <cstdint>
 #include <string>
-#include <vector>
 
+#include "core/op_table.hpp"
 #include "fusedmlp/fusedmlp.h"
 
 namespace fmlp::detail {
@@ -41,66 +41,12 @@ struct MlpDesc {
 
 std::string describe(const MlpDesc& d);  // one line, for explain and error messages
 
-struct MlpKernel {
-  const char* name;  // op_arch_technique, e.g. mlp_cpu_avx2_decode
-  fmlp_backend_t backend;
-  // True when the kernel handles `desc`; otherwise *why (never null) says what it lacks.
-  bool (*supports)(const MlpDesc& desc, std::string* why);
-  size_t (*workspace_bytes)(const MlpDesc& desc);
-  // `args` are validated; the workspace holds workspace_bytes(desc). Never throws.
-  fmlp_status_t (*run)(const fmlp_mlp_args_t& args, const MlpDesc& desc, void* workspace,
-                       void* stream);
-};
-
-// One backend's contribution to the op table, in order of preference.
-struct MlpKernelList {
-  const MlpKernel* kernels;
-  size_t count;
-};
+// The mlp op's op-table entries (core/op_table.hpp); each backend's list in order of preference.
+using MlpKernel = OpKernel<fmlp_mlp_args_t, MlpDesc>;
+using MlpKernelList = OpKernelList<fmlp_mlp_args_t, MlpDesc>;
 MlpKernelList ref_mlp_kernels();
 MlpKernelList cpu_mlp_kernels();
 MlpKernelList cuda_mlp_kernels();  // empty when CUDA is not built
-
-// Why the backend cannot run on this machine, or empty when it can.
-// Computed once per process; dispatch asks on every call.
-const std::string& ref_unavailable_reason();
-const std::string& cpu_unavailable_reason();
-const std::string& cuda_unavailable_reason();
-std::string cuda_device_list();  // one line per device; empty without CUDA or devices
-
-struct Candidate {
-  const MlpKernel* kernel;
-  bool supported;
-  std::string why;
-};
-std::vector<Candidate> mlp_candidates(const MlpDesc& desc, fmlp_backend_t backend);
-
-// An explain report's line for one table entry, in table order: the first supported entry that is
-// the planner's pick (any, without a planner: `planned` false) is chosen, with the workspace
-// ws_bytes() gives (asked of the chosen entry alone); *chosen says whether one was chosen yet.
-template <typename WS>
-void explain_entry(std::string* report, bool* chosen, const char* name, bool supported,
-                   const std::string& why, bool planned, bool is_planned, WS ws_bytes) {
-  if (supported && !*chosen && (!planned || is_planned)) {
-    *chosen = true;
-    *report += "  chosen   " + std::string(name) + " (workspace " + std::to_string(ws_bytes()) +
-               " bytes)\n";
-  } else if (supported) {
-    *report += "  skipped  " + std::string(name) + ": " +
-               (planned ? "the planner prefers another entry" : "an earlier entry is preferred") +
-               "\n";
-  } else {
-    *report += "  rejected " + std::string(name) + ": " + why + "\n";
-  }
-}
-
-// Hands a text to a C caller: its size with the NUL into *needed (if given), as much as fits
-// into buf (NUL-terminated; nothing when buf_size is 0), and success with the last error cleared.
-fmlp_status_t copy_text_out(const std::string& text, char* buf, size_t buf_size, size_t* needed);
-
-// Resolves AUTO (device memory: cuda; host memory: cpu when this CPU has the ISA, else ref) and
-// checks that the backend matches where the data lives and can run here.
-fmlp_status_t resolve_backend(fmlp_backend_t requested, const MlpDesc& desc, fmlp_backend_t* out);
 
 }  // namespace fmlp::detail
 

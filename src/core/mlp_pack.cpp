@@ -133,7 +133,9 @@ fmlp_status_t fmlp_mlp_pack(fmlp_mlp_packed_t** packed, const fmlp_mlp_weights_t
   MlpDesc d;
   if (const fmlp_status_t s = validate_mlp_weights(*weights, *config, -1, &d); s != FMLP_SUCCESS)
     return s;
-  if (const fmlp_status_t s = resolve_backend(backend, d, &backend); s != FMLP_SUCCESS) return s;
+  if (const fmlp_status_t s = resolve_backend(backend, d.device, d.device_id, &backend);
+      s != FMLP_SUCCESS)
+    return s;
   auto* p = new (std::nothrow) fmlp_mlp_packed_s{};
   if (p == nullptr) return fail(FMLP_ERROR_OUT_OF_MEMORY, "cannot allocate the packed handle");
   p->backend = backend;

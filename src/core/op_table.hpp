@@ -1,6 +1,7 @@
-// The op-table pattern of the mlp op (mlp_desc.hpp) for the smaller ops (linear, softmax): an
-// entry type per op, each backend's list of entries, and the dispatch/explain/named-kernel logic
-// written once. An op plugs in through a traits struct OP with
+// The op table every op (mlp, linear, softmax, moe) dispatches through: an entry type per op, each
+// backend's list of entries, and the select / run / explain / named-kernel / workspace logic with
+// its checks (workspace size and CUDA alignment) written once. An op plugs in through a traits
+// struct OP with
 //   using Args = fmlp_<op>_args_t; using Desc = <Op>Desc;
 //   static constexpr const char* kName;        // "linear", for messages
 //   static fmlp_status_t validate(const Args*, Desc*);
@@ -8,7 +9,8 @@
 //   static bool empty(const Desc&);            // nothing to compute: success without a kernel
 //   static std::array<OpKernelList<Args, Desc>, 3> lists();   // cuda, cpu, ref
 //   // A planner's pick for backend b (first-supporting order otherwise): null when there is no
-//   // planner or it has no opinion; `reason` (may be null) gets its explanation.
+//   // planner or it has no opinion; `reason` (may be null) gets its explanation. The cuda
+//   // planners share one interface (core/planner.hpp).
 //   static const OpKernel<Args, Desc>* plan(const Desc&, fmlp_backend_t b, std::string* reason);
 #pragma once
 #include <array>
@@ -18,25 +20,65 @@
 #include <vector>
 
 #include "core/error.hpp"
-#include "core/mlp_desc.hpp"
 
 namespace fmlp::detail {
 
 template <typename ARGS, typename DESC>
 struct OpKernel {
-  const char* name;  // op_arch_technique
+  const char* name;  // op_arch_technique, e.g. mlp_cpu_avx2_decode
   fmlp_backend_t backend;
+  // True when the kernel handles `desc`; otherwise *why (never null) says what it lacks.
   bool (*supports)(const DESC& desc, std::string* why);
   size_t (*workspace_bytes)(const DESC& desc);
   // `args` are validated; the workspace holds workspace_bytes(desc). Never throws.
   fmlp_status_t (*run)(const ARGS& args, const DESC& desc, void* workspace, void* stream);
 };
 
+// One backend's contribution to an op's table, in order of preference.
 template <typename ARGS, typename DESC>
 struct OpKernelList {
   const OpKernel<ARGS, DESC>* kernels;
   size_t count;
 };
+
+// Why the backend cannot run on this machine, or empty when it can.
+// Computed once per process; dispatch asks on every call.
+const std::string& ref_unavailable_reason();
+const std::string& cpu_unavailable_reason();
+const std::string& cuda_unavailable_reason();
+std::string cuda_device_list();  // one line per device; empty without CUDA or devices
+
+// Resolves AUTO (device memory: cuda; host memory: cpu when this CPU has the ISA, else ref) and
+// checks that the backend matches where the data lives and can run here.
+fmlp_status_t resolve_backend(fmlp_backend_t requested, fmlp_device_type_t device,
+                              int32_t device_id, fmlp_backend_t* out);
+
+// An explain report's line for one table entry, in table order: the first supported entry that is
+// the planner's pick (any, without a planner: `planned` false) is chosen, with the workspace
+// ws_bytes() gives (asked of the chosen entry alone); *chosen says whether one was chosen yet.
+template <typename WS>
+void explain_entry(std::string* report, bool* chosen, const char* name, bool supported,
+                   const std::string& why, bool planned, bool is_planned, WS ws_bytes) {
+  if (supported && !*chosen && (!planned || is_planned)) {
+    *chosen = true;
+    *report += "  chosen   " + std::string(name) + " (workspace " + std::to_string(ws_bytes()) +
+               " bytes)\n";
+  } else if (supported) {
+    *report += "  skipped  " + std::string(name) + ": " +
+               (planned ? "the planner prefers another entry" : "an earlier entry is preferred") +
+               "\n";
+  } else {
+    *report += "  rejected " + std::string(name) + ": " + why + "\n";
+  }
+}
+
+// Hands a text to a C caller: its size with the NUL into *needed (if given), as much as fits
+// into buf (NUL-terminated; nothing when buf_size is 0), and success with the last error cleared.
+fmlp_status_t copy_text_out(const std::string& text, char* buf, size_t buf_size, size_t* needed);
+
+// The CUDA kernels lay their tables out on 256-byte boundaries from the workspace's base and store
+// 16 bytes at a time into them (fusedmlp.h: FMLP_ERROR_MISALIGNED).
+constexpr uintptr_t kCudaWorkspaceAlign = 256;
 
 template <typename OP>
 struct OpTable {
@@ -52,10 +94,7 @@ struct OpTable {
   }
 
   static fmlp_status_t resolve(fmlp_backend_t requested, const Desc& d, fmlp_backend_t* out) {
-    MlpDesc where;  // resolve_backend only reads the device fields
-    where.device = d.device;
-    where.device_id = d.device_id;
-    return resolve_backend(requested, where, out);
+    return resolve_backend(requested, d.device, d.device_id, out);
   }
 
   static fmlp_status_t select(const Desc& d, fmlp_backend_t requested, const Kernel** out) {
@@ -65,6 +104,7 @@ struct OpTable {
       *out = k;
       return FMLP_SUCCESS;
     }
+    // The common case allocates nothing: the first supporting entry wins and nobody reads `why`.
     std::string why;
     for (const auto& l : OP::lists())
       for (size_t i = 0; i < l.count; ++i)
@@ -79,10 +119,12 @@ struct OpTable {
       k->supports(d, &w);
       reasons += fmt::format("\n  {}: {}", k->name, w);
     }
-    return fail(FMLP_ERROR_NOT_SUPPORTED, "no {} {} kernel handles {}:{}", fmlp_backend_name(b),
-                OP::kName, OP::describe(d), reasons.empty() ? " (none registered)" : reasons);
+    return fail(FMLP_ERROR_NOT_SUPPORTED, "no {} {} kernel handles {}:{}{}", fmlp_backend_name(b),
+                OP::kName, OP::describe(d), reasons.empty() ? " (none registered)" : reasons,
+                b == FMLP_BACKEND_REF ? "" : "\n  (backend ref handles every valid host request)");
   }
 
+  // Runs one chosen kernel after the workspace checks; an empty request is a successful no-op.
   static fmlp_status_t run_kernel(const Kernel& k, const Args& a, const Desc& d, void* ws,
                                   size_t ws_bytes, void* stream, const char* size_query) {
     if (OP::empty(d)) {
@@ -95,35 +137,44 @@ struct OpTable {
                   "kernel {} needs a workspace of {} bytes but got {} bytes{}; size it with {}",
                   k.name, need, ws == nullptr ? 0 : ws_bytes, ws == nullptr ? " (NULL)" : "",
                   size_query);
-    // The CUDA kernels lay their tables out on 256-byte boundaries from the base and store 16
-    // bytes at a time into them.
-    if (need > 0 && k.backend == FMLP_BACKEND_CUDA && reinterpret_cast<uintptr_t>(ws) % 256 != 0)
+    if (need > 0 && k.backend == FMLP_BACKEND_CUDA &&
+        reinterpret_cast<uintptr_t>(ws) % kCudaWorkspaceAlign != 0)
       return fail(FMLP_ERROR_MISALIGNED,
-                  "workspace {} is not 256-byte aligned; pass memory as cudaMalloc returns it "
-                  "(or offset it by a multiple of 256 bytes)",
-                  ws);
+                  "workspace {} is not 256-byte aligned (kernel {}); pass memory as cudaMalloc "
+                  "returns it (or offset it by a multiple of 256 bytes)",
+                  ws, k.name);
     clear_last_error();
     return k.run(a, d, ws, stream);
   }
 
-  static fmlp_status_t workspace_size(const Args* a, fmlp_backend_t backend, size_t* bytes) {
-    if (bytes == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "bytes is NULL");
-    Desc d;
+  // The workspace size and the run of an already validated request (the packed mlp path
+  // validates its activations against the packed weights itself).
+  static fmlp_status_t workspace_size_of(const Desc& d, fmlp_backend_t backend, size_t* bytes) {
     const Kernel* k = nullptr;
-    if (const fmlp_status_t s = OP::validate(a, &d); s != FMLP_SUCCESS) return s;
     if (const fmlp_status_t s = select(d, backend, &k); s != FMLP_SUCCESS) return s;
     *bytes = OP::empty(d) ? 0 : k->workspace_bytes(d);
     clear_last_error();
     return FMLP_SUCCESS;
   }
+  static fmlp_status_t run_validated(const Args& a, const Desc& d, fmlp_backend_t backend, void* ws,
+                                     size_t ws_bytes, void* stream, const char* size_query) {
+    const Kernel* k = nullptr;
+    if (const fmlp_status_t s = select(d, backend, &k); s != FMLP_SUCCESS) return s;
+    return run_kernel(*k, a, d, ws, ws_bytes, stream, size_query);
+  }
+
+  static fmlp_status_t workspace_size(const Args* a, fmlp_backend_t backend, size_t* bytes) {
+    if (bytes == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "bytes is NULL");
+    Desc d;
+    if (const fmlp_status_t s = OP::validate(a, &d); s != FMLP_SUCCESS) return s;
+    return workspace_size_of(d, backend, bytes);
+  }
 
   static fmlp_status_t run(const Args* a, fmlp_backend_t backend, void* ws, size_t ws_bytes,
                            void* stream, const char* size_query) {
     Desc d;
-    const Kernel* k = nullptr;
     if (const fmlp_status_t s = OP::validate(a, &d); s != FMLP_SUCCESS) return s;
-    if (const fmlp_status_t s = select(d, backend, &k); s != FMLP_SUCCESS) return s;
-    return run_kernel(*k, *a, d, ws, ws_bytes, stream, size_query);
+    return run_validated(*a, d, backend, ws, ws_bytes, stream, size_query);
   }
 
   static fmlp_status_t explain(const Args* a, fmlp_backend_t backend, char* buf, size_t buf_size,
@@ -149,7 +200,8 @@ struct OpTable {
     return copy_text_out(report, buf, buf_size, needed);
   }
 
-  // Validates and finds the named kernel; NOT_SUPPORTED with its reason when it cannot run them.
+  // Validates and finds the named kernel; NOT_SUPPORTED (with the kernel's reason) when it cannot
+  // handle the request, BACKEND_UNAVAILABLE when its backend cannot run here.
   static fmlp_status_t named(const Args* a, const char* name, Desc* d, const Kernel** out) {
     if (name == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "kernel name is NULL");
     if (const fmlp_status_t s = OP::validate(a, d); s != FMLP_SUCCESS) return s;
@@ -164,7 +216,8 @@ struct OpTable {
       *out = k;
       return FMLP_SUCCESS;
     }
-    return fail(FMLP_ERROR_INVALID_VALUE, "no {} kernel is named '{}'", OP::kName, name);
+    return fail(FMLP_ERROR_INVALID_VALUE, "no {} kernel is named '{}'; fusedmlp info lists them",
+                OP::kName, name);
   }
 
   static int count() { return int(all().size()); }
