@@ -13,15 +13,14 @@
 // (--variant / --mb: that variant / size alone, e.g. under a profiler).
 //
 // --matrices NxK,... reads [N, K] bf16 matrices in the weight streams' own order instead
-// (stream_gemv.cuh: stream_shape, stream_load, the resident grid of stream_grid), with nothing
-// else: no x, no arithmetic but an xor, optionally the per-group __syncthreads, with the batch
-// buffers copied (as the streams do) or swapped by role, at the rows per
-// group of --rows (default 0,1,2,4,8; 0 = stream_shape's choice) and at most --blocks-per-sm
-// blocks per SM (default 0 = as many as fit). It separates what the access order costs from
-// what the kernels add: the 4096 x 14336 downs stream at 84 % of copy where 14336 x 4096 runs at
-// 92 % with the same kernel. This loop needs ~40 registers, so 6 blocks fit per SM on an H200
-// where the 64-register stream kernels fit 4: compare at --blocks-per-sm 4 (docs/linear-softmax.md,
-// sessions 16-18).
+// (engines/stream_gemv.cuh: stream_shape, stream_load, the resident grid of stream_grid), with
+// nothing else: no x, no arithmetic but an xor, optionally the per-group __syncthreads, with the
+// batch buffers copied (as the streams do) or swapped by role, at the rows per group of --rows
+// (default 0,1,2,4,8; 0 = stream_shape's choice) and at most --blocks-per-sm blocks per SM (default
+// 0 = as many as fit). It separates what the access order costs from what the kernels add: the 4096
+// x 14336 downs stream at 84 % of copy where 14336 x 4096 runs at 92 % with the same kernel. This
+// loop needs ~40 registers, so 6 blocks fit per SM on an H200 where the 64-register stream kernels
+// fit 4: compare at --blocks-per-sm 4 (docs/linear-softmax.md, sessions 16-18).
 #include <cuda_runtime.h>
 
 #include <algorithm>

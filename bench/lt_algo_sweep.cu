@@ -1,5 +1,5 @@
 // How far cuBLASLt's first heuristic answer is from the best of its top answers, for the GEMMs the
-// prefill and cuBLASLt decode paths run (layout as src/cuda/mlp_prefill_cublaslt.cpp: D[out, tok]
+// prefill and cuBLASLt decode paths run (layout as src/cuda/common/lt_gemm.cpp: D[out, tok]
 // = W[out, K]^T-op x X[K, tok], bf16 in and out, fp32 compute). Each candidate is checked against
 // the first answer's output before it is timed (max |diff| relative to max |ref|), then timed with
 // CUDA events over 20 back-to-back calls, weights rotated over > 3x the L2 when they are small,

@@ -10,7 +10,7 @@
 // token, TFLOP/s, % of the bf16 matmul rate this GPU reaches in the same run (cuBLASLt, 8192^3;
 // e4m3 x e4m3 -> bf16 with --wdtype f8), the kernel dispatch picks (the planner, read from
 // fmlp_mlp_explain) and the fastest. It ends with crossover rows to paste into
-// src/cuda/planner.cpp.
+// src/cuda/mlp/planner.cpp.
 //
 // usage: fusedmlp_cuda_bench_prefill [--json FILE] [--shapes a,b] [--ms 1,2,...] [--kernels a,b]
 //                                    [--wdtype bf16|f8]
@@ -462,7 +462,7 @@ int main(int argc, char** argv) {
       rows_out += row;
     }
   }
-  std::printf("\ncrossover rows for src/cuda/planner.cpp (kTable):\n%s", rows_out.c_str());
+  std::printf("\ncrossover rows for src/cuda/mlp/planner.cpp (kTable):\n%s", rows_out.c_str());
   out += "], \"failures\": " + std::to_string(failures) + "}\n";
   if (json) {
     FILE* f = std::fopen(json, "w");

@@ -3,7 +3,7 @@
 # a pattern, with an opcode histogram of each, for reading what ptxas made of a loop without a GPU
 # (the stream kernels' batch loops were sized this way: docs/linear-softmax.md, session 20).
 #
-#   bash scripts/sass.sh build/CMakeFiles/fusedmlp.dir/src/cuda/linear_stream.cu.o \
+#   bash scripts/sass.sh build/CMakeFiles/fusedmlp.dir/src/cuda/linear/sm80_stream.cu.o \
 #     'linear_sm80_stream<__nv_bfloat16, __nv_bfloat16, 1, 4, false>' [ARCH]
 #
 # cuobjdump and nvdisasm come from the toolkit where it has them; otherwise from NVIDIA's PyPI

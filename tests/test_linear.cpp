@@ -328,11 +328,11 @@ std::vector<LinCase> cases() {
     c.bt = FMLP_DTYPE_BF16;
     v.push_back(c);
   }
-  // The weight stream's partition edges (linear_sm80_stream, stream_gemv.cuh): short rows (K = 8,
-  // 24, 96, 768, 776: one partial batch per warp), rows that end mid-batch (1408, 2056, 8704,
-  // 14336, 14344), N not a multiple of a group's rows, W rows padded past K, bf16 / f16 / fp8
+  // The weight stream's partition edges (linear_sm80_stream, engines/stream_gemv.cuh): short rows
+  // (K = 8, 24, 96, 768, 776: one partial batch per warp), rows that end mid-batch (1408, 2056,
+  // 8704, 14336, 14344), N not a multiple of a group's rows, W rows padded past K, bf16 / f16 / fp8
   // weights, fp32 x, M = 1..4, N = 1; one token of few rows and long K reads x in place (x_direct
-  // in linear_stream.cu: 127 x 14344, 33 x 2056, 9 x 4104 and the router-like cases above).
+  // in linear/sm80_stream.cu: 127 x 14344, 33 x 2056, 9 x 4104 and the router-like cases above).
   struct StreamEdge {
     int64_t m, n, k;
     fmlp_dtype_t x, w;
@@ -604,7 +604,7 @@ TEST(LinearExplain, NamesTheChosenEntryAndEveryOther) {
   }
 }
 
-// The CUDA planner at M = 2..4 (linear_planner.cpp, measured on an H200 in session 39): the
+// The CUDA planner at M = 2..4 (linear/planner.cpp, measured on an H200 in session 39): the
 // weight stream for fp8 weights wherever it runs, for 16-bit weights (with x of their dtype) at
 // M = 2 below 256 MiB and at M = 3, 4 for N <= 1024; the table order for wider 16-bit outputs at
 // M = 3, 4 (cuBLASLt) and for f32 x (whose first supporting entry happens to be the stream too:

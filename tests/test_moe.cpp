@@ -622,7 +622,7 @@ TEST(MoeCuda, GroupedEntrySaysWhyItDeclines) {
 }
 
 // moe_sm80_grouped multiplies only the m16 tiles of a chunk that hold one of its len rows
-// (moe_grouped.cu). Given routing hands each expert an exact slot count, so the chunk lengths
+// (moe/sm80_grouped.cu). Given routing hands each expert an exact slot count, so the chunk lengths
 // (the last chunk of an expert: count % BM, or BM) are 1 and 16 q - 1, 16 q, 16 q + 1 for every
 // m16 edge of both tile heights: one, some or all tiles of a warp row live, the other warp row
 // dead or partly live, the trimmed and the untrimmed loop (len > BM - 16), and chunks that start
@@ -656,7 +656,7 @@ TEST(MoeCuda, GroupedTrimsChunksAtEveryTileEdge) {
 }
 
 // moe_sm90_grouped's tall tiles: 192-row chunks over three consumer warpgroups of 64 rows, one
-// skipping its wgmmas when its rows all lie past the chunk (sm90_gemm_pipe.cuh). Exact slot counts
+// skipping its wgmmas when its rows all lie past the chunk (sm90/gemm_pipe.cuh). Exact slot counts
 // put every chunk length at a consumer edge (1, 64 q - 1, 64 q, 64 q + 1, a full 192, a 193rd
 // row in a second chunk, 385 = two full chunks and one row); 140 expected tokens per hit expert,
 // so the plan takes the tall tiles. hidden 320 and d_out 200 leave partial N tiles. It fails when

@@ -206,7 +206,7 @@ TEST(Prefill, LeavesWorkspaceZeroed) {
 }
 
 // Weights of 64 MiB and more (here 2 x 8200 x 2048 + 2048 x 8200 bf16: 96 MiB) offer cuBLASLt no
-// workspace (mlp_prefill.cu): still right, and the workspace still left zero-filled.
+// workspace (mlp/prefill_sm90_cublaslt.cu): still right, and the workspace still left zero-filled.
 TEST(Prefill, LargeWeightsWithoutLtWorkspace) {
   SKIP_WITHOUT_GPU();
   MlpCase c = base_case(67, 2048, 8200, 2048, FMLP_DTYPE_BF16);
@@ -474,8 +474,8 @@ TEST(Planner, Fp8DecodeAtFewTokensW8A8AtMany) {
   }
 }
 
-// fp8 crossovers measured per shape (planner.cpp, session 23): the cluster kernel keeps gpt2-small
-// and llama3-8b at M = 16, 4096 -> 4096 takes the W8A8 path from M = 16.
+// fp8 crossovers measured per shape (src/cuda/mlp/planner.cpp, session 23): the cluster kernel
+// keeps gpt2-small and llama3-8b at M = 16, 4096 -> 4096 takes the W8A8 path from M = 16.
 TEST(Planner, Fp8MeasuredCrossovers) {
   SKIP_WITHOUT_GPU();
   struct Want {
@@ -498,8 +498,8 @@ TEST(Planner, Fp8MeasuredCrossovers) {
 }
 
 // fp8 weights below the crossover: the weight streams at every M they take (1..4 where x and h fit
-// their shared memory), the next decode entry where they do not (planner.cpp, measured on an
-// H200); the small shape's picks run against the reference.
+// their shared memory), the next decode entry where they do not (src/cuda/mlp/planner.cpp, measured
+// on an H200); the small shape's picks run against the reference.
 TEST(Planner, Fp8StreamsWhereverTheyFit) {
   SKIP_WITHOUT_GPU();
   struct Want {

@@ -1,5 +1,5 @@
 // The one-shot LL all-reduce's setup and registry (kernel allreduce_sm80_p2p_ll:
-// src/cuda/allreduce_p2p.cu).
+// src/dist/cuda/allreduce_p2p.cu).
 //
 // A registration belongs to one communicator and holds this rank's peer-mapped buffer plus the
 // peers' buffers as mapped here. Setup is collective and agreed: every rank gathers every rank's

@@ -2,7 +2,7 @@
 // all experts, dispatched to the experts' ranks through fixed-capacity buffers (ncclSend/Recv of
 // the whole capacity: the sizes NCCL needs on the host never depend on the routing), the local
 // experts run by the moe op itself over the received rows, the results sent back and combined.
-// The kernels and the flow are described in src/cuda/moe_a2a.hpp. Everything that can fail is
+// The kernels and the flow are described in src/dist/cuda/moe_a2a.hpp. Everything that can fail is
 // checked before the first enqueue, so an error leaves y as it was.
 #include "core/dtype.hpp"
 #include "core/error.hpp"

@@ -65,7 +65,7 @@ __device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
 
 // 16 bytes from global to shared memory without passing through registers (sm_80+), cached in
 // L2 only: for data each block reads once (weights), not for x that every block reads (see
-// linear_stream.cu's stage_x).
+// linear/sm80_stream.cu's stage_x).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");

@@ -1,5 +1,6 @@
-// The memory-order weight stream shared by linear_sm80_stream (linear_stream.cu) and
-// mlp_decode_sm80_stream (mlp_decode_stream.cu): y_row = W_row . x for a few tokens, W read once.
+// The memory-order weight stream shared by linear_sm80_stream (linear/sm80_stream.cu) and
+// mlp_decode_sm80_stream (mlp/decode_sm80_stream.cu): y_row = W_row . x for a few tokens, W read
+// once.
 //
 // Why this order: at M <= 4 these ops are a read of W, and a plain read of the same bytes
 // (bench/hbm_probe.cu: resident blocks reading contiguous pieces in grid-stride order) runs far
@@ -249,9 +250,9 @@ __device__ __forceinline__ void stream_prefetch_batches_l2(const StreamShape& s,
 }
 
 // The prologue of a stream kernel launched with programmatic dependent launch (launch_ex,
-// launch_util.hpp; weights are never written by a kernel of the caller's stream): the first batch
-// of group blockIdx.x into `cur`, the block's first `prefetch_groups` groups into L2 and the next
-// `prefetch_batches` batches of its first group into L2 are requested before the wait for the
+// common/launch_util.hpp; weights are never written by a kernel of the caller's stream): the first
+// batch of group blockIdx.x into `cur`, the block's first `prefetch_groups` groups into L2 and the
+// next `prefetch_batches` batches of its first group into L2 are requested before the wait for the
 // previous grid, so they arrive while that grid drains; everything else the kernel reads or
 // writes comes after it.
 template <typename WT, bool SKIP = false, typename RowPtr, int U>
@@ -455,8 +456,8 @@ __device__ __forceinline__ void stream_copy_rows(uint4* dst, const uint4* src, i
 // would rest on the wait's visibility guarantee reaching lines an earlier call left in L1). `wmax`
 // is [kStreamWarps][MT] shared floats, free until the end barrier; inv[t] as in
 // stream_f16_scaled_from. The two passes' batched loads are written out: one loader shared with
-// them and linear_stream.cu's stage_x changed how ptxas scheduled the fp8 instances and ran them
-// 3-10 % slower (H200, session 38).
+// them and linear/sm80_stream.cu's stage_x changed how ptxas scheduled the fp8 instances and ran
+// them 3-10 % slower (H200, session 38).
 template <typename AT, int MT, bool L2_ONLY>
 __device__ void stream_stage_f16_scaled(__half* xs, const AT* x, int64_t x_ld, int m, int k,
                                         const unsigned* amax_given, float (*wmax)[MT], float* inv) {
@@ -541,8 +542,8 @@ __device__ void stream_f16_scaled(__half* xs, int k, bool f16, float* inv, unsig
 // shared floats. PAIR divides R.
 // `fetch(row, t)` runs in the thread that will call finish(row, t, ...), one group before that
 // finish (for the block's first group: before the stream starts), so the epilogue can have its own
-// operands (bias, scales) loaded while the weights stream (linear_stream.cu says where that was
-// measured to pay).
+// operands (bias, scales) loaded while the weights stream (linear/sm80_stream.cu says where that
+// was measured to pay).
 struct StreamNoFetch {
   __device__ void operator()(int, int) const {}
 };

@@ -1,6 +1,7 @@
 // The fp8 weight stream on Hopper's tensor cores, shared by linear_sm90_wgmma_fp8
-// (linear_wgmma_fp8.cu) and mlp_decode_sm90_wgmma_fp8 (mlp_decode_wgmma_fp8.cu): y_row = W_row . x
-// for up to four tokens, W (e4m3) read once by TMA and multiplied by wgmma without widening it.
+// (linear/sm90_wgmma_fp8.cu) and mlp_decode_sm90_wgmma_fp8 (mlp/decode_sm90_wgmma_fp8.cu): y_row =
+// W_row . x for up to four tokens, W (e4m3) read once by TMA and multiplied by wgmma without
+// widening it.
 //
 // Why: the CUDA-core fp8 streams (stream_gemv.cuh) convert e4m3 -> fp16 (8 per 16 bytes of W);
 // 4096 -> 14336 at M = 1 took 26.8 us against a 14.9 us read on an H200 when this was written

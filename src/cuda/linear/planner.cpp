@@ -1,4 +1,4 @@
-// Choice table and planner of the CUDA linear entries (see linear_planner.hpp).
+// Choice table and planner of the CUDA linear entries (see planner.hpp).
 #include "cuda/linear/planner.hpp"
 
 #include <cstdlib>

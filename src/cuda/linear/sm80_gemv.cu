@@ -1,6 +1,6 @@
 // linear_sm80_gemv: y[M, N] = x[M, K] W^T + b for small M, in one launch on the CUDA cores (the
 // general kernel: any weight dtype, mixed dtypes, unaligned W; bf16/fp16 with 2 <= M <= 64 go to
-// linear_sm80_mma, linear_mma.cu).
+// linear_sm80_mma, sm80_mma.cu).
 //
 // At small M the op is a stream over W, so the kernel is built for bytes in flight:
 //   - a task is (8 W rows, one K split, one tile of up to MT x rows); each of the block's 8 warps

@@ -1,9 +1,9 @@
 // linear_sm80_mma: y[M, N] = x[M, K] W^T + b for 2 <= M <= 64 bf16/fp16 tokens and weights of the
 // same dtype, on the tensor cores, one pass over W for all M rows.
 //
-// The CUDA-core kernel (linear_gemv.cu) re-reads W for every x tile; here each weight serves all
+// The CUDA-core kernel (sm80_gemv.cu) re-reads W for every x tile; here each weight serves all
 // tokens through mma.sync m16n8k16 (fp32 accumulators), the same operand scheme as
-// mlp_decode_cluster.cu:
+// mlp/decode_sm90_cluster.cu:
 //   - a warp owns a 16-row group of W and streams it straight from global memory with 16-byte
 //     non-allocating loads (a ring of batches in flight, the first requested before the block
 //     stages x); a lane's 16-byte piece of row g (g + 8) is its A fragment once the k order inside
@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_sm80_mma(const MmaParam
 // per multiprocessor keep more bytes in flight than the 16-bit shape (two blocks, 4-step batches,
 // 2 tasks per SM: ncu found 25 % occupancy and one issue per 3.7 cycles). Measured on an H200 at
 // M = 1 (all five shapes x 2/4/8/16 tasks per SM): 4096x14336 39.8 -> 26.8 us, 4096x4096 13.1
-// -> 12.7; the wide shapes go to linear_sm80_stream (linear_planner.cpp). The other shapes stay
+// -> 12.7; the wide shapes go to linear_sm80_stream (planner.cpp). The other shapes stay
 // selectable for measurements: FMLP_LINEAR_MMA_FP8="shape index,tasks per SM".
 struct Fp8Shape {
   int minb, sp, depth;

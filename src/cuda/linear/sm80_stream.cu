@@ -1,9 +1,9 @@
 // linear_sm80_stream: y[M, N] = x[M, K] W^T + b for M <= 4 tokens and bf16, fp16 or fp8 e4m3
-// weights, as one memory-order stream over W (stream_gemv.cuh says why and how).
+// weights, as one memory-order stream over W (engines/stream_gemv.cuh says why and how).
 //   - x is staged once per block: in its own dtype for 16-bit weights; for fp8 weights as fp16
-//     times a power of two per token (stream_gemv.cuh), undone with the per-row or per-tensor
-//     scale in the epilogue; one token of 16-bit-weight streams with few rows per block is read
-//     in place instead (x_direct),
+//     times a power of two per token (engines/stream_gemv.cuh), undone with the per-row or
+//     per-tensor scale in the epilogue; one token of 16-bit-weight streams with few rows per block
+//     is read in place instead (x_direct),
 //   - the epilogue adds the bias and converts; no workspace, deterministic.
 #include <cuda_runtime.h>
 
@@ -148,8 +148,8 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
   if constexpr (XDIRECT) {
     xrun = static_cast<const XS*>(p.x);
   } else if constexpr (kFp8) {
-    // x as fp16 times a power of two per token (stream_gemv.cuh), from x in registers where its
-    // rows allow 16-byte loads. Per element, with a division by k per element, this staging was
+    // x as fp16 times a power of two per token (engines/stream_gemv.cuh), from x in registers where
+    // its rows allow 16-byte loads. Per element, with a division by k per element, this staging was
     // half of the fp8 stream's instructions (ncu, 4096 -> 14336 at M = 1; 25.9 -> 17.9 us in
     // 16-byte steps).
     if (!x_vec_ok<XT>(p)) {
@@ -204,9 +204,9 @@ int token_tile(int64_t m) {
 
 // Each block's first group into L2 while the previous kernel drains, where W outgrows the L2 or
 // the blocks take four or more groups each (so first groups are at most a quarter of W).
-// mlp_decode_stream.cu measured the prefetch to hurt where most of the matrix fits the L2; what
-// hurt is prefetching much of it at once: on an H200 (session 36, two rounds each, us without /
-// with) the fp8 4096 -> 14336 (58.7 MB, four groups a block) 17.26 / 16.77, while the fp8 4096 <-
+// mlp/decode_sm80_stream.cu measured the prefetch to hurt where most of the matrix fits the L2;
+// what hurt is prefetching much of it at once: on an H200 (session 36, two rounds each, us without
+// / with) the fp8 4096 -> 14336 (58.7 MB, four groups a block) 17.26 / 16.77, while the fp8 4096 <-
 // 14336 (one group a block: all of W) 19.1 / 25.6 and 4096 x 4096 7.1 / 7.7.
 // FMLP_STREAM_PREFETCH=0 turns it off, =1 on, for measurements (as for the MLP streams).
 template <typename WT>
@@ -273,7 +273,8 @@ bool linear_sm80_stream_supports(const LinearDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (d.w8a8())
     return (*why = "fp8 activations (W8A8): linear_sm80_mma and cuBLASLt take them", false);
-  if (d.w_dtype == FMLP_DTYPE_F8_E4M3) {  // any sm_80+ device (stream_gemv.cuh: the widening)
+  if (d.w_dtype ==
+      FMLP_DTYPE_F8_E4M3) {  // any sm_80+ device (engines/stream_gemv.cuh: the widening)
     if (d.act_dtype == FMLP_DTYPE_F32)
       return (*why =
                   "f32 activations with fp8 weights: staging x as fp16 would round it; "

@@ -1,7 +1,7 @@
 // linear_sm90_cublaslt: y[M, N] = x[M, K] W^T + b as one cuBLASLt GEMM with the bias in its
 // epilogue. Once a weight is read for more than one token, a plain GEMM is the job and cuBLASLt's
 // tensor-core kernels are the reference implementation; at M = 1 the planner
-// (linear_planner.cpp) picks it or the GEMV by shape. The GEMV entries keep everything this one
+// (planner.cpp) picks it or the GEMV by shape. The GEMV entries keep everything this one
 // does not take (mixed or fp8 dtypes, misaligned views, other bias dtypes).
 #include <cuda_runtime.h>
 

@@ -1,6 +1,6 @@
 // linear_sm90_wgmma_fp8: y[M, N] = x[M, K] (W * scale)^T + b for M <= 4 tokens of bf16/fp16 x
 // and e4m3 weights, W read once by TMA and multiplied on the tensor cores without widening it
-// (stream_wgmma_fp8.cuh says why and how). sm_90a only. The epilogue applies the per-row or
+// (engines/stream_wgmma_fp8.cuh says why and how). sm_90a only. The epilogue applies the per-row or
 // per-tensor scale and the bias; deterministic.
 #include <cuda_runtime.h>
 

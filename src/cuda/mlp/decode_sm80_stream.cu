@@ -1,13 +1,14 @@
 // mlp_decode_sm80_stream: the MLP of up to four tokens as two memory-order weight streams
-// (stream_gemv.cuh), for bf16/fp16 weights and e4m3 weights (weight-only, bf16/fp16 x).
+// (engines/stream_gemv.cuh), for bf16/fp16 weights and e4m3 weights (weight-only, bf16/fp16 x).
 //
 // Why: at M = 1 the MLP is a read of its weights, and the one-launch kernels read them well below
 // a plain stream (docs/cuda-decode.md: the cluster kernel at 47 % of DRAM peak). Here each weight
-// matrix is one stream of stream_gemv.cuh, at the price of h's round trip through the workspace
-// (M x hidden x 2 bytes) and a second launch, which programmatic dependent launch overlaps with
-// the first one's tail. Measured on an H200 (graph replay, cold L2, docs/cuda-decode.md): gpt2-
-// small 6.7 us at M = 1 (cuBLASLt path 12.6), 4096 -> 4096 gelu 23.7 (30.4), llama3-8b 92.2
-// (100.8), llama3-70b 339.2 (357.8): the planner's M = 1 choice on every measured shape.
+// matrix is one stream of engines/stream_gemv.cuh, at the price of h's round trip through the
+// workspace (M x hidden x 2 bytes) and a second launch, which programmatic dependent launch
+// overlaps with the first one's tail. Measured on an H200 (graph replay, cold L2,
+// docs/cuda-decode.md): gpt2- small 6.7 us at M = 1 (cuBLASLt path 12.6), 4096 -> 4096 gelu 23.7
+// (30.4), llama3-8b 92.2 (100.8), llama3-70b 339.2 (357.8): the planner's M = 1 choice on every
+// measured shape.
 //   1. mlp_decode_sm80_stream_up: every block stages x, normalised, in the weights' dtype (as a
 //      16-bit model's norm output is rounded); W1 is streamed row by row (gated: gate row j and up
 //      row j interleaved as rows 2j and 2j + 1 of one virtual matrix, so one thread gets both
@@ -207,7 +208,8 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
                    p.down_prefetch_batches);  // then h is complete
   const int vecs = M * p.h / 8;               // hidden is a multiple of 8
   uint4* hbuf = static_cast<uint4*>(p.hbuf);
-  if constexpr (kFp8) {  // h as scaled fp16 (stream_gemv.cuh) with the up kernel's largest |h|
+  if constexpr (kFp8) {  // h as scaled fp16 (engines/stream_gemv.cuh) with the up kernel's largest
+                         // |h|
     stream_stage_f16_scaled<AT, M, true>(hs, static_cast<const AT*>(p.hbuf), p.h, M, p.h, p.hmax,
                                          red[0], inv);  // ends with a barrier
   } else {

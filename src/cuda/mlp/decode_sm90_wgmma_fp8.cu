@@ -1,5 +1,5 @@
 // mlp_decode_sm90_wgmma_fp8: the MLP of up to four tokens with fp8 e4m3 weights as two tensor-core
-// weight streams (stream_wgmma_fp8.cuh), sm_90a.
+// weight streams (engines/stream_wgmma_fp8.cuh), sm_90a.
 //
 // Why: the one-launch cluster kernel widens every e4m3 weight on the CUDA cores, and those
 // conversions, not HBM, bound it (llama3-8b M = 1: 72.3 us against a 41.3 us byte floor). Here the

@@ -28,7 +28,7 @@ fmlp_status_t mlp_decode_sm80_gemv_run(const fmlp_mlp_args_t& a, const MlpDesc& 
 // The CUDA-core split-hidden kernels (gemv, prefetch): their shared preconditions (CUDA memory,
 // not deterministic, M <= max_tokens, bf16/fp16 weights, d_in and hidden multiples of 8, 16-byte
 // aligned weight rows), and their workspace: fp32 accumulators [M, d_out] and a block counter,
-// both zero between calls (finish_last_block in decode_common.cuh leaves them so). In
+// both zero between calls (finish_last_block in common/decode_common.cuh leaves them so). In
 // decode_operands.cu.
 bool split_hidden_supports(const MlpDesc& d, int max_tokens, std::string* why);
 size_t split_hidden_workspace(const MlpDesc& d);

@@ -1,5 +1,6 @@
-// Device helpers shared by the prefill path's kernels (mlp_prefill.cu: 16-bit and fp32 weights;
-// mlp_prefill_fp8.cu: fp8 weights, W8A8): dtype conversion, 8-element vectors, block reductions.
+// Device helpers shared by the prefill path's kernels (prefill_sm90_cublaslt.cu: 16-bit and fp32
+// weights; prefill_sm90_cublaslt_fp8.cu: fp8 weights, W8A8): dtype conversion, 8-element vectors,
+// block reductions.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

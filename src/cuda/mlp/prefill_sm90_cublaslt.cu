@@ -2,7 +2,7 @@
 // memory-bound kernels (pre-norm, bias + activation (+ gate product)). At large M the GEMMs are
 // compute bound and the tensor-core GEMMs of cuBLASLt are the floor; what this path adds is
 // keeping the passes over the [M, hidden] intermediate to one write and one read of it. fp8 e4m3
-// weights run as W8A8 in mlp_prefill_fp8.cu (the entry points below hand them over).
+// weights run as W8A8 in prefill_sm90_cublaslt_fp8.cu (the entry points below hand them over).
 //
 // Per pass of `chunk` tokens (chunks bound the workspace; at 128 MiB of hidden per pass the GEMMs
 // still fill the GPU many times over):
@@ -13,7 +13,7 @@
 //      written in place over the gate half, rounded to the activation dtype as PyTorch does
 //   4. y = h W2^T + b2 (+ residual as C with beta = 1; in place when residual is y)
 // With FMLP_PREFILL_WGMMA=1, gated 16-bit requests on sm_90a replace 2 and 3 with one kernel
-// (gemm_sm90_gated.cu: wgmma, the bias + activation + gate product in its epilogue) writing h
+// (sm90/gemm_gated.cu: wgmma, the bias + activation + gate product in its epilogue) writing h
 // straight into the gate half of G. Off by default: measured on an H200 (session 9) it is not yet
 // faster than cuBLASLt's GEMM plus the bias/activation pass (llama3-8b M = 4096 2175 against 2158
 // us, M = 256 173.7 against 164.8; docs/cuda-prefill.md).

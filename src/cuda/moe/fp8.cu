@@ -1,5 +1,5 @@
 // moe_sm89_stage_f16: the fp16 staging of x (and of the grouped path's h) for fp8 experts (see
-// moe_fp8.cuh). One block per row: the largest finite |value|, then the scaled fp16 copy.
+// fp8.cuh). One block per row: the largest finite |value|, then the scaled fp16 copy.
 #include <cuda_runtime.h>
 
 #include "core/error.hpp"

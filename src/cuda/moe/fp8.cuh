@@ -1,5 +1,5 @@
 // fp8 e4m3 experts in the cuda moe entries (sm_89+, weight-only: x and h stay 16-bit or wider,
-// fp32 accumulation), the scheme of linear_mma.cu:
+// fp32 accumulation), the scheme of linear/sm80_mma.cu:
 //   - weights are widened exactly to fp16 with cvt.rn.f16x2.e4m3x2 (one instruction per two) and
 //     multiplied by fp16 mma.sync m16n8k16 with fp32 accumulators;
 //   - the other operand must then be fp16. x is staged once per call (moe_stage_f16, before the
@@ -10,7 +10,7 @@
 //     token's largest term, far inside the bf16-grade tolerance of fp8 experts. NaN and Inf pass
 //     through (they are left out of the maximum);
 //   - h, between the two GEMMs, is handled the same way per slot (its largest finite |h| over
-//     the hidden units it is summed over, moe_experts.cu / moe_grouped.cu say which), rather than
+//     the hidden units it is summed over, sm80_chunked.cu / sm80_grouped.cu say which), rather than
 //     rounded to bf16 as for 16-bit experts: fp16 with a power of two keeps 3 more bits than bf16,
 //     and an unscaled fp16 h could overflow (65504) or sink into subnormals;
 //   - the epilogues multiply the fp32 sums by the factor undoing the power of two and by the

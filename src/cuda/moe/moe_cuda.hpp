@@ -3,24 +3,25 @@
 // workspace layout; a function of the shapes and the device only, so the launch grids never depend
 // on the routing) and the kernel parameters.
 //
-//   moe_route   (moe_route.cu)    per token block: router logits, scores, top-k over the global
+//   moe_route   (route.cu)    per token block: router logits, scores, top-k over the global
 //                                 experts (or the given routing, bad ids counted and flagged),
 //                                 per-expert counts of the local ones; the last block to finish
 //                                 groups the local slots by expert (stable) and cuts each group
 //                                 into chunks of <= chunk tokens.
 //                                 Slots of experts outside the local range (expert parallelism)
 //                                 are marked kMoeSlotRemote and add nothing.
-//   moe_experts (moe_experts.cu)  grid max_chunks x slices: one chunk's tokens through one hidden
+//   moe_experts (sm80_chunked.cu)  grid max_chunks x slices: one chunk's tokens through one hidden
 //                                 slice of its expert on the tensor cores, fp32 partial outputs.
-//   moe_grouped (moe_grouped.cu)  instead of moe_experts for many tokens per expert: two smem-tiled
+//   moe_grouped (sm80_grouped.cu)  instead of moe_experts for many tokens per expert: two
+//   smem-tiled
 //                                 tensor-core GEMMs over the chunk list (gate/up + activation into
 //                                 a [slots, hidden] workspace in chunk order, then down into the
 //                                 per-slot fp32 outputs).
-//   moe_grouped_sm90 (moe_grouped_sm90.cu)  the same two GEMMs on TMA + wgmma (sm_90a, gated
+//   moe_grouped_sm90 (sm90_grouped.cu)  the same two GEMMs on TMA + wgmma (sm_90a, gated
 //                                 16-bit experts), after x is gathered into chunk order.
-//   moe_combine (moe_route.cu)    y = [residual +] sum_j w_j (expert output + b2), j in order;
+//   moe_combine (route.cu)    y = [residual +] sum_j w_j (expert output + b2), j in order;
 //                                 re-zeroes the workspace (the grouped path's hidden buffer too).
-//   moe_stream  (moe_stream.cu)   instead of experts + combine for a few tokens: every slot's
+//   moe_stream  (sm80_stream.cu)   instead of experts + combine for a few tokens: every slot's
 //                                 W1 rows, then its W2 rows, as two memory-order weight streams
 //                                 (h [slots][hidden] in the hbuf region); the second writes y and
 //                                 re-zeroes the workspace.
@@ -40,7 +41,7 @@ constexpr int kMoeMaxExperts = 512;  // the route kernel keeps per-expert tables
 // Routed slot ids other than a local expert index: never used as an index.
 constexpr int32_t kMoeSlotBad = -1;     // a given id outside [0, global experts): NaN row
 constexpr int32_t kMoeSlotRemote = -2;  // an expert of another range: contributes nothing
-// The split router (moe_route.cu): router rows per block, and the token blocks up to which a
+// The split router (route.cu): router rows per block, and the token blocks up to which a
 // route launch splits the rows over grid y (a decode step's router is otherwise one block reading
 // every row in passes of kRouteSplitExperts).
 constexpr int kRouteSplitExperts = 8;
@@ -69,12 +70,12 @@ struct MoePlan {
   int slices = 1;          // hidden slices per chunk (grid y)
   int tiles = 0;           // 16-unit tiles of the hidden dimension
   bool partial = true;     // per-slice partials summed in order (deterministic), else red.add
-  int route_tokens = 4;    // tokens per route block (route_tokens_for, moe_kernels.cpp)
+  int route_tokens = 4;    // tokens per route block (route_tokens_for, moe/plan.cpp)
   int route_split = 1;     // router blocks per token block (expert groups of the router rows)
   size_t counts = 0, ids = 0, wts = 0, perm = 0, chunk_expert = 0, chunk_start = 0, chunk_len = 0,
          logits = 0, route_parts = 0, out = 0, hbuf = 0,
          total = 0;  // workspace layout in bytes (hbuf: grouped only)
-  // fp8 experts (moe_fp8.cuh), inside the hbuf region (which combine re-zeroes): x as fp16 and
+  // fp8 experts (fp8.cuh), inside the hbuf region (which combine re-zeroes): x as fp16 and
   // its per-token factors; grouped only: h in fp32 before its staging as fp16 (into hbuf) and
   // its per-slot factors. 0 when absent.
   size_t xh = 0, xinv = 0, h32 = 0, hinv = 0;
@@ -101,7 +102,7 @@ struct MoeParams {
   int tokens, d, hidden, d_out, experts, top_k, slots, chunk, slices, tiles, out_slices;
   int first_expert, global_experts;  // local expert i is global id first_expert + i
   int route_tokens;
-  int route_split;  // > 1: grid y splits the router rows; logits meet in `logits` (moe_route.cu)
+  int route_split;  // > 1: grid y splits the router rows; logits meet in `logits` (route.cu)
   bool gated, partial, renormalize, sigmoid, given;
   bool ids_only;      // the weight streams follow: the route kernel writes ids and weights only (no
                       // counts per expert, no chunk plan) and lets their launch start early
@@ -149,14 +150,14 @@ struct MoeParams {
   int64_t hbuf_words;  // its 16-byte words (0 for the chunked path), re-zeroed by combine
   void* xg;            // moe_sm90_grouped: x rows in chunk order (MoePlan::xg), else nullptr
   int max_chunks;
-  bool sm90_swap;  // moe_sm90_grouped: swapped tiles (sm90_gemm_swap.cuh), chunks of 192
+  bool sm90_swap;  // moe_sm90_grouped: swapped tiles (sm90/gemm_swap.cuh), chunks of 192
   size_t experts_smem;
 };
 
 // moe_sm80_stream's limits: tokens (grid rows, and the repeated reads of shared experts), top k
 // (a row's k slot sums go to one thread of a stream group of at most kStreamWarps rows), and the
 // shared memory of one up block's staged x (d in x's dtype): three blocks per multiprocessor. The
-// down blocks read h in place (moe_stream.cu), so h has no such limit.
+// down blocks read h in place (sm80_stream.cu), so h has no such limit.
 constexpr int kMoeStreamMaxTokens = 16;
 constexpr int kMoeStreamMaxTopK = 8;
 constexpr size_t kMoeStreamStageBytes = 64 * 1024;
@@ -176,14 +177,14 @@ MoeParams moe_params(const fmlp_moe_args_t& a, const MoeDesc& d, const MoePlan& 
 fmlp_status_t moe_launch_route(const MoeParams& p, cudaStream_t s);
 fmlp_status_t moe_launch_experts(const MoeParams& p, cudaStream_t s);
 fmlp_status_t moe_launch_grouped(const MoeParams& p, cudaStream_t s);
-// moe_sm90_grouped (moe_grouped_sm90.cu): whether its launch takes p (*why says what it lacks
+// moe_sm90_grouped (sm90_grouped.cu): whether its launch takes p (*why says what it lacks
 // otherwise), and the launch (gather, gate/up, down; sms: the device's multiprocessors).
 bool moe_grouped_sm90_takes(const MoeParams& p, std::string* why);
 fmlp_status_t moe_launch_grouped_sm90(const MoeParams& p, int sms, cudaStream_t s);
 fmlp_status_t moe_launch_combine(const MoeParams& p, cudaStream_t s);
-// moe_sm80_stream's two launches after the route kernel (moe_stream.cu), on the current device.
+// moe_sm80_stream's two launches after the route kernel (sm80_stream.cu), on the current device.
 fmlp_status_t moe_launch_stream(const MoeParams& p, cudaStream_t s);
-// fp8 experts (moe_fp8.cu): dst[r][0, cols) = fp16 bits of src[r][0, cols) * 2^shift_r and
+// fp8 experts (fp8.cu): dst[r][0, cols) = fp16 bits of src[r][0, cols) * 2^shift_r and
 // inv[r] = 2^-shift_r for rows [0, rows) of src (dtype t, row stride ld elements); shift_r = 0
 // when t is f16 (already exact), else the power of two that puts the row's largest finite |value|
 // in [2^14, 2^15).

@@ -2,11 +2,11 @@
 // one expert, from the route kernel's list) through one slice of that expert's hidden units.
 //
 // The op is weight-bandwidth bound at decode sizes, so the block streams its expert's weights the
-// way mlp_decode_sm90_cluster does (mma_stream.cuh): warps own 16-row groups, a lane's 16-byte
-// non-allocating load of a row is its mma.sync A fragment (k order permuted inside each 32-column
-// step, the same way for the tokens), a ring of loads in flight. Only the experts that received
-// tokens are read, each weight once per chunk (chunks of one expert and slice are adjacent in the
-// grid, so further chunks mostly hit L2).
+// way mlp_decode_sm90_cluster does (engines/mma_stream.cuh): warps own 16-row groups, a lane's
+// 16-byte non-allocating load of a row is its mma.sync A fragment (k order permuted inside each
+// 32-column step, the same way for the tokens), a ring of loads in flight. Only the experts that
+// received tokens are read, each weight once per chunk (chunks of one expert and slice are adjacent
+// in the grid, so further chunks mostly hit L2).
 //   layer 1: warps take (gate group, up group) pairs of the slice, so act(gate) * up is formed in
 //            registers; the tokens (B operand) are read from x with 16-byte loads when x already
 //            has the weights' dtype, else converted on the fly. With fewer groups than warps the
@@ -18,14 +18,15 @@
 //            block's own rows of a per-slice partial buffer (no other block writes them: the sum
 //            over slices happens in the combine kernel, in slice order) or red.add'ed into one
 //            per-slot buffer when the partials would not fit (non-deterministic).
-// fp8 e4m3 experts (FP8, sm_89+; the scheme in moe_fp8.cuh): a lane's 16-byte load is 16 columns
+// fp8 e4m3 experts (FP8, sm_89+; the scheme in fp8.cuh): a lane's 16-byte load is 16 columns
 // of a 64-column step, widened to two 8-column fp16 pieces that are two 32-column steps of the
-// 16-bit path's k permutation (mma_stream.cuh) against the matching pieces of the fp16 tokens
-// (x staged as fp16, read 16 bytes at a time). Layer 1's fp32 results are kept in shared memory
-// until the sub-slice is complete; each slot's h is then staged as fp16 times the power of two of
-// its largest finite |h| over the sub-slice, and the layer-2 sums of the sub-slice are multiplied
-// by its inverse (the sums of one sub-slice share it) and by the W2 scale before they are added.
-// The layer-1 sums take the token's factor and the W1 scale before the bias and activation.
+// 16-bit path's k permutation (engines/mma_stream.cuh) against the matching pieces of the fp16
+// tokens (x staged as fp16, read 16 bytes at a time). Layer 1's fp32 results are kept in shared
+// memory until the sub-slice is complete; each slot's h is then staged as fp16 times the power of
+// two of its largest finite |h| over the sub-slice, and the layer-2 sums of the sub-slice are
+// multiplied by its inverse (the sums of one sub-slice share it) and by the W2 scale before they
+// are added. The layer-1 sums take the token's factor and the W1 scale before the bias and
+// activation.
 #include <cuda_runtime.h>
 
 #include <type_traits>

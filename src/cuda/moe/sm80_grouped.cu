@@ -37,7 +37,7 @@
 // takes part in every copy, commit, wait and barrier, so the pipeline stays in lockstep; the tests
 // are block- or warp-uniform, so no mma or ldmatrix runs with part of a warp.
 //
-// fp8 e4m3 experts (FP8, sm_89+; the scheme in moe_fp8.cuh): A is fp16 (x staged as fp16 with a
+// fp8 e4m3 experts (FP8, sm_89+; the scheme in fp8.cuh): A is fp16 (x staged as fp16 with a
 // power of two per token; h likewise per slot, see below) and B the e4m3 rows, 64 bytes per
 // stage row, widened by cvt.rn.f16x2.e4m3x2 just before fp16 mma.sync. The k permutation: a B
 // row's 16-byte piece ks of a stage holds k 16 ks .. 16 ks + 15 (one k16 step). ldmatrix.x4 over

@@ -1,5 +1,5 @@
 // moe_sm80_stream: MoE decode (a few tokens, bf16/f16 experts) as two memory-order weight streams
-// (stream_gemv.cuh) after the route kernel (moe_route.cu), no combine launch.
+// (engines/stream_gemv.cuh) after the route kernel (route.cu), no combine launch.
 //
 // Why: at decode sizes the op is a read of the hit experts' weights, and the stream reads weights
 // near copy bandwidth where the chunked kernel's per-chunk mma streaming reached 45 % of it
@@ -19,8 +19,8 @@
 //      in slot order, then the residual, and writes y: no per-slot outputs, no combine.
 // Tokens that share an expert each read its rows, at the same place of the same order at about
 // the same time (all blocks are resident), so the repeats mostly hit L2; the entry declines when
-// the expected repeats would make L2 the bottleneck (moe_kernels.cpp). fp32 accumulation in a
-// fixed order: deterministic. Limits (moe_kernels.cpp): T <= kMoeStreamMaxTokens, k <= 8, the
+// the expected repeats would make L2 the bottleneck (moe/planner.cpp). fp32 accumulation in a
+// fixed order: deterministic. Limits (moe/table.cpp): T <= kMoeStreamMaxTokens, k <= 8, the
 // staged x (d in x's dtype) within kMoeStreamStageBytes.
 #include <cuda_runtime.h>
 
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   __shared__ float red[2][kStreamWarps][1];
   __shared__ int eid[kMoeStreamMaxTopK];
   const int t = blockIdx.y, k = p.top_k;
-  pdl_wait_previous_grid();  // for the routing (programmatic dependent launch, common.cuh)
+  pdl_wait_previous_grid();  // for the routing (programmatic dependent launch, common/common.cuh)
   pdl_allow_next_grid();
   if (threadIdx.x < k) eid[threadIdx.x] = __ldcg(p.ids + t * k + threadIdx.x);
   __syncthreads();

@@ -1,5 +1,5 @@
-// moe_sm90_grouped: the grouped path's two GEMMs (moe_grouped.cu) on the TMA + wgmma main loop of
-// sm90_gemm_pipe.cuh, for gated 16-bit experts on sm_90a. mma.sync tops out near 300 TFLOP/s
+// moe_sm90_grouped: the grouped path's two GEMMs (sm80_grouped.cu) on the TMA + wgmma main loop of
+// sm90/gemm_pipe.cuh, for gated 16-bit experts on sm_90a. mma.sync tops out near 300 TFLOP/s
 // there (Mixtral-like T = 512 under ncu: gate/up 240 GFLOP in 789 us, down 120 GFLOP in 494 us),
 // which keeps a 512-token call at twice its weights' read time.
 //
@@ -13,9 +13,9 @@
 //   down     tile (chunk, 256 outputs; tall: 128): A = the chunk's h rows, B = those rows of the
 //            expert's W2 (W2 seen as [E * d_out, d_hidden]); fp32 results into the per-slot
 //            output rows that the combine kernel reads.
-// The plan's chunk (128 or 192 slots, moe_kernels.cpp) picks the tiles (Tiles below). Up to 48
+// The plan's chunk (128 or 192 slots, moe/plan.cpp) picks the tiles (Tiles below). Up to 48
 // expected slots per hit expert the plan asks for the swapped tiles instead (chunks of 160,
-// sm90_gemm_swap.cuh: the weights as the wgmma's M, the chunk's tokens as N; Swap* below).
+// sm90/gemm_swap.cuh: the weights as the wgmma's M, the chunk's tokens as N; Swap* below).
 // A tile's rows past the chunk (the next chunk's tokens, or zeros past the buffers) and B rows
 // past the expert (the next expert's rows) are multiplied and dropped, never stored: MMA rows and
 // columns are independent. Tiles are walked chunk-fastest, so the chunks of one expert read the
@@ -135,7 +135,7 @@ struct DownProblem : ChunkTiles {
   }
 };
 
-// The swapped tiles (sm90_gemm_swap.cuh): the weights are the wgmma's A, the chunk's tokens its B.
+// The swapped tiles (sm90/gemm_swap.cuh): the weights are the wgmma's A, the chunk's tokens its B.
 // A tile is (chunk, 128 weight rows); the pipe picks N (96 or 160) from the chunk's length.
 struct SwapChunkTiles {
   const MoeParams& p;

@@ -51,7 +51,7 @@ const double kGroupedSm90MinRows = tuned("FMLP_MOE_SM90_MIN_ROWS", 1.5);
 // standard deviations of a uniform group below 192. FMLP_MOE_SM90_TALL_ROWS overrides the lower
 // bound (1e9: never tall).
 const double kGroupedSm90TallRows = tuned("FMLP_MOE_SM90_TALL_ROWS", 100);
-// moe_sm90_grouped's swapped tiles (sm90_gemm_swap.cuh): the weights as the wgmma's A, a chunk of
+// moe_sm90_grouped's swapped tiles (sm90/gemm_swap.cuh): the weights as the wgmma's A, a chunk of
 // up to 160 tokens as its N (96 or 160), up to kGroupedSm90SwapRows expected slots per hit local
 // expert. Measured on an H200 (session 26, fusedmlp_moe_bench, two rounds each, swapped against
 // the tokens-as-A tiles in the same binary, us): E = 64 top-8 T = 64 (8 expected) 313.3 / 313.3

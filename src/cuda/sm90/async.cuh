@@ -1,7 +1,7 @@
-// Hopper (sm_90a) building blocks shared by the TMA + wgmma kernels (gemm_sm90_gated.cu,
-// stream_wgmma_fp8.cuh): mbarriers with transaction counts, 2-D TMA loads, wgmma shared-memory
-// descriptors and fences, and the driver's tensor-map encoder (looked up at run time: libcuda is
-// not linked) with the 2-D, 128-byte-swizzle maps they read through.
+// Hopper (sm_90a) building blocks shared by the TMA + wgmma kernels (gemm_gated.cu,
+// engines/stream_wgmma_fp8.cuh): mbarriers with transaction counts, 2-D TMA loads, wgmma
+// shared-memory descriptors and fences, and the driver's tensor-map encoder (looked up at run time:
+// libcuda is not linked) with the 2-D, 128-byte-swizzle maps they read through.
 //
 // The device helpers exist only in the sm_90a compile (FMLP_SM90A); the portable (sm_80 + PTX)
 // compile of a kernel that uses them must stub its body out, and its supports() must require

@@ -3,7 +3,7 @@
 // the [M, 2H] pre-activations G and reads them back in prefill_bias_act: at llama3-8b M = 4096
 // that round trip is ~0.5 GB of HBM traffic, ~150 us of a ~2.2 ms layer.
 //
-// Design: the TMA + wgmma main loop of sm90_gemm_pipe.cuh with the gate rows of 128 hidden units as
+// Design: the TMA + wgmma main loop of gemm_pipe.cuh with the gate rows of 128 hidden units as
 // B's first box and their up rows as its second, so in the accumulator layout a thread holds gate
 // column c (group j < 16) and up column c (group j + 16): bias, activation and gate product are
 // register-only, and h is rounded once. The tiles are walked with the M tiles of a group of
@@ -24,7 +24,7 @@
 #include "cuda/sm90/gemm_gated.cuh"
 #include "cuda/sm90/gemm_pipe.cuh"
 
-// The kernel body exists only in the sm_90a compile (FMLP_SM90A, sm90_async.cuh); the portable
+// The kernel body exists only in the sm_90a compile (FMLP_SM90A, async.cuh); the portable
 // (sm_80 + PTX) compile gets an empty stub that supports() never lets launch (it requires compute
 // capability 9.0).
 

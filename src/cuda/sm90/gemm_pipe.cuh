@@ -1,6 +1,6 @@
 // The warp-specialised TMA + wgmma main loop of the sm_90a GEMMs whose B tile is two boxes of 128
-// rows: gemm_sm90_wgmma_gated (gemm_sm90_gated.cu: the gate and the up rows of 128 hidden units)
-// and moe_sm90_grouped (moe_grouped_sm90.cu: the same per expert, and 256 rows of W2).
+// rows: gemm_sm90_wgmma_gated (gemm_gated.cu: the gate and the up rows of 128 hidden units)
+// and moe_sm90_grouped (moe/sm90_grouped.cu: the same per expert, and 256 rows of W2).
 //
 // - A tile is 64 x CONSUMERS rows of A (x, or h) x 2 BOXN rows of B, k blocks of 64 16-bit
 //   elements (128 bytes: one 128-byte swizzle row). A stage is the A rows x 64 + the two B boxes
@@ -30,7 +30,7 @@
 //                                          columns col_in_tile + 8 j (+ 1), j < BOXN / 4; d[4 j +
 //                                          2 i + q] is row + 8 i, column + 8 j + q (columns
 //                                          0..BOXN-1 come from box 0, the rest from box 1)
-// The device code exists only in the sm_90a compile (FMLP_SM90A, sm90_async.cuh).
+// The device code exists only in the sm_90a compile (FMLP_SM90A, async.cuh).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -164,7 +164,7 @@ __device__ __forceinline__ void fence_acc(float (&d)[R]) {
 // d[64 x NN] (+)= A[64 x 16] B[NN x 16]^T, both K-major in shared memory, NN / 2 fp32 accumulators
 // a thread; scale_d = 0 starts the accumulation (the registers' old values are ignored). NN = 256
 // (two 128-row B boxes), 176 and 128 (the tall tiles' two 88- and 64-row boxes), 96 and 160
-// (sm90_gemm_swap.cuh: a chunk's tokens as N).
+// (gemm_swap.cuh: a chunk's tokens as N).
 template <typename T, int NN>
 __device__ __forceinline__ void wgmma_m64nk16(float (&d)[NN / 2], uint64_t da, uint64_t db,
                                               int scale_d) {

@@ -1,7 +1,7 @@
 // The sm_90a TMA + wgmma main loop with the operands swapped: the weights are the wgmma's A (M,
 // 64 rows a consumer) and a chunk's tokens its B (N = 96 or 160), so a chunk of a few tokens
 // costs a weight stream at the copy rate instead of 64-row MMA tiles that are mostly padding
-// (moe_sm90_grouped's swapped tiles, moe_grouped_sm90.cu; docs/moe.md, session 26).
+// (moe_sm90_grouped's swapped tiles, moe/sm90_grouped.cu; docs/moe.md, session 26).
 //
 // - A tile is 128 weight rows (PROBLEM::load_a copies them: gate and up rows interleaved in groups
 //   of 8, or 128 consecutive W2 rows) x N token rows, k blocks of 64 16-bit elements (one 128-byte
@@ -20,7 +20,7 @@
 //   template <int N> void epilogue(const float (&d)[N / 2], const SwapTile&, int row, int col)
 //       a thread's accumulators: weight rows row (+ 8) of the tile, token columns col + 8 j
 //       (+ 1), j < N / 8; d[4 j + 2 i + q] is row + 8 i, column col + 8 j + q.
-// The device code exists only in the sm_90a compile (FMLP_SM90A, sm90_async.cuh).
+// The device code exists only in the sm_90a compile (FMLP_SM90A, async.cuh).
 #pragma once
 #include "cuda/sm90/gemm_pipe.cuh"
 

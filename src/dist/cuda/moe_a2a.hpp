@@ -1,7 +1,8 @@
 // The kernels of the all-to-all expert-parallel moe (fmlp_tp_moe_a2a, src/dist/tp_moe_a2a.cpp),
 // around the exchanges the host enqueues:
 //
-//   moe_route          (moe_route.cu, unchanged) this rank's tokens over all G experts as if
+//   moe_route          (src/cuda/moe/route.cu, unchanged) this rank's tokens over all G experts as
+//   if
 //                      every expert were local: ids = global ids, perm = slots grouped by expert,
 //                      the chunk list (start of each expert's group in perm).
 //   moe_a2a_dispatch   each routed slot, in perm order, to position pos of the capacity-C section
