@@ -35,6 +35,25 @@ struct OpApi {
   fmlp_status_t (*with_kernel)(const ARGS*, const char*, void*, size_t, void*);
 };
 
+#define FMLP_TEST_OP_API(OP)                                                              \
+  {                                                                                       \
+    fmlp_##OP##_workspace_size, fmlp_##OP, fmlp_##OP##_explain, fmlp_##OP##_kernel_count, \
+        fmlp_##OP##_kernel_name, fmlp_##OP##_kernel_backend, fmlp_##OP##_kernel_supports, \
+        fmlp_##OP##_kernel_workspace_size, fmlp_##OP##_with_kernel                        \
+  }
+
+// An op's f32 output of N elements, poisoned (0x5A bytes) until a kernel writes it.
+template <size_t N>
+struct Output {
+  float y[N];
+  Output() { poison(); }
+  void poison() { std::memset(y, 0x5A, sizeof y); }
+  std::vector<unsigned char> out() const {
+    const auto* p = reinterpret_cast<const unsigned char*>(y);
+    return {p, p + sizeof y};
+  }
+};
+
 fmlp_tensor_t t3(void* data, int64_t a, int64_t b, int64_t c) {
   fmlp_tensor_t t = fmlp_tensor_none();
   t.data = data, t.dtype = FMLP_DTYPE_F32, t.ndim = 3;
@@ -48,22 +67,17 @@ void fill(float (&a)[N], float v) {
   for (float& f : a) f = v;
 }
 
-// Each op: a valid f32 host request whose output starts poisoned (0x5A bytes), or with `empty`
-// the same request with nothing to compute. Not copyable: the views point into the case.
+// Each op: a valid f32 host request whose output starts poisoned, or with `empty` the same request
+// with nothing to compute. Not copyable: the views point into the case.
 struct MlpOp {
   using Args = fmlp_mlp_args_t;
   static constexpr const char* kName = "mlp";
-  static constexpr OpApi<Args> kApi = {fmlp_mlp_workspace_size,  fmlp_mlp,
-                                       fmlp_mlp_explain,         fmlp_mlp_kernel_count,
-                                       fmlp_mlp_kernel_name,     fmlp_mlp_kernel_backend,
-                                       fmlp_mlp_kernel_supports, fmlp_mlp_kernel_workspace_size,
-                                       fmlp_mlp_with_kernel};
-  struct Case {
-    float x[8], y[8], w1[12], b1[3], w2[12], b2[4];
+  static constexpr OpApi<Args> kApi = FMLP_TEST_OP_API(mlp);
+  struct Case : Output<8> {
+    float x[8], w1[12], b1[3], w2[12], b2[4];
     Args args{};
     explicit Case(bool empty) {  // M = 2 (0), d_in = 4, hidden = 3, d_out = 4
       fill(x, 0.25f), fill(w1, 0.5f), fill(b1, 0.125f), fill(w2, -0.75f), fill(b2, 1.f);
-      std::memset(y, 0x5A, sizeof y);
       const int64_t m = empty ? 0 : 2;
       args.x = fmlp_tensor_2d(x, FMLP_DTYPE_F32, m, 4, 4);
       args.y = fmlp_tensor_2d(y, FMLP_DTYPE_F32, m, 4, 4);
@@ -74,28 +88,18 @@ struct MlpOp {
       args.config = fmlp_mlp_config_default();
     }
     Case(const Case&) = delete;
-    std::vector<unsigned char> out() const {
-      return {(const unsigned char*)y, (const unsigned char*)(y + 8)};
-    }
-    void poison() { std::memset(y, 0x5A, sizeof y); }
   };
 };
 
 struct LinearOp {
   using Args = fmlp_linear_args_t;
   static constexpr const char* kName = "linear";
-  static constexpr OpApi<Args> kApi = {
-      fmlp_linear_workspace_size,  fmlp_linear,
-      fmlp_linear_explain,         fmlp_linear_kernel_count,
-      fmlp_linear_kernel_name,     fmlp_linear_kernel_backend,
-      fmlp_linear_kernel_supports, fmlp_linear_kernel_workspace_size,
-      fmlp_linear_with_kernel};
-  struct Case {
-    float x[8], y[6], w[12], bias[3];
+  static constexpr OpApi<Args> kApi = FMLP_TEST_OP_API(linear);
+  struct Case : Output<6> {
+    float x[8], w[12], bias[3];
     Args args{};
     explicit Case(bool empty) {  // M = 2 (0), N = 3, K = 4
       fill(x, 0.25f), fill(w, 0.5f), fill(bias, 1.f);
-      std::memset(y, 0x5A, sizeof y);
       const int64_t m = empty ? 0 : 2;
       args.x = fmlp_tensor_2d(x, FMLP_DTYPE_F32, m, 4, 4);
       args.y = fmlp_tensor_2d(y, FMLP_DTYPE_F32, m, 3, 3);
@@ -103,56 +107,37 @@ struct LinearOp {
       args.bias = fmlp_tensor_1d(bias, FMLP_DTYPE_F32, 3);
     }
     Case(const Case&) = delete;
-    std::vector<unsigned char> out() const {
-      return {(const unsigned char*)y, (const unsigned char*)(y + 6)};
-    }
-    void poison() { std::memset(y, 0x5A, sizeof y); }
   };
 };
 
 struct SoftmaxOp {
   using Args = fmlp_softmax_args_t;
   static constexpr const char* kName = "softmax";
-  static constexpr OpApi<Args> kApi = {
-      fmlp_softmax_workspace_size,  fmlp_softmax,
-      fmlp_softmax_explain,         fmlp_softmax_kernel_count,
-      fmlp_softmax_kernel_name,     fmlp_softmax_kernel_backend,
-      fmlp_softmax_kernel_supports, fmlp_softmax_kernel_workspace_size,
-      fmlp_softmax_with_kernel};
-  struct Case {
-    float x[10], y[10];
+  static constexpr OpApi<Args> kApi = FMLP_TEST_OP_API(softmax);
+  struct Case : Output<10> {
+    float x[10];
     Args args{};
     explicit Case(bool empty) {  // rows = 2 (0), n = 5
       for (int i = 0; i < 10; ++i) x[i] = 0.25f * float(i % 5) - 0.5f;
-      std::memset(y, 0x5A, sizeof y);
       const int64_t rows = empty ? 0 : 2;
       args.x = fmlp_tensor_2d(x, FMLP_DTYPE_F32, rows, 5, 5);
       args.y = fmlp_tensor_2d(y, FMLP_DTYPE_F32, rows, 5, 5);
       args.temperature = 1.f;
     }
     Case(const Case&) = delete;
-    std::vector<unsigned char> out() const {
-      return {(const unsigned char*)y, (const unsigned char*)(y + 10)};
-    }
-    void poison() { std::memset(y, 0x5A, sizeof y); }
   };
 };
 
 struct MoeOp {
   using Args = fmlp_moe_args_t;
   static constexpr const char* kName = "moe";
-  static constexpr OpApi<Args> kApi = {fmlp_moe_workspace_size,  fmlp_moe,
-                                       fmlp_moe_explain,         fmlp_moe_kernel_count,
-                                       fmlp_moe_kernel_name,     fmlp_moe_kernel_backend,
-                                       fmlp_moe_kernel_supports, fmlp_moe_kernel_workspace_size,
-                                       fmlp_moe_with_kernel};
-  struct Case {
-    float x[8], y[8], router[8], w1[24], w2[24];
+  static constexpr OpApi<Args> kApi = FMLP_TEST_OP_API(moe);
+  struct Case : Output<8> {
+    float x[8], router[8], w1[24], w2[24];
     Args args{};
     explicit Case(bool empty) {  // T = 2 (0), d = 4, hidden = 3, d_out = 4, 2 experts, top 1
       for (int i = 0; i < 8; ++i) x[i] = 0.125f * float(i) - 0.5f, router[i] = float(i % 3) - 1.f;
       fill(w1, 0.5f), fill(w2, -0.25f);
-      std::memset(y, 0x5A, sizeof y);
       const int64_t t = empty ? 0 : 2;
       args.x = fmlp_tensor_2d(x, FMLP_DTYPE_F32, t, 4, 4);
       args.y = fmlp_tensor_2d(y, FMLP_DTYPE_F32, t, 4, 4);
@@ -162,10 +147,6 @@ struct MoeOp {
       args.config = fmlp_moe_config_default(2, 1);
     }
     Case(const Case&) = delete;
-    std::vector<unsigned char> out() const {
-      return {(const unsigned char*)y, (const unsigned char*)(y + 8)};
-    }
-    void poison() { std::memset(y, 0x5A, sizeof y); }
   };
 };
 

@@ -48,22 +48,9 @@ using Table = OpTable<MlpOp>;
 using namespace fmlp::detail;
 
 extern "C" {
-
-fmlp_status_t fmlp_mlp_workspace_size(const fmlp_mlp_args_t* args, fmlp_backend_t backend,
-                                      size_t* bytes) {
-  return Table::workspace_size(args, backend, bytes);
-}
-
-fmlp_status_t fmlp_mlp(const fmlp_mlp_args_t* args, fmlp_backend_t backend, void* workspace,
-                       size_t workspace_bytes, void* stream) {
-  return Table::run(args, backend, workspace, workspace_bytes, stream, "fmlp_mlp_workspace_size");
-}
-
-fmlp_status_t fmlp_mlp_explain(const fmlp_mlp_args_t* args, fmlp_backend_t backend, char* buf,
-                               size_t buf_size, size_t* needed) {
-  return Table::explain(args, backend, buf, buf_size, needed);
-}
-
+// fmlp_mlp, fmlp_mlp_workspace_size, fmlp_mlp_explain, fmlp_mlp_kernel_count / _name / _backend /
+// _supports / _workspace_size and fmlp_mlp_with_kernel, through the op table (op_table.hpp).
+FMLP_DEFINE_OP_TABLE_ABI(mlp, fmlp_mlp_args_t, Table)
 }  // extern "C"
 
 namespace {
@@ -111,28 +98,6 @@ fmlp_status_t fmlp_mlp_packed_run(const fmlp_mlp_packed_t* packed, const fmlp_te
     return s;
   return Table::run_validated(args, d, packed->backend, workspace, workspace_bytes, stream,
                               "fmlp_mlp_packed_workspace_size");
-}
-
-int fmlp_mlp_kernel_count(void) {
-  return Table::count();
-}
-const char* fmlp_mlp_kernel_name(int index) {
-  return Table::name(index);
-}
-fmlp_backend_t fmlp_mlp_kernel_backend(int index) {
-  return Table::backend(index);
-}
-fmlp_status_t fmlp_mlp_kernel_supports(const fmlp_mlp_args_t* args, const char* kernel) {
-  return Table::kernel_supports(args, kernel);
-}
-fmlp_status_t fmlp_mlp_kernel_workspace_size(const fmlp_mlp_args_t* args, const char* kernel,
-                                             size_t* bytes) {
-  return Table::kernel_workspace(args, kernel, bytes);
-}
-fmlp_status_t fmlp_mlp_with_kernel(const fmlp_mlp_args_t* args, const char* kernel, void* workspace,
-                                   size_t workspace_bytes, void* stream) {
-  return Table::with_kernel(args, kernel, workspace, workspace_bytes, stream,
-                            "fmlp_mlp_kernel_workspace_size");
 }
 
 }  // extern "C"

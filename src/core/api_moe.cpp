@@ -344,6 +344,9 @@ std::string describe(const MoeDesc& d) {
 using fmlp::detail::Table;
 
 extern "C" {
+// fmlp_moe, fmlp_moe_workspace_size, fmlp_moe_explain, fmlp_moe_kernel_count / _name / _backend /
+// _supports / _workspace_size and fmlp_moe_with_kernel, through the op table (op_table.hpp).
+FMLP_DEFINE_OP_TABLE_ABI(moe, fmlp_moe_args_t, Table)
 
 fmlp_moe_config_t fmlp_moe_config_default(int32_t num_experts, int32_t top_k) {
   fmlp_moe_config_t c{};  // no expert range: first_expert and global_experts 0
@@ -354,34 +357,6 @@ fmlp_moe_config_t fmlp_moe_config_default(int32_t num_experts, int32_t top_k) {
   c.renormalize = 1;
   c.deterministic = 1;
   return c;
-}
-fmlp_status_t fmlp_moe_workspace_size(const fmlp_moe_args_t* args, fmlp_backend_t backend,
-                                      size_t* bytes) {
-  return Table::workspace_size(args, backend, bytes);
-}
-fmlp_status_t fmlp_moe(const fmlp_moe_args_t* args, fmlp_backend_t backend, void* workspace,
-                       size_t workspace_bytes, void* stream) {
-  return Table::run(args, backend, workspace, workspace_bytes, stream, "fmlp_moe_workspace_size");
-}
-fmlp_status_t fmlp_moe_explain(const fmlp_moe_args_t* args, fmlp_backend_t backend, char* buf,
-                               size_t buf_size, size_t* needed) {
-  return Table::explain(args, backend, buf, buf_size, needed);
-}
-int fmlp_moe_kernel_count(void) {
-  return Table::count();
-}
-const char* fmlp_moe_kernel_name(int index) {
-  return Table::name(index);
-}
-fmlp_backend_t fmlp_moe_kernel_backend(int index) {
-  return Table::backend(index);
-}
-fmlp_status_t fmlp_moe_kernel_supports(const fmlp_moe_args_t* args, const char* kernel) {
-  return Table::kernel_supports(args, kernel);
-}
-fmlp_status_t fmlp_moe_kernel_workspace_size(const fmlp_moe_args_t* args, const char* kernel,
-                                             size_t* bytes) {
-  return Table::kernel_workspace(args, kernel, bytes);
 }
 fmlp_status_t fmlp_moe_device_errors(void* workspace, size_t workspace_bytes, void* stream,
                                      int32_t* count) {
@@ -396,11 +371,6 @@ fmlp_status_t fmlp_moe_device_errors(void* workspace, size_t workspace_bytes, vo
   const fmlp_status_t s = fmlp::detail::cuda_moe_device_errors(workspace, stream, count);
   if (s == FMLP_SUCCESS) fmlp::detail::clear_last_error();
   return s;
-}
-fmlp_status_t fmlp_moe_with_kernel(const fmlp_moe_args_t* args, const char* kernel, void* workspace,
-                                   size_t workspace_bytes, void* stream) {
-  return Table::with_kernel(args, kernel, workspace, workspace_bytes, stream,
-                            "fmlp_moe_kernel_workspace_size");
 }
 
 }  // extern "C"

@@ -94,40 +94,8 @@ std::string describe(const SoftmaxDesc& d) {
 using fmlp::detail::Table;
 
 extern "C" {
-
-fmlp_status_t fmlp_softmax_workspace_size(const fmlp_softmax_args_t* args, fmlp_backend_t backend,
-                                          size_t* bytes) {
-  return Table::workspace_size(args, backend, bytes);
-}
-fmlp_status_t fmlp_softmax(const fmlp_softmax_args_t* args, fmlp_backend_t backend, void* workspace,
-                           size_t workspace_bytes, void* stream) {
-  return Table::run(args, backend, workspace, workspace_bytes, stream,
-                    "fmlp_softmax_workspace_size");
-}
-fmlp_status_t fmlp_softmax_explain(const fmlp_softmax_args_t* args, fmlp_backend_t backend,
-                                   char* buf, size_t buf_size, size_t* needed) {
-  return Table::explain(args, backend, buf, buf_size, needed);
-}
-int fmlp_softmax_kernel_count(void) {
-  return Table::count();
-}
-const char* fmlp_softmax_kernel_name(int index) {
-  return Table::name(index);
-}
-fmlp_backend_t fmlp_softmax_kernel_backend(int index) {
-  return Table::backend(index);
-}
-fmlp_status_t fmlp_softmax_kernel_supports(const fmlp_softmax_args_t* args, const char* kernel) {
-  return Table::kernel_supports(args, kernel);
-}
-fmlp_status_t fmlp_softmax_kernel_workspace_size(const fmlp_softmax_args_t* args,
-                                                 const char* kernel, size_t* bytes) {
-  return Table::kernel_workspace(args, kernel, bytes);
-}
-fmlp_status_t fmlp_softmax_with_kernel(const fmlp_softmax_args_t* args, const char* kernel,
-                                       void* workspace, size_t workspace_bytes, void* stream) {
-  return Table::with_kernel(args, kernel, workspace, workspace_bytes, stream,
-                            "fmlp_softmax_kernel_workspace_size");
-}
-
+// fmlp_softmax, fmlp_softmax_workspace_size, fmlp_softmax_explain, fmlp_softmax_kernel_count /
+// _name / _backend / _supports / _workspace_size and fmlp_softmax_with_kernel, through the op table
+// (op_table.hpp).
+FMLP_DEFINE_OP_TABLE_ABI(softmax, fmlp_softmax_args_t, Table)
 }  // extern "C"

@@ -255,3 +255,51 @@ struct OpTable {
 };
 
 }  // namespace fmlp::detail
+
+// Declares the three functions of op-table entry NAME that its OpKernel points at: NAME_supports,
+// NAME_workspace and NAME_run, defined in the file named after the entry.
+#define FMLP_DECLARE_OP_ENTRY(NAME, ARGS, DESC)             \
+  bool NAME##_supports(const DESC& desc, std::string* why); \
+  size_t NAME##_workspace(const DESC& desc);                \
+  fmlp_status_t NAME##_run(const ARGS& args, const DESC& desc, void* workspace, void* stream)
+
+// The op-table calls of fusedmlp.h for op OP (mlp, linear, softmax, moe) with argument struct
+// ARGS, dispatching through TABLE (an OpTable): fmlp_OP_workspace_size, fmlp_OP, fmlp_OP_explain,
+// fmlp_OP_kernel_count, fmlp_OP_kernel_name, fmlp_OP_kernel_backend, fmlp_OP_kernel_supports,
+// fmlp_OP_kernel_workspace_size and fmlp_OP_with_kernel, written once for every op. Expand it
+// inside extern "C".
+#define FMLP_DEFINE_OP_TABLE_ABI(OP, ARGS, TABLE)                                              \
+  fmlp_status_t fmlp_##OP##_workspace_size(const ARGS* args, fmlp_backend_t backend,           \
+                                           size_t* bytes) {                                    \
+    return TABLE::workspace_size(args, backend, bytes);                                        \
+  }                                                                                            \
+  fmlp_status_t fmlp_##OP(const ARGS* args, fmlp_backend_t backend, void* workspace,           \
+                          size_t workspace_bytes, void* stream) {                              \
+    return TABLE::run(args, backend, workspace, workspace_bytes, stream,                       \
+                      "fmlp_" #OP "_workspace_size");                                          \
+  }                                                                                            \
+  fmlp_status_t fmlp_##OP##_explain(const ARGS* args, fmlp_backend_t backend, char* buf,       \
+                                    size_t buf_size, size_t* needed) {                         \
+    return TABLE::explain(args, backend, buf, buf_size, needed);                               \
+  }                                                                                            \
+  int fmlp_##OP##_kernel_count(void) {                                                         \
+    return TABLE::count();                                                                     \
+  }                                                                                            \
+  const char* fmlp_##OP##_kernel_name(int index) {                                             \
+    return TABLE::name(index);                                                                 \
+  }                                                                                            \
+  fmlp_backend_t fmlp_##OP##_kernel_backend(int index) {                                       \
+    return TABLE::backend(index);                                                              \
+  }                                                                                            \
+  fmlp_status_t fmlp_##OP##_kernel_supports(const ARGS* args, const char* kernel) {            \
+    return TABLE::kernel_supports(args, kernel);                                               \
+  }                                                                                            \
+  fmlp_status_t fmlp_##OP##_kernel_workspace_size(const ARGS* args, const char* kernel,        \
+                                                  size_t* bytes) {                             \
+    return TABLE::kernel_workspace(args, kernel, bytes);                                       \
+  }                                                                                            \
+  fmlp_status_t fmlp_##OP##_with_kernel(const ARGS* args, const char* kernel, void* workspace, \
+                                        size_t workspace_bytes, void* stream) {                \
+    return TABLE::with_kernel(args, kernel, workspace, workspace_bytes, stream,                \
+                              "fmlp_" #OP "_kernel_workspace_size");                           \
+  }

@@ -46,40 +46,22 @@ inline LinearOperands linear_operands(const fmlp_linear_args_t& a, const LinearD
 }
 
 // linear_sm90_cublaslt (sm90_cublaslt.cpp): one cuBLASLt GEMM for M >= 2, listed first.
-bool linear_sm90_cublaslt_supports(const LinearDesc& d, std::string* why);
-size_t linear_sm90_cublaslt_workspace(const LinearDesc& d);
-fmlp_status_t linear_sm90_cublaslt_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
-                                       void* stream);
+FMLP_DECLARE_OP_ENTRY(linear_sm90_cublaslt, fmlp_linear_args_t, LinearDesc);
 
 // linear_sm80_mma (sm80_mma.cu): the tensor-core entry.
-bool linear_sm80_mma_supports(const LinearDesc& d, std::string* why);
-size_t linear_sm80_mma_workspace(const LinearDesc& d);
-fmlp_status_t linear_sm80_mma_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
-                                  void* stream);
+FMLP_DECLARE_OP_ENTRY(linear_sm80_mma, fmlp_linear_args_t, LinearDesc);
 
 // linear_sm90_cublaslt_fp8 (sm90_cublaslt_fp8.cpp): W8A8 through cuBLASLt's fp8 GEMM with
 // per-row (outer-vector) or per-tensor scales.
-bool linear_sm90_cublaslt_fp8_supports(const LinearDesc& d, std::string* why);
-size_t linear_sm90_cublaslt_fp8_workspace(const LinearDesc& d);
-fmlp_status_t linear_sm90_cublaslt_fp8_run(const fmlp_linear_args_t& a, const LinearDesc& d,
-                                           void* ws, void* stream);
+FMLP_DECLARE_OP_ENTRY(linear_sm90_cublaslt_fp8, fmlp_linear_args_t, LinearDesc);
 
 // linear_sm80_stream (sm80_stream.cu): the memory-order GEMV for M <= 4, 16-bit weights.
-bool linear_sm80_stream_supports(const LinearDesc& d, std::string* why);
-size_t linear_sm80_stream_workspace(const LinearDesc& d);
-fmlp_status_t linear_sm80_stream_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
-                                     void* stream);
+FMLP_DECLARE_OP_ENTRY(linear_sm80_stream, fmlp_linear_args_t, LinearDesc);
 
 // linear_sm90_wgmma_fp8 (sm90_wgmma_fp8.cu): fp8 weights on the tensor cores for M <= 4, sm_90a.
-bool linear_sm90_wgmma_fp8_supports(const LinearDesc& d, std::string* why);
-size_t linear_sm90_wgmma_fp8_workspace(const LinearDesc& d);
-fmlp_status_t linear_sm90_wgmma_fp8_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
-                                        void* stream);
+FMLP_DECLARE_OP_ENTRY(linear_sm90_wgmma_fp8, fmlp_linear_args_t, LinearDesc);
 
 // linear_sm80_gemv (sm80_gemv.cu): the general GEMV on the CUDA cores, any dtypes, listed last.
-bool linear_sm80_gemv_supports(const LinearDesc& d, std::string* why);
-size_t linear_sm80_gemv_workspace(const LinearDesc& d);
-fmlp_status_t linear_sm80_gemv_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
-                                   void* stream);
+FMLP_DECLARE_OP_ENTRY(linear_sm80_gemv, fmlp_linear_args_t, LinearDesc);
 
 }  // namespace fmlp::detail
