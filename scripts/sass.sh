@@ -6,6 +6,7 @@
 #   bash scripts/sass.sh build/CMakeFiles/fusedmlp.dir/src/cuda/linear/sm80_stream.cu.o \
 #     'linear_sm80_stream<__nv_bfloat16, __nv_bfloat16, 1, 4, false>' [ARCH]
 #
+# scripts/sass_compare.py compares every kernel of two builds (code that should only move).
 # cuobjdump and nvdisasm come from the toolkit where it has them; otherwise from NVIDIA's PyPI
 # wheels (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm), unpacked once into ~/.cache/fusedmlp-sass.
 set -euo pipefail
