@@ -79,6 +79,26 @@ def test_device_errors():
     assert fusedmlp.devices() and fusedmlp.devices()[0].startswith("cuda:0")
 
 
+def test_ops_name_the_tensor_on_another_device():
+    """The op kernels (C++ or Python: fusedmlp.torch.ops_implementation()) refuse a tensor that
+    is not where x is, naming it; a module packed for the host refuses a device x."""
+    x = torch.randn(2, 32, device=DEV)
+    with pytest.raises(ValueError, match=r"w is on cpu; expected cuda:0, where x is"):
+        ft.linear(x, torch.randn(8, 32))
+    with pytest.raises(ValueError, match=r"bias is on cpu; expected cuda:0, where x is"):
+        ft.linear(x, torch.randn(8, 32, device=DEV), torch.randn(8))
+    with pytest.raises(ValueError, match=r"residual is on cpu; expected cuda:0, where x is"):
+        ft.mlp(x, residual=torch.randn(2, 32), **cuda(weights()))
+    with pytest.raises(ValueError, match="cpu|cuda|device"):
+        ft.FusedMLP(**weights())(x)
+    xb = x.bfloat16()
+    e1 = torch.randn(8, 96, 32, device=DEV, dtype=torch.bfloat16)
+    e2 = torch.randn(8, 32, 48, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"topk_ids is on cpu; expected cuda:0, where x is"):
+        ft.moe(xb, e1, e2, topk_ids=torch.zeros(2, 2, dtype=torch.int32),
+               topk_weights=torch.rand(2, 2, device=DEV), top_k=2)
+
+
 def test_linear_softmax_cuda():
     x = torch.randn(3, 5, 640, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(1000, 640, device=DEV, dtype=torch.bfloat16) / 25
