@@ -19,13 +19,19 @@ expert ids (moe_device_errors reads it).
 FusedMLP is an nn.Module that packs its weights once (again after .to()/.half()); FusedMoE runs
 a Mixtral-style sparse MoE block; FusedLinear stands in for an nn.Linear or a transformers Conv1D;
 patch() swaps the MLP and MoE blocks (and, with linears=True, the attention projections and the
-LM head) of Hugging Face models for them.
+LM head) of Hugging Face models for them. call_cost() measures what a module costs per call
+(host and device time), for choosing between a module and its replacement.
 """
 
 import contextlib
+import dataclasses
 import os
+import statistics
+import time
 import warnings
 import weakref
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -33,7 +39,8 @@ from . import _ACTIVATIONS, _BACKENDS, _NORMS, _ext, _lookup, _workspace_bytes
 
 __all__ = ["mlp", "moe", "linear", "softmax", "log_softmax", "moe_device_errors", "FusedMLP",
            "FusedMoE", "FusedLinear", "patch", "PatchReport", "PatchError", "PROBE_RTOL",
-           "fusedmlp_experts_forward", "register_experts", "ops_implementation"]
+           "fusedmlp_experts_forward", "register_experts", "ops_implementation", "call_cost",
+           "CallCost"]
 
 _WORKSPACES = {}
 
@@ -254,6 +261,91 @@ def softmax(x, temperature=1.0):
 def log_softmax(x, temperature=1.0):
     """torch.ops.fusedmlp.softmax(log=True) over the last dim."""
     return _softmax_op(x, temperature, True)
+
+
+# ---- what a call costs ----
+
+@dataclasses.dataclass(frozen=True)
+class CallCost:
+    """Microseconds per call of a module (or any callable), from call_cost():
+
+    host_us    the calling thread's time per call (the call returns without waiting for the
+               device: Python, dispatch, launches);
+    wall_us    per call of back-to-back calls, the device waited for at the end: about
+               max(host_us, device time), what a call adds to an eager decode step where the
+               device waits on Python;
+    device_us  per call replayed from a captured CUDA graph (call_cost(graph=True)): what it
+               adds to a graph-replayed step, host time gone; on the host backends the
+               arithmetic is host time, so wall_us; None where not measured or not capturable.
+
+    step_us("eager") is wall_us, step_us("graph") device_us (wall_us where that is None): the
+    figure to compare between a module and its replacement for the mode the model runs in."""
+    host_us: float
+    wall_us: float
+    device_us: Optional[float] = None
+
+    def step_us(self, mode="eager"):
+        if mode not in ("eager", "graph"):
+            raise ValueError(f"mode is {mode!r}; expected 'eager' or 'graph'")
+        return self.wall_us if mode == "eager" or self.device_us is None else self.device_us
+
+
+def call_cost(fn, *args, calls=50, rounds=5, graph=False, **kwargs):
+    """The CallCost of fn(*args, **kwargs) under torch.no_grad(), e.g. call_cost(module,
+    torch.randn(1, 1, d, dtype=dt, device=dev)): medians over `rounds` runs of `calls` calls,
+    after a warm-up that makes the workspaces. graph=True also captures `calls` calls in a CUDA
+    graph and times its replays (device_us; a capture that fails leaves it None). Keep calls
+    small enough that the device's launch queue never fills (some hundred launches), or host_us
+    grows by the wait."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)),
+                  torch.device("cpu"))
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    host, wall = [], []
+    with torch.no_grad():
+        for _ in range(3):
+            fn(*args, **kwargs)
+        sync()
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn(*args, **kwargs)
+            t1 = time.perf_counter()
+            sync()
+            t2 = time.perf_counter()
+            host.append((t1 - t0) / calls * 1e6)
+            wall.append((t2 - t0) / calls * 1e6)
+        wall_us = statistics.median(wall)
+        device_us = (_graph_us(fn, args, kwargs, calls, rounds, device) if cuda and graph
+                     else None if cuda else wall_us)
+    return CallCost(statistics.median(host), wall_us, device_us)
+
+
+def _graph_us(fn, args, kwargs, calls, rounds, device):
+    """us per call of `calls` calls captured in one CUDA graph, replayed; None when the capture
+    fails (a callable that synchronises, allocates outside the graph pool, ...)."""
+    side = torch.cuda.Stream(device)
+    current = torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    try:
+        with torch.cuda.stream(side):  # warm-up off the capture: workspaces, lazy state
+            fn(*args, **kwargs)
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn(*args, **kwargs)
+    except RuntimeError:
+        torch.cuda.synchronize(device)
+        return None
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
 
 
 # ---- FusedMLP ----

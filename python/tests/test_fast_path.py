@@ -2,7 +2,8 @@
 against the Python custom ops they stand in for (FMLP_TORCH_OPS=python, in a subprocess): the
 same results on the layouts the C++ side handles without ATen (leading dims folded into one row
 stride) and on those it copies, the same errors (type and message) for bad input, inputs left
-untouched by a failing call, the pack registry, backward refused and concurrent calls. Tolerance: the two implementations run the same library kernels on the same memory,
+untouched by a failing call, the pack registry, backward refused, concurrent calls, and
+call_cost. Tolerance: the two implementations run the same library kernels on the same memory,
 so results must agree bitwise; against float64 references as in test_torch.py."""
 
 import importlib.util
@@ -214,3 +215,16 @@ def test_concurrent_calls_agree():
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_call_cost():
+    lin = torch.nn.Linear(32, 32)
+    fused = ft.FusedLinear.from_module(lin)
+    x = torch.randn(1, 1, 32)
+    for fn in (lin, fused, lambda t: fused(t) + 1):
+        cost = ft.call_cost(fn, x, calls=5, rounds=3, graph=True)
+        assert 0 < cost.host_us < 1e6 and 0 < cost.wall_us < 1e6, cost
+        assert cost.device_us == cost.wall_us  # host backend: the arithmetic is host time
+        assert cost.step_us("eager") == cost.step_us("graph") == cost.wall_us
+    with pytest.raises(ValueError, match="mode"):
+        cost.step_us("compiled")

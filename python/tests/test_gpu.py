@@ -197,6 +197,19 @@ def test_fused_linear_cuda_graph(n, k):
         assert_close(y, ref, rtol=RTOL_GPU[torch.bfloat16])
 
 
+def test_call_cost_cuda():
+    """call_cost on the device: host time, wall time and the time per call replayed from a
+    captured graph (only plausibility: speed is for the benchmarks)."""
+    lin = torch.nn.Linear(768, 2304).to(DEV, torch.bfloat16)
+    fused = ft.FusedLinear.from_module(lin)
+    x = torch.randn(1, 1, 768, device=DEV, dtype=torch.bfloat16)
+    for fn in (lin, fused):
+        cost = ft.call_cost(fn, x, calls=20, rounds=3, graph=True)
+        assert 0 < cost.host_us and 0 < cost.wall_us and cost.device_us is not None, cost
+        assert 0 < cost.step_us("graph") == cost.device_us
+    assert ft.call_cost(fused, x, calls=5, rounds=2).device_us is None  # not asked for
+
+
 def test_cupy_arrays():
     cupy = pytest.importorskip("cupy")
     kw = weights(128, 256, 128, gated=True)
