@@ -191,9 +191,13 @@ def plot(path, rows):
 
     groups = list(dict.fromkeys(r["group"] for r in rows))
     labels = list(dict.fromkeys(r["build"] for r in rows))
-    fig, axes = plt.subplots(1, len(groups), figsize=(3.4 * len(groups), 4.2), squeeze=False)
+    cols = min(4, len(groups))
+    nrows = -(-len(groups) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.3 * nrows), squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.axis("off")
     height = 0.8 / len(labels)
-    for ax, g in zip(axes[0], groups):
+    for ax, g in zip(axes.flat, groups):
         cases = list(dict.fromkeys(r["case"] for r in rows if r["group"] == g))
         for j, label in enumerate(labels):
             by = {r["case"]: r for r in rows if r["group"] == g and r["build"] == label}
@@ -207,7 +211,7 @@ def plot(path, rows):
     fig.legend(loc="lower center", ncol=len(labels), fontsize=8)
     fig.suptitle("host time per call, eager, tiny shapes: per group torch's cases, then "
                  "fusedmlp's", fontsize=9)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.05, 1, 0.96))
     fig.savefig(path, dpi=110)
 
 
