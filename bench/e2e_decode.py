@@ -3,7 +3,9 @@ KV cache on randomly initialised Hugging Face models built from configs (nothing
 
 Models: GPT-2 small (GPT2Config defaults), a ~1B Llama (hidden 2048, intermediate 8192,
 16 layers, 32 heads, 8 KV heads) and a small Mixtral (hidden 2048, 8 experts of 4096, top-2,
-8 layers; --models mixtral-small), bf16 on one CUDA device.
+8 layers; --models mixtral-small), bf16 on one CUDA device. gpt2-tiny, llama-tiny and
+mixtral-tiny (hidden 256, 4 layers) are for the host: --device cpu runs the eager mode only
+(graph needs CUDA; generate would compile with inductor), where host time per call decides.
 
 Variants (--patch): the unpatched model, then "mlp" = fusedmlp.patch(model) (MLP blocks and their
 pre-norm) and "mlp+linears" = fusedmlp.patch(model, linears=True) (also the attention projections
@@ -12,7 +14,7 @@ and the LM head as FusedLinear), each on a fresh copy of the same model (same se
 Modes, each run identically for the unpatched model and every variant:
   generate  model.generate(cache_implementation="static"): transformers compiles the decode step
             (torch.compile, CUDA graphs) by itself. tokens/s = (N - 1) / (t(N) - t(1)), so the
-            prefill and the first token are left out; median of --repeats.
+            prefill and the first token are left out; median of --repeats (--stat).
   graph     a manual loop: one decode step (forward, argmax, position + 1) captured once in a
             CUDA graph over a StaticCache, replayed N times; best effort across transformers
             versions (the failure is recorded, not raised).
@@ -29,12 +31,14 @@ top-level fields (patch, patched, speedup, ...) and "mlp+linears" under "patched
 same fields), with its speedups also as "speedup_linears".
 
 Usage (GPU machine): python3 bench/e2e_decode.py --json out/e2e.json [--models gpt2,llama1b]
-[--patch mlp,mlp+linears]
+[--patch mlp,mlp+linears] [--modes eager] ; on the host: python3 bench/e2e_decode.py --device cpu
+--dtype float32 --models gpt2-tiny,llama-tiny,mixtral-tiny --modes eager --threads 1 --interleave
 """
 
 import argparse
 import inspect
 import json
+import os
 import platform
 import statistics
 import sys
@@ -54,11 +58,34 @@ def _configs(transformers):
             hidden_size=2048, intermediate_size=4096, num_hidden_layers=8,
             num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
             num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=4096),
+        # Host-sized models of the same architectures (--device cpu).
+        "gpt2-tiny": lambda: transformers.GPT2Config(n_embd=256, n_layer=4, n_head=4,
+                                                     vocab_size=4096, n_positions=512,
+                                                     bos_token_id=0, eos_token_id=0),
+        "llama-tiny": lambda: transformers.LlamaConfig(
+            hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=4096, max_position_embeddings=512),
+        "mixtral-tiny": lambda: transformers.MixtralConfig(
+            hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=4096,
+            max_position_embeddings=512),
     }
 
 
 _MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama1b": "LlamaForCausalLM",
-                  "mixtral-small": "MixtralForCausalLM"}
+                  "mixtral-small": "MixtralForCausalLM", "gpt2-tiny": "GPT2LMHeadModel",
+                  "llama-tiny": "LlamaForCausalLM", "mixtral-tiny": "MixtralForCausalLM"}
+_DTYPE = ["bfloat16"]  # --dtype
+
+
+def _sync(torch, device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _empty_cache(torch):
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def build(transformers, torch, name, device):
@@ -67,7 +94,7 @@ def build(transformers, torch, name, device):
     torch.manual_seed(0)
     with torch.device(device):
         model = cls(cfg)
-    model = model.to(torch.bfloat16).eval()
+    model = model.to(getattr(torch, _DTYPE[0])).eval()
     model.generation_config.pad_token_id = 0
     return model
 
@@ -94,20 +121,23 @@ def reference_noise(torch, model, ids, ref_logits):
     with torch.no_grad():
         logits = exact(input_ids=ids).logits.float()
     del exact
-    torch.cuda.empty_cache()
+    _empty_cache(torch)
     rms = ref_logits.pow(2).mean(-1, keepdim=True).sqrt()
     return ((logits - ref_logits).abs() / rms).max().item()
 
 
-def timed(torch, fn, repeats):
+_STAT = [statistics.median]  # --stat
+
+
+def timed(torch, fn, repeats, device="cuda"):
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        _sync(torch, device)
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync(torch, device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return _STAT[0](times)
 
 
 def run_generate(torch, model, ids, n, repeats):
@@ -143,9 +173,10 @@ def _rewind(torch, cache, length):
             layer.cumulative_length = length
 
 
-def run_loop(torch, transformers, model, ids, n, use_graph, repeats):
+def prepare_loop(torch, transformers, model, ids, n, use_graph):
     """Greedy decode of n tokens over a StaticCache, one step captured in a CUDA graph (or
-    replayed eagerly), with the argmax and the position update inside the step."""
+    replayed eagerly), with the argmax and the position update inside the step: (decode, tokens)
+    where decode() runs the n steps (warmed up once here) and tokens() lists what they made."""
     dev = ids.device
     p = ids.shape[1]
     cache = transformers.StaticCache(config=model.config, max_cache_len=p + n + 1)
@@ -166,6 +197,8 @@ def run_loop(torch, transformers, model, ids, n, use_graph, repeats):
 
         start_ids, start_pos = static_ids.clone(), static_pos.clone()
         if use_graph:
+            if dev.type != "cuda":
+                raise RuntimeError("graph mode needs a CUDA device (a captured CUDA graph)")
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
@@ -179,21 +212,32 @@ def run_loop(torch, transformers, model, ids, n, use_graph, repeats):
         else:
             run_step = step
 
-        def decode():
+    def decode():
+        with torch.no_grad():
             static_ids.copy_(start_ids)
             static_pos.copy_(start_pos)
             _rewind(torch, cache, p)
             for _ in range(n):
                 run_step()
 
-        decode()  # warm-up
-        t = timed(torch, decode, repeats)
+    decode()  # warm-up
     # The cache is overwritten in place on every run (same positions, same tokens), so the
     # generated sequence is the same each time.
-    return {"tok_s": n / t, "ms_per_token": 1e3 * t / n}, [tok.item()] + tokens[:n - 1].tolist()
+    return decode, lambda: [tok.item()] + tokens[:n - 1].tolist()
 
 
-def measure(torch, transformers, model, ids, n, modes, repeats):
+def loop_result(t, n):
+    return {"tok_s": n / t, "ms_per_token": 1e3 * t / n}
+
+
+def run_loop(torch, transformers, model, ids, n, use_graph, repeats):
+    decode, tokens = prepare_loop(torch, transformers, model, ids, n, use_graph)
+    return loop_result(timed(torch, decode, repeats, ids.device), n), tokens()
+
+
+def measure(torch, transformers, model, ids, n, modes, repeats, pending=None):
+    """{mode: result} and {mode: tokens}. With `pending` (a list; --interleave) the eager and
+    graph loops are only prepared and appended there, for time_pending to time and fill in."""
     results, tokens = {}, {}
     for mode in modes:
         torch._dynamo.reset()
@@ -204,23 +248,44 @@ def measure(torch, transformers, model, ids, n, modes, repeats):
         try:
             if mode == "generate":
                 results[mode], tokens[mode] = run_generate(torch, model, ids, n, repeats)
+            elif pending is not None:
+                decode, made = prepare_loop(torch, transformers, model, ids, n, mode == "graph")
+                pending.append((results, tokens, mode, decode, made))
             else:
                 results[mode], tokens[mode] = run_loop(torch, transformers, model, ids, n,
                                                        mode == "graph", repeats)
         except Exception as e:  # recorded: one failing mode must not hide the others
             results[mode] = {"error": f"{type(e).__name__}: {e}",
                              "trace": traceback.format_exc(limit=6)[-1500:]}
-        torch.cuda.synchronize()
+        _sync(torch, ids.device)
     return results, tokens
+
+
+def time_pending(torch, pending, n, repeats, device):
+    """Times the prepared loops round-robin, repeat after repeat (a change of load on a shared
+    machine then hits every variant alike), and fills in their results and tokens."""
+    times = [[] for _ in pending]
+    for _ in range(repeats):
+        for i, (_, _, _, decode, _) in enumerate(pending):
+            _sync(torch, device)
+            t0 = time.perf_counter()
+            decode()
+            _sync(torch, device)
+            times[i].append(time.perf_counter() - t0)
+    for (results, tokens, mode, _, made), ts in zip(pending, times):
+        results[mode] = loop_result(_STAT[0](ts), n)
+        tokens[mode] = made()
+    pending.clear()
 
 
 _VARIANTS = {"mlp": {}, "mlp+linears": {"linears": True}}
 
 
 def run_variant(torch, transformers, fusedmlp, name, variant, args, modes, ids, ref_logits,
-                base, base_tokens):
+                pending=None):
     """Builds the model afresh, patches it the variant's way and measures it like the unpatched
-    one: the fields of one variant's JSON entry."""
+    one (with `pending`, prepares its loops there): the fields of one variant's JSON entry, the
+    timings and tokens still to be compared by finish_variant."""
     model = build(transformers, torch, name, ids.device)
     with torch.no_grad():  # the diff below is the patch's only if the build repeats exactly
         rebuilt = torch.equal(model(input_ids=ids).logits.float(), ref_logits)
@@ -231,20 +296,26 @@ def run_variant(torch, transformers, fusedmlp, name, variant, args, modes, ids, 
     rms = ref_logits.pow(2).mean(-1, keepdim=True).sqrt()
     rel = ((logits - ref_logits).abs() / rms).max().item()
     fused, fused_tokens = measure(torch, transformers, model, ids, args.new_tokens, modes,
-                                  args.repeats)
-    print(f"  [{variant}] patched {json.dumps(fused)[:400]}", flush=True)
+                                  args.repeats, pending)
     del model
-    torch.cuda.empty_cache()
+    _empty_cache(torch)
     entry = {"patch": str(patch_report), "patched": fused, "logits_max_abs_diff_over_rms": rel,
              "rebuild_identical": rebuilt,
              "argmax_agree_prefill": bool((logits[:, -1].argmax(-1)
-                                           == ref_logits[:, -1].argmax(-1)).all()),
-             "tokens_agree": {m: agreement(base_tokens[m], fused_tokens[m])
-                              for m in base_tokens if m in fused_tokens},
-             "speedup": {m: fused[m]["tok_s"] / base[m]["tok_s"] for m in modes
-                         if "tok_s" in base.get(m, {}) and "tok_s" in fused.get(m, {})}}
-    print(f"  [{variant}] speedup {entry['speedup']}  logits diff/rms {rel:.3g}  tokens agree "
-          f"{entry['tokens_agree']}", flush=True)
+                                           == ref_logits[:, -1].argmax(-1)).all())}
+    return entry, fused_tokens
+
+
+def finish_variant(variant, entry, fused_tokens, base, base_tokens, modes):
+    fused = entry["patched"]
+    print(f"  [{variant}] patched {json.dumps(fused)[:400]}", flush=True)
+    entry["tokens_agree"] = {m: agreement(base_tokens[m], fused_tokens[m])
+                             for m in base_tokens if m in fused_tokens}
+    entry["speedup"] = {m: fused[m]["tok_s"] / base[m]["tok_s"] for m in modes
+                        if "tok_s" in base.get(m, {}) and "tok_s" in fused.get(m, {})}
+    print(f"  [{variant}] speedup {entry['speedup']}  logits diff/rms "
+          f"{entry['logits_max_abs_diff_over_rms']:.3g}  tokens agree {entry['tokens_agree']}",
+          flush=True)
     return entry
 
 
@@ -265,12 +336,30 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda", help="cuda (the GPU runs) or cpu (eager only)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--interleave", action="store_true",
+                    help="build every variant first, then time the eager/graph loops of the "
+                         "unpatched model and the variants round-robin (for a shared machine; "
+                         "all copies of the model are alive at once)")
+    ap.add_argument("--stat", default="median", choices=["median", "min"],
+                    help="of the --repeats timings (min on a shared machine: the other runs "
+                         "time the neighbours too)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="OMP_NUM_THREADS (host runs: torch's and fusedmlp's OpenMP runtimes "
+                         "spin against each other on few cores; bench/host_overhead.py)")
     args = ap.parse_args()
+    if args.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    _DTYPE[0] = args.dtype
+    _STAT[0] = min if args.stat == "min" else statistics.median
 
     import torch
     report = {"python": platform.python_version(), "torch": torch.__version__,
               "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "batch": 1,
-              "dtype": "bfloat16", "models": {}}
+              "dtype": args.dtype, "device": args.device, "threads": args.threads,
+              "stat": args.stat, "repeats": args.repeats, "interleave": args.interleave,
+              "models": {}}
     try:
         import transformers
         report["transformers"] = transformers.__version__
@@ -278,11 +367,17 @@ def main():
         report["transformers"] = None
         report["skipped"] = f"transformers is not installed ({e}); carry it as a wheel"
     import fusedmlp
+    import fusedmlp.torch as ft
     report["fusedmlp"] = fusedmlp.build_info()
-    if not torch.cuda.is_available():
-        report["skipped"] = "no CUDA device"
+    report["ops_implementation"] = (ft.ops_implementation() if hasattr(ft, "ops_implementation")
+                                    else "python")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            report["skipped"] = "no CUDA device"
+        else:
+            report["gpu"] = torch.cuda.get_device_name(0)
     else:
-        report["gpu"] = torch.cuda.get_device_name(0)
+        report["cpu"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     if "skipped" in report:
         print(json.dumps(report, indent=1))
         return _write(args.json, report)
@@ -292,7 +387,7 @@ def main():
     unknown = [v for v in variants if v not in _VARIANTS]
     if unknown:
         ap.error(f"--patch {','.join(unknown)}: expected some of {', '.join(_VARIANTS)}")
-    dev = torch.device("cuda", 0)
+    dev = torch.device("cuda", 0) if args.device == "cuda" else torch.device(args.device)
     for name in args.models.split(","):
         print(f"== {name}", flush=True)
         model = build(transformers, torch, name, dev)
@@ -303,22 +398,29 @@ def main():
         noise = reference_noise(torch, model, ids, ref_logits)
         print(f"  reference noise (MLP blocks in fp32, no fusedmlp) diff/rms {noise:.3g}",
               flush=True)
+        pending = [] if args.interleave else None
         base, base_tokens = measure(torch, transformers, model, ids, args.new_tokens, modes,
-                                    args.repeats)
-        print(f"  unpatched {json.dumps(base)[:400]}", flush=True)
+                                    args.repeats, pending)
         entry = {"params": sum(p.numel() for p in model.parameters()), "unpatched": base,
                  "reference_noise_diff_over_rms": noise}
         del model  # each variant patches a fresh build (the same seed: the same weights)
-        torch.cuda.empty_cache()
+        _empty_cache(torch)
+        done = {}
         for variant in variants:
             try:
-                fields = run_variant(torch, transformers, fusedmlp, name, variant, args, modes,
-                                     ids, ref_logits, base, base_tokens)
+                done[variant] = run_variant(torch, transformers, fusedmlp, name, variant, args,
+                                            modes, ids, ref_logits, pending)
             except Exception as e:  # recorded: the other variant's numbers still count
-                fields = {"error": f"{type(e).__name__}: {e}",
-                          "trace": traceback.format_exc(limit=6)[-1500:]}
-                print(f"  [{variant}] failed: {fields['error']}", flush=True)
-                torch.cuda.empty_cache()
+                done[variant] = ({"error": f"{type(e).__name__}: {e}",
+                                  "trace": traceback.format_exc(limit=6)[-1500:]}, None)
+                print(f"  [{variant}] failed: {done[variant][0]['error']}", flush=True)
+                _empty_cache(torch)
+        if pending:
+            time_pending(torch, pending, args.new_tokens, args.repeats, dev)
+        print(f"  unpatched {json.dumps(base)[:400]}", flush=True)
+        for variant, (fields, fused_tokens) in done.items():
+            if fused_tokens is not None:
+                fields = finish_variant(variant, fields, fused_tokens, base, base_tokens, modes)
             if variant == "mlp":  # the fields of the MLP-only patch stay where they were
                 entry.update(fields)
             else:

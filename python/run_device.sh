@@ -2,14 +2,15 @@
 # One GPU-machine session for the Python package: build + install the extension for the
 # machine's own python3 (the one holding torch), the Python GPU/torch/transformers tests, and the
 # end-to-end decode benchmark. Usage, from the repo root: bash python/run_device.sh [steps...]
-#   steps: build test e2e (default: all). E2E_ARGS passes options to bench/e2e_decode.py (e.g.
-#   "--models gpt2" to split the run). Logs and JSON go to $OUT (or ./out).
+#   steps: build test host e2e (default: all). host: bench/host_overhead.py on the GPU (bf16,
+#   the C++ ops against the Python ones); E2E_ARGS passes options to bench/e2e_decode.py (e.g.
+#   "--models gpt2" to split the run, "--modes graph,eager"). Logs and JSON go to $OUT (or ./out).
 # Needs on that machine: nvcc, cmake, ninja, scikit-build-core and nanobind (all in its image);
 # fmt from a git-ignored .device/fmt when the machine lacks it (as bench/run_device.sh).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-steps=${*:-build test e2e}
+steps=${*:-build test host e2e}
 has() { [[ " $steps " == *" $1 "* ]]; }
 export PATH=/usr/local/cuda/bin:$PATH PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore
 export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) PYTHONUNBUFFERED=1
@@ -40,6 +41,12 @@ if has test; then
     echo "transformers missing: test_patch.py and the patch tests in test_gpu.py will skip"
   timeout 420 python3 -m pytest -q -rs -p no:cacheprovider python/tests 2>&1 |
     tee "$OUT/py_tests.log" | tail -30
+fi
+if has host; then
+  python3 -c 'import fusedmlp.torch as ft; print("torch ops:", ft.ops_implementation())'
+  timeout 300 python3 bench/host_overhead.py --device cuda --dtype bfloat16 \
+    --compare "python ops=FMLP_TORCH_OPS=python" --out "$OUT/host_overhead_gpu" 2>&1 |
+    tee "$OUT/host_overhead.log" | tail -12
 fi
 if has e2e; then
   timeout 540 python3 bench/e2e_decode.py --json "$OUT/e2e_decode.json" ${E2E_ARGS:-} 2>&1 |

@@ -12,14 +12,18 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #if FMLP_EXT_CUDA
 #include <cuda_runtime_api.h>
 #endif
 
+#include "_ext_api.h"
 #include "fusedmlp/fusedmlp.h"
 
 namespace nb = nanobind;
@@ -384,9 +388,40 @@ nb::object mlp(const std::string& mode, nb::dict tensors, const Bits& bits, int 
                   fmlp_mlp);
 }
 
+// The packs alive, by handle: the torch extension's ops name a pack by this integer (custom ops
+// take tensors and scalars only) and hold it for the call through acquire_pack.
+class PackRegistry {
+ public:
+  using Pack = std::shared_ptr<fmlp_mlp_packed_t>;
+  int64_t add(const Pack& p) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t handle = next_++;
+    packs_[handle] = p;
+    return handle;
+  }
+  void remove(int64_t handle) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    packs_.erase(handle);
+  }
+  Pack find(int64_t handle) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = packs_.find(handle);
+    return it == packs_.end() ? nullptr : it->second.lock();
+  }
+  static PackRegistry& get() {
+    static PackRegistry* r = new PackRegistry();  // outlives every PackedMlp (never destroyed)
+    return *r;
+  }
+
+ private:
+  std::mutex mutex_;
+  int64_t next_ = 1;
+  std::unordered_map<int64_t, std::weak_ptr<fmlp_mlp_packed_t>> packs_;
+};
+
 // Weights validated and copied once into the backend's layout; run() then takes only x, out and
 // residual. Owns the library's packed handle (host memory or device memory on the weights'
-// device).
+// device), shared with the torch ops that run it at the moment.
 class PackedMlp {
  public:
   PackedMlp(nb::dict tensors, const Bits& bits, int activation, bool gated, int norm, float eps,
@@ -395,19 +430,22 @@ class PackedMlp {
     const fmlp_mlp_weights_t w = mlp_weights(v);
     const fmlp_mlp_config_t c = mlp_config(activation, gated, norm, eps, deterministic);
     DeviceGuard guard(w.w1);
+    fmlp_mlp_packed_t* packed = nullptr;
     fmlp_status_t st;
     {
       nb::gil_scoped_release release;
-      st = fmlp_mlp_pack(&packed_, &w, &c, fmlp_backend_t(backend), stream_ptr(stream));
+      st = fmlp_mlp_pack(&packed, &w, &c, fmlp_backend_t(backend), stream_ptr(stream));
     }
     check(st);
+    packed_.reset(packed, fmlp_mlp_packed_destroy);
+    handle_ = PackRegistry::get().add(packed_);
     d_in_ = w.w1.shape[1];
     d_out_ = w.w2.shape[0];
     hidden_ = w.w2.shape[1];
     device_type_ = w.w1.device_type;
     device_id_ = w.w1.device_id;
   }
-  ~PackedMlp() { fmlp_mlp_packed_destroy(packed_); }
+  ~PackedMlp() { PackRegistry::get().remove(handle_); }
   PackedMlp(const PackedMlp&) = delete;
   PackedMlp& operator=(const PackedMlp&) = delete;
 
@@ -419,19 +457,20 @@ class PackedMlp {
     const fmlp_tensor_t residual = v.input("residual");
     DeviceGuard guard(x);
     size_t bytes = 0;
-    check(fmlp_mlp_packed_workspace_size(packed_, &y, &x, &bytes));
+    check(fmlp_mlp_packed_workspace_size(packed_.get(), &y, &x, &bytes));
     if (mode == "workspace_size") return nb::int_(bytes);
     Workspace ws(workspace, bytes, x);
     fmlp_status_t st;
     {
       nb::gil_scoped_release release;
-      st = fmlp_mlp_packed_run(packed_, &y, &x, residual.ndim ? &residual : nullptr, ws.data(),
-                               ws.bytes(), stream_ptr(stream));
+      st = fmlp_mlp_packed_run(packed_.get(), &y, &x, residual.ndim ? &residual : nullptr,
+                               ws.data(), ws.bytes(), stream_ptr(stream));
     }
     check(st);
     return nb::none();
   }
 
+  int64_t handle() const { return handle_; }
   int64_t d_in() const { return d_in_; }
   int64_t hidden() const { return hidden_; }
   int64_t d_out() const { return d_out_; }
@@ -440,7 +479,8 @@ class PackedMlp {
   }
 
  private:
-  fmlp_mlp_packed_t* packed_ = nullptr;
+  PackRegistry::Pack packed_;
+  int64_t handle_ = 0;
   int64_t d_in_ = 0, hidden_ = 0, d_out_ = 0;
   fmlp_device_type_t device_type_ = FMLP_DEVICE_CPU;
   int32_t device_id_ = 0;
@@ -597,6 +637,51 @@ std::string devices() {
   return text;
 }
 
+// ---- the C ABI for the torch extension (_ext_api.h) ----
+
+const fmlp_mlp_packed_t* acquire_pack(int64_t handle, void** hold) {
+  PackRegistry::Pack p = PackRegistry::get().find(handle);
+  if (!p) return nullptr;
+  const fmlp_mlp_packed_t* raw = p.get();
+  *hold = new PackRegistry::Pack(std::move(p));
+  return raw;
+}
+
+void release_pack(void* hold) {
+  delete static_cast<PackRegistry::Pack*>(hold);
+}
+
+int stream_capturing(void* stream) {
+#if FMLP_EXT_CUDA
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status) != cudaSuccess) return -1;
+  return status == cudaStreamCaptureStatusNone ? 0 : 1;
+#else
+  (void)stream;
+  return 0;
+#endif
+}
+
+const fmlp_ext_api_t kApi = {FMLP_EXT_API_VERSION,
+                             sizeof(fmlp_ext_api_t),
+                             fmlp_last_error,
+                             fmlp_mlp_config_default,
+                             fmlp_moe_config_default,
+                             fmlp_mlp_workspace_size,
+                             fmlp_mlp,
+                             fmlp_mlp_packed_workspace_size,
+                             fmlp_mlp_packed_run,
+                             fmlp_moe_workspace_size,
+                             fmlp_moe,
+                             fmlp_moe_device_errors,
+                             fmlp_linear_workspace_size,
+                             fmlp_linear,
+                             fmlp_softmax_workspace_size,
+                             fmlp_softmax,
+                             acquire_pack,
+                             release_pack,
+                             stream_capturing};
+
 }  // namespace
 
 NB_MODULE(_ext, m) {
@@ -610,6 +695,7 @@ NB_MODULE(_ext, m) {
            "backend"_a, "stream"_a)
       .def("run", &PackedMlp::run, "mode"_a, "tensors"_a, "bits"_a, "workspace"_a.none(),
            "stream"_a)
+      .def_prop_ro("handle", &PackedMlp::handle)
       .def_prop_ro("d_in", &PackedMlp::d_in)
       .def_prop_ro("hidden", &PackedMlp::hidden)
       .def_prop_ro("d_out", &PackedMlp::d_out)
@@ -629,4 +715,5 @@ NB_MODULE(_ext, m) {
   m.def("build_info", [] { return std::string(fmlp_build_info()); });
   m.def("version", [] { return std::string(fmlp_version()); });
   m.def("with_cuda", [] { return bool(FMLP_EXT_CUDA); });
+  m.attr("_api") = nb::capsule(&kApi, FMLP_EXT_API_CAPSULE);
 }

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _ACTIVATIONS, _BACKENDS, _SCORINGS, _lookup
-from .torch import _activation, _param
+from .torch import _activation, _moe_op, _param
 
 __all__ = ["FusedMoE"]
 
@@ -84,12 +84,10 @@ class FusedMoE(nn.Module):
         if self.training and self.jitter_noise > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise,
                                                  1.0 + self.jitter_noise)
-        y = torch.ops.fusedmlp.moe(x, self.w1, self.w2, self.top_k, self.router_w, self.router_b,
-                                   None, None, self.b1, self.b2, residual, self.activation,
-                                   self.gated, self.scoring, self.renormalize,
-                                   self.deterministic, self.backend, self.first_expert,
-                                   self.global_experts, self.round_router_logits, self.w1_scale,
-                                   self.w2_scale)
+        y = _moe_op(x, self.w1, self.w2, self.top_k, self.router_w, self.router_b, None, None,
+                    self.b1, self.b2, residual, self.activation, self.gated, self.scoring,
+                    self.renormalize, self.deterministic, self.backend, self.first_expert,
+                    self.global_experts, self.round_router_logits, self.w1_scale, self.w2_scale)
         if self.return_router_logits:
             return y, F.linear(x.reshape(-1, self.d), self.router_w, self.router_b)
         return y

@@ -1,10 +1,14 @@
-"""fusedmlp for PyTorch, without linking libtorch: every kernel reaches the library through
-DLPack and the nanobind extension, on the tensor's device and torch's current CUDA stream.
+"""fusedmlp for PyTorch: torch.library ops, the FusedMLP / FusedMoE / FusedLinear modules and
+patch(), on the tensor's device and torch's current CUDA stream.
 
 Custom ops (torch.library, each with a fake kernel for torch.compile / export and one kernel for
 CPU and CUDA): fusedmlp::mlp (all of mlp's arguments), fusedmlp::mlp_packed (packed weights, the
 FusedMLP module's op), fusedmlp::moe (mixture of experts), fusedmlp::linear, fusedmlp::softmax.
 They are inference ops: no autograd formula is registered, so backward through them raises.
+Their kernels are C++ (fusedmlp._torch_ops, built against the installed torch: at::Tensor in,
+the library called directly, a few microseconds of host time per call) or, where that module is
+not built or FMLP_TORCH_OPS=python is set, Python custom ops reaching the library through DLPack
+(several times the host time); ops_implementation() says which.
 
 CUDA workspaces are allocated with torch.zeros once per (device, size) and reused, as the
 contract in fusedmlp.h allows for calls on one stream; calls that run concurrently on several
@@ -15,23 +19,28 @@ expert ids (moe_device_errors reads it).
 FusedMLP is an nn.Module that packs its weights once (again after .to()/.half()); FusedMoE runs
 a Mixtral-style sparse MoE block; FusedLinear stands in for an nn.Linear or a transformers Conv1D;
 patch() swaps the MLP and MoE blocks (and, with linears=True, the attention projections and the
-LM head) of Hugging Face models for them.
+LM head) of Hugging Face models for them. call_cost() measures what a module costs per call
+(host and device time), for choosing between a module and its replacement.
 """
 
 import contextlib
-import itertools
+import dataclasses
+import os
+import statistics
+import time
+import warnings
 import weakref
 from typing import Optional
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from . import (_ACTIVATIONS, _BACKENDS, _NORMS, _SCORINGS, _ext, _lookup, _routing_ids,
-               _routing_weights, _workspace_bytes)
+from . import _ACTIVATIONS, _BACKENDS, _NORMS, _ext, _lookup, _workspace_bytes
 
 __all__ = ["mlp", "moe", "linear", "softmax", "log_softmax", "moe_device_errors", "FusedMLP",
            "FusedMoE", "FusedLinear", "patch", "PatchReport", "PatchError", "PROBE_RTOL",
-           "fusedmlp_experts_forward", "register_experts"]
+           "fusedmlp_experts_forward", "register_experts", "ops_implementation", "call_cost",
+           "CallCost"]
 
 _WORKSPACES = {}
 
@@ -67,8 +76,8 @@ def moe_device_errors(device=None):
     allocated during a capture are the graph's own and are not counted here."""
     device = torch.device("cuda" if device is None else device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    total = 0
-    with torch.cuda.device(index):
+    total = 0 if _CPP_OPS is None else torch.ops.fusedmlp._moe_device_errors(index)
+    with torch.cuda.device(index):  # the workspaces of fusedmlp.moe() on torch tensors
         stream = torch.cuda.current_stream(index).cuda_stream
         for (i, _, kind), ws in _WORKSPACES.items():
             if i == index and kind == "moe":
@@ -116,43 +125,11 @@ def _rows(t, name):
     return t2 if t2.shape[-1] <= 1 or t2.stride(-1) == 1 else t2.contiguous()
 
 
-# ---- custom ops ----
-
-@torch.library.custom_op("fusedmlp::mlp", mutates_args=())
-def _mlp_op(x: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor] = None,
-            w_up: Optional[Tensor] = None, b_up: Optional[Tensor] = None,
-            b2: Optional[Tensor] = None, residual: Optional[Tensor] = None,
-            norm_weight: Optional[Tensor] = None, norm_bias: Optional[Tensor] = None,
-            w1_scale: Optional[Tensor] = None, w_up_scale: Optional[Tensor] = None,
-            w2_scale: Optional[Tensor] = None, activation: str = "gelu", gated: bool = False,
-            norm: str = "none", eps: float = 1e-5) -> Tensor:
-    x2 = _rows(x, "x")
-    d_out = w2.shape[0]
-    y = torch.empty((x2.shape[0], d_out), dtype=x.dtype, device=x.device)
-    r2 = None if residual is None else _rows(residual, "residual")
-    with _device_of(x):
-        tensors, bits = _args(x.device, out=y, x=x2, residual=r2, w1=w1, w1_scale=w1_scale,
-                              b1=b1, w_up=w_up, w_up_scale=w_up_scale, b_up=b_up, w2=w2,
-                              w2_scale=w2_scale, b2=b2, norm_weight=norm_weight,
-                              norm_bias=norm_bias)
-        _ext.mlp("run", tensors, bits, _lookup(_ACTIVATIONS, "activation", activation), gated,
-                 _lookup(_NORMS, "norm", norm), eps, False, _BACKENDS["auto"],
-                 _workspace_for(x), _stream_for(x))
-    return y.view(*x.shape[:-1], d_out)
-
-
-@_mlp_op.register_fake
-def _mlp_fake(x, w1, w2, b1=None, w_up=None, b_up=None, b2=None, residual=None,
-              norm_weight=None, norm_bias=None, w1_scale=None, w_up_scale=None, w2_scale=None,
-              activation="gelu", gated=False, norm="none", eps=1e-5):
-    return x.new_empty((*x.shape[:-1], w2.shape[0]))
-
-
 class _Pack:
     """A packed mlp of the extension, held by the FusedMLP modules that use it. The op names it
-    by an integer handle (custom ops take tensors and scalars only) through the weak registry
-    below, so a pack lives exactly as long as a module holds it. Packs are immutable: copies of
-    a module (deepcopy) share theirs."""
+    by an integer handle (custom ops take tensors and scalars only: the extension's registry
+    for the C++ ops, the weak registry below for the Python ones), so a pack lives exactly as
+    long as a module holds it. Packs are immutable: copies of a module (deepcopy) share theirs."""
     __slots__ = ("ext", "__weakref__")
 
     def __init__(self, ext):
@@ -163,71 +140,59 @@ class _Pack:
 
 
 _PACKS = weakref.WeakValueDictionary()
-_PACK_IDS = itertools.count(1)
 
 
-@torch.library.custom_op("fusedmlp::mlp_packed", mutates_args=())
-def _mlp_packed_op(x: Tensor, residual: Optional[Tensor], handle: int, d_out: int) -> Tensor:
-    packed = _PACKS.get(handle)
-    if packed is None:
-        raise ValueError(f"handle {handle} names no live packed mlp (its FusedMLP was deleted or "
-                         "repacked); rebuild the compiled graph from the live module")
-    x2 = _rows(x, "x")
-    y = torch.empty((x2.shape[0], d_out), dtype=x.dtype, device=x.device)
-    r2 = None if residual is None else _rows(residual, "residual")
-    with _device_of(x):
-        tensors, bits = _args(x.device, out=y, x=x2, residual=r2)
-        packed.ext.run("run", tensors, bits, _workspace_for(x), _stream_for(x))
-    return y.view(*x.shape[:-1], d_out)
+# ---- custom ops ----
+
+def _load_cpp_ops():
+    """fusedmlp._torch_ops (the ops as C++ kernels) when it can be used here, else None; and
+    why not."""
+    if os.environ.get("FMLP_TORCH_OPS", "").lower() == "python":
+        return None, "FMLP_TORCH_OPS=python"
+    try:
+        from ._torch_ops_build import TORCH_VERSION
+    except ImportError:
+        return None, ("fusedmlp._torch_ops is not built (torch did not import at build time, "
+                      "e.g. in pip's isolated build environment, or -DFMLP_TORCH_OPS=OFF); "
+                      "pip install --no-build-isolation . builds it against the installed torch")
+    if TORCH_VERSION != torch.__version__:
+        why = (f"fusedmlp._torch_ops was built against torch {TORCH_VERSION}, this is torch "
+               f"{torch.__version__}; reinstall fusedmlp to rebuild it")
+        warnings.warn(f"{why}; using the slower Python custom ops meanwhile", stacklevel=3)
+        return None, why
+    try:
+        from . import _torch_ops
+    except ImportError as e:
+        warnings.warn(f"fusedmlp._torch_ops does not load ({e}); using the slower Python custom "
+                      "ops", stacklevel=3)
+        return None, str(e)
+    return _torch_ops, ""
 
 
-@_mlp_packed_op.register_fake
+_CPP_OPS, _CPP_OPS_WHY = _load_cpp_ops()
+if _CPP_OPS is None:
+    from . import _torch_py_ops  # noqa: F401, E402 (defines the same ops in Python)
+
+
+def ops_implementation():
+    """Which implementation torch.ops.fusedmlp.* run: "c++" (fusedmlp._torch_ops) or
+    "python: <why>" (torch.library.custom_op, several times the host time per call)."""
+    return "c++" if _CPP_OPS is not None else f"python: {_CPP_OPS_WHY}"
+
+
+@torch.library.register_fake("fusedmlp::mlp")
+def _mlp_fake(x, w1, w2, b1=None, w_up=None, b_up=None, b2=None, residual=None,
+              norm_weight=None, norm_bias=None, w1_scale=None, w_up_scale=None, w2_scale=None,
+              activation="gelu", gated=False, norm="none", eps=1e-5):
+    return x.new_empty((*x.shape[:-1], w2.shape[0]))
+
+
+@torch.library.register_fake("fusedmlp::mlp_packed")
 def _mlp_packed_fake(x, residual, handle, d_out):
     return x.new_empty((*x.shape[:-1], d_out))
 
 
-@torch.library.custom_op("fusedmlp::moe", mutates_args=())
-def _moe_op(x: Tensor, w1: Tensor, w2: Tensor, top_k: int, router_w: Optional[Tensor] = None,
-            router_b: Optional[Tensor] = None, topk_ids: Optional[Tensor] = None,
-            topk_weights: Optional[Tensor] = None, b1: Optional[Tensor] = None,
-            b2: Optional[Tensor] = None, residual: Optional[Tensor] = None,
-            activation: str = "silu", gated: bool = True, scoring: str = "softmax",
-            renormalize: bool = True, deterministic: bool = False,
-            backend: str = "auto", first_expert: int = 0, global_experts: int = 0,
-            round_router_logits: bool = False, w1_scale: Optional[Tensor] = None,
-            w2_scale: Optional[Tensor] = None) -> Tensor:
-    x2 = _rows(x, "x")
-    if w2.dim() != 3:
-        raise ValueError(f"w2 has shape {tuple(w2.shape)}; expected [num_experts, d_out, "
-                         "hidden]")
-    d_out = w2.shape[1]
-    y = torch.empty((x2.shape[0], d_out), dtype=x.dtype, device=x.device)
-    r2 = None if residual is None else _rows(residual, "residual")
-    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-        if t is not None and (t.dim() == 0 or t.shape[-1] != top_k
-                              or t.numel() != x2.shape[0] * top_k):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [..., top_k] = "
-                             f"{(*x.shape[:-1], top_k)} (x's leading dims)")
-    if topk_ids is not None:
-        topk_ids = _routing_ids(topk_ids.reshape(-1, top_k),
-                                global_experts if global_experts > 0
-                                else w1.shape[0]).contiguous()
-    if topk_weights is not None:
-        topk_weights = _routing_weights(topk_weights.reshape(-1, top_k)).contiguous()
-    with _device_of(x):
-        tensors, bits = _args(x.device, out=y, x=x2, residual=r2, router_w=router_w,
-                              router_b=router_b, topk_ids=topk_ids, topk_weights=topk_weights,
-                              w1=w1, w1_scale=w1_scale, b1=b1, w2=w2, w2_scale=w2_scale, b2=b2)
-        _ext.moe("run", tensors, bits, top_k, _lookup(_ACTIVATIONS, "activation", activation),
-                 gated, _lookup(_SCORINGS, "scoring", scoring), renormalize, deterministic,
-                 first_expert, global_experts, round_router_logits,
-                 _lookup(_BACKENDS, "backend", backend),
-                 _workspace_for(x, "moe"),
-                 _stream_for(x))
-    return y.view(*x.shape[:-1], d_out)
-
-
-@_moe_op.register_fake
+@torch.library.register_fake("fusedmlp::moe")
 def _moe_fake(x, w1, w2, top_k, router_w=None, router_b=None, topk_ids=None, topk_weights=None,
               b1=None, b2=None, residual=None, activation="silu", gated=True, scoring="softmax",
               renormalize=True, deterministic=False, backend="auto", first_expert=0,
@@ -235,36 +200,23 @@ def _moe_fake(x, w1, w2, top_k, router_w=None, router_b=None, topk_ids=None, top
     return x.new_empty((*x.shape[:-1], w2.shape[1]))
 
 
-@torch.library.custom_op("fusedmlp::linear", mutates_args=())
-def _linear_op(x: Tensor, w: Tensor, bias: Optional[Tensor] = None,
-               w_scale: Optional[Tensor] = None) -> Tensor:
-    x2 = _rows(x, "x")
-    y = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    with _device_of(x):
-        tensors, bits = _args(x.device, out=y, x=x2, w=w, w_scale=w_scale, bias=bias)
-        _ext.linear("run", tensors, bits, _BACKENDS["auto"], _workspace_for(x), _stream_for(x))
-    return y.view(*x.shape[:-1], w.shape[0])
-
-
-@_linear_op.register_fake
+@torch.library.register_fake("fusedmlp::linear")
 def _linear_fake(x, w, bias=None, w_scale=None):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
-@torch.library.custom_op("fusedmlp::softmax", mutates_args=())
-def _softmax_op(x: Tensor, temperature: float = 1.0, log: bool = False) -> Tensor:
-    x2 = _rows(x, "x")
-    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    with _device_of(x):
-        tensors, bits = _args(x.device, out=y, x=x2)
-        _ext.softmax("run", tensors, bits, temperature, log, _BACKENDS["auto"],
-                     _workspace_for(x), _stream_for(x))
-    return y.view(x.shape)
-
-
-@_softmax_op.register_fake
+@torch.library.register_fake("fusedmlp::softmax")
 def _softmax_fake(x, temperature=1.0, log=False):
     return torch.empty_like(x)
+
+
+# The overloads themselves: calling one skips the overload packet's Python frame (eager host
+# time); torch.compile traces them like the packets.
+_mlp_op = torch.ops.fusedmlp.mlp.default
+_mlp_packed_op = torch.ops.fusedmlp.mlp_packed.default
+_moe_op = torch.ops.fusedmlp.moe.default
+_linear_op = torch.ops.fusedmlp.linear.default
+_softmax_op = torch.ops.fusedmlp.softmax.default
 
 
 def mlp(x, w1, w2, *, b1=None, w_up=None, b_up=None, b2=None, residual=None, norm_weight=None,
@@ -272,9 +224,9 @@ def mlp(x, w1, w2, *, b1=None, w_up=None, b_up=None, b2=None, residual=None, nor
         gated=False, norm=None, eps=1e-5):
     """torch.ops.fusedmlp.mlp: fusedmlp.mlp for torch tensors of any leading dims
     (x [..., d_in] -> [..., d_out]); see fusedmlp.mlp for the math and arguments."""
-    return torch.ops.fusedmlp.mlp(x, w1, w2, b1, w_up, b_up, b2, residual, norm_weight,
-                                  norm_bias, w1_scale, w_up_scale, w2_scale, activation,
-                                  gated, "none" if norm is None else norm, eps)
+    return _mlp_op(x, w1, w2, b1, w_up, b_up, b2, residual, norm_weight, norm_bias, w1_scale,
+                   w_up_scale, w2_scale, activation, gated, "none" if norm is None else norm,
+                   eps)
 
 
 def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=None, top_k,
@@ -291,25 +243,109 @@ def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=
     for name, v in (("first_expert", first_expert), ("global_experts", global_experts)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"{name} is {v!r}; expected an int")
-    return torch.ops.fusedmlp.moe(x, w1, w2, top_k, router_w, router_b, topk_ids, topk_weights,
-                                  b1, b2, residual, activation, gated, scoring, renormalize,
-                                  deterministic, backend, first_expert, global_experts,
-                                  bool(round_router_logits), w1_scale, w2_scale)
+    return _moe_op(x, w1, w2, top_k, router_w, router_b, topk_ids, topk_weights, b1, b2,
+                   residual, activation, gated, scoring, renormalize, deterministic, backend,
+                   first_expert, global_experts, bool(round_router_logits), w1_scale, w2_scale)
 
 
 def linear(x, w, bias=None, *, w_scale=None):
     """torch.ops.fusedmlp.linear: x [..., K] w^T + bias -> [..., N]."""
-    return torch.ops.fusedmlp.linear(x, w, bias, w_scale)
+    return _linear_op(x, w, bias, w_scale)
 
 
 def softmax(x, temperature=1.0):
     """torch.ops.fusedmlp.softmax over the last dim."""
-    return torch.ops.fusedmlp.softmax(x, temperature, False)
+    return _softmax_op(x, temperature, False)
 
 
 def log_softmax(x, temperature=1.0):
     """torch.ops.fusedmlp.softmax(log=True) over the last dim."""
-    return torch.ops.fusedmlp.softmax(x, temperature, True)
+    return _softmax_op(x, temperature, True)
+
+
+# ---- what a call costs ----
+
+@dataclasses.dataclass(frozen=True)
+class CallCost:
+    """Microseconds per call of a module (or any callable), from call_cost():
+
+    host_us    the calling thread's time per call (the call returns without waiting for the
+               device: Python, dispatch, launches);
+    wall_us    per call of back-to-back calls, the device waited for at the end: about
+               max(host_us, device time), what a call adds to an eager decode step where the
+               device waits on Python;
+    device_us  per call replayed from a captured CUDA graph (call_cost(graph=True)): what it
+               adds to a graph-replayed step, host time gone; on the host backends the
+               arithmetic is host time, so wall_us; None where not measured or not capturable.
+
+    step_us("eager") is wall_us, step_us("graph") device_us (wall_us where that is None): the
+    figure to compare between a module and its replacement for the mode the model runs in."""
+    host_us: float
+    wall_us: float
+    device_us: Optional[float] = None
+
+    def step_us(self, mode="eager"):
+        if mode not in ("eager", "graph"):
+            raise ValueError(f"mode is {mode!r}; expected 'eager' or 'graph'")
+        return self.wall_us if mode == "eager" or self.device_us is None else self.device_us
+
+
+def call_cost(fn, *args, calls=50, rounds=5, graph=False, **kwargs):
+    """The CallCost of fn(*args, **kwargs) under torch.no_grad(), e.g. call_cost(module,
+    torch.randn(1, 1, d, dtype=dt, device=dev)): medians over `rounds` runs of `calls` calls,
+    after a warm-up that makes the workspaces. graph=True also captures `calls` calls in a CUDA
+    graph and times its replays (device_us; a capture that fails leaves it None). Keep calls
+    small enough that the device's launch queue never fills (some hundred launches), or host_us
+    grows by the wait."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)),
+                  torch.device("cpu"))
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    host, wall = [], []
+    with torch.no_grad():
+        for _ in range(3):
+            fn(*args, **kwargs)
+        sync()
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn(*args, **kwargs)
+            t1 = time.perf_counter()
+            sync()
+            t2 = time.perf_counter()
+            host.append((t1 - t0) / calls * 1e6)
+            wall.append((t2 - t0) / calls * 1e6)
+        wall_us = statistics.median(wall)
+        device_us = (_graph_us(fn, args, kwargs, calls, rounds, device) if cuda and graph
+                     else None if cuda else wall_us)
+    return CallCost(statistics.median(host), wall_us, device_us)
+
+
+def _graph_us(fn, args, kwargs, calls, rounds, device):
+    """us per call of `calls` calls captured in one CUDA graph, replayed; None when the capture
+    fails (a callable that synchronises, allocates outside the graph pool, ...)."""
+    side = torch.cuda.Stream(device)
+    current = torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    try:
+        with torch.cuda.stream(side):  # warm-up off the capture: workspaces, lazy state
+            fn(*args, **kwargs)
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn(*args, **kwargs)
+    except RuntimeError:
+        torch.cuda.synchronize(device)
+        return None
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
 
 
 # ---- FusedMLP ----
@@ -365,7 +401,7 @@ class FusedMLP(nn.Module):
                                     _NORMS[self.norm], float(self.eps), False,
                                     _BACKENDS[self.backend], _stream_for(self.w1))
         self._pack = _Pack(packed)
-        self._handle = next(_PACK_IDS)
+        self._handle = packed.handle
         _PACKS[self._handle] = self._pack
 
     def _apply(self, fn, *args, **kwargs):
@@ -374,8 +410,8 @@ class FusedMLP(nn.Module):
         return result
 
     def forward(self, x, residual=None):
-        y = torch.ops.fusedmlp.mlp_packed(x, residual, self._handle, self.d_out)
-        if self.dropout is not None and self.training and self.dropout.p > 0:
+        y = _mlp_packed_op(x, residual, self._handle, self.d_out)
+        if self.training and self.dropout is not None and self.dropout.p > 0:
             if residual is not None:
                 raise RuntimeError("FusedMLP with a residual cannot apply dropout before the "
                                    "add; call model.eval() (fusedmlp is inference-only)")
@@ -450,10 +486,11 @@ class FusedLinear(nn.Module):
         raise NotImplementedError(f"{type(module).__name__} is not an nn.Linear or a Conv1D")
 
     def forward(self, x):
-        if x.dtype != self.weight.dtype:
-            raise RuntimeError(f"FusedLinear: x has dtype {x.dtype} but the weight "
-                               f"{self.weight.dtype}; cast x first (nn.Linear raises here too)")
-        return torch.ops.fusedmlp.linear(x, self.weight, self.bias, None)
+        w = self.weight
+        if x.dtype != w.dtype:
+            raise RuntimeError(f"FusedLinear: x has dtype {x.dtype} but the weight {w.dtype}; "
+                               "cast x first (nn.Linear raises here too)")
+        return _linear_op(x, w, self.bias, None)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -79,6 +79,26 @@ def test_device_errors():
     assert fusedmlp.devices() and fusedmlp.devices()[0].startswith("cuda:0")
 
 
+def test_ops_name_the_tensor_on_another_device():
+    """The op kernels (C++ or Python: fusedmlp.torch.ops_implementation()) refuse a tensor that
+    is not where x is, naming it; a module packed for the host refuses a device x."""
+    x = torch.randn(2, 32, device=DEV)
+    with pytest.raises(ValueError, match=r"w is on cpu; expected cuda:0, where x is"):
+        ft.linear(x, torch.randn(8, 32))
+    with pytest.raises(ValueError, match=r"bias is on cpu; expected cuda:0, where x is"):
+        ft.linear(x, torch.randn(8, 32, device=DEV), torch.randn(8))
+    with pytest.raises(ValueError, match=r"residual is on cpu; expected cuda:0, where x is"):
+        ft.mlp(x, residual=torch.randn(2, 32), **cuda(weights()))
+    with pytest.raises(ValueError, match="cpu|cuda|device"):
+        ft.FusedMLP(**weights())(x)
+    xb = x.bfloat16()
+    e1 = torch.randn(8, 96, 32, device=DEV, dtype=torch.bfloat16)
+    e2 = torch.randn(8, 32, 48, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"topk_ids is on cpu; expected cuda:0, where x is"):
+        ft.moe(xb, e1, e2, topk_ids=torch.zeros(2, 2, dtype=torch.int32),
+               topk_weights=torch.rand(2, 2, device=DEV), top_k=2)
+
+
 def test_linear_softmax_cuda():
     x = torch.randn(3, 5, 640, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(1000, 640, device=DEV, dtype=torch.bfloat16) / 25
@@ -175,6 +195,19 @@ def test_fused_linear_cuda_graph(n, k):
         graph.replay()
         ref = x.double() @ lin.weight.double().T + lin.bias.double()
         assert_close(y, ref, rtol=RTOL_GPU[torch.bfloat16])
+
+
+def test_call_cost_cuda():
+    """call_cost on the device: host time, wall time and the time per call replayed from a
+    captured graph (only plausibility: speed is for the benchmarks)."""
+    lin = torch.nn.Linear(768, 2304).to(DEV, torch.bfloat16)
+    fused = ft.FusedLinear.from_module(lin)
+    x = torch.randn(1, 1, 768, device=DEV, dtype=torch.bfloat16)
+    for fn in (lin, fused):
+        cost = ft.call_cost(fn, x, calls=20, rounds=3, graph=True)
+        assert 0 < cost.host_us and 0 < cost.wall_us and cost.device_us is not None, cost
+        assert 0 < cost.step_us("graph") == cost.device_us
+    assert ft.call_cost(fused, x, calls=5, rounds=2).device_us is None  # not asked for
 
 
 def test_cupy_arrays():
