@@ -151,11 +151,16 @@ def _probe_residual(x, d_out):
     return torch.randn(x.shape[0], d_out, generator=gen).to(device=x.device, dtype=x.dtype)
 
 
+class NotInPlace(NotImplementedError):
+    """A chain inside a forward whose ops are not all child modules (a gate product, a torch
+    function as activation): swapping modules cannot replace it."""
+
+
 def inline_plan(prefix, parent, tr, chain, norm, backend):
     """The plan replacing a chain inside parent's forward in place: L1 by the fused MLP (with
     the pre-norm when norm's kwargs are given), the activation and L2 by passthroughs."""
     if chain.gated or chain.act_module is None:
-        raise NotImplementedError(
+        raise NotInPlace(
             f"it is computed inside {type(parent).__name__}.forward with "
             f"{'a gate product' if chain.gated else 'a torch-function activation'}, which "
             "cannot be swapped without rewriting that forward")

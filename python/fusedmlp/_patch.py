@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from . import _structure as st
-from ._blocks import FusedBlock, Passthrough, Plan, _norm_choice, block_plan, inline_plan
+from ._blocks import (FusedBlock, NotInPlace, Passthrough, Plan, _norm_choice, block_plan,
+                      inline_plan)
 from ._experts import experts_probe, is_registry_experts, switch_experts
 from .torch import FusedLinear, FusedMLP, FusedMoE, _is_conv1d
 
@@ -255,7 +256,12 @@ class _Collector:
                 descend.append((child, name))  # its dense MLPs (shared experts) may still fuse
                 continue
             kids = list(child.children())
-            if st.linear_kind(child) is not None or not kids:
+            if st.linear_kind(child) is not None:
+                continue
+            if not any(st.linear_kind(k) is not None for k in kids) and st.named_like_mlp(child):
+                self.pending[name] = ("not replaced: it holds no nn.Linear or Conv1D children (its "
+                                      "weights are plain tensors fusedmlp does not map)")
+            if not kids:
                 continue
             if any(st.linear_kind(k) is not None for k in kids):
                 try:
@@ -285,9 +291,10 @@ class _Collector:
         if not blocks and linears < 2:
             return
         tr, why = None, None
-        for attempt in ([c for c in inline if self.traceable(kids[c])], []):
+        inline = [c for c in inline if self.traceable(kids[c])]
+        for attempt in ([inline] if inline else []) + [[]]:
             try:
-                tr = st.trace(module, attempt)
+                tr = st.trace(module, attempt) if attempt else self.trace(module)
                 break
             except st.Untraceable as e:
                 why = str(e)
@@ -347,9 +354,13 @@ class _Collector:
             norm = _norm_choice(tr, chain.x, d_in, self.fuse_norm)
             try:
                 plan = inline_plan(prefix, module, tr, chain, norm, self.backend)
-            except (NotImplementedError, ValueError) as e:
-                if prefix not in self.pending:  # else the module's own reason says it
+            except NotInPlace as e:
+                if prefix not in self.pending:  # else the module's own reason says more
                     self.skip(name, str(e))
+                continue
+            except (NotImplementedError, ValueError) as e:
+                self.pending.pop(prefix, None)  # this reason is the one
+                self.skip(name, str(e))
                 continue
             self.add(plan, *(getattr(o, a) for o, a, _ in plan.swaps))
         for linears, reason in unsupported:

@@ -174,7 +174,10 @@ def is_simple_leaf(m):
     return not list(m.children()) and len(params) <= 2 and all(p.dim() == 1 for p in params)
 
 
-_MLP_NAME = re.compile(r"mlp|feed_?forward|ffn|ffw|dense_?(act|relu|gated)", re.IGNORECASE)
+# Class names that say MLP (for the report's list of what was not replaced; detection never
+# looks at names): the usual suffixes.
+_MLP_NAME = re.compile(r"(mlp|feed_?forward|ffn|ffw|experts?|dense(gated)?(act|relu)dense)$",
+                       re.IGNORECASE)
 
 
 def named_like_mlp(m):
