@@ -164,6 +164,11 @@ def inline_plan(prefix, parent, tr, chain, norm, backend):
             f"it is computed inside {type(parent).__name__}.forward with "
             f"{'a gate product' if chain.gated else 'a torch-function activation'}, which "
             "cannot be swapped without rewriting that forward")
+    casts = [n for n in chain.identities if st.is_cast(n)]
+    if casts:
+        raise NotInPlace(f"it is computed inside {type(parent).__name__}.forward with a cast "
+                         f"({st.describe_nodes(tr, casts)}), which would then act on the fused "
+                         "output")
     if chain.active_dropout:
         raise NotImplementedError(f"dropout in training mode ({', '.join(chain.active_dropout)});"
                                   " call model.eval() (fusedmlp is inference-only)")

@@ -174,7 +174,12 @@ def _looks_like_mlp(m):
         return False
     return any(st.is_simple_leaf(k) and not list(k.parameters())
                and not isinstance(k, (nn.Dropout, nn.Identity))
-               and st.identify_activation(k, 8)[0] is not None for k in kids)
+               and st.identify_activation(k, 8, _device(m))[0] is not None for k in kids)
+
+
+def _device(m):
+    p = next(m.parameters(), None)
+    return "cpu" if p is None else p.device
 
 
 _DONE = (FusedMLP, FusedMoE, FusedLinear, FusedBlock, Passthrough)
@@ -313,7 +318,7 @@ class _Collector:
                     continue
                 if len(calls) == 1:
                     norm = _norm_choice(tr, st.first_input(calls[0], block.trace.params),
-                                        block.chain.weights(block.trace)["w1"].shape[1],
+                                        st.in_features(block.trace.submodule(block.chain.l1)),
                                         self.fuse_norm)
                 else:
                     norm = (None, None, f"no pre-norm fused: {type(module).__name__}.forward "
@@ -350,7 +355,7 @@ class _Collector:
             if shared:
                 self.skip(name, f"{full(shared[0])} is shared with another module")
                 continue
-            d_in = st.linear_weight(tr.submodule(chain.l1))[0].shape[1]
+            d_in = st.in_features(tr.submodule(chain.l1))
             norm = _norm_choice(tr, chain.x, d_in, self.fuse_norm)
             try:
                 plan = inline_plan(prefix, module, tr, chain, norm, self.backend)

@@ -30,15 +30,15 @@ mode, p > 0) is a reason to skip.
   of ordinary and of tiny magnitude, where a wrong eps shows), and passes its input through.
   Otherwise the norm stays a torch op; the reason goes to the report.
 
-patch confirms every replacement with its probe (fused against the original modules on random
-rows) before anything is swapped.
+The numeric identification (identify_activation, identify_norm) lives in _identify.py. patch
+confirms every replacement with its probe (fused against the original modules on random rows)
+before anything is swapped.
 """
 
 import collections
 import dataclasses
 import functools
 import inspect
-import math
 import operator
 import re
 import warnings
@@ -47,6 +47,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ._identify import identify_activation, identify_norm, is_simple_leaf
 from .torch import _is_conv1d
 
 # ---- tracing ----
@@ -160,18 +161,16 @@ def linear_kind(m):
     return None
 
 
+def in_features(m):
+    """The input width of a linear (nn.Linear or Conv1D)."""
+    return int(m.weight.shape[0] if linear_kind(m) == "conv1d" else m.weight.shape[1])
+
+
 def linear_weight(m):
     """(weight [out, in], bias) of a linear: nn.Linear's own, a Conv1D's transposed copy."""
     if linear_kind(m) == "conv1d":
         return m.weight.t().contiguous(), m.bias
     return m.weight, m.bias
-
-
-def is_simple_leaf(m):
-    """A module without children and with at most two 1-D parameters: a norm, an activation,
-    a dropout (what a small MLP half holds besides its linears)."""
-    params = list(m.parameters(recurse=False))
-    return not list(m.children()) and len(params) <= 2 and all(p.dim() == 1 for p in params)
 
 
 # Class names that say MLP (for the report's list of what was not replaced; detection never
@@ -207,7 +206,42 @@ def _identity_state(tr, node):
         return bool(training and p), f"dropout(p={p})"
     if node.op == "call_method" and node.target == "contiguous":
         return False, "contiguous"
+    if is_cast(node):
+        return False, f".{node.target}()"
     return None
+
+
+_CASTS = ("float", "half", "bfloat16", "double", "type_as")
+
+
+def is_cast(node):
+    """A dtype cast: x.float() / .half() / .bfloat16() / .double(), x.type_as(y), x.to(dtype)
+    with a dtype (or another value's .dtype) and nothing else. In fp32 an identity; in 16-bit
+    models the fused op keeps these intermediates in fp32 anyway."""
+    if node.op != "call_method" or not node.args:
+        return False
+    if node.target in _CASTS:
+        return not node.kwargs and len(node.args) == (2 if node.target == "type_as" else 1)
+    if node.target == "to" and len(node.args) == 2 and not node.kwargs:
+        dtype = node.args[1]
+        return isinstance(dtype, torch.dtype) or (
+            isinstance(dtype, fx.Node) and _is_metadata(dtype, "dtype"))
+    return False
+
+
+def _is_metadata(node, attrs=("dtype", "device", "shape")):
+    """getattr(x, "dtype"/"device"/"shape") or x.size() / x.dim(): a use of x's metadata, not
+    its values."""
+    if isinstance(attrs, str):
+        attrs = (attrs,)
+    if node.op == "call_function" and node.target is getattr and len(node.args) == 2:
+        return node.args[1] in attrs
+    return node.op == "call_method" and node.target in ("size", "dim") and "shape" in attrs
+
+
+def data_users(node):
+    """node's users that read its values (not its dtype, device or shape)."""
+    return [u for u in node.users if not _is_metadata(u)]
 
 
 def _skip_identities(tr, node, stepped, active):
@@ -275,115 +309,6 @@ def describe_nodes(tr, nodes):
         else:
             out.append(f"{getattr(n.target, '__name__', str(n.target))}()")
     return ", ".join(out[:4]) + (", ..." if len(out) > 4 else "")
-
-
-# ---- numeric identification ----
-
-_ACT_REFERENCES = {
-    "relu": torch.relu,
-    "gelu": torch.nn.functional.gelu,
-    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
-    "silu": torch.nn.functional.silu,
-}
-# |f(x) - ref(x)| <= ACT_TOLERANCE * (1 + |ref(x)|) over the grid, f evaluated in float32
-# (~1e-7 from ref); gelu and gelu_tanh differ by up to 4.7e-4, so neither passes for the other.
-ACT_TOLERANCE = 2e-5
-
-
-def identify_activation(fn, width):
-    """(name, None) when fn computes relu, gelu, gelu_tanh or silu elementwise on a grid of
-    inputs in [-12, 12] (float32 rows of `width`, in shuffled order); else (None, reason)."""
-    grid = torch.linspace(-12.0, 12.0, 4099, dtype=torch.float64)
-    rows = -(-grid.numel() // width)
-    x = torch.cat([grid, torch.zeros(rows * width - grid.numel(), dtype=torch.float64)])
-    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))]
-    x = x.reshape(rows, width)
-    try:
-        with torch.no_grad():
-            y = fn(x.float())
-    except Exception as e:  # noqa: BLE001
-        return None, f"evaluating it failed ({type(e).__name__}: {str(e)[:100]})"
-    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
-        return None, "it does not map its input elementwise"
-    y, best = y.double(), None
-    for name, ref_fn in _ACT_REFERENCES.items():
-        ref = ref_fn(x)
-        err = float(((y - ref).abs() / (1 + ref.abs())).nan_to_num(nan=math.inf).max())
-        if err <= ACT_TOLERANCE:
-            return name, None
-        if best is None or err < best[1]:
-            best = (name, err)
-    return None, (f"it is not relu, gelu, gelu_tanh or silu (nearest {best[0]}, off by "
-                  f"{best[1]:.2g})")
-
-
-_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps",
-              "layer_norm_epsilon", "rms_norm_eps")
-# fp32: accumulation order only; 16-bit: the module rounds its intermediates to the dtype.
-_NORM_RTOL = {torch.float32: 1e-4, torch.float16: 2.0**-8, torch.bfloat16: 2.0**-5}
-
-
-def _norm_eps(norm):
-    for attr in _EPS_ATTRS:
-        v = getattr(norm, attr, None)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-            return [float(v)]
-    return [1e-5, 1e-6, 1e-12, 1e-8]
-
-
-def identify_norm(norm, d):
-    """(FusedMLP norm keyword arguments, description) when module `norm` computes LayerNorm or
-    RMSNorm over the last dim of [rows, d] (scale: its 1-D weight w, 1 + w, or none; bias: its
-    1-D bias), else (None, reason). Found by evaluating the module on rows of unit scale and of
-    scale 1e-3 and 1e-6 (there eps dominates) with a nonzero mean (which LayerNorm removes)."""
-    name = type(norm).__name__
-    params = dict(norm.named_parameters(recurse=False))
-    if not is_simple_leaf(norm) or any(p.shape[0] != d for p in params.values()):
-        return None, f"{name} is not a norm over the last dim (children or other parameters)"
-    weight, bias = params.get("weight"), params.get("bias")
-    if len(params) != (weight is not None) + (bias is not None):
-        return None, f"{name} has parameters {sorted(params)} (expected weight and bias)"
-    like = weight if weight is not None else bias
-    dtype = like.dtype if like is not None else torch.float32
-    device = like.device if like is not None else torch.device("cpu")
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(9, d, generator=gen, dtype=torch.float64) + 0.5
-    x[3:6] *= 1e-3
-    x[6:] *= 1e-6
-    try:
-        with torch.no_grad():
-            got = norm(x.to(device=device, dtype=dtype))
-    except Exception as e:  # noqa: BLE001
-        return None, f"{name} failed on [rows, {d}] ({type(e).__name__}: {str(e)[:80]})"
-    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
-        return None, f"{name} does not map [rows, {d}] to [rows, {d}]"
-    got, x = got.double().cpu(), x.to(dtype).double()
-    w = None if weight is None else weight.detach().double().cpu()
-    b = None if bias is None else bias.detach().double().cpu()
-    rtol = _NORM_RTOL.get(dtype, 1e-3)
-    scales = [("none", None)] if w is None else [("weight", w), ("1 + weight", 1 + w)]
-    for eps in _norm_eps(norm):
-        centred = x - x.mean(-1, keepdim=True)
-        candidates = [("layernorm", centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True)
-                                                         + eps))]
-        if b is None:
-            candidates.append(("rmsnorm", x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
-        for kind, xn in candidates:
-            for scale_name, scale in scales:
-                ref = (xn if scale is None else xn * scale) + (0 if b is None else b)
-                rms = ref.pow(2).mean(-1, keepdim=True).sqrt()
-                if float(((got - ref).abs() / (ref.abs() + rms + 1e-30)).max()) > rtol:
-                    continue
-                kw = dict(norm=kind, eps=eps)
-                if scale_name == "weight":
-                    kw["norm_weight"] = weight
-                elif scale_name == "1 + weight":
-                    kw["norm_weight"] = (1 + weight.detach().float()).to(weight.dtype)
-                if bias is not None:
-                    kw["norm_bias"] = bias
-                return kw, f"{name} ({kind}, scale {scale_name}, eps {eps:g})"
-    return None, (f"{name} computes neither LayerNorm nor RMSNorm over the last dim (scale "
-                  "weight, 1 + weight or none)")
 
 
 # ---- chains ----
@@ -464,9 +389,9 @@ def _act_subgraph(tr, top, source):
             raise NotAChain(f"{tr.target(n)} is a norm, not an activation")
         seen.add(n)
         stack.extend(_inputs(n))
-    if any(u not in seen for n in seen if n is not top for u in n.users):
+    if any(u not in seen for n in seen if n is not top for u in data_users(n)):
         raise NotAChain("a value inside the activation is also used outside it")
-    if any(u not in seen for u in source.users):
+    if any(u not in seen for u in data_users(source)):
         raise NotAChain(f"{source.name} is also used outside the activation")
     return tr.sort(seen)
 
@@ -529,7 +454,9 @@ def _activation(tr, top, source, width):
     key = _activation_key(tr, nodes, source)
     found = _ACTIVATION_CACHE.get(key) if key is not None else None
     if found is None:
-        found = identify_activation(_subgraph_fn(tr, nodes, source), width)
+        weight = next(tr.module.parameters(), None)
+        found = identify_activation(_subgraph_fn(tr, nodes, source), width,
+                                    "cpu" if weight is None else weight.device)
         if key is not None and len(_ACTIVATION_CACHE) < 1024:
             _ACTIVATION_CACHE[key] = found
     name, why = found
@@ -569,7 +496,7 @@ def chain_ending_at(tr, l2):
         raise NotAChain(f"{tr.target(l2)} is not called on one tensor")
     stepped, active = [], []
     top = _skip_identities(tr, l2.args[0], stepped, active)
-    if len(top.users) != 1 or any(len(n.users) != 1 for n in stepped):
+    if len(data_users(top)) != 1 or any(len(data_users(n)) != 1 for n in stepped):
         raise NotAChain("the value before the second linear is also used elsewhere")
     if _is_binary(top, _MUL, "mul"):
         chain = _gated(tr, l2, top, stepped, active)
@@ -590,8 +517,10 @@ def _gated(tr, l2, mul, stepped, active):
     a, b = mul.args
     if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
         raise NotAChain("a product with a constant before the second linear")
-    for act_top, up in ((a, b), (b, a)):
-        if len(up.users) != 1:
+    for act_top, up_value in ((a, b), (b, a)):
+        up_stepped = []
+        up = _skip_identities(tr, up_value, up_stepped, active)
+        if len(data_users(up)) != 1 or any(len(data_users(n)) != 1 for n in up_stepped):
             continue
         piece = _split_piece(tr, up)
         if piece is not None:  # act(half g) * half u of one linear's output
@@ -601,10 +530,11 @@ def _gated(tr, l2, mul, stepped, active):
             if gate is None or _split_piece(tr, gate) != (source, 1 - up_index):
                 continue
             split = up.args[0]
-            if len(source.users) != 1 or set(split.users) != {up, gate}:
+            if len(data_users(source)) != 1 or set(data_users(split)) != {up, gate}:
                 continue
             width = linear_weight(tr.submodule(source))[0].shape[0] // 2
             activation, act_nodes = _activation(tr, act_top, gate, width)
+            stepped += up_stepped
             x = _chain_input(tr, source, stepped, active)
             return Chain(source, l2, x, activation, act_nodes, mul,
                          halves=(1 - up_index, up_index), identities=stepped,
@@ -616,6 +546,7 @@ def _gated(tr, l2, mul, stepped, active):
                 continue
             width = linear_weight(tr.submodule(gate))[0].shape[0]
             activation, act_nodes = _activation(tr, act_top, gate, width)
+            stepped += up_stepped
             x = _chain_input(tr, gate, stepped, active)
             if _chain_input(tr, up, stepped, active) is not x:
                 raise NotAChain("the gate and up linears take different inputs")
@@ -656,7 +587,8 @@ def half_chains(tr, taken):
         if not act.users or len(opaque) != len(act.users):
             continue
         width = linear_weight(tr.submodule(node))[0].shape[0]
-        if identify_activation(tr.submodule(act), width)[0] is not None:
+        device = linear_weight(tr.submodule(node))[0].device
+        if identify_activation(tr.submodule(act), width, device)[0] is not None:
             found.append((tr.target(node), act))
     return found
 
@@ -708,10 +640,11 @@ def analyse_block(module, tr=None):
     tail = []
 
     def step(n):
-        users = list(n.users)
+        users = data_users(n)
         return users[0] if len(users) == 1 else None
-    nxt = step(node)
-    while nxt is not None and _identity_state(tr, nxt) is not None and nxt.args[0] is node:
+    nxt = step(node)  # casts stay out of the tail: the output keeps the dtype L2 gave it
+    while nxt is not None and _identity_state(tr, nxt) is not None and nxt.args[0] is node \
+            and not is_cast(nxt):
         if _identity_state(tr, nxt)[0]:
             chain.active_dropout.append(_identity_state(tr, nxt)[1])
         tail.append(nxt)
@@ -732,6 +665,7 @@ def analyse_block(module, tr=None):
                         " follows)" if nxt is not None and nxt is not tr.output else
                         "its output is not the chain's result alone")
     covered |= set(tail)
+    covered |= {n for n in tr.graph.nodes if _is_metadata(n) and n.args[0] in covered}
     extra = [n for n in tr.graph.nodes if n not in covered]
     if extra:
         raise NotAChain(f"its forward also computes {describe_nodes(tr, extra)}")

@@ -105,10 +105,17 @@ def tiny_kwargs(config_class):
             kw[k] = i % 3
         elif isinstance(vocab, int) and isinstance(cur, list):
             kw[k] = [t if t < vocab else 2 for t in cur]
+    if "n_routed_experts" in names and getattr(default, "n_routed_experts", 0) is None and \
+            "moe_intermediate_size" in names:
+        kw["n_routed_experts"] = SIZES["n_routed_experts"]
     layers = kw.get("num_hidden_layers")
     for k in ("layer_types", "layers_block_type", "block_types"):
-        if k in names and isinstance(getattr(default, k, None), list) and layers:
-            kw[k] = getattr(default, k)[:layers]
+        types = getattr(default, k, None) if k in names else None
+        if isinstance(types, list) and layers and all(isinstance(t, str) for t in types):
+            kinds = list(dict.fromkeys(types))  # each kind once, in order of first use
+            if len(kinds) > layers:
+                layers = kw["num_hidden_layers"] = len(kinds)
+            kw[k] = kinds + [types[-1]] * (layers - len(kinds))
     if "is_decoder" in names:
         kw["is_decoder"] = True
     for name in getattr(config_class, "sub_configs", {}):
@@ -152,7 +159,9 @@ def _why(e, what):
 def input_ids(model):
     vocab = getattr(model.config, "vocab_size", None) or 256
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, max(4, min(vocab, 256)), (BATCH, SEQ), generator=gen)
+    codebooks = getattr(model.config, "num_codebooks", None)  # audio decoders: rows per book
+    rows = BATCH * (codebooks if isinstance(codebooks, int) and codebooks > 0 else 1)
+    ids = torch.randint(3, max(4, min(vocab, 256)), (rows, SEQ), generator=gen)
     return ids.to(next(model.parameters()).device)
 
 
