@@ -84,8 +84,10 @@ def _fields(cls):
         return set()
 
 
-def tiny_kwargs(config_class):
-    """Constructor keyword arguments shrinking config_class's defaults (see the module doc)."""
+def tiny_kwargs(config_class, every_kind=False):
+    """Constructor keyword arguments shrinking config_class's defaults (see the module doc).
+    Layer-type lists are cut to the layer count, or with every_kind to one layer of each type
+    (for models that need, say, an attention layer among their linear-attention ones)."""
     default = config_class()
     names = _fields(config_class)
     kw = {}
@@ -112,6 +114,9 @@ def tiny_kwargs(config_class):
     for k in ("layer_types", "layers_block_type", "block_types"):
         types = getattr(default, k, None) if k in names else None
         if isinstance(types, list) and layers and all(isinstance(t, str) for t in types):
+            if not every_kind:
+                kw[k] = types[:layers]
+                continue
             kinds = list(dict.fromkeys(types))  # each kind once, in order of first use
             if len(kinds) > layers:
                 layers = kw["num_hidden_layers"] = len(kinds)
@@ -121,7 +126,7 @@ def tiny_kwargs(config_class):
     for name in getattr(config_class, "sub_configs", {}):
         sub = getattr(default, name, None)
         if sub is not None and hasattr(sub, "to_dict"):
-            sub_kw = tiny_kwargs(type(sub))
+            sub_kw = tiny_kwargs(type(sub), every_kind)
             sub_kw["model_type"] = sub.model_type
             kw[name] = sub_kw
     return kw
@@ -133,16 +138,24 @@ def build(class_name, dtype=torch.float32, device="cpu"):
     cls = getattr(transformers, class_name, None)
     if cls is None:
         raise BuildError(f"transformers has no {class_name}")
+    failure = None
+    for every_kind in (False, True):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                config = cls.config_class(**tiny_kwargs(cls.config_class, every_kind))
+                torch.manual_seed(0)
+                model = cls(config)
+            break
+        except Exception as e:  # noqa: BLE001 - any failure: the class cannot be built so
+            failure = failure or e
+    else:
+        raise BuildError(_why(failure, "building it from a tiny config"))
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            config = cls.config_class(**tiny_kwargs(cls.config_class))
-            torch.manual_seed(0)
-            model = cls(config)
         if hasattr(model, "set_default_language") and getattr(config, "languages", None):
             model.set_default_language(config.languages[0])
         model = model.to(device=device, dtype=dtype).eval()
-    except Exception as e:  # noqa: BLE001 - any failure: the class cannot be built this way
+    except Exception as e:  # noqa: BLE001
         raise BuildError(_why(e, "building it from a tiny config")) from None
     count = sum(p.numel() for p in model.parameters())
     if count > MAX_PARAMETERS:
