@@ -1,21 +1,28 @@
-"""fusedmlp.patch: swaps the MLP blocks of a Hugging Face model for FusedMLP modules in place.
+"""fusedmlp.patch: swaps the MLP blocks of a model (Hugging Face or any nn.Module) for fused
+modules in place.
 
-Handled: GPT-2 style blocks (c_fc/act/c_proj, Conv1D weights transposed at pack time), gated
-blocks (gate_proj/up_proj/down_proj/act_fn: Llama, Mistral, Qwen2, ... as SwiGLU with gate and
-up stacked by the pack), fc1/activation_fn/fc2 blocks, and BERT-style encoder layers
-(intermediate.dense + act, then output.dense + dropout + LayerNorm(h + input)): the two linears,
-the activation and the residual add are fused, the LayerNorm stays a torch op. Sparse
-mixture-of-experts blocks (Mixtral, Qwen3-MoE: router, top-k, experts and weighted sum) become
-FusedMoE modules (fusedmlp.torch.FusedMoE.from_module). Other MoE blocks whose experts use the
-transformers 5 experts registry (@use_experts_implementation: OLMoE, Qwen2-MoE, DeepSeek-V3, ...)
-keep their router and get their experts computed by fusedmlp: the model's experts implementation
-becomes "fusedmlp" (fusedmlp.torch.register_experts, fusedmlp/_experts.py). The remaining MoE
-blocks are skipped with the reason.
+Dense MLP blocks are found by what their forward computes, not by attribute names
+(fusedmlp/_structure.py states the rule): a module whose traced forward is linear -> act
+(-> * linear) -> linear, whatever its children are called (two or three linears, one fused
+gate_up linear split in halves, Conv1D or Linear, with or without biases; act any module or
+function that equals relu, gelu, gelu_tanh or silu) becomes a FusedMLP (or a FusedBlock when its
+forward also adds a residual input or applies a post-norm); a chain that a layer computes inside
+its own forward beside its attention (OPT, BART, Whisper...: fc1, activation_fn, fc2 held by the
+decoder layer; BERT: intermediate.dense -> act -> output.dense across two children) is replaced
+in place, never the layer. The norm feeding a block moves into the fused op when the parent's
+graph shows its output feeds that block alone and it computes LayerNorm or RMSNorm (weight w,
+1 + w as in Gemma, or none); the report says why otherwise. Sparse mixture-of-experts blocks
+(Mixtral, Qwen3-MoE: router, top-k, experts and weighted sum) become FusedMoE modules
+(fusedmlp.torch.FusedMoE.from_module). Other MoE blocks whose experts use the transformers 5
+experts registry (@use_experts_implementation: OLMoE, Qwen2-MoE, DeepSeek-V3, ...) keep their
+router and get their experts computed by fusedmlp: the model's experts implementation becomes
+"fusedmlp" (fusedmlp.torch.register_experts, fusedmlp/_experts.py). The dense MLPs inside MoE
+blocks (shared experts) are fused like any other. Every MLP-looking module that is not replaced
+is listed in the report with the reason.
 
-With fuse_norm (default), the pre-MLP norm of decoder blocks whose wiring is known to be
-`h + mlp(norm(h))` (GPT2Block's ln_2; post_attention_layernorm of Llama, Mistral, Qwen2, Qwen3
-decoder layers) moves into the fused op: the norm module becomes a passthrough and the fused MLP
-normalises its input itself, one launch fewer per layer (several for the eager RMSNorm).
+Every replacement is probed (the fused module against the original modules on random rows)
+before anything is swapped: in strict mode a mismatch, or an error inside the probe, raises
+PatchError and leaves the model unchanged; otherwise that block is skipped with the reason.
 
 With linears=True, the projections of attention modules (c_attn/c_proj/q_attn of GPT-2,
 q/k/v/o_proj, query/key/value, dense, ...: _ATTENTION_PROJECTIONS under a module whose class
@@ -23,14 +30,17 @@ name says Attention or Attn) and every `lm_head` also become FusedLinear modules
 (torch.ops.fusedmlp.linear, a GEMV at decode's few rows).
 """
 
+import collections
 import dataclasses
 
 import torch
 from torch import nn
 
+from . import _structure as st
+from ._blocks import (FusedBlock, NotInPlace, Passthrough, Plan, _norm_choice, block_plan,
+                      inline_plan)
 from ._experts import experts_probe, is_registry_experts, switch_experts
-from .torch import (FusedLinear, FusedMLP, FusedMoE, _activation, _describe, _is_conv1d,
-                    _linear_weight)
+from .torch import FusedLinear, FusedMLP, FusedMoE, _is_conv1d
 
 # Probe tolerance per dtype of the model's weights: an output element passes when
 # |fused - original| <= rtol * (|original| + rms(original row)). Both sides carry their own
@@ -87,26 +97,6 @@ class PatchReport:
         return "\n".join(lines)
 
 
-class _Passthrough(nn.Module):
-    """Stands in for a BERT intermediate whose work moved into the fused output."""
-
-    def forward(self, hidden_states):
-        return hidden_states
-
-
-class FusedBertOutput(nn.Module):
-    """LayerNorm(dense2(act(dense1(x))) + x) with everything before the LayerNorm fused; the
-    layer's intermediate becomes a passthrough, so this module receives x twice."""
-
-    def __init__(self, fused, layer_norm):
-        super().__init__()
-        self.fused = fused
-        self.LayerNorm = layer_norm
-
-    def forward(self, hidden_states, input_tensor):
-        return self.LayerNorm(self.fused(hidden_states, residual=input_tensor))
-
-
 def _is_moe(m):
     """A mixture-of-experts block (by structure or class name; not the models and decoder
     layers whose class names also say Moe)."""
@@ -125,19 +115,18 @@ def _moe_plan(name, parent, child_name, block, backend):
     with torch.no_grad():  # NotImplementedError now (a skip with the reason), not at forward
         fused.eval()(torch.zeros(1, fused.d, dtype=fused.w1.dtype, device=fused.w1.device))
     fused.train(block.training)
-    return _Plan(name, parent, {child_name: fused},
-                 lambda x: _first(block(x.unsqueeze(0)))[0], lambda x: _first(fused(x)),
-                 fused.d, fused.w1,
-                 f"{type(block).__name__} -> FusedMoE ({fused.extra_repr()})",
-                 select=lambda x: fused.routing_margin(x) > PROBE_RTOL.get(x.dtype, 2.0**-4),
-                 probe_rows=64)
+    return Plan(name, [(parent, child_name, fused)],
+                lambda x: _first(block(x.unsqueeze(0)))[0], lambda x: _first(fused(x)),
+                fused.d, fused.w1, f"{type(block).__name__} -> FusedMoE ({fused.extra_repr()})",
+                select=lambda x: fused.routing_margin(x) > PROBE_RTOL.get(x.dtype, 2.0**-4),
+                probe_rows=64, covers=(name,))
 
 
 def _experts_plan(name, experts):
     """The plan switching a registry experts module to fusedmlp (see experts_probe)."""
     original, fused, d_in, weight, detail = experts_probe(experts)
-    return _Plan(name, experts, {}, original, fused, d_in, weight, detail, probe_rows=32,
-                 experts=experts)
+    return Plan(name, [], original, fused, d_in, weight, detail, probe_rows=32,
+                experts=experts, covers=(name,))
 
 
 def _already_switched(m):
@@ -167,132 +156,232 @@ def _moe_or_experts_plan(name, module, child_name, block, backend, moe):
         raise NotImplementedError(f"{fused_reason}; {e}") from None
 
 
-def _is_bert_layer(m):
-    inter, out = getattr(m, "intermediate", None), getattr(m, "output", None)
-    return (isinstance(getattr(inter, "dense", None), nn.Linear)
-            and hasattr(inter, "intermediate_act_fn")
-            and isinstance(getattr(out, "dense", None), nn.Linear)
-            and isinstance(getattr(out, "LayerNorm", None), nn.LayerNorm))
-
-
-# Decoder blocks whose `mlp` child is fed by exactly this norm and nothing else reads the norm's
-# output; listed by class because the attribute names alone are ambiguous (Gemma 2 has a
-# post_attention_layernorm that normalises the attention output, not the MLP input).
-_NORM_BEFORE_MLP = {
-    "GPT2Block": "ln_2",
-    "LlamaDecoderLayer": "post_attention_layernorm",
-    "MistralDecoderLayer": "post_attention_layernorm",
-    "Qwen2DecoderLayer": "post_attention_layernorm",
-    "Qwen3DecoderLayer": "post_attention_layernorm",
-}
-
-
-def _norm_kwargs(norm):
-    """FusedMLP norm arguments computing what `norm` computes, or None when it does not fit."""
-    if isinstance(norm, nn.LayerNorm) and len(norm.normalized_shape) == 1:
-        return dict(norm="layernorm", norm_weight=norm.weight, norm_bias=norm.bias,
-                    eps=float(norm.eps))
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    weight = getattr(norm, "weight", None)
-    if (type(norm).__name__.endswith("RMSNorm") and eps is not None
-            and isinstance(weight, torch.Tensor) and weight.dim() == 1
-            and len(list(norm.parameters())) == 1):
-        return dict(norm="rmsnorm", norm_weight=weight, eps=float(eps))
-    return None
-
-
-def _fused_norm_plan(name, block, backend):
-    """The plan for a known block: its norm and mlp replaced by one FusedMLP, or None."""
-    attr = _NORM_BEFORE_MLP.get(type(block).__name__)
-    norm, mlp = getattr(block, attr or "", None), getattr(block, "mlp", None)
-    if attr is None or norm is None or mlp is None or not _is_mlp_candidate(mlp):
-        return None
-    kwargs = _norm_kwargs(norm)
-    if kwargs is None:
-        return None
-    fused = FusedMLP(**_describe(mlp), **kwargs, backend=backend).train(mlp.training)
-    return _Plan(f"{name}.mlp" if name else "mlp", block,
-                 {attr: _Passthrough().train(norm.training), "mlp": fused},
-                 lambda x: mlp(norm(x)), fused, fused.d_in, fused.w1,
-                 f"{type(norm).__name__}+{type(mlp).__name__} -> FusedMLP ({fused.extra_repr()})")
-
-
 def _is_mlp_candidate(m):
+    """An MLP block by attribute names: the tensor-parallel path's test (fusedmlp.tp shards
+    what fusedmlp.torch._describe maps); patch() itself finds blocks by structure."""
     return (all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj"))
             or all(hasattr(m, a) for a in ("c_fc", "c_proj"))
             or all(hasattr(m, a) for a in ("fc1", "fc2", "activation_fn")))
 
 
-@dataclasses.dataclass
-class _Plan:
-    name: str
-    parent: nn.Module
-    attrs: dict  # attribute of parent -> replacement module
-    original: object  # callable(x) -> reference output
-    fused: object  # callable(x) -> fused output
-    d_in: int
-    weight: torch.Tensor
-    detail: str
-    select: object = None  # callable(x) -> bool [rows]: the probe rows to compare
-    probe_rows: int = 8  # rows of the default probe
-    linear: bool = False  # a FusedLinear (report.linears) rather than an MLP block
-    experts: nn.Module = None  # a registry experts module switched to fusedmlp (no attrs)
+def _looks_like_mlp(m):
+    """A module the report must account for when it is not replaced: named like an MLP, or
+    holding two or three linears and an activation module (and not named like attention)."""
+    if st.named_like_mlp(m):
+        return True
+    kids = list(m.children())
+    if sum(st.linear_kind(k) is not None for k in kids) not in (2, 3) or _is_attention(m):
+        return False
+    return any(st.is_simple_leaf(k) and not list(k.parameters())
+               and not isinstance(k, (nn.Dropout, nn.Identity))
+               and st.identify_activation(k, 8, _device(m))[0] is not None for k in kids)
 
 
-def _bert_plan(name, layer, backend):
-    inter, out = layer.intermediate, layer.output
-    w1, b1 = _linear_weight(inter.dense, "intermediate.dense")
-    w2, b2 = _linear_weight(out.dense, "output.dense")
-    fused = FusedMLP(w1, w2, b1=b1, b2=b2, activation=_activation(inter.intermediate_act_fn),
-                     dropout=out.dropout if isinstance(getattr(out, "dropout", None),
-                                                       nn.Dropout) else None,
-                     backend=backend)
-    new_out = FusedBertOutput(fused, out.LayerNorm).train(out.training)
-    return _Plan(f"{name}.intermediate+output" if name else "intermediate+output", layer,
-                 {"intermediate": _Passthrough().train(inter.training), "output": new_out},
-                 lambda x: out(inter(x), x), lambda x: new_out(x, x), w1.shape[1], w1,
-                 f"{type(inter).__name__}+{type(out).__name__} -> FusedMLP "
-                 f"({fused.extra_repr()}) + LayerNorm")
+def _device(m):
+    p = next(m.parameters(), None)
+    return "cpu" if p is None else p.device
 
 
-def _collect(module, prefix, backend, plans, report, skip=(), fuse_norm=True, moe="fused"):
-    for child_name, child in module.named_children():
-        if child_name in skip:
-            continue
-        name = f"{prefix}.{child_name}" if prefix else child_name
-        if isinstance(child, (FusedMLP, FusedMoE)):  # patched before
-            continue
+_DONE = (FusedMLP, FusedMoE, FusedLinear, FusedBlock, Passthrough)
+
+
+class _Collector:
+    """Walks the model once: MoE blocks and registry experts first (as before), then dense MLP
+    blocks and chains by structure (_structure), each module analysed as a parent of its
+    children (for pre-norms and chains inside its forward) before its children are visited."""
+
+    def __init__(self, model, backend, plans, report, fuse_norm, moe):
+        self.backend, self.plans, self.report = backend, plans, report
+        self.fuse_norm, self.moe = fuse_norm, moe
+        self.refs = collections.Counter(id(m) for _, m in
+                                        model.named_modules(remove_duplicate=False))
+        self.pending = {}  # MLP-looking modules not replaced -> reason (unless a plan covers them)
+        self.seen = set()
+        self.claimed = set()  # ids of modules a plan takes over
+        self.traces = {}  # id(module) -> its standalone Trace, or the Untraceable it raised
+
+    def trace(self, module):
+        """module's standalone trace (cached), or raises Untraceable."""
+        found = self.traces.get(id(module))
+        if found is None:
+            try:
+                found = st.trace(module)
+            except st.Untraceable as e:
+                found = e
+            self.traces[id(module)] = found
+        if isinstance(found, st.Untraceable):
+            raise found
+        return found
+
+    def traceable(self, module):
         try:
-            if is_registry_experts(child):  # outside a block that _is_moe recognises
-                if not _already_switched(child):
-                    plans.append(_experts_plan(name, child))
+            self.trace(module)
+            return True
+        except st.Untraceable:
+            return False
+
+    def skip(self, name, reason):
+        self.report.skipped.append((name, reason))
+
+    def add(self, plan, *modules):
+        self.plans.append(plan)
+        self.claimed |= {id(m) for m in modules}
+
+    def finish(self):
+        covered = {c for p in self.plans for c in p.covers}
+        for name, reason in self.pending.items():
+            if not any(c == name or c.startswith(name + ".") for c in covered):
+                self.skip(name, reason)
+
+    def walk(self, module, prefix):
+        if id(module) in self.seen:
+            return
+        self.seen.add(id(module))
+        blocks, descend, unsupported = {}, [], set()
+        for child_name, child in module.named_children():
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            if isinstance(child, _DONE) or id(child) in self.claimed:
                 continue
-            if _is_moe(child):
-                plan = _moe_or_experts_plan(name, module, child_name, child, backend, moe)
-                if plan is not None:
-                    plans.append(plan)
+            try:
+                if is_registry_experts(child):  # outside a block that _is_moe recognises
+                    if not _already_switched(child):
+                        self.add(_experts_plan(name, child), child)
+                    continue
+                if _is_moe(child):
+                    plan = _moe_or_experts_plan(name, module, child_name, child, self.backend,
+                                                self.moe)
+                    if plan is not None:
+                        self.add(plan, child if plan.experts is None else plan.experts)
+                    if plan is None or plan.experts is not None:
+                        descend.append((child, name))  # its shared experts, say
+                    continue
+            except (NotImplementedError, ValueError) as e:
+                self.skip(name, str(e))  # the reason covers its experts too
+                self.claimed.add(id(getattr(child, "experts", None)))
+                descend.append((child, name))  # its dense MLPs (shared experts) may still fuse
                 continue
-            if _is_bert_layer(child):
-                plans.append(_bert_plan(name, child, backend))
-                _collect(child, name, backend, plans, report, skip=("intermediate", "output"),
-                         fuse_norm=fuse_norm, moe=moe)
+            kids = list(child.children())
+            if st.linear_kind(child) is not None:
                 continue
-            plan = _fused_norm_plan(name, child, backend) if fuse_norm else None
-            if plan is not None:
-                plans.append(plan)
-                _collect(child, name, backend, plans, report, skip=tuple(plan.attrs),
-                         fuse_norm=fuse_norm, moe=moe)
+            if not any(st.linear_kind(k) is not None for k in kids) and st.named_like_mlp(child):
+                self.pending[name] = ("not replaced: it holds no nn.Linear or Conv1D children (its "
+                                      "weights are plain tensors fusedmlp does not map)")
+            if not kids:
                 continue
-            if _is_mlp_candidate(child):
-                fused = FusedMLP(**_describe(child), backend=backend).train(child.training)
-                plans.append(_Plan(name, module, {child_name: fused}, child, fused,
-                                   fused.d_in, fused.w1,
-                                   f"{type(child).__name__} -> FusedMLP ({fused.extra_repr()})"))
+            if any(st.linear_kind(k) is not None for k in kids):
+                try:
+                    blocks[child_name] = (name, st.analyse_block(child, self.trace(child)))
+                    continue
+                except st.UnsupportedChain as e:
+                    self.skip(name, str(e))
+                    unsupported.add(child_name)
+                    continue
+                except (st.NotAChain, st.Untraceable) as e:
+                    if _looks_like_mlp(child):
+                        self.pending[name] = f"not replaced: {e}"
+            descend.append((child, name))
+        self.parent(module, prefix, blocks, unsupported)
+        for child, name in descend:
+            self.walk(child, name)
+
+    def parent(self, module, prefix, blocks, unsupported):
+        """Plans for the MLP blocks among module's children (with their pre-norm when module's
+        graph shows it feeds only them) and for chains inside module's own forward. Children
+        that are blocks, or MLPs fusedmlp cannot express, stay opaque in that graph."""
+        kids = dict(module.named_children())
+        opaque = {id(kids[b]) for b in list(blocks) + list(unsupported)} | self.claimed
+        inline = st.parent_inline_candidates(module, opaque)
+        linears = sum(st.linear_kind(k) is not None for k in kids.values()) + sum(
+            st.linear_kind(k) is not None for c in inline for k in kids[c].children())
+        if not blocks and linears < 2:
+            return
+        tr, why = None, None
+        inline = [c for c in inline if self.traceable(kids[c])]
+        for attempt in ([inline] if inline else []) + [[]]:
+            try:
+                tr = st.trace(module, attempt) if attempt else self.trace(module)
+                break
+            except st.Untraceable as e:
+                why = str(e)
+        for child_name, (name, block) in blocks.items():
+            child = kids[child_name]
+            norm = (None, None, f"no pre-norm fused: {why}")
+            if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+                norm = (None, None, f"no pre-norm fused: held in a {type(module).__name__} "
+                        "and called from elsewhere")
+            if tr is not None:
+                calls = [n for n in tr.graph.nodes
+                         if n.op == "call_module" and tr.target(n) == child_name]
+                reads = st.reads_into(tr, child_name)
+                if reads:
+                    self.skip(name, f"{type(module).__name__}.forward reads {reads[0]}")
+                    continue
+                if len(calls) == 1:
+                    norm = _norm_choice(tr, st.first_input(calls[0], block.trace.params),
+                                        st.in_features(block.trace.submodule(block.chain.l1)),
+                                        self.fuse_norm)
+                else:
+                    norm = (None, None, f"no pre-norm fused: {type(module).__name__}.forward "
+                            f"calls it {len(calls)} times")
+            inner = [n for n, _ in child.named_children()]
+            reads = st.source_reads(module, child_name, inner)
+            if reads:
+                self.skip(name, f"not replaced: {reads}")
                 continue
-        except (NotImplementedError, ValueError) as e:
-            report.skipped.append((name, str(e)))
-            continue
-        _collect(child, name, backend, plans, report, fuse_norm=fuse_norm, moe=moe)
+            try:
+                plan = block_plan(name, module, child_name, child, block, norm, self.backend)
+            except (NotImplementedError, ValueError) as e:
+                self.skip(name, str(e))
+                continue
+            self.add(plan, child, *(getattr(o, a) for o, a, _ in plan.swaps))
+        if tr is None:
+            if sum(st.linear_kind(k) is not None for k in kids.values()) >= 2 and \
+                    _looks_like_mlp(module) and not blocks:
+                self.pending[prefix] = f"its linears are called inside a forward that {why}"
+            return
+        self.chains(module, prefix, tr)
+
+    def chains(self, module, prefix, tr):
+        full = lambda q: f"{prefix}.{q}" if prefix else q  # noqa: E731
+        chains, unsupported = st.find_chains(tr)
+        taken = set()
+        for chain in chains:
+            taken |= chain.nodes()
+            name = "+".join(full(q) for q in chain.linears(tr))
+            owners = {q.rpartition(".")[0] for q in chain.linears(tr)} - {""}
+            shared = [o for o in owners if self.refs[id(module.get_submodule(o))] > 1]
+            if any(id(module.get_submodule(q)) in self.claimed for q in chain.linears(tr)):
+                continue
+            if shared:
+                self.skip(name, f"{full(shared[0])} is shared with another module")
+                continue
+            d_in = st.in_features(tr.submodule(chain.l1))
+            norm = _norm_choice(tr, chain.x, d_in, self.fuse_norm)
+            try:
+                plan = inline_plan(prefix, module, tr, chain, norm, self.backend)
+            except NotInPlace as e:
+                if prefix not in self.pending:  # else the module's own reason says more
+                    self.skip(name, str(e))
+                continue
+            except (NotImplementedError, ValueError) as e:
+                self.pending.pop(prefix, None)  # this reason is the one
+                self.skip(name, str(e))
+                continue
+            self.add(plan, *(getattr(o, a) for o, a, _ in plan.swaps))
+        for linears, reason in unsupported:
+            self.skip("+".join(full(q) for q in linears), reason)
+        for linear, _ in st.half_chains(tr, taken):
+            owner = linear.rpartition(".")[0]
+            name = full(owner) if owner else full(linear)
+            self.pending.setdefault(name, f"{full(linear)} -> activation: the rest of this MLP is "
+                                    f"not visible in {type(module).__name__}.forward (it goes "
+                                    "on in a module that is not traced through)")
+
+
+def _collect(model, backend, plans, report, fuse_norm=True, moe="fused"):
+    collector = _Collector(model, backend, plans, report, fuse_norm, moe)
+    collector.walk(model, "")
+    collector.finish()
 
 
 # Linear children of attention modules that linears=True replaces, by attribute name: GPT-2
@@ -319,7 +408,7 @@ def _collect_linears(module, prefix, plans, report, taken, in_attention=False):
     skipped) are left alone, children included."""
     for child_name, child in module.named_children():
         name = f"{prefix}.{child_name}" if prefix else child_name
-        if id(child) in taken or isinstance(child, (FusedLinear, FusedMLP, FusedMoE)):
+        if id(child) in taken or isinstance(child, _DONE):
             continue
         if isinstance(child, nn.Linear) or _is_conv1d(child):
             if child_name == "lm_head" or (in_attention and child_name in _ATTENTION_PROJECTIONS):
@@ -328,10 +417,10 @@ def _collect_linears(module, prefix, plans, report, taken, in_attention=False):
                 except (NotImplementedError, ValueError) as e:
                     report.skipped.append((name, str(e)))
                     continue
-                plans.append(_Plan(name, module, {child_name: fused}, child, fused,
-                                   fused.in_features, fused.weight,
-                                   f"{type(child).__name__} -> FusedLinear "
-                                   f"({fused.extra_repr()})", linear=True))
+                plans.append(Plan(name, [(module, child_name, fused)], child, fused,
+                                  fused.in_features, fused.weight,
+                                  f"{type(child).__name__} -> FusedLinear "
+                                  f"({fused.extra_repr()})", linear=True, covers=(name,)))
             continue
         if not isinstance(child, nn.MultiheadAttention):
             _collect_linears(child, name, plans, report, taken,
@@ -355,15 +444,22 @@ def _probe_input(probe, plan):
 
 
 def _probe_error(plan, probe):
-    """Largest |fused - original| / (rtol * (|original| + rms(original row)))."""
-    x = _probe_input(probe, plan)
-    with torch.no_grad():
-        ref = plan.original(x).float()
-        got = plan.fused(x).float()
+    """Largest |fused - original| / (rtol * (|original| + rms(original row))); inf (and the
+    error) when either side raises: a crash inside the probe refuses the plan like a mismatch."""
+    try:
+        x = _probe_input(probe, plan)
+        with torch.no_grad():
+            ref = plan.original(x).float()
+            got = plan.fused(x).float()
+        if got.shape != ref.shape:
+            return float("inf"), f"the fused output has shape {tuple(got.shape)}, the " \
+                f"original {tuple(ref.shape)}"
+    except Exception as e:  # noqa: BLE001 - whatever fails, the block is not swapped
+        return float("inf"), f"the probe raised {type(e).__name__}: {str(e)[:200]}"
     rms = ref.pow(2).mean(dim=-1, keepdim=True).sqrt()
     bound = PROBE_RTOL.get(plan.weight.dtype, 2.0**-4) * (ref.abs() + rms) + 1e-30
     err = (got - ref).abs() / bound
-    return float(err.nan_to_num(nan=float("inf")).max()) if err.numel() else 0.0
+    return (float(err.nan_to_num(nan=float("inf")).max()) if err.numel() else 0.0), None
 
 
 def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_group=None,
@@ -371,24 +467,30 @@ def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_gr
     """Replaces the MLP blocks of `model` in place by FusedMLP modules (packed once for the
     weights' device) and returns a PatchReport (print it).
 
-    strict=True runs a probe batch through each original block and its replacement first and
-    raises PatchError, leaving the model unchanged, when any output element differs by more
-    than PROBE_RTOL[dtype] * (|original| + rms(original row)) (fp32 2^-12, fp16 2^-7, bf16 2^-4).
-    probe: a tensor of hidden states [..., d_model] for that check (default: 8 random rows,
-    seeded); given with strict=False, blocks that fail it are skipped instead of replaced.
-    fuse_norm: also fuse the pre-MLP LayerNorm/RMSNorm of the decoder blocks listed in
-    _NORM_BEFORE_MLP (the norm module becomes a passthrough). Sparse-MoE blocks of Mixtral and
-    Qwen3-MoE become FusedMoE modules (their probe compares the whole block's output on the
-    probe rows whose routing is unambiguous: see PROBE_RTOL). Other MoE blocks whose experts
-    module uses the transformers 5 experts registry keep their router and their experts run
-    through fusedmlp: "fusedmlp" is registered and becomes the model's experts implementation
-    (model.set_experts_implementation; the setting is per config, so experts modules that
-    fusedmlp cannot express, or that the probe refused, keep the implementation they had). Their
-    probe runs the experts module's eager forward and fusedmlp on the same seeded routing
-    (32 rows); they are listed in report.experts. moe="experts" takes that path for Mixtral and
-    Qwen3-MoE too (default "fused": FusedMoE, which fuses the router as well). Blocks that
-    cannot be fused (unknown activation, other mixtures of experts, ...) are skipped with the
-    reason.
+    Every replacement is probed first: a batch of rows goes through the original modules and
+    through the replacement, and an output element passes when it is within PROBE_RTOL[dtype] *
+    (|original| + rms(original row)) (fp32 2^-12, fp16 2^-7, bf16 2^-4). strict=True raises
+    PatchError, leaving the model unchanged, when any probe fails (a mismatch, or an error
+    inside the probe); otherwise the blocks that fail are skipped with the reason and the
+    others are swapped. probe: a tensor of hidden states [..., d_model] for that check
+    (default: 8 random rows, seeded).
+    Dense MLP blocks are found by structure (fusedmlp/_structure.py): modules computing linear ->
+    act (-> * linear) -> linear become FusedMLP (FusedBlock when the forward also takes a
+    residual or applies a post-norm); chains inside a layer's own forward are replaced in place.
+    fuse_norm: also move into the fused op the norm whose output feeds only that block, when it
+    computes LayerNorm or RMSNorm (the norm module becomes a passthrough). Sparse-MoE blocks of
+    Mixtral and Qwen3-MoE become FusedMoE modules (their probe compares the whole block's output
+    on the probe rows whose routing is unambiguous: see PROBE_RTOL). Other MoE blocks whose
+    experts module uses the transformers 5 experts registry keep their router and their experts
+    run through fusedmlp: "fusedmlp" is registered and becomes the model's experts
+    implementation (model.set_experts_implementation; the setting is per config, so experts
+    modules that fusedmlp cannot express, or that the probe refused, keep the implementation they
+    had). Their probe runs the experts module's eager forward and fusedmlp on the same seeded
+    routing (32 rows); they are listed in report.experts. moe="experts" takes that path for
+    Mixtral and Qwen3-MoE too (default "fused": FusedMoE, which fuses the router as well). Blocks
+    that cannot be fused (an activation fusedmlp lacks, a layout it cannot express, dropout in
+    training mode, other mixtures of experts, ...) and MLP-looking modules that are not MLP
+    blocks are listed in report.skipped with the reason.
     tp_group: a torch.distributed NCCL process group: each rank replaces the MLP blocks by its
     tensor-parallel shard (fusedmlp.tp.TPFusedMLP, all-reduce over the group) and the sparse-MoE
     blocks by its range of the experts (fusedmlp.tp.TPFusedMoE, likewise); every rank must
@@ -402,7 +504,7 @@ def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_gr
     the op cannot take (dtype, tensor subclass, nn.Linear subclass) are left alone, the latter
     listed in report.skipped. Replaced names go to report.linears (report.replaced keeps the MLP
     blocks); strict and probe check them like the blocks. Not with tp_group.
-    Inference only: call model.eval() (dropout before a fused residual add raises).
+    Inference only: call model.eval() (blocks with an active dropout are skipped).
     """
     if tp_group is not None:  # tensor parallel: every rank keeps its shard (fusedmlp.tp)
         if linears:
@@ -416,36 +518,34 @@ def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_gr
                          "or 'experts' (the experts registry where the block's experts use it)")
     report = PatchReport()
     plans = []
-    _collect(model, "", backend, plans, report, fuse_norm=fuse_norm, moe=moe)
+    _collect(model, backend, plans, report, fuse_norm=fuse_norm, moe=moe)
     if linears:
         modules = dict(model.named_modules())
-        taken = {id(getattr(p.parent, a)) for p in plans for a in p.attrs}
+        taken = {id(getattr(owner, attr)) for p in plans for owner, attr, _ in p.swaps}
         taken |= {id(modules[n]) for n, _ in report.skipped if n in modules}
         _collect_linears(model, "", plans, report, taken)
-    check = strict or probe is not None
     accepted, failures = [], []
     for plan in plans:
-        if check:
-            err = _probe_error(plan, probe)
-            report.errors[plan.name] = err
-            if not err <= 1.0:
-                failures.append(plan)
-                continue
+        err, why = _probe_error(plan, probe)
+        report.errors[plan.name] = err
+        if not err <= 1.0:
+            failures.append((plan, why or f"probe error {err:.3g}x tolerance"))
+            continue
         accepted.append(plan)
-    for p in plans if strict and failures else failures:  # drop the probes' converted copies
-        if p.experts is not None:
+    for p in plans if strict and failures else [f[0] for f in failures]:
+        if p.experts is not None:  # drop the probes' converted copies
             p.experts.__dict__.pop("_fusedmlp_layout", None)
     if strict and failures:
-        names = ", ".join(f"{p.name} ({report.errors[p.name]:.3g}x tolerance)" for p in failures)
-        for p in failures:
-            report.skipped.append((p.name, "probe output differs from the original"))
-        raise PatchError(f"fusedmlp.patch(strict=True): outputs differ beyond tolerance in "
-                         f"{names}; the model is unchanged", report)
-    for p in failures:
-        report.skipped.append((p.name, f"probe error {report.errors[p.name]:.3g}x tolerance"))
+        names = ", ".join(f"{p.name} ({why})" for p, why in failures)
+        for p, why in failures:
+            report.skipped.append((p.name, f"probe refused it: {why}"))
+        raise PatchError(f"fusedmlp.patch(strict=True): the probe refused {names}; the model "
+                         "is unchanged", report)
+    for p, why in failures:
+        report.skipped.append((p.name, f"probe refused it: {why}"))
     for plan in accepted:
-        for attr, new in plan.attrs.items():
-            setattr(plan.parent, attr, new)
+        for owner, attr, new in plan.swaps:
+            setattr(owner, attr, new)
         (report.linears if plan.linear else report.experts if plan.experts is not None
          else report.replaced).append(plan.name)
         report.details[plan.name] = plan.detail

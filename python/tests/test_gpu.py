@@ -1,6 +1,7 @@
 """CUDA tensors through fusedmlp (run on the GPU machine; skipped without torch, a CUDA device or
 the library's CUDA backend): device tensors and streams, workspace caching, CUDA-graph capture,
-torch.compile on CUDA, patch() on bf16 models, cupy arrays. Tolerances: against a float64
+torch.compile on CUDA, patch() on bf16 models (and the sweep of hf_sweep.py over every
+transformers class that builds tiny), cupy arrays. Tolerances: against a float64
 reference, |y - ref| <= rtol * (|ref| + rms(ref row)) with rtol bf16 2^-6, f16 2^-8, f32 1e-4;
 patched against unpatched bf16 models 2^-4 (both sides round their intermediates)."""
 
@@ -384,3 +385,31 @@ def test_patch_mixtral_bf16_on_cuda():
     out = model.generate(ids[:1], max_new_tokens=8, min_new_tokens=8, do_sample=False,
                          cache_implementation="static")
     assert out.shape == (1, 17)
+
+
+# ---- the patch() sweep in bf16 on the device (test_patch_sweep.py runs it in fp32 on CPU) ----
+
+import hf_sweep  # noqa: E402
+
+ROWS = {}  # arch -> hf_sweep.Row, printed by conftest.py
+SWEEP_RTOL = 2.0**-4  # test_patch.py's bf16 whole-model rule: |a - b| <= rtol (|b| + rms(b))
+# MoE models: a token whose top-k router logits are within bf16 rounding of a tie may route to
+# another expert once the upstream hidden states differ by a few units (test_patch_mixtral
+# excludes such positions explicitly); tiny random routers have many near-ties, so a quarter
+# of the positions may differ. Every other condition holds for them too.
+MOE_POSITIONS = 0.75
+
+
+@pytest.mark.parametrize("kind,arch", hf_sweep.classes(), ids=lambda v: v)
+def test_patch_sweep_bf16_cuda(kind, arch):
+    pytest.importorskip("transformers")
+    row = hf_sweep.run(kind, arch, dtype=torch.bfloat16, device=DEV, rtol=SWEEP_RTOL)
+    ROWS[arch] = row
+    if not row.built:
+        pytest.skip(row.reason)
+    assert not row.error, row.error
+    assert row.positions >= (MOE_POSITIONS if row.moe else 1.0), (
+        f"{arch}: {1 - row.positions:.0%} of the positions differ beyond {SWEEP_RTOL} "
+        f"(max close error {row.close:.3g}); replaced {row.replaced + row.experts}")
+    assert not row.unaccounted, f"{arch}: the report misses {row.unaccounted}"
+    assert row.strict == "patched" or row.strict.startswith("refused: "), row.strict
