@@ -15,6 +15,9 @@
   cpu-ops: python3 bench/report.py cpu-ops --bench cpu_ops.json --commit SHA \
             --out bench/results/cpu_ops_2core (fusedmlp_cpu_ops_bench --benchmark_out=cpu_ops.json
             --benchmark_repetitions=N: the medians)
+  decode-suite: python3 bench/report.py decode-suite --ours OUT/suite.json \
+            --peers OUT/peers_suite.json --gpu-info OUT/gpu.txt --commit SHA \
+            --out bench/results/decode_suite_h200 (fusedmlp_decode_suite_bench + bench/peers_suite.py)
   probe: python3 bench/report.py probe --ours OUT/hbm_probe.json --gpu-info OUT/gpu.txt \
             --commit SHA --out bench/results/hbm_probe_h200 (a --matrices run: a bar chart)
 
@@ -389,6 +392,107 @@ def probe(a):
     fig.savefig(a.out + ".png", dpi=110)
 
 
+
+def decode_suite_plot(a, ours, rows, shapes):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for ax, gated in zip(axes, (False, True)):
+        for shape in shapes:
+            pts = [(r["M"], r["speedup"]) for r in rows
+                   if r["shape"] == shape and r["gated"] == gated and r["speedup"]]
+            if pts:
+                ax.plot(*zip(*pts), "o-", ms=3, label=shape)
+        ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens M")
+        ax.set_title("gated MLPs" if gated else "dense MLPs")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    axes[0].set_ylabel("speedup over the best PyTorch peer")
+    fig.suptitle(f"decode suite, bf16, {ours['gpu']}, commit {a.commit}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(a.out + ".png", dpi=110)
+
+
+def decode_suite(a):
+    """The decode suite's table: our dispatch against the best PyTorch peer (eager or
+    torch.compile, each graph-replayed), the floor, and the planner's pick against the fastest
+    entry of the library for the call."""
+    import math
+
+    ours = json.load(open(a.ours))
+    peers = json.load(open(a.peers))
+    peer_by = {(p["shape"], p["M"]): p for p in peers["rows"]}
+    rows = []
+    for r in ours["rows"]:
+        p = peer_by.get((r["shape"], r["M"]), {})
+        best_peer = p.get("best_peer_us")
+        rows.append({
+            "shape": r["shape"], "d_in": r["d_in"], "hidden": r["hidden"], "act": r["act"],
+            "gated": r["gated"], "weight_MB": round(r["weight_MB"], 3), "M": r["M"],
+            "ours_us": r["ours_us"], "best_peer_us": best_peer,
+            "eager_graph_us": p.get("eager_graph_us"),
+            "inductor_graph_us": p.get("inductor_graph_us"),
+            "floor_us": r["floor_us"], "pct_of_floor": round(100 * r["floor_us"] / r["ours_us"], 1),
+            "speedup": round(best_peer / r["ours_us"], 3) if best_peer else None,
+            "kernel": r["kernel"], "check_ok": r["check_ok"], "best_entry": r["best_entry"],
+            "best_entry_us": r["best_entry_us"],
+            "pick_over_best": round(r["ours_us"] / r["best_entry_us"], 3),
+        })
+    sp = [r for r in rows if r["speedup"]]
+    batched = [r["speedup"] for r in sp if 2 <= r["M"] <= 64]
+    summary = {
+        "min_speedup": min(r["speedup"] for r in sp) if sp else None,
+        "min_speedup_at": min(sp, key=lambda r: r["speedup"])["shape"] + " M=" +
+        str(min(sp, key=lambda r: r["speedup"])["M"]) if sp else None,
+        "geomean_speedup_M2_64": math.exp(sum(math.log(v) for v in batched) / len(batched))
+        if batched else None,
+        "small_M16_min_speedup": min((r["speedup"] for r in sp
+                                      if r["M"] == 16 and r["weight_MB"] <= 16), default=None),
+        "large_min_pct_of_floor": min((r["pct_of_floor"] for r in rows
+                                       if r["weight_MB"] >= 64 and r["M"] <= 64), default=None),
+        "worst_pick_over_best": max(r["pick_over_best"] for r in rows),
+        "picks_over_5pct": [f"{r['shape']} M={r['M']}: {r['kernel']} {r['ours_us']:.1f} us, "
+                            f"{r['best_entry']} {r['best_entry_us']:.1f}"
+                            for r in rows if r["pick_over_best"] > 1.05],
+        "checks_failed": [f"{r['shape']} M={r['M']}" for r in rows if not r["check_ok"]],
+    }
+    doc = {"gpu": ours["gpu"], "gpu_info": gpu_lines(a), "commit": a.commit,
+           "copy_TBps": ours["copy_TBps"], "torch": peers.get("torch"),
+           "method": "CUDA-graph replay, weights rotated over > 3x L2, median; floor = (weight + "
+                     "x/y bytes) / device copy bandwidth measured in the run; best peer = faster "
+                     "of PyTorch eager and torch.compile(dynamic=True), each graph-replayed, in "
+                     "the same device call",
+           "command": "fusedmlp_decode_suite_bench --json suite.json; python3 bench/peers_suite.py "
+                      "--json peers_suite.json; python3 bench/report.py decode-suite",
+           "summary": summary, "rows": rows}
+    with open(a.out + ".json", "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(a.out + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w.writeheader()
+        w.writerows(rows)
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    try:
+        import matplotlib
+    except ImportError:  # the GPU machine's image may lack it: rerun here on the JSON for the PNG
+        print("matplotlib missing: no PNG", file=sys.stderr)
+    else:
+        decode_suite_plot(a, ours, rows, shapes)
+    ms = sorted(dict.fromkeys(r["M"] for r in rows))
+    print("| shape | weights MB | " + " | ".join(f"M = {m}" for m in ms) + " |")
+    print("|---|---|" + "---|" * len(ms))
+    for shape in shapes:
+        rs = {r["M"]: r for r in rows if r["shape"] == shape}
+        cells = [f"{rs[m]['speedup']:.2f}x" if m in rs and rs[m]["speedup"] else "–" for m in ms]
+        print(f"| {shape} | {next(iter(rs.values()))['weight_MB']:.0f} | " + " | ".join(cells) + " |")
+    print(json.dumps(summary, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -418,6 +522,12 @@ def main():
     m.add_argument("--gpu-info")
     m.add_argument("--commit", required=True)
     m.add_argument("--out", required=True)
+    ds = sub.add_parser("decode-suite")
+    ds.add_argument("--ours", required=True, help="fusedmlp_decode_suite_bench JSON")
+    ds.add_argument("--peers", required=True, help="bench/peers_suite.py JSON")
+    ds.add_argument("--gpu-info")
+    ds.add_argument("--commit", default="unknown")
+    ds.add_argument("--out", required=True)
     q = sub.add_parser("probe")
     q.add_argument("--ours", required=True)
     q.add_argument("--gpu-info")
@@ -434,7 +544,7 @@ def main():
     a = ap.parse_args()
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     return {"cuda": cuda, "prefill": prefill, "ops": ops, "moe": moe, "cpu": cpu, "cpu-ops": cpu_ops,
-            "probe": probe}[a.cmd](a)
+            "probe": probe, "decode-suite": decode_suite}[a.cmd](a)
 
 
 if __name__ == "__main__":
