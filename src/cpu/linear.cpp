@@ -65,9 +65,7 @@ void run_impl(const View& v) {
   float* xs = const_cast<float*>(v.xs);
   const size_t es = dtype_size(d.act_dtype);
   constexpr int64_t kRowBlock = 48;  // x rows that stay in L2 while a thread's W slice streams by
-#pragma omp parallel num_threads(nt_max)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+  auto body = [&](int t, int nt) {
     int64_t b, e;
     cpu::split(d.m, 1, nt, t, &b, &e);
     for (int64_t i = b; i < e; ++i) {
@@ -83,7 +81,15 @@ void run_impl(const View& v) {
     for (int64_t r0 = 0; r0 < d.m; r0 += kRowBlock)
       for (int64_t j = b; j < e; j += 4)
         row_group<WT>(mine, j, std::min<int64_t>(4, e - j), r0, std::min(d.m, r0 + kRowBlock));
+  };
+  // One thread (small calls: cpu::thread_count) runs without a parallel region: its fork and join
+  // cost more than a decode-sized GEMV itself (bench/host_overhead.py, the linear rows).
+  if (nt_max == 1) {
+    body(0, 1);
+    return;
   }
+#pragma omp parallel num_threads(nt_max)
+  body(omp_get_thread_num(), omp_get_num_threads());
 }
 
 bool cpu_supports(const LinearDesc& d, std::string* why) {
