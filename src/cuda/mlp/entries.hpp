@@ -15,6 +15,9 @@ FMLP_DECLARE_OP_ENTRY(mlp_decode_sm80_stream, fmlp_mlp_args_t, MlpDesc);
 FMLP_DECLARE_OP_ENTRY(mlp_decode_sm80_prefetch, fmlp_mlp_args_t, MlpDesc);
 // The register-stream GEMV for one token.
 FMLP_DECLARE_OP_ENTRY(mlp_decode_sm80_gemv, fmlp_mlp_args_t, MlpDesc);
+// Two stream-K tensor-core weight streams (decode_sm80_mma_streamk.cu): M <= 64, bf16/fp16
+// weights with activations of their dtype, or e4m3 weights with bf16/fp16 activations.
+FMLP_DECLARE_OP_ENTRY(mlp_decode_sm80_mma_streamk, fmlp_mlp_args_t, MlpDesc);
 // Tensor cores with thread-block clusters sharing the hidden slice (M <= 64, sm_90).
 FMLP_DECLARE_OP_ENTRY(mlp_decode_sm90_cluster, fmlp_mlp_args_t, MlpDesc);
 // Two fp8 tensor-core weight streams (decode_sm90_wgmma_fp8.cu): M <= 4, e4m3 weights, sm_90a.

@@ -39,6 +39,10 @@ bool wgmma_fp8_supports(const MlpDesc& d, std::string* why) {
   return device_supported(d, why) && mlp_decode_sm90_wgmma_fp8_supports(d, why);
 }
 
+bool mma_streamk_supports(const MlpDesc& d, std::string* why) {
+  return device_supported(d, why) && mlp_decode_sm80_mma_streamk_supports(d, why);
+}
+
 bool prefetch_supports(const MlpDesc& d, std::string* why) {
   return device_supported(d, why) && mlp_decode_sm80_prefetch_supports(d, why);
 }
@@ -53,7 +57,9 @@ bool prefill_supports(const MlpDesc& d, std::string* why) {
 // token (gpt2-small M = 1: 11.4 us against 16.4 for the cluster kernel), the
 // tensor-core cluster kernel for up to 64 tokens of matching dtypes, the fp8 tensor-core streams
 // (decode_sm90_wgmma_fp8.cu: llama3-8b M = 1 99.7 us against the cluster kernel's 72.3, so behind
-// it), splitk for the rest (fp32 activations, odd sizes, deterministic mode).
+// it), the stream-K tensor-core streams (decode_sm80_mma_streamk.cu: up to 64 tokens, 16-bit or
+// fp8 weights, deterministic mode too; reached by name until they win somewhere:
+// bench/decode_suite_bench), splitk for the rest (fp32 activations, odd sizes).
 const MlpKernel kCudaKernels[] = {
     {"mlp_decode_sm80_stream", FMLP_BACKEND_CUDA, stream_supports, mlp_decode_sm80_stream_workspace,
      mlp_decode_sm80_stream_run},
@@ -65,6 +71,8 @@ const MlpKernel kCudaKernels[] = {
      mlp_decode_sm90_cluster_workspace, mlp_decode_sm90_cluster_run},
     {"mlp_decode_sm90_wgmma_fp8", FMLP_BACKEND_CUDA, wgmma_fp8_supports,
      mlp_decode_sm90_wgmma_fp8_workspace, mlp_decode_sm90_wgmma_fp8_run},
+    {"mlp_decode_sm80_mma_streamk", FMLP_BACKEND_CUDA, mma_streamk_supports,
+     mlp_decode_sm80_mma_streamk_workspace, mlp_decode_sm80_mma_streamk_run},
     {"mlp_decode_sm90_splitk", FMLP_BACKEND_CUDA, splitk_supports, mlp_decode_sm90_splitk_workspace,
      mlp_decode_sm90_splitk_run},
     // Any M; dispatch reaches it through the planner (mlp/planner.cpp) from the crossover M.
