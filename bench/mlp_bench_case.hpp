@@ -284,12 +284,13 @@ struct Case {
 // Runs the cuda op (packed or not) on the whole batch.
 struct Runner {
   const char* kernel = nullptr;  // an op-table entry to force, or nullptr: dispatch
+  bool pack = false;             // dispatch on packed weights (fmlp_mlp_pack), as users run
   fmlp_mlp_packed_t* packed = nullptr;
   void* ws = nullptr;
   size_t ws_bytes = 0;
   void setup(Case& c) {
     fmlp_mlp_args_t a = c.args(true);
-    if (c.p.packed) {
+    if (c.p.packed || (pack && kernel == nullptr)) {
       FK(fmlp_mlp_pack(&packed, &a.weights, &a.config, FMLP_BACKEND_CUDA, nullptr));
       FK(fmlp_mlp_packed_workspace_size(packed, &a.y, &a.x, &ws_bytes));
     } else if (kernel) {

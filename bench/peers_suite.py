@@ -5,7 +5,8 @@
 # activation variant with dynamic shapes, so the suite's 22 shapes x 7 token counts compile a
 # handful of times instead of 150 (Inductor's matmuls are cuBLAS calls either way; its fused
 # activation kernel takes the sizes as arguments).
-# usage: python3 bench/peers_suite.py [--suite FILE] [--shapes a,b] [--ms 1,2,4] [--json FILE]
+# usage: python3 bench/peers_suite.py [--suite FILE] [--shapes a,b] [--ms 1,2,4] [--rep-ms T]
+#                                     [--json FILE]
 import argparse
 import json
 import math
@@ -51,6 +52,7 @@ def main():
     ap.add_argument("--shapes", default="")
     ap.add_argument("--ms", default="1,2,4,8,16,32,64")
     ap.add_argument("--json", default="peers_suite.json")
+    ap.add_argument("--rep-ms", type=float, default=200, help="do_bench time per variant")
     a = ap.parse_args()
     suite = read_suite(a.suite)
     names = [s[0] for s in suite]
@@ -88,7 +90,7 @@ def main():
                             fn(x, *w)
                     run()
                     torch.cuda.synchronize()
-                    row[tag + "_graph_us"] = median_us(graphed(run)) / len(ws)
+                    row[tag + "_graph_us"] = median_us(graphed(run), a.rep_ms) / len(ws)
                 except Exception as e:  # report, keep measuring the rest
                     row[tag + "_err"] = repr(e)[:200]
             times = [v for k, v in row.items() if k.endswith("_graph_us")]

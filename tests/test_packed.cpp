@@ -141,6 +141,35 @@ TEST_P(PackedTest, CppPackedMlpMatches) {
   if (ran == 0) GTEST_SKIP() << "no " << fmlp_backend_name(backend_) << " kernel handles the cases";
 }
 
+// fmlp_mlp_packed_explain names the entry that runs; on CUDA the planner's line says the pick was
+// timed at pack time (and which bucket), and deterministic mode keeps the fixed rules, saying so.
+TEST_P(PackedTest, ExplainSaysWhatRunsAndWhy) {
+  for (const bool deterministic : {false, true}) {
+    MlpCase c;
+    c.m = 3, c.d_in = c.d_out = 256, c.hidden = 512, c.gate = Gate::kStacked;
+    c.act = FMLP_ACT_SILU, c.x_dtype = c.w_dtype = FMLP_DTYPE_BF16;
+    c.deterministic = deterministic;
+    PlacedCase p(c, device_);
+    p.upload(make_data(c, mix_seed(test_seed(), 900)));
+    const fmlp::PackedMlp packed(p.args().weights, p.args().config, backend_);
+    const std::string report = packed.explain(p.args().y, p.args().x);
+    EXPECT_NE(report.find("chosen "), std::string::npos) << report;
+    EXPECT_NE(report.find("M=3 "), std::string::npos) << report;
+    if (device_) {
+      if (deterministic)
+        EXPECT_NE(report.find("deterministic mode: fixed rules"), std::string::npos) << report;
+      else
+        EXPECT_NE(report.find("timed at pack time on cuda:0 for M <= 3: "), std::string::npos)
+            << report;
+    }
+    size_t needed = 0;
+    EXPECT_EQ(fmlp_mlp_packed_explain(nullptr, &p.args().y, &p.args().x, nullptr, 0, &needed),
+              FMLP_ERROR_NULL_POINTER);
+    EXPECT_EQ(fmlp_mlp_packed_explain(packed.get(), nullptr, &p.args().x, nullptr, 0, &needed),
+              FMLP_ERROR_NULL_POINTER);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, PackedTest,
                          ::testing::Values(FMLP_BACKEND_REF, FMLP_BACKEND_CPU, FMLP_BACKEND_CUDA),
                          [](const ::testing::TestParamInfo<fmlp_backend_t>& info) {

@@ -189,7 +189,12 @@ FMLP_API fmlp_status_t fmlp_mlp_explain(const fmlp_mlp_args_t* args, fmlp_backen
                                         char* buf, size_t buf_size, size_t* needed);
 
 /* One-time weight pack: validates the weights once, copies them into the layout the backend's
- * kernels read fastest, and owns that copy. weights.* shapes define d_in, hidden and d_out. */
+ * kernels read fastest, and owns that copy. weights.* shapes define d_in, hidden and d_out.
+ * CUDA: also times the kernels that take the packed MLP at decode token counts (M = 1 .. 64,
+ * activations of the weights' 16-bit dtype, bf16 for fp8 weights), once per shape and device in
+ * the process, and the planner then runs the fastest for each M; this synchronises the device
+ * (packing is not capturable). Deterministic mode, or FMLP_PLAN_TUNE=0, keeps the fixed rules;
+ * fmlp_mlp_packed_explain says which decided. */
 FMLP_API fmlp_status_t fmlp_mlp_pack(fmlp_mlp_packed_t** packed, const fmlp_mlp_weights_t* weights,
                                      const fmlp_mlp_config_t* config, fmlp_backend_t backend,
                                      void* stream);
@@ -197,6 +202,10 @@ FMLP_API void fmlp_mlp_packed_destroy(fmlp_mlp_packed_t* packed);
 FMLP_API fmlp_status_t fmlp_mlp_packed_workspace_size(const fmlp_mlp_packed_t* packed,
                                                       const fmlp_tensor_t* y,
                                                       const fmlp_tensor_t* x, size_t* bytes);
+/* fmlp_mlp_explain for a packed call of x into y (the planner's choice and why). */
+FMLP_API fmlp_status_t fmlp_mlp_packed_explain(const fmlp_mlp_packed_t* packed,
+                                               const fmlp_tensor_t* y, const fmlp_tensor_t* x,
+                                               char* buf, size_t buf_size, size_t* needed);
 /* residual may be NULL. */
 FMLP_API fmlp_status_t fmlp_mlp_packed_run(const fmlp_mlp_packed_t* packed, const fmlp_tensor_t* y,
                                            const fmlp_tensor_t* x, const fmlp_tensor_t* residual,

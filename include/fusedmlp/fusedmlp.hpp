@@ -129,6 +129,15 @@ class PackedMlp {
     }
     check(fmlp_mlp_packed_run(handle_.get(), &y, &x, residual, workspace, workspace_bytes, stream));
   }
+  // The dispatch report of a call of x into y (fmlp_mlp_packed_explain).
+  std::string explain(const fmlp_tensor_t& y, const fmlp_tensor_t& x) const {
+    size_t needed = 0;
+    check(fmlp_mlp_packed_explain(handle_.get(), &y, &x, nullptr, 0, &needed));
+    std::string s(needed, '\0');
+    check(fmlp_mlp_packed_explain(handle_.get(), &y, &x, s.data(), s.size(), &needed));
+    s.resize(needed - 1);
+    return s;
+  }
   const fmlp_mlp_packed_t* get() const { return handle_.get(); }
 
  private:

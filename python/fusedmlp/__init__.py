@@ -299,6 +299,12 @@ class PackedMlp:
         """Bytes of workspace a call with this x needs."""
         return self._run("workspace_size", x, None, out, None, None)
 
+    def explain(self, x, out=None):
+        """The dispatch report for a call with this x: the entry that runs and why (on CUDA, the
+        entry timed fastest for this token count when the weights were packed), every other
+        entry and why it was passed over."""
+        return self._run("explain", x, None, out, None, None)
+
     def __repr__(self):
         kind = "gated " if self.gated else ""
         return (f"PackedMlp({self.d_in} -> {self.hidden} -> {self.d_out}, {kind}"

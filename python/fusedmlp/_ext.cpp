@@ -456,6 +456,14 @@ class PackedMlp {
     const fmlp_tensor_t y = v.output("out");
     const fmlp_tensor_t residual = v.input("residual");
     DeviceGuard guard(x);
+    if (mode == "explain") {
+      size_t needed = 0;
+      check(fmlp_mlp_packed_explain(packed_.get(), &y, &x, nullptr, 0, &needed));
+      std::string text(needed, '\0');
+      check(fmlp_mlp_packed_explain(packed_.get(), &y, &x, text.data(), text.size(), &needed));
+      text.resize(needed - 1);
+      return nb::cast(text);
+    }
     size_t bytes = 0;
     check(fmlp_mlp_packed_workspace_size(packed_.get(), &y, &x, &bytes));
     if (mode == "workspace_size") return nb::int_(bytes);

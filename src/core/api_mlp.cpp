@@ -89,6 +89,16 @@ fmlp_status_t fmlp_mlp_packed_workspace_size(const fmlp_mlp_packed_t* packed,
   return Table::workspace_size_of(d, packed->backend, bytes);
 }
 
+fmlp_status_t fmlp_mlp_packed_explain(const fmlp_mlp_packed_t* packed, const fmlp_tensor_t* y,
+                                      const fmlp_tensor_t* x, char* buf, size_t buf_size,
+                                      size_t* needed) {
+  fmlp_mlp_args_t args{};
+  MlpDesc d;
+  if (const fmlp_status_t s = packed_args(packed, y, x, nullptr, &args, &d); s != FMLP_SUCCESS)
+    return s;
+  return Table::explain_validated(d, packed->backend, packed->tuning_note, buf, buf_size, needed);
+}
+
 fmlp_status_t fmlp_mlp_packed_run(const fmlp_mlp_packed_t* packed, const fmlp_tensor_t* y,
                                   const fmlp_tensor_t* x, const fmlp_tensor_t* residual,
                                   void* workspace, size_t workspace_bytes, void* stream) {

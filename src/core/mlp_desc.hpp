@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "core/op_table.hpp"
@@ -16,6 +17,8 @@ enum class ScaleKind : uint8_t { kNone, kPerTensor, kPerRow };
 // Layout of the weights a kernel receives. kLinear is nn.Linear as the caller gave it; packed
 // layouts are private contracts between a backend's pack() and its kernels.
 enum class WeightLayout : uint8_t { kLinear = 0, kHostContiguous = 1, kCudaPacked = 2 };
+
+struct MlpTuning;  // cuda/mlp/tuning.hpp
 
 struct MlpDesc {
   int64_t m = 0, d_in = 0, hidden = 0, d_out = 0;
@@ -37,6 +40,9 @@ struct MlpDesc {
   // Every weight matrix starts on a 16-byte boundary and its row stride is a multiple of 16 bytes,
   // so kernels may stream it with 16-byte vector loads.
   bool weights_vec16 = false;
+  // Packed CUDA weights: the entries timed fastest per token count at pack time (owned by the
+  // packed handle), or nullptr: the planner's fixed rules.
+  const MlpTuning* tuning = nullptr;
 };
 
 std::string describe(const MlpDesc& d);  // one line, for explain and error messages
@@ -58,11 +64,18 @@ struct fmlp_mlp_packed_s {
   fmlp::detail::MlpDesc desc;  // m = 0; filled per call
   void* storage = nullptr;
   void (*release)(void* storage) = nullptr;
+  // CUDA: the pack-time timing of the entries (desc.tuning points into it; shared by the packs of
+  // one shape on one device), or empty with the reason in tuning_note.
+  std::shared_ptr<const fmlp::detail::MlpTuning> tuning;
+  std::string tuning_note;
 };
 
 namespace fmlp::detail {
 // Packs weights for the CUDA backend into device memory (sets p->weights, storage, release and
 // desc.layout). Returns BACKEND_UNAVAILABLE when CUDA is not built.
+// Times the cuda entries for freshly packed weights (p->tuning, or the reason in p->tuning_note;
+// cuda/mlp/tuning.hpp). A no-op when CUDA is not built.
+void cuda_mlp_tune(fmlp_mlp_packed_s* p);
 fmlp_status_t cuda_mlp_pack(fmlp_mlp_packed_s* p, const fmlp_mlp_weights_t& w, const MlpDesc& d,
                             void* stream);
 }  // namespace fmlp::detail

@@ -156,6 +156,11 @@ fmlp_status_t fmlp_mlp_pack(fmlp_mlp_packed_t** packed, const fmlp_mlp_weights_t
     return fail(FMLP_ERROR_INTERNAL, "packed weights failed validation: {}", last_error());
   }
   p->desc.layout = layout;
+  if (backend == FMLP_BACKEND_CUDA) {  // the planner's per-M timing (cuda/mlp/tuning.hpp)
+    cuda_mlp_tune(p);
+    p->desc.tuning = p->tuning.get();
+    clear_last_error();
+  }
   *packed = p;
   clear_last_error();
   return FMLP_SUCCESS;

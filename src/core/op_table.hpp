@@ -181,6 +181,12 @@ struct OpTable {
                                size_t* needed) {
     Desc d;
     if (const fmlp_status_t s = OP::validate(a, &d); s != FMLP_SUCCESS) return s;
+    return explain_validated(d, backend, "", buf, buf_size, needed);
+  }
+  // explain for a validated request; `note` (may be empty) is one more line after the planner's.
+  static fmlp_status_t explain_validated(const Desc& d, fmlp_backend_t backend,
+                                         const std::string& note, char* buf, size_t buf_size,
+                                         size_t* needed) {
     fmlp_backend_t b;
     if (const fmlp_status_t s = resolve(backend, d, &b); s != FMLP_SUCCESS) return s;
     std::string report =
@@ -188,6 +194,7 @@ struct OpTable {
     std::string plan;
     const Kernel* planned = OP::plan(d, b, &plan);
     if (!plan.empty()) report += fmt::format("  planner  {}\n", plan);
+    if (!note.empty()) report += fmt::format("  note     {}\n", note);
     bool chosen = false;
     for (const Kernel* k : all()) {
       if (k->backend != b) continue;

@@ -47,6 +47,8 @@ const MoeKernel* cuda_moe_plan(const MoeDesc&, std::string*) {
   return nullptr;
 }
 
+void cuda_mlp_tune(fmlp_mlp_packed_s*) {}
+
 fmlp_status_t cuda_mlp_pack(fmlp_mlp_packed_s*, const fmlp_mlp_weights_t&, const MlpDesc&, void*) {
   return fail(FMLP_ERROR_BACKEND_UNAVAILABLE, "{}", cuda_unavailable_reason());
 }

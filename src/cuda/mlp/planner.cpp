@@ -6,6 +6,7 @@
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "cuda/mlp/entries.hpp"
+#include "cuda/mlp/tuning.hpp"
 
 namespace fmlp::detail {
 namespace {
@@ -110,6 +111,19 @@ const CrossoverEntry& cuda_crossover(const MlpDesc& d) {
 }
 
 const MlpKernel* cuda_mlp_plan(const MlpDesc& d, std::string* reason) {
+  // Packed weights timed at pack time (tuning.hpp): the fastest entry of the call's bucket, where
+  // the call is the one timed (activations of the assumed dtype) and the entry takes it.
+  if (const MlpTuning* t = d.tuning; t != nullptr && !d.deterministic) {
+    const int b = mlp_tuning_bucket(d.m);
+    std::string why;
+    if (b >= 0 && t->pick[b] != nullptr && d.act_dtype == t->act_dtype &&
+        d.device_id == t->device && t->pick[b]->supports(d, &why)) {
+      if (reason)
+        *reason = fmt::format("timed at pack time on cuda:{} for M <= {}: {}", t->device,
+                              MlpTuning::kBucketM[b], t->detail[b]);
+      return t->pick[b];
+    }
+  }
   const CrossoverEntry& c = cuda_crossover(d);
   const MlpKernel* prefill = find(kPrefillKernelName);
   std::string why;
