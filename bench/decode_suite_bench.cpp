@@ -163,6 +163,13 @@ int main(int argc, char** argv) {
   std::string out = "{\"gpu\": \"" + std::string(prop.name) +
                     "\", \"copy_TBps\": " + std::to_string(bw / 1e12) + ", \"rows\": [";
   bool first_row = true;
+  auto write_json = [&](const std::string& rows, int fails) {
+    if (!json) return;
+    if (FILE* f = std::fopen(json, "w")) {
+      std::fputs((rows + "], \"failures\": " + std::to_string(fails) + "}\n").c_str(), f);
+      std::fclose(f);
+    }
+  };
   for (const SuiteShape& sh : suite) {
     if (!shapes_arg.empty() && !in_list(shapes_arg, sh.name.c_str())) continue;
     const int64_t rows1 = sh.gated ? 2 * sh.h : sh.h;
@@ -275,6 +282,7 @@ int main(int argc, char** argv) {
                     cr.ok ? "true" : "false", cr.worst_units, best.c_str(), best_us, copies);
       out += row + ent + "}}";
       first_row = false;
+      write_json(out, failures);  // after every row: a time limit keeps what was measured
       for (int i = 0; i < copies; ++i) {
         if (i > 0)
           for (Buf* b : {&cs[i].w1, &cs[i].w2, &cs[i].b1, &cs[i].b2}) b->release();
@@ -282,14 +290,7 @@ int main(int argc, char** argv) {
       cs[0].release();
     }
   }
-  out += "], \"failures\": " + std::to_string(failures) + "}\n";
-  if (json) {
-    FILE* f = std::fopen(json, "w");
-    if (f) {
-      std::fputs(out.c_str(), f);
-      std::fclose(f);
-    }
-  }
+  write_json(out, failures);
   std::printf("%s: %d failures\n", failures ? "FAILED" : "PASSED", failures);
   return failures ? 1 : 0;
 }
