@@ -201,8 +201,8 @@ void normalize(MlpCase* c) {
 MlpCase random_case(Rng& rng, int64_t max_macs) {
   const int64_t sizes[] = {1, 7, 64, 127, 769};
   const int64_t ms[] = {1, 3, 16, 100};
-  const fmlp_activation_t acts[] = {FMLP_ACT_RELU, FMLP_ACT_GELU, FMLP_ACT_GELU_TANH,
-                                    FMLP_ACT_SILU};
+  const fmlp_activation_t acts[] = {FMLP_ACT_RELU, FMLP_ACT_GELU, FMLP_ACT_GELU_TANH, FMLP_ACT_SILU,
+                                    FMLP_ACT_RELU2};
   const Gate gates[] = {Gate::kDense, Gate::kStacked, Gate::kSeparate};
   const fmlp_norm_t norms[] = {FMLP_NORM_NONE, FMLP_NORM_LAYERNORM, FMLP_NORM_RMSNORM};
   const Residual residuals[] = {Residual::kNone, Residual::kSeparate, Residual::kInPlace};

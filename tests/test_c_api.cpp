@@ -139,6 +139,7 @@ TEST(Names, BackendsDtypesActivations) {
   EXPECT_STREQ(fmlp_activation_name(FMLP_ACT_GELU), "gelu");
   EXPECT_STREQ(fmlp_activation_name(FMLP_ACT_GELU_TANH), "gelu_tanh");
   EXPECT_STREQ(fmlp_activation_name(FMLP_ACT_SILU), "silu");
+  EXPECT_STREQ(fmlp_activation_name(FMLP_ACT_RELU2), "relu2");
 }
 
 TEST(Version, MatchesTheProject) {

@@ -47,7 +47,8 @@ const char* section_name(Section s) {
   return names[int(s)];
 }
 
-const fmlp_activation_t kActs[] = {FMLP_ACT_RELU, FMLP_ACT_GELU, FMLP_ACT_GELU_TANH, FMLP_ACT_SILU};
+const fmlp_activation_t kActs[] = {FMLP_ACT_RELU, FMLP_ACT_GELU, FMLP_ACT_GELU_TANH, FMLP_ACT_SILU,
+                                   FMLP_ACT_RELU2};
 const Gate kGates[] = {Gate::kDense, Gate::kStacked, Gate::kSeparate};
 const fmlp_dtype_t kActDtypes[] = {FMLP_DTYPE_F32, FMLP_DTYPE_F16, FMLP_DTYPE_BF16};
 const Residual kResiduals[] = {Residual::kNone, Residual::kSeparate, Residual::kInPlace};
@@ -323,7 +324,7 @@ std::vector<MlpCase> section_cases(Section s) {
             c.d_in = ins[(m + variant) % 3];
             c.hidden = hids[(m + 2 * variant) % 3];
             c.d_out = variant == 0 ? c.d_in : outs[(m + variant) % 3];
-            c.act = kActs[(m + variant) % 4];
+            c.act = kActs[(m + variant) % 5];
             c.x_dtype = (m + variant) % 2 ? FMLP_DTYPE_BF16 : FMLP_DTYPE_F16;
             c.w_dtype = FMLP_DTYPE_F8_E4M3;
             c.per_row_scale = variant != 1;

@@ -12,6 +12,7 @@ template <typename... A>
 void no_cblas(A...) {}
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -57,6 +58,13 @@ void activate_row(fmlp_activation_t act, const float* in, const float* bias, flo
       for (int64_t j = 0; j < n; ++j) {
         const float v = in[j] + (bias ? bias[j] : 0.f);
         out[j] = v / (1.f + expf(-v));
+      }
+      break;
+    case FMLP_ACT_RELU2:
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        const float v = std::max(in[j] + (bias ? bias[j] : 0.f), 0.f);
+        out[j] = v * v;
       }
       break;
     case FMLP_ACT_MAX_ENUM: break;  // not an activation (validation rejects it)

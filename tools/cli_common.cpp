@@ -39,7 +39,8 @@ const std::map<std::string, fmlp_activation_t>& activation_names() {
   static const std::map<std::string, fmlp_activation_t> m = {{"relu", FMLP_ACT_RELU},
                                                              {"gelu", FMLP_ACT_GELU},
                                                              {"gelu_tanh", FMLP_ACT_GELU_TANH},
-                                                             {"silu", FMLP_ACT_SILU}};
+                                                             {"silu", FMLP_ACT_SILU},
+                                                             {"relu2", FMLP_ACT_RELU2}};
   return m;
 }
 

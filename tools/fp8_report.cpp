@@ -69,6 +69,7 @@ double activate(fmlp_activation_t a, double x) {
     case FMLP_ACT_GELU_TANH:
       return 0.5 * x * (1 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
     case FMLP_ACT_SILU: return x / (1 + std::exp(-x));
+    case FMLP_ACT_RELU2: return x > 0 ? x * x : 0;
     case FMLP_ACT_MAX_ENUM: break;  // not an activation
   }
   return x;

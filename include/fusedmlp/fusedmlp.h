@@ -84,6 +84,7 @@ typedef enum fmlp_activation_t {
   FMLP_ACT_GELU = 1,             /* 0.5 x (1 + erf(x / sqrt 2)) */
   FMLP_ACT_GELU_TANH = 2,        /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
   FMLP_ACT_SILU = 3,             /* x / (1 + exp(-x)) */
+  FMLP_ACT_RELU2 = 4,            /* max(x, 0)^2, squared ReLU (Primer; Nemotron, Persimmon) */
   FMLP_ACT_MAX_ENUM = 0x7fffffff /* not a value (see FMLP_DTYPE_MAX_ENUM) */
 } fmlp_activation_t;
 

@@ -8,7 +8,8 @@ Math of the mlp op (row i of x, one token):
     gated: h = act(Wg xn + bg) * (Wu xn + bu)
     y_i = [residual_i +] W2 h + b2        W2: [d_out, hidden]
 
-act: relu | gelu (erf) | gelu_tanh | silu. Gated with silu is SwiGLU, with gelu GeGLU.
+act: relu | gelu (erf) | gelu_tanh | silu | relu2 (max(x, 0)^2). Gated with silu is SwiGLU, with
+gelu GeGLU.
 
 moe() runs a mixture of experts (router, top-k, stacked expert MLPs, weighted sum); its math
 is in its docstring.
@@ -35,7 +36,7 @@ __all__ = ["mlp", "explain", "mlp_workspace_size", "pack", "PackedMlp", "moe", "
            "build_info", "devices", "kernels", "patch", "register_experts", "__version__"]
 __version__ = _ext.version()
 
-_ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
+_ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "relu2": 4}
 _NORMS = {None: 0, "none": 0, "layernorm": 1, "rmsnorm": 2}
 _BACKENDS = {"auto": 0, "ref": 1, "cpu": 2, "cuda": 3}
 _SCORINGS = {"softmax": 0, "sigmoid": 1}
@@ -230,7 +231,8 @@ def mlp(x, w1, w2, *, b1=None, w_up=None, b_up=None, b2=None, residual=None, nor
     DLPack or the buffer protocol is accepted, on the host or on one CUDA device; out is
     allocated for numpy, torch and cupy arrays.
 
-    activation: "relu", "gelu" (erf), "gelu_tanh" or "silu" (gated silu is SwiGLU, gated gelu is
+    activation: "relu", "gelu" (erf), "gelu_tanh", "silu" or "relu2" (squared ReLU) (gated silu
+    is SwiGLU, gated gelu is
     GeGLU). norm: None, "layernorm" or "rmsnorm", with eps > 0. backend: "auto", "ref", "cpu" or
     "cuda". deterministic: bitwise-identical results on reruns. workspace, stream: see the module
     docstring.
@@ -476,7 +478,7 @@ def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=
     router and biases float32, float16 or bfloat16. fp8 experts need float32 scales w1_scale /
     w2_scale, [E] (one per expert) or [E, rows] (one per row), and are dequantised exactly
     (W[e][r] * scale[e][r]); quantize_fp8 of each expert makes them. Accumulation is float32
-    or wider. activation: "relu", "gelu", "gelu_tanh" or "silu" (gated silu: SwiGLU, as in
+    or wider. activation: "relu", "gelu", "gelu_tanh", "silu" or "relu2" (gated silu: SwiGLU, as in
     Mixtral). scoring: "softmax" or
     "sigmoid". deterministic: bitwise-identical results on reruns (the cpu backend always is).
     backend, workspace, stream: see the module docstring.

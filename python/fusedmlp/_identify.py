@@ -21,6 +21,7 @@ _ACT_REFERENCES = {
     "gelu": torch.nn.functional.gelu,
     "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
     "silu": torch.nn.functional.silu,
+    "relu2": lambda x: torch.relu(x).square(),
 }
 # |f(x) - ref(x)| <= ACT_TOLERANCE * (1 + |ref(x)|) over the grid, f evaluated in float32
 # (~1e-7 from ref); gelu and gelu_tanh differ by up to 4.7e-4, so neither passes for the other.
@@ -28,7 +29,7 @@ ACT_TOLERANCE = 2e-5
 
 
 def identify_activation(fn, width, device="cpu"):
-    """(name, None) when fn computes relu, gelu, gelu_tanh or silu elementwise on a grid of
+    """(name, None) when fn computes relu, gelu, gelu_tanh, silu or relu2 elementwise on a grid of
     inputs in [-12, 12] (float32 rows of `width`, in shuffled order, on `device`); else (None,
     reason)."""
     grid = torch.linspace(-12.0, 12.0, 4099, dtype=torch.float64)
@@ -51,7 +52,7 @@ def identify_activation(fn, width, device="cpu"):
             return name, None
         if best is None or err < best[1]:
             best = (name, err)
-    return None, (f"it is not relu, gelu, gelu_tanh or silu (nearest {best[0]}, off by "
+    return None, (f"it is not relu, gelu, gelu_tanh, silu or relu2 (nearest {best[0]}, off by "
                   f"{best[1]:.2g})")
 
 

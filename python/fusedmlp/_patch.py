@@ -5,7 +5,7 @@ Dense MLP blocks are found by what their forward computes, not by attribute name
 (fusedmlp/_structure.py states the rule): a module whose traced forward is linear -> act
 (-> * linear) -> linear, whatever its children are called (two or three linears, one fused
 gate_up linear split in halves, Conv1D or Linear, with or without biases; act any module or
-function that equals relu, gelu, gelu_tanh or silu) becomes a FusedMLP (or a FusedBlock when its
+function that equals relu, gelu, gelu_tanh, silu or relu2) becomes a FusedMLP (or a FusedBlock when its
 forward also adds a residual input or applies a post-norm); a chain that a layer computes inside
 its own forward beside its attention (OPT, BART, Whisper...: fc1, activation_fn, fc2 held by the
 decoder layer; BERT: intermediate.dense -> act -> output.dense across two children) is replaced

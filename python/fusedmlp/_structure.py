@@ -11,7 +11,7 @@ is the path those defaults take). In such a graph an MLP chain is
 
 where L1, Lg, Lu and L2 are nn.Linear or transformers Conv1D children and act is whatever the
 graph computes from L1's (Lg's) output alone (a child module, a torch function, a run of
-elementwise ops) provided it equals relu, gelu, gelu_tanh or silu numerically on a grid of
+elementwise ops) provided it equals relu, gelu, gelu_tanh, silu or relu2 numerically on a grid of
 inputs (identify_activation). Dropouts are identities in eval mode; an active one (training
 mode, p > 0) is a reason to skip.
 

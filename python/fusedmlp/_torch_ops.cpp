@@ -291,8 +291,8 @@ int lookup(const char* name, const std::string& value, const char* const (&table
   raise_value(std::string(name) + " is '" + value + "'; expected one of " + choices);
 }
 
-constexpr const char* kActivations[] = {"relu", "gelu", "gelu_tanh", "silu"};
-constexpr const char* kActivationChoices = "'relu', 'gelu', 'gelu_tanh', 'silu'";
+constexpr const char* kActivations[] = {"relu", "gelu", "gelu_tanh", "silu", "relu2"};
+constexpr const char* kActivationChoices = "'relu', 'gelu', 'gelu_tanh', 'silu', 'relu2'";
 constexpr const char* kNorms[] = {"none", "layernorm", "rmsnorm"};
 constexpr const char* kNormChoices = "None, 'none', 'layernorm', 'rmsnorm'";
 constexpr const char* kBackends[] = {"auto", "ref", "cpu", "cuda"};

@@ -508,6 +508,8 @@ def _activation(act):
         return "silu"
     if name == "ReLU":
         return "relu"
+    if name == "ReLUSquaredActivation":
+        return "relu2"
     if name == "GELU":
         return "gelu_tanh" if getattr(act, "approximate", "none") == "tanh" else "gelu"
     functions = {torch.nn.functional.gelu: "gelu", torch.nn.functional.silu: "silu",
@@ -515,7 +517,7 @@ def _activation(act):
     if act in functions:
         return functions[act]
     raise NotImplementedError(f"activation {name} has no fusedmlp equivalent "
-                              "(relu, gelu, gelu_tanh and silu are)")
+                              "(relu, gelu, gelu_tanh, silu and relu2 are)")
 
 
 def _linear_weight(layer, name):

@@ -24,6 +24,8 @@ def act_ref(name, v):
         return 0.5 * v * (1.0 + _erf(v / math.sqrt(2.0)).astype(np.float64))
     if name == "gelu_tanh":
         return 0.5 * v * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3)))
+    if name == "relu2":
+        return np.maximum(v, 0.0) ** 2
     assert name == "silu"
     return v / (1.0 + np.exp(-v))
 
@@ -112,7 +114,7 @@ SIZES = [(7, 13, 7), (7, 13, 11), (64, 96, 64)]
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu", "relu2"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_matches_reference(dtype, m, size, activation, variant):
     rng = np.random.default_rng(zlib.crc32(repr((m, size, activation, variant)).encode()))

@@ -80,7 +80,7 @@ def test_router_vs_ref(dtype, gated, scoring, renormalize, t, experts, top_k):
 
 
 @pytest.mark.parametrize("backend", ["ref", "cpu"])
-@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu", "relu2"])
 def test_odd_sizes_residual_backends(backend, activation):
     rng = np.random.default_rng(3)
     kw = make_moe(rng, t=13, d=37, hidden=23, d_out=19, experts=5, top_k=3, router_bias=False)

@@ -318,7 +318,7 @@ def test_strict_is_all_or_nothing(monkeypatch):
 def test_identify_activation_and_norm():
     for fn, name in ((torch.relu, "relu"), (F.gelu, "gelu"), (my_silu, "silu"),
                      (lambda t: 0.5 * t * (1 + torch.tanh(0.7978845608 * (t + 0.044715 * t**3))),
-                      "gelu_tanh")):
+                      "gelu_tanh"), (lambda t: torch.relu(t) ** 2, "relu2")):
         assert st.identify_activation(fn, 64) == (name, None)
     name, why = st.identify_activation(lambda t: t * torch.sigmoid(1.702 * t), 64)  # quick_gelu
     assert name is None and "nearest" in why

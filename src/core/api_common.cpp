@@ -147,6 +147,7 @@ const char* fmlp_activation_name(fmlp_activation_t a) {
     case FMLP_ACT_GELU: return "gelu";
     case FMLP_ACT_GELU_TANH: return "gelu_tanh";
     case FMLP_ACT_SILU: return "silu";
+    case FMLP_ACT_RELU2: return "relu2";
     case FMLP_ACT_MAX_ENUM: break;  // not an activation
   }
   return "unknown";

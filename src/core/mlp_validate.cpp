@@ -93,10 +93,10 @@ std::array<NamedTensor, 11> weight_tensors(const fmlp_mlp_weights_t& w) {
 
 fmlp_status_t validate_mlp_weights(const fmlp_mlp_weights_t& w, const fmlp_mlp_config_t& c,
                                    int64_t d_out_hint, MlpDesc* d) {
-  if (unsigned(c.activation) > unsigned(FMLP_ACT_SILU))
+  if (unsigned(c.activation) > unsigned(FMLP_ACT_RELU2))
     return fail(FMLP_ERROR_INVALID_VALUE,
                 "config.activation is {}; expected one of relu (0), "
-                "gelu (1), gelu_tanh (2), silu (3)",
+                "gelu (1), gelu_tanh (2), silu (3), relu2 (4)",
                 int(c.activation));
   if (unsigned(c.norm) > unsigned(FMLP_NORM_RMSNORM))
     return fail(FMLP_ERROR_INVALID_VALUE,

@@ -157,6 +157,10 @@ inline __m256 activate8(fmlp_activation_t act, __m256 x) {
       const __m256 e = exp8(_mm256_xor_ps(x, _mm256_set1_ps(-0.0f)));
       return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
     }
+    case FMLP_ACT_RELU2: {
+      const __m256 r = _mm256_max_ps(_mm256_setzero_ps(), x);  // NaN kept, -inf -> 0
+      return _mm256_mul_ps(r, r);
+    }
     case FMLP_ACT_MAX_ENUM: break;  // not an activation (validation rejects it)
   }
   return x;

@@ -17,6 +17,10 @@ inline double activate(fmlp_activation_t act, double x) {
       return 0.5 * x * (1.0 + std::tanh(k * (x + 0.044715 * x * x * x)));
     }
     case FMLP_ACT_SILU: return x / (1.0 + std::exp(-x));
+    case FMLP_ACT_RELU2: {
+      const double r = x > 0.0 ? x : (std::isnan(x) ? x : 0.0);
+      return r * r;
+    }
     case FMLP_ACT_MAX_ENUM: break;  // not an activation (validation rejects it)
   }
   return std::nan("");

@@ -125,6 +125,10 @@ __device__ __forceinline__ float activate(fmlp_activation_t act, float x) {
     case FMLP_ACT_GELU: return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
     case FMLP_ACT_GELU_TANH:
       return 0.5f * x * (1.f + tanhf(0.79788456080286535588f * (x + 0.044715f * x * x * x)));
+    case FMLP_ACT_RELU2: {
+      const float r = x > 0.f ? x : (isnan(x) ? x : 0.f);
+      return r * r;
+    }
     default: return x / (1.f + expf(-x));
   }
 }

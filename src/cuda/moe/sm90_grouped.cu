@@ -282,6 +282,7 @@ fmlp_status_t with_activation(fmlp_activation_t act, F&& f) {
     case FMLP_ACT_RELU: return f(std::integral_constant<A, FMLP_ACT_RELU>{});
     case FMLP_ACT_GELU: return f(std::integral_constant<A, FMLP_ACT_GELU>{});
     case FMLP_ACT_GELU_TANH: return f(std::integral_constant<A, FMLP_ACT_GELU_TANH>{});
+    case FMLP_ACT_RELU2: return f(std::integral_constant<A, FMLP_ACT_RELU2>{});
     default: return f(std::integral_constant<A, FMLP_ACT_SILU>{});
   }
 }

@@ -147,6 +147,7 @@ fmlp_status_t launch_act(fmlp_activation_t act, const CUtensorMap& tx, const CUt
     case FMLP_ACT_RELU: return launch<T, FMLP_ACT_RELU>(tx, tg, tu, e, grid, s);
     case FMLP_ACT_GELU: return launch<T, FMLP_ACT_GELU>(tx, tg, tu, e, grid, s);
     case FMLP_ACT_GELU_TANH: return launch<T, FMLP_ACT_GELU_TANH>(tx, tg, tu, e, grid, s);
+    case FMLP_ACT_RELU2: return launch<T, FMLP_ACT_RELU2>(tx, tg, tu, e, grid, s);
     default: return launch<T, FMLP_ACT_SILU>(tx, tg, tu, e, grid, s);
   }
 }
