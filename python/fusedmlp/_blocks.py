@@ -72,6 +72,9 @@ def _norm_choice(tr, value, d_in, fuse_norm):
         return None, None, f"norm {name} not fused (fuse_norm=False)"
     if tr.calls()[name] != 1:
         return None, None, f"norm {name} stays a torch op: it is called more than once"
+    reads = st.reads_into(tr, name)
+    if reads:  # e.g. x.to(self.norm.weight.dtype): the stand-in has no weight to read
+        return None, None, f"norm {name} stays a torch op: the forward also reads {reads[0]}"
     if len(value.users) != 1:
         others = [u for u in value.users]
         return None, None, (f"norm {name} stays a torch op: its output also feeds "

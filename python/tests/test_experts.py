@@ -223,7 +223,7 @@ def _custom_gate(self, gate_up):
 def test_unsupported_fall_back_to_eager_with_warning(case):
     fe._WARNED.clear()
     kw = dict(apply_gate=dict(gate=_custom_gate), post_norm=dict(post_norm=nn.LayerNorm),
-              activation=dict(act="relu2")).get(case, {})
+              activation=dict(act="quick_gelu")).get(case, {})
     ex = make_experts(**kw)
     if case == "expert_parallel":
         ex._is_expert_parallel = True
@@ -377,7 +377,7 @@ def test_patch_mixtral_experts_option():
 
 
 def test_patch_skips_unsupported_experts_with_reason():
-    model = olmoe(hidden_act="relu2")
+    model = olmoe(hidden_act="quick_gelu")
     report = fusedmlp.patch(model)
     assert report.experts == [] and len(report.skipped) == 2, str(report)
     assert "not a known sparse-MoE block" in report.skipped[0][1]
