@@ -232,8 +232,33 @@ def table(root):
 
 
 _CONST = re.compile(r"constexpr\s+[\w:]+\s+(\w+)\s*=\s*([^;]+);")
-# A measured threshold with its bench knob: const double NAME = tuned("FMLP_...", VALUE);
-_TUNED = re.compile(r'const\s+double\s+(\w+)\s*=\s*tuned\("\w+",\s*([0-9.e+-]+)\)')
+# A measured threshold with its bench knob, in either spelling:
+#   const double NAME = tuned("FMLP_...", VALUE);
+#   const double NAME = knob_float<Knob::FMLP_...>();   (the default in src/core/knobs.def)
+_TUNED = re.compile(r'const\s+double\s+(\w+)\s*=\s*tuned\("(\w+)",\s*([0-9.e+-]+)\)')
+_KNOBBED = re.compile(r"const\s+double\s+(\w+)\s*=\s*knob_(?:float|int)<Knob::(\w+)>\(\)")
+_KNOB_DEF = re.compile(r'FMLP_KNOB\(\s*(\w+)\s*,\s*\w+\s*,\s*"([^"]*)"')
+
+
+def _number(text):
+    v = float(text)
+    return int(v) if v.is_integer() else v
+
+
+def thresholds(root, rel):
+    """[(constant, value, knob)] of the measured thresholds a file defines, in file order."""
+    text = _read(root, rel)
+    defs = {}
+    if os.path.exists(os.path.join(root, "src/core/knobs.def")):
+        defs = dict(_KNOB_DEF.findall(_read(root, "src/core/knobs.def")))
+    found = [(m.start(), m.group(1), _number(m.group(3)), m.group(2))
+             for m in _TUNED.finditer(text)]
+    for m in _KNOBBED.finditer(text):
+        if m.group(2) not in defs:
+            raise SystemExit(f"gen_docs: {rel} reads {m.group(2)}, which src/core/knobs.def "
+                             "does not define")
+        found.append((m.start(), m.group(1), _number(defs[m.group(2)]), m.group(2)))
+    return [f[1:] for f in sorted(found)]
 
 
 def _int_expr(text):
@@ -254,9 +279,8 @@ def constants(root, files):
             v = _int_expr(m.group(2))
             if v is not None:
                 found.setdefault(m.group(1), v)
-        for m in _TUNED.finditer(_read(root, rel)):
-            v = float(m.group(2))
-            found.setdefault(m.group(1), int(v) if v.is_integer() else v)
+        for name, value, _ in thresholds(root, rel):
+            found.setdefault(name, value)
     return found
 
 

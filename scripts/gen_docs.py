@@ -329,9 +329,8 @@ def sec_linear_planner(page_dir):
 
 
 def sec_moe_thresholds(page_dir):
-    text = _src("src/cuda/moe/tuning.cpp")
-    rows = [[f"`{m.group(1)}`", m.group(3), f"`{m.group(2)}`"]
-            for m in re.finditer(r"const double (\w+) = tuned\(\"(\w+)\",\s*([0-9.e+-]+)\);", text)]
+    rows = [[f"`{name}`", f"{value:g}", f"`{knob}`"]
+            for name, value, knob in docgen_kernels.thresholds(ROOT, "src/cuda/moe/tuning.cpp")]
     if not rows:
         raise SystemExit("gen_docs: no tuned thresholds in src/cuda/moe/tuning.cpp")
     return (md_table(["threshold", "value", "bench knob that overrides it"], rows) +
