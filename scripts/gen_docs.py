@@ -155,7 +155,8 @@ def sec_headline(page_dir):
         f"PyTorch version (torch.compile, replayed from a CUDA graph); gpt2-small's in "
         f"{g['ours_us']:.1f} µs, {g['speedup_vs_best_peer']:.2f}x. With fp8 e4m3 weights "
         f"llama3-8b's takes {b['ours_us']:.1f} µs, {b['speedup_vs_best_peer']:.2f}x the best "
-        f"bf16 PyTorch peer (commit {d['meta']['commit'].split(';')[0].split()[0]}; "
+        f"bf16 PyTorch peer (commits with the tables in [docs/performance.md]"
+        f"(docs/performance.md); data: "
         f"[`bench/results/cuda_decode_h200.json`](bench/results/cuda_decode_h200.json), "
         f"[`cuda_decode_fp8_h200.json`](bench/results/cuda_decode_fp8_h200.json)).", page_dir)
 
@@ -405,7 +406,7 @@ def perf_page():
     d = load("decode_entries_h100.json")
     add(f"Every cuda mlp entry on the decode suite's shapes, {d['gpu']} (no peers): the "
         "entry dispatch ran (fixed rules, before pack-time timing) and the fastest entry, µs. "
-        "Where they differ the pack-time timing (docs/decode.md) takes the faster one.\n")
+        "Where they differ, pack-time timing ([decode.md](decode.md)) takes the faster one.\n")
     rows = []
     for r in d["rows"]:
         rows.append([SHAPES.get(r["shape"], r["shape"]), r["M"], us(r["floor_us"]),
