@@ -1,10 +1,11 @@
 """The fusedmlp.patch sweep's table: runs python/tests/hf_sweep.py over every causal-LM, MoE
 and encoder class of the installed transformers (tiny random-init models, patched vs
 unpatched), writes bench/results/patch_sweep.json (the rows) and patch_sweep.md (the table),
-and rewrites the README section between the patch-sweep markers from that file.
+then regenerates the docs (scripts/gen_docs.py), whose patch-sweep sections in README.md and
+docs/ quote that file's summary.
 
     python3 bench/patch_sweep.py                  # fp32 on the CPU backend (what CI checks)
-    python3 bench/patch_sweep.py --readme-only    # table and README from the recorded rows
+    python3 bench/patch_sweep.py --readme-only    # table and docs from the recorded rows
     python3 bench/patch_sweep.py --dtype bf16 --device cuda --out /tmp/sweep_bf16
 
 The sweep's pass/fail conditions are python/tests/test_patch_sweep.py's; this only records.
@@ -19,21 +20,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
-BEGIN, END = "<!-- patch-sweep:begin -->", "<!-- patch-sweep:end -->"
 
 
-def rewrite_readme(markdown):
-    path = os.path.join(ROOT, "README.md")
-    with open(path) as f:
-        text = f.read()
-    if BEGIN not in text or END not in text:
-        sys.exit(f"README.md has no {BEGIN} ... {END} section to rewrite")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    summary, _, body = markdown.partition("\n\n")  # the table folds away under its summary
-    folded = f"{summary}\n\n<details><summary>The table</summary>\n\n{body}\n\n</details>"
-    with open(path, "w") as f:
-        f.write(f"{head}{BEGIN}\n{folded}\n{END}{tail}")
+def rewrite_docs():
+    """The generated sections quoting patch_sweep.md (README.md, docs/) brought up to date."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import gen_docs
+    if gen_docs.main([]) != 0:
+        sys.exit("scripts/gen_docs.py failed")
 
 
 def main():
@@ -43,7 +37,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(RESULTS, "patch_sweep"),
                     help="path prefix of the .json and .md written")
     ap.add_argument("--readme-only", action="store_true",
-                    help="only remake <out>.md and README.md's section from <out>.json")
+                    help="only remake <out>.md and the docs from <out>.json")
     ap.add_argument("--only", nargs="*", help="class names (default: all)")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "python", "tests"))
@@ -83,7 +77,7 @@ def write(args, rows, seconds, transformers_version, torch_version, hf_sweep):
     with open(args.out + ".md", "w") as f:
         f.write(markdown + "\n")
     if args.out == os.path.join(RESULTS, "patch_sweep") and not args.only:
-        rewrite_readme(markdown)
+        rewrite_docs()
     print(markdown.split("\n")[0])
 
 
