@@ -309,6 +309,14 @@ Reference reference(const MlpCase& c, const CaseData& d) {
     *mag = std::sqrt(sq);
     return acc + bias;
   };
+  // An error e in the activation's input moves its output by |act'(g)| e: the terms' magnitude
+  // grows by that slope where it exceeds 1 (relu2's 2g; gelu and silu stay near 1).
+  auto slope = [&](double g) {
+    const double e = 1e-6 * std::max(1.0, std::fabs(g));
+    const double d =
+        std::fabs(fmlp::ref::activate(c.act, g + e) - fmlp::ref::activate(c.act, g - e));
+    return std::isfinite(d) ? std::max(1.0, d / (2 * e)) : 1.0;
+  };
   for (int64_t i = 0; i < c.m; ++i) {
     for (int64_t k = 0; k < K; ++k) xn[size_t(k)] = d.x.get(i, k);
     if (c.norm != FMLP_NORM_NONE) {
@@ -328,13 +336,13 @@ Reference reference(const MlpCase& c, const CaseData& d) {
       const double g = dot(w1, j, b1[size_t(j)], &gm);
       if (!c.gated()) {
         h[size_t(j)] = fmlp::ref::activate(c.act, g);
-        hmag[size_t(j)] = std::max(gm, std::fabs(h[size_t(j)]));
+        hmag[size_t(j)] = std::max(gm * slope(g), std::fabs(h[size_t(j)]));
         continue;
       }
       const double u = c.gate == Gate::kStacked ? dot(w1, H + j, b1[size_t(H + j)], &um)
                                                 : dot(wu, j, bu[size_t(j)], &um);
       h[size_t(j)] = fmlp::ref::activate(c.act, g) * u;
-      hmag[size_t(j)] = std::max(std::fabs(g), gm) * std::max(std::fabs(u), um);
+      hmag[size_t(j)] = std::max(std::fabs(g), gm) * slope(g) * std::max(std::fabs(u), um);
     }
     for (int64_t o = 0; o < N; ++o) {
       const double r = d.residual.present() ? d.residual.get(i, o) : 0.0;

@@ -131,6 +131,7 @@ TEST_P(PackedTest, CppPackedMlpMatches) {
     p.upload(data);
     if (device_) {
       Buffer pws(packed.workspace_size(p.args().y, p.args().x), true);
+      pws.fill(0);  // a CUDA workspace starts zeroed (fusedmlp.h)
       packed.run(p.args().y, p.args().x, &p.args().residual, pws.data(), pws.size());
     } else {
       packed.run(p.args().y, p.args().x, &p.args().residual);  // allocates its own workspace

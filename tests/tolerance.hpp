@@ -13,10 +13,10 @@
 // (atol: one subnormal step of the output dtype, the absolute rounding below the normal range)
 // where scale is the natural size of the rounding errors of the sums that produce y[i][o]: the l2
 // norm of the terms summed into it (W2[o][j] * magnitude(h_j), b2, residual), with magnitude(h_j)
-// itself the l2 norm of the terms of its layer-1 dot products. Rounding errors of a sum grow with
-// its terms, not with its result, so |ref| alone would flag kernels wherever terms happen to
-// cancel; for random data scale is about the row's rms, so the rule is as tight as "relative to row
-// rms".
+// itself the l2 norm of the terms of its layer-1 dot products (times the activation's slope where
+// that exceeds 1: relu2's 2g). Rounding errors of a sum grow with its terms, not with its result,
+// so |ref| alone would flag kernels wherever terms happen to cancel; for random data scale is
+// about the row's rms, so the rule is as tight as "relative to row rms".
 //
 // rtol = max(rtol of the activation (= output) dtype, rtol of the weight dtype):
 //   f32   1e-4: fp32 accumulation of n terms drifts by ~2^-24 * sqrt(n) of scale (< 1e-5 even at
