@@ -573,8 +573,7 @@ bool device_is_sm90() {
 }
 
 bool wgmma_switched_on() {
-  const char* e = std::getenv("FMLP_PREFILL_WGMMA");
-  return e && std::string(e) == "1";
+  return knob_value("FMLP_PREFILL_WGMMA") == "1";
 }
 
 // run_kernel with explicit arguments (views narrowed or shifted from a PlacedCase's buffers).

@@ -24,6 +24,8 @@ functions). fusedmlp.torch adds torch.library custom ops, the FusedMLP module an
 """
 
 import contextlib
+import warnings
+from typing import List, NamedTuple, Optional
 
 import numpy as np
 
@@ -33,7 +35,8 @@ __all__ = ["mlp", "explain", "mlp_workspace_size", "pack", "PackedMlp", "moe", "
            "moe_workspace_size", "moe_device_errors", "linear",
            "linear_explain", "linear_workspace_size", "softmax", "log_softmax",
            "softmax_explain", "softmax_workspace_size", "quantize_fp8", "available",
-           "build_info", "devices", "kernels", "patch", "register_experts", "__version__"]
+           "build_info", "devices", "kernels", "knobs", "knob", "Knob", "info", "patch",
+           "register_experts", "__version__"]
 __version__ = _ext.version()
 
 _ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "relu2": 4}
@@ -648,6 +651,110 @@ def devices():
     """One line per visible CUDA device ("cuda:0 NVIDIA H200, sm_90, 132 SMs, 139.8 GiB");
     empty without CUDA."""
     return [line for line in _ext.devices().splitlines() if line]
+
+
+class Knob(NamedTuple):
+    """One FMLP_* environment knob (src/core/knobs.def; docs/tuning.md lists them all).
+
+    Attributes
+    ----------
+    name : str
+        The environment variable, e.g. ``"FMLP_PLAN_TUNE"``.
+    kind : str
+        ``"bool"`` (0 or 1), ``"int"``, ``"float"`` or ``"string"``.
+    scope : str
+        What reads it: ``"cuda"``, ``"dist"``, ``"python"``, ``"cli"`` or ``"test"``.
+    default : str
+        The value when unset, as the environment spells it; ``"auto"`` where the code decides
+        per call, ``""`` for unset text.
+    range : str
+        What is accepted: ``"lo..hi"`` (inclusive), ``"a|b|c"`` or ``""`` (any text).
+    purpose : str
+        One sentence.
+    env : str or None
+        The environment's text now, None when unset or empty.
+    value : str
+        What applies now: ``env`` when accepted, else ``default``.
+    error : str
+        Why ``env`` is rejected, ``""`` when it is accepted or unset.
+    """
+
+    name: str
+    kind: str
+    scope: str
+    default: str
+    range: str
+    purpose: str
+    env: Optional[str]
+    value: str
+    error: str
+
+
+def knobs() -> List[Knob]:
+    """Every FMLP_* environment knob with the value that applies now.
+
+    The library reads most knobs once, at their first use in the process; this reads the
+    environment at the call (so a knob changed after its first use shows its new value here, not
+    the one in effect).
+
+    Returns
+    -------
+    list of Knob
+        In the table's order (grouped by scope).
+    """
+    return [Knob(**k) for k in _ext.knobs()]
+
+
+def knob(name: str) -> str:
+    """The value of the environment knob ``name`` that applies now, validated by the library.
+
+    Parameters
+    ----------
+    name : str
+        An FMLP_* variable of the table (see knobs()).
+
+    Returns
+    -------
+    str
+        The environment's text when the library accepts it, else the knob's default (``"auto"``,
+        ``"0"``, ``""`` ...). A rejected value is reported with a RuntimeWarning naming the
+        variable, what it accepts and what came.
+
+    Raises
+    ------
+    KeyError
+        When ``name`` is not a knob.
+    """
+    k = _ext.knob(name)
+    if k["error"]:
+        warnings.warn(f"fusedmlp: {k['error']}", RuntimeWarning, stacklevel=2)
+    return k["value"]
+
+
+def info() -> str:
+    """A report of the library and this machine, as ``fusedmlp info`` prints it in short.
+
+    Returns
+    -------
+    str
+        Lines for the version and build, the CUDA devices, each backend's availability, and
+        every environment knob with its value and default (a rejected value with its error).
+    """
+    lines = [f"fusedmlp {__version__}", f"build:    {build_info()}"]
+    found = devices()
+    lines.append("gpus:     " + ("none found" if not found else ""))
+    lines += [f"  {d}" for d in found]
+    lines.append("backends:")
+    for b in ("ref", "cpu", "cuda"):
+        ok, why = available(b)
+        lines.append(f"  {b:<5} {'available' if ok else 'unavailable: ' + why}")
+    lines.append("knobs (FMLP_* environment variables; docs/tuning.md):")
+    for k in knobs():
+        default = k.default or "unset"
+        note = k.error or (f"set; default {default}" if k.env is not None else
+                           f"default {default}")
+        lines.append(f"  {k.scope:<6} {k.name:<28} {k.value or 'unset':<8} ({note})")
+    return "\n".join(lines)
 
 
 def kernels(op="mlp"):

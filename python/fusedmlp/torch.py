@@ -25,7 +25,6 @@ LM head) of Hugging Face models for them. call_cost() measures what a module cos
 
 import contextlib
 import dataclasses
-import os
 import statistics
 import time
 import warnings
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 
 from . import _ACTIVATIONS, _BACKENDS, _NORMS, _ext, _lookup, _workspace_bytes
+from . import knob as _knob
 
 __all__ = ["mlp", "moe", "linear", "softmax", "log_softmax", "moe_device_errors", "FusedMLP",
            "FusedMoE", "FusedLinear", "patch", "PatchReport", "PatchError", "PROBE_RTOL",
@@ -147,7 +147,7 @@ _PACKS = weakref.WeakValueDictionary()
 def _load_cpp_ops():
     """fusedmlp._torch_ops (the ops as C++ kernels) when it can be used here, else None; and
     why not."""
-    if os.environ.get("FMLP_TORCH_OPS", "").lower() == "python":
+    if _knob("FMLP_TORCH_OPS") == "python":
         return None, "FMLP_TORCH_OPS=python"
     try:
         from ._torch_ops_build import TORCH_VERSION

@@ -89,7 +89,8 @@ struct StreamShape {
 // at M = 2 got slower (68.5 -> 69.9); 16-bit rows were slower in bigger groups (sessions 11, 12).
 // FMLP_LINEAR_STREAM_KB=k (4..256) forces k KB groups for measurements.
 inline int64_t stream_group_bytes(int64_t n, int64_t row_bytes, int elem_bytes, int64_t tokens) {
-  static const int env_kb = int(fmlp::detail::env_knob("FMLP_LINEAR_STREAM_KB", 4, 256, 0));
+  static const int env_kb =
+      int(fmlp::detail::knob_int_or<fmlp::detail::Knob::FMLP_LINEAR_STREAM_KB>(0));
   if (env_kb) return int64_t(env_kb) * 1024;
   if (elem_bytes == 1 && row_bytes * kStreamWarps <= (int64_t(128) << 10) &&
       (tokens <= 1 || row_bytes <= 4096))
@@ -145,7 +146,7 @@ inline StreamShape stream_shape(int64_t n, int64_t k, int elem_bytes, int64_t to
 // (768 -> 2304: 2.6 -> 2.8 us), and 7 (one 224-chunk batch for the 224-chunk parts of K = 14336
 // rows: 4096 x 14336 32.9 -> 34.4 us, at three blocks per SM). FMLP_STREAM_U=3|4 forces one.
 inline void stream_pick_loads(StreamShape& s, int64_t stream_bytes) {
-  static const int env_u = int(fmlp::detail::env_knob("FMLP_STREAM_U", 3, 4, 0));
+  static const int env_u = int(fmlp::detail::knob_int_or<fmlp::detail::Knob::FMLP_STREAM_U>(0));
   auto batches = [&](int u) { return stream_batches(s.cpw, u); };
   const bool three = stream_bytes >= (int64_t(16) << 20) && batches(3) == batches(4) &&
                      batches(3) * 96 < batches(4) * 128;
@@ -172,7 +173,7 @@ int stream_resident_blocks(KERNEL kernel, size_t smem, int device, int sms) {
 // 512 blocks run 14 full rounds, so the bytes in flight stay level to the end.
 // FMLP_STREAM_BALANCE=0 keeps the full resident grid.
 inline int stream_grid(int groups, int resident) {
-  static const bool on = fmlp::detail::env_knob("FMLP_STREAM_BALANCE", 0, 1, 1) != 0;
+  static const bool on = fmlp::detail::knob_bool<fmlp::detail::Knob::FMLP_STREAM_BALANCE>();
   if (groups <= resident || !on) return std::min(groups, resident);
   const int rounds = (groups + resident - 1) / resident;
   return (groups + rounds - 1) / rounds;

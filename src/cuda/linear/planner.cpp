@@ -1,10 +1,10 @@
 // Choice table and planner of the CUDA linear entries (see planner.hpp).
 #include "cuda/linear/planner.hpp"
 
-#include <cstdlib>
 #include <cstring>
 
 #include "core/error.hpp"
+#include "core/knobs.hpp"
 
 namespace fmlp::detail {
 namespace {
@@ -126,12 +126,15 @@ const LinearKernel* few_token_choice(const LinearDesc& d, std::string* reason) {
 
 const LinearKernel* cuda_linear_plan(const LinearDesc& d, std::string* reason) {
   std::string note, why;
-  if (const char* env = std::getenv("FMLP_LINEAR_KERNEL"); env != nullptr && *env != '\0') {
-    const LinearKernel* k = find(env);
+  if (const std::string env = knob_string<Knob::FMLP_LINEAR_KERNEL>(); !env.empty()) {
+    const LinearKernel* k = find(env.c_str());
     if (k != nullptr && k->supports(d, &why)) {
       if (reason) *reason = fmt::format("FMLP_LINEAR_KERNEL={} forces it", env);
       return k;
     }
+    if (k == nullptr)
+      knob_reject(Knob::FMLP_LINEAR_KERNEL,
+                  "the name of a CUDA linear entry (`fusedmlp info` lists them)");
     note = k == nullptr ? fmt::format(" (FMLP_LINEAR_KERNEL={} ignored: no such CUDA entry)", env)
                         : fmt::format(" (FMLP_LINEAR_KERNEL={} ignored: {})", env, why);
   }

@@ -317,11 +317,17 @@ struct Config {
 std::pair<int, int> fp8_shape_choice() {
   static const std::pair<int, int> choice = [] {
     std::pair<int, int> c{kFp8Shape, kFp8TasksPerSm};
-    if (const char* e = std::getenv("FMLP_LINEAR_MMA_FP8"); e != nullptr && *e != '\0') {
+    constexpr int kShapes = int(sizeof(kFp8Shapes) / sizeof(kFp8Shapes[0]));
+    if (const std::string e = knob_string<Knob::FMLP_LINEAR_MMA_FP8>(); !e.empty()) {
       int v = 0, t = 0;
-      if (std::sscanf(e, "%d,%d", &v, &t) == 2 && v >= 0 &&
-          v < int(sizeof(kFp8Shapes) / sizeof(kFp8Shapes[0])) && t >= 1 && t <= 64)
+      char tail = 0;
+      if (std::sscanf(e.c_str(), "%d,%d%c", &v, &t, &tail) == 2 && v >= 0 && v < kShapes &&
+          t >= 1 && t <= 64)
         c = {v, t};
+      else
+        knob_reject(
+            Knob::FMLP_LINEAR_MMA_FP8,
+            fmt::format("\"SHAPE,TASKS\" with SHAPE in [0, {}] and TASKS in [1, 64]", kShapes - 1));
     }
     return c;
   }();

@@ -55,7 +55,7 @@ struct StreamParams : LinearOperands {
 // that loop over groups 4096 x 4096 10.69 / 10.55, fp8 4096 <- 14336 19.49 / 19.11, the lm heads
 // within 1 %. FMLP_LINEAR_EPI_AHEAD=0|1 forces it off / on for measurements.
 bool epi_ahead(const StreamShape& s, int grid) {
-  static const int env = int(env_knob("FMLP_LINEAR_EPI_AHEAD", 0, 1, -1));
+  static const int env = int(knob_int_or<Knob::FMLP_LINEAR_EPI_AHEAD>(-1));
   return env >= 0 ? env == 1 : grid >= s.groups && s.wpr > 1;
 }
 
@@ -69,7 +69,7 @@ bool epi_ahead(const StreamShape& s, int grid) {
 // shared memory) and on the 14336-column downs it changed nothing (32.7 -> 32.4).
 // FMLP_STREAM_XDIRECT=0|1 forces staging / in place (where allowed) for measurements.
 bool x_direct(const LinearDesc& d, const void* x, const StreamShape& s) {
-  static const int env = int(env_knob("FMLP_STREAM_XDIRECT", 0, 1, -1));
+  static const int env = int(knob_int_or<Knob::FMLP_STREAM_XDIRECT>(-1));
   if (env == 0 || d.m != 1 || d.w_dtype == FMLP_DTYPE_F8_E4M3 ||
       reinterpret_cast<uintptr_t>(x) % 16 != 0)
     return false;
@@ -211,7 +211,7 @@ int token_tile(int64_t m) {
 // FMLP_STREAM_PREFETCH=0 turns it off, =1 on, for measurements (as for the MLP streams).
 template <typename WT>
 int prefetch_groups(const StreamShape& s, int grid, int device) {
-  static const int env = int(env_knob("FMLP_STREAM_PREFETCH", 0, 1, -1));
+  static const int env = int(knob_int_or<Knob::FMLP_STREAM_PREFETCH>(-1));
   if (env >= 0) return env;
   const int64_t w_bytes = int64_t(s.n) * s.k * int64_t(sizeof(WT));
   return w_bytes > cuda_l2_bytes(device) || s.groups >= 4 * grid ? 1 : 0;

@@ -340,7 +340,7 @@ fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc
   // Prefetching helps where W2 outgrows the L2 (llama3-8b M = 1: 91.6 us against 92.7 without)
   // and hurt where most of W2 fits it (4096 -> 4096: 28.0 against 23.8), measured on an H200.
   // FMLP_STREAM_PREFETCH=0 turns it off, =1 on, for measurements.
-  static const int prefetch_env = int(env_knob("FMLP_STREAM_PREFETCH", 0, 1, -1));
+  static const int prefetch_env = int(knob_int_or<Knob::FMLP_STREAM_PREFETCH>(-1));
   const int64_t w2_bytes = d.d_out * d.hidden * es;
   const bool prefetch =
       prefetch_env >= 0 ? prefetch_env == 1 : w2_bytes > cuda_l2_bytes(d.device_id);
@@ -356,7 +356,7 @@ fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc
   // Requesting batch 1 in every stream kernel instead (where it is all that is left) made the 4
   // KB rows slower: 4096 -> 4096 13.2 -> 14.1 us. H200, session 39.
   // FMLP_STREAM_PREFETCH_BATCHES=n forces n, for measurements.
-  static const int batches_env = int(env_knob("FMLP_STREAM_PREFETCH_BATCHES", 0, 8, -1));
+  static const int batches_env = int(knob_int_or<Knob::FMLP_STREAM_PREFETCH_BATCHES>(-1));
   p.down_prefetch_batches = batches_env >= 0                                    ? batches_env
                             : p.down_prefetch_groups == 0 && p.down.batches > 2 ? 2
                                                                                 : 0;

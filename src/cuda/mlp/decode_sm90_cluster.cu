@@ -499,10 +499,7 @@ bool make_plan(const MlpDesc& d, Plan* pl, std::string* why) {
   if (scope.status() != FMLP_SUCCESS) return (*why = last_error(), false);
   const int sms = cuda_sm_count(d.device_id), tiles = int(d.hidden / 16);
   const int limit = cuda_max_dynamic_smem(d.device_id, 1024);
-  static const int forced = [] {
-    const int v = int(env_knob("FMLP_DECODE_CLUSTER", 1, 8, 0));
-    return (v & (v - 1)) == 0 ? v : 0;  // 1, 2, 4 or 8
-  }();
+  static const int forced = int(knob_int_or<Knob::FMLP_DECODE_CLUSTER>(0));  // 1, 2, 4 or 8
   KernelFn k = pick_kernel(d);
   for (int c : {8, 4, 2, 1}) {
     if (forced && c != forced) continue;

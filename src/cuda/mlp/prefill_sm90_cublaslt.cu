@@ -53,7 +53,7 @@ bool gelu_in_epilogue(const MlpDesc& d) {
 }
 
 bool wgmma_enabled() {
-  static const bool on = env_knob("FMLP_PREFILL_WGMMA", 0, 1, 0) == 1;
+  static const bool on = knob_bool<Knob::FMLP_PREFILL_WGMMA>();
   return on;
 }
 

@@ -572,8 +572,8 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_combine_rows(const MoeParam
 // FMLP_MOE_ROUTE_RANK=0 and FMLP_MOE_ROUTE_CLUSTER=0 turn the ranked top-k and the cluster
 // hand-off off (A/B).
 fmlp_status_t moe_launch_route(const MoeParams& p_in, cudaStream_t s) {
-  static const bool rank_on = env_knob("FMLP_MOE_ROUTE_RANK", 0, 1, 1) == 1;
-  static const bool cluster_on = env_knob("FMLP_MOE_ROUTE_CLUSTER", 0, 1, 1) == 1;
+  static const bool rank_on = knob_bool<Knob::FMLP_MOE_ROUTE_RANK>();
+  static const bool cluster_on = knob_bool<Knob::FMLP_MOE_ROUTE_CLUSTER>();
   MoeParams p = p_in;
   p.topk_rank = rank_on && p.global_experts <= kRankMaxExperts;
   int device = 0;

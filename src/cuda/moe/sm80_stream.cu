@@ -382,7 +382,7 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
   // streamed by one warp or pair) scatter the reads over all of W2: a warp per row T = 1 / 2
   // 184.3 / 349.1 against 175.5 / 343.1, pairs 182.8 against 176.4 at T = 1.
   // FMLP_MOE_STREAM_DOWN_WARP=0|1|2 forces one of them.
-  static const int warp_knob = int(env_knob("FMLP_MOE_STREAM_DOWN_WARP", 0, 2, -1));
+  static const int warp_knob = int(knob_int_or<Knob::FMLP_MOE_STREAM_DOWN_WARP>(-1));
   const int down_mode = warp_knob >= 0                 ? warp_knob
                         : p.hidden * sizeof(WT) > 4096 ? 0
                         : p.tokens == 1                ? 2
@@ -399,7 +399,7 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
   // 30: E = 64 T = 1 / 2 / 4 53.4 / 87.2 / 143.5 -> 53.1 / 85.2 / 143.2 us, the down 26.6 -> 24.8
   // us under ncu) and by the warp kernel (measured staged). FMLP_MOE_STREAM_DOWN_STAGE=0 reads h
   // in place.
-  static const bool stage_on = env_knob("FMLP_MOE_STREAM_DOWN_STAGE", 0, 1, 1) == 1;
+  static const bool stage_on = knob_bool<Knob::FMLP_MOE_STREAM_DOWN_STAGE>();
   const bool stage = stage_on && (kp == kMoeStreamMaxTopK || warp_rows) &&
                      size_t(p.top_k) * p.hidden * sizeof(WT) <= kMoeStreamDownStageBytes;
   fmlp_status_t e = p.x_t == FMLP_DTYPE_F32   ? launch_up<WT, float>(p, up, w)

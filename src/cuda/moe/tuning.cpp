@@ -4,19 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
+
+#include "core/knobs.hpp"
 
 namespace fmlp::detail {
-namespace {
-
-// FMLP_MOE_* tuning knobs for the bench, read once: the environment's value when it is > 0.
-double tuned(const char* env, double fallback) {
-  const char* e = std::getenv(env);
-  const double v = e ? std::atof(e) : 0.0;
-  return v > 0.0 ? v : fallback;
-}
-
-}  // namespace
 
 // Measured on an H200 (bench/results/moe_h200.*): the grouped GEMMs beat the weight-streaming
 // kernel from about one token per hit expert on big experts (Mixtral T=1: 348 vs 370 us) and from
@@ -25,8 +16,8 @@ double tuned(const char* env, double fallback) {
 // per hit expert reach kGroupedMinRows or one expert's weights reach kGroupedBigExpert bytes; from
 // kGroupedWideRows the GEMMs use 128-row tiles. FMLP_MOE_GROUPED_MIN_ROWS /
 // FMLP_MOE_GROUPED_WIDE_ROWS override the row thresholds (tuning knobs for the bench, read once).
-const double kGroupedMinRows = tuned("FMLP_MOE_GROUPED_MIN_ROWS", 1.1);
-const double kGroupedWideRows = tuned("FMLP_MOE_GROUPED_WIDE_ROWS", 96);
+const double kGroupedMinRows = knob_float<Knob::FMLP_MOE_GROUPED_MIN_ROWS>();
+const double kGroupedWideRows = knob_float<Knob::FMLP_MOE_GROUPED_WIDE_ROWS>();
 // moe_sm90_grouped (TMA + wgmma) against moe_sm80_grouped, same device session on an H200
 // (session 14, fusedmlp_moe_bench --kernel): Mixtral-like T = 64 (16 tokens per hit expert)
 // 722.8 vs 752.5 us, T = 512 1043.1 vs 1413.2; E = 64 top-8 T = 64 (8) 339.6 vs 357.7, T = 512
@@ -36,7 +27,7 @@ const double kGroupedWideRows = tuned("FMLP_MOE_GROUPED_WIDE_ROWS", 96);
 // (4) 302.8 / 305.7 against 343.9 / 343.9; Mixtral-like T = 8 (2) 685.7 / 687.1 against 701.4 /
 // 700.9, T = 16 (4) 690.0 / 690.7 against 701.9 / 701.8; at T = 4 (1.46) they lose (619.5 / 620.2
 // against 615.8 / 616.4). FMLP_MOE_SM90_MIN_ROWS overrides it.
-const double kGroupedSm90MinRows = tuned("FMLP_MOE_SM90_MIN_ROWS", 1.5);
+const double kGroupedSm90MinRows = knob_float<Knob::FMLP_MOE_SM90_MIN_ROWS>();
 // moe_sm90_grouped's tall tiles: chunks of 192 slots on three consumer warpgroups when the expected
 // tokens per hit expert lie in [kGroupedSm90TallRows, kGroupedSm90TallMax]. An expert of 129..192
 // tokens is then one chunk and its weights are read once, where 128-row tiles add a short second
@@ -50,7 +41,7 @@ const double kGroupedSm90MinRows = tuned("FMLP_MOE_SM90_MIN_ROWS", 1.5);
 // against 1162, 1010 against 863, with 96-unit gate/up tiles), hence the upper bound, about 2.5
 // standard deviations of a uniform group below 192. FMLP_MOE_SM90_TALL_ROWS overrides the lower
 // bound (1e9: never tall).
-const double kGroupedSm90TallRows = tuned("FMLP_MOE_SM90_TALL_ROWS", 100);
+const double kGroupedSm90TallRows = knob_float<Knob::FMLP_MOE_SM90_TALL_ROWS>();
 // moe_sm90_grouped's swapped tiles (sm90/gemm_swap.cuh): the weights as the wgmma's A, a chunk of
 // up to 160 tokens as its N (96 or 160), up to kGroupedSm90SwapRows expected slots per hit local
 // expert. Measured on an H200 (session 26, fusedmlp_moe_bench, two rounds each, swapped against
@@ -61,7 +52,7 @@ const double kGroupedSm90TallRows = tuned("FMLP_MOE_SM90_TALL_ROWS", 100);
 // 726.9, T = 256 (64) 769.8 / 769.9 against 760.5 / 760.7, T = 512 (128) 884.5 / 883.9 against
 // 879.9 / 881.4, T = 640 (160: two chunks an expert) 1395 against 929. FMLP_MOE_SM90_SWAP_ROWS
 // overrides the bound (1e-9: never swapped).
-const double kGroupedSm90SwapRows = tuned("FMLP_MOE_SM90_SWAP_ROWS", 48);
+const double kGroupedSm90SwapRows = knob_float<Knob::FMLP_MOE_SM90_SWAP_ROWS>();
 
 // moe_sm80_stream reads a shared expert once per token that picked it (the repeats mostly from
 // L2): past this many expected slots per hit local expert the planner (cuda_moe_plan) prefers the
@@ -70,7 +61,7 @@ const double kGroupedSm90SwapRows = tuned("FMLP_MOE_SM90_SWAP_ROWS", 48);
 // top-8 T = 4: 195 us, torch._grouped_mm 254), loses at 1.46 (Mixtral T = 4: 637 us against 603 for
 // the other entries) and 2.3 (E = 64 top-8 T = 16: 571 us, torch._grouped_mm 452).
 // FMLP_MOE_STREAM_MAX_SHARE overrides it (a tuning knob for the bench, read once).
-const double kStreamMaxShare = tuned("FMLP_MOE_STREAM_MAX_SHARE", 1.3);
+const double kStreamMaxShare = knob_float<Knob::FMLP_MOE_STREAM_MAX_SHARE>();
 
 // Expected tokens per hit expert under uniform routing: T*k slots over the E(1 - (1 - k/E)^T)
 // experts expected to receive any.

@@ -331,12 +331,12 @@ struct Plan {
 };
 
 int64_t env_part_bytes() {
-  static const int64_t kb = env_knob("FMLP_SOFTMAX_PART_KB", 0, kMaxPartBytes / 1024, 0);
+  static const int64_t kb = knob_int_or<Knob::FMLP_SOFTMAX_PART_KB>(0);
   return kb * 1024;
 }
 
 bool ticket_enabled() {
-  static const bool on = env_knob("FMLP_SOFTMAX_TICKET", 0, 1, 1) != 0;
+  static const bool on = knob_bool<Knob::FMLP_SOFTMAX_TICKET>();
   return on;
 }
 

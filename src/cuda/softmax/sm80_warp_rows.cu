@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kWarpRowsThreads) softmax_sm80_warp_rows(const
 bool softmax_sm80_warp_rows_supports(const SoftmaxDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   // FMLP_SOFTMAX_WARP_ROWS=0 turns the entry off (A/B measurements).
-  static const bool on = env_knob("FMLP_SOFTMAX_WARP_ROWS", 0, 1, 1) != 0;
+  static const bool on = knob_bool<Knob::FMLP_SOFTMAX_WARP_ROWS>();
   if (!on) return (*why = "switched off by FMLP_SOFTMAX_WARP_ROWS=0", false);
   const int64_t es = int64_t(dtype_size(d.dtype));
   if (d.n * es > kWarpRowsMaxBytes)

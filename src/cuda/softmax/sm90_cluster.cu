@@ -43,13 +43,13 @@ constexpr int kClusterThreads = 256;
 constexpr int64_t kClusterPartBytes = 32 * 1024;
 constexpr int64_t kClusterWidePartBytes = 64 * 1024;
 int64_t cluster_part_bytes() {
-  static const int64_t bytes = env_knob("FMLP_SOFTMAX_CLUSTER_KB", 4, 200, 0) * 1024;
+  static const int64_t bytes = knob_int_or<Knob::FMLP_SOFTMAX_CLUSTER_KB>(0) * 1024;
   return bytes;
 }
 // How far ahead a block prefetches, in percent of the resident blocks: 30 unless
 // FMLP_SOFTMAX_L2_AHEAD (0..400) sets it (0 turns it off).
 int cluster_l2_ahead_pct() {
-  static const int pct = int(env_knob("FMLP_SOFTMAX_L2_AHEAD", 0, 400, 30));
+  static const int pct = int(knob_int<Knob::FMLP_SOFTMAX_L2_AHEAD>());
   return pct;
 }
 // Whether x's loads and y's stores carry an L2 evict-first hint: where x fits in half the L2,
@@ -58,7 +58,7 @@ int cluster_l2_ahead_pct() {
 // 14.38-14.42 / 13.48-13.52, 64 x 32000 bf16 6.84-6.85 / 6.69-6.71; but 256 x 128256 fp32 (131
 // MB) 70.30-70.43 / 72.40-72.56 and bf16 (66 MB) 40.73-40.91 / 41.37-41.49.
 bool cluster_evict_first(const SoftmaxDesc& d) {
-  static const int env = int(env_knob("FMLP_SOFTMAX_EVICT", 0, 1, -1));
+  static const int env = int(knob_int_or<Knob::FMLP_SOFTMAX_EVICT>(-1));
   if (env >= 0) return env == 1;
   return d.rows * d.n * int64_t(dtype_size(d.dtype)) * 2 <= cuda_l2_bytes(d.device_id);
 }
