@@ -299,8 +299,8 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_sm80_mma(const MmaParam
 // stream: four blocks of 64 registers per thread and 2-step batches, two in flight, with 4 tasks
 // per multiprocessor keep more bytes in flight than the 16-bit shape (two blocks, 4-step batches,
 // 2 tasks per SM: ncu found 25 % occupancy and one issue per 3.7 cycles). Measured on an H200 at
-// M = 1 (all five shapes x 2/4/8/16 tasks per SM): 4096x14336 39.8 -> 26.8 us, 4096x4096 13.1
-// -> 12.7; the wide shapes go to linear_sm80_stream (planner.cpp). The other shapes stay
+// M = 1 (all five shapes x 2/4/8/16 tasks per SM): a third off 4096x14336, a little off
+// 4096x4096; the wide shapes go to linear_sm80_stream (planner.cpp). The other shapes stay
 // selectable for measurements: FMLP_LINEAR_MMA_FP8="shape index,tasks per SM".
 struct Fp8Shape {
   int minb, sp, depth;

@@ -327,11 +327,10 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_cluster(const Clu
   // The first W2 batches do not depend on h: they are requested before the hidden slices are
   // exchanged. With C > 1 they go out between the cluster barrier's arrive and its wait: the
   // arrive's release is a GPU-scope fence (MEMBAR.ALL.GPU) that waits for every load in flight, so
-  // with them requested before it (a cluster.sync() after them, until session 35) each block first
-  // waited for its W2 batches to arrive and only then for the other blocks. Same-call A/B on an
-  // H200 (session 35, two rounds, us, before -> after): fp8 weights gpt2-small M = 4 / 16 16.2 /
-  // 21.1 -> 15.6 / 20.7, llama3-8b 74.5 / 97.9 -> 73.5 / 96.6; bf16 gpt2-small 17.1 / 21.9 ->
-  // 16.3 / 21.2.
+  // with them requested before it (a cluster.sync() after them) each block would first wait for
+  // its W2 batches to arrive and only then for the other blocks: 1-5 % slower in a same-call A/B
+  // (fp8 and bf16, gpt2-small and llama3-8b at M = 4 and 16; fusedmlp_cuda_bench --kernel
+  // mlp_decode_sm90_cluster).
   if (C > 1) cluster_arrive();  // this rank's slice is in its shared memory
   prime(total, ring2, load2);
 
