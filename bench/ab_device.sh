@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# A/B of code variants in one GPU session, the way docs/*.md report them: every variant built from
+# A/B of code variants in one GPU run, the way docs/*.md report them: every variant built from
 # this tree plus a patch, then each command run for every variant in turn, ROUNDS times, so drift
-# between machines and over the session hits all variants alike. Run on the GPU machine from the
+# between machines and over the run hits all variants alike. Run on the GPU machine from the
 # repo root; logs go to $OUT/ab (OUT defaults to ./out) as <variant>.<name>.<round>.log, and
 # commands may write JSON to $OUT/ab/<variant>.<name>.<round>.json (the path is in $J). After
 # every command the folder is packed into $OUT/ab.tgz as well: a device call returns only a few

@@ -20,7 +20,7 @@
 // 0 = as many as fit). It separates what the access order costs from what the kernels add: the 4096
 // x 14336 downs stream at 84 % of copy where 14336 x 4096 runs at 92 % with the same kernel. This
 // loop needs ~40 registers, so 6 blocks fit per SM on an H200 where the 64-register stream kernels
-// fit 4: compare at --blocks-per-sm 4 (docs/linear-softmax.md, sessions 16-18).
+// fit 4: compare at --blocks-per-sm 4 (docs/linear-softmax.md).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -133,7 +133,7 @@ __global__ void probe_bulk(unsigned* sink, const char* p, size_t bytes, int c, i
 // current one is used (as stream_run_rows does); SYNC: a __syncthreads per group, where the
 // stream reduces the group's rows. SWAP: the two buffers trade roles each batch instead of the
 // copy cur = nxt, which waits for the loads just requested (one batch in flight per warp, not
-// two: docs/linear-softmax.md, session 18).
+// two: docs/linear-softmax.md).
 template <int U, bool SYNC, bool SWAP>
 __global__ void __launch_bounds__(fmlp::cuda::kStreamThreads, 4)
     probe_rows(unsigned* sink, const __nv_bfloat16* w, const fmlp::cuda::StreamShape s) {

@@ -76,9 +76,9 @@ def copy_bandwidth(dev="cuda"):
     return 2 * src.numel() / (median_us(lambda: dst.copy_(src), 100) * 1e-6)
 
 
-def session(rows_key, dev="cuda"):
+def setup_run(rows_key, dev="cuda"):
     """What every peer script measures first: the L2 size (for weight rotation), the copy
-    bandwidth (the floor), and the result dict with the session's torch, GPU and bandwidth and an
+    bandwidth (the floor), and the result dict with the run's torch, GPU and bandwidth and an
     empty list under rows_key; prints the header line."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     bw = copy_bandwidth(dev)
@@ -96,7 +96,7 @@ def main():
     ap.add_argument("--skip-compile", action="store_true")
     a = ap.parse_args()
     dev = "cuda"
-    l2, bw, res = session("mlp", dev)
+    l2, bw, res = setup_run("mlp", dev)
     for name in a.shapes.split(","):
         d, h, act, gated = SHAPES[name]
         wbytes, ws = weight_copies(name, l2, dev)

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from peers import graphed, median_us, session
+from peers import graphed, median_us, setup_run
 
 LAYERS = {"mixtral": (8, 2, 4096, 14336), "e64k8": (64, 8, 2048, 1408)}  # E, k, d, hidden
 
@@ -65,7 +65,7 @@ def main():
     ap.add_argument("--ts", default="1,4,16,64,512")
     a = ap.parse_args()
     dev = "cuda"
-    l2, _, res = session("rows", dev)
+    l2, _, res = setup_run("rows", dev)
     has_grouped = hasattr(torch, "_grouped_mm")
     if not has_grouped:
         print("torch._grouped_mm is not available in this torch: grouped_mm peer skipped")

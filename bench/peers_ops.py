@@ -14,7 +14,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-from peers import graphed, median_us, session
+from peers import graphed, median_us, setup_run
 
 
 def bench_shapes():
@@ -47,7 +47,7 @@ def main():
     if (a.shape is None) != (a.ms is None):
         ap.error("--shape and --ms go together")
     dev = "cuda"
-    l2, bw, res = session("rows", dev)
+    l2, bw, res = setup_run("rows", dev)
     # Semantics check for the docs: torch's answer for a +Inf in a row.
     t = torch.tensor([[float("inf"), 1.0]], device=dev)
     res["softmax_inf_row"] = torch.softmax(t, -1).tolist()

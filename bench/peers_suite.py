@@ -15,7 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from peers import graphed, median_us, session
+from peers import graphed, median_us, setup_run
 
 
 def read_suite(path):
@@ -61,7 +61,7 @@ def main():
         if n not in names:
             raise SystemExit(f"--shapes: no shape '{n}' in {a.suite} (expected one of {names})")
     dev = "cuda"
-    l2, bw, res = session("rows", dev)
+    l2, bw, res = setup_run("rows", dev)
     compiled = {}
     for name, d, h, act, gated in suite:
         if wanted and name not in wanted:

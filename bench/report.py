@@ -22,7 +22,7 @@
             --commit SHA --out bench/results/hbm_probe_h200 (a --matrices run: a bar chart)
 
 The CUDA floor is (weight + x/y bytes) / the device copy bandwidth that fusedmlp_cuda_bench measured
-in the same device session as the peers (bench/peers.py: PyTorch eager and torch.compile, each
+in the same device run as the peers (bench/peers.py: PyTorch eager and torch.compile, each
 also replayed from a CUDA graph); the best of the four peer variants is the peer.
 """
 import argparse
@@ -160,7 +160,7 @@ def prefill(a):
 
 
 def ops(a):
-    """linear and softmax against torch (F.linear / torch.softmax, graph replay, same session):
+    """linear and softmax against torch (F.linear / torch.softmax, graph replay, same run):
     µs, % of the copy-bandwidth floor, speedup; geometric mean over the M = 1 linear suite."""
     import math
 
@@ -253,7 +253,7 @@ def gpu_lines(a):
 
 def moe(a):
     """moe against PyTorch (a per-expert loop, torch._grouped_mm; eager and graph-replayed, same
-    session): µs, % of the floor (bytes of the experts hit, read once, at the copy bandwidth
+    run): µs, % of the floor (bytes of the experts hit, read once, at the copy bandwidth
     measured in the run), speedup over the best peer; one panel per layer, time against T."""
     ours = json.load(open(a.ours))
     peers = json.load(open(a.peers))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device session: build (CUDA on), GPU test suite, sanitizers, our benchmark, PyTorch peers.
+# One device run: build (CUDA on), GPU test suite, sanitizers, our benchmark, PyTorch peers.
 # Usage on the GPU machine, from the repo root: bash bench/run_device.sh [steps...]
 #   steps: build test sanitize bench peers (default: these); prefill (M = 1..8192 sweep of our
 #   kernels and the PyTorch peers, for the planner's crossover table) and ops (linear + softmax
@@ -31,9 +31,9 @@ if has test; then
   echo "ctest rc=$?"; grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/ctest.log" | head -20
 fi
 if has sanitize; then
-  # synccheck: shuffles and barriers whose mask names lanes that are not there (session 24: a
-  # full-mask shuffle in a warp-divergent loop hung mlp_decode_sm80_gemv in one ctest run and
-  # passed in others).
+  # synccheck: shuffles and barriers whose mask names lanes that are not there (a full-mask
+  # shuffle in a warp-divergent loop can hang a kernel in one run and pass in others, so the
+  # plain tests do not catch it).
   timeout 240 compute-sanitizer --tool synccheck --print-limit 10 "$B/tests/test_mlp_vs_ref" \
     --gtest_filter='*VectorFriendly/mlp_decode_sm*:*Layout/mlp_decode_sm*' >"$OUT/synccheck.log" 2>&1
   echo "synccheck rc=$?"; grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/synccheck.log" | head -3

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine session for the Python package: build + install the extension for the
+# One GPU-machine run for the Python package: build + install the extension for the
 # machine's own python3 (the one holding torch), the Python GPU/torch/transformers tests, and the
 # end-to-end decode benchmark. Usage, from the repo root: bash python/run_device.sh [steps...]
 #   steps: build test host e2e (default: all). host: bench/host_overhead.py on the GPU (bf16,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prints the sm_90a SASS of the kernels in a CUDA object or executable whose demangled names match
 # a pattern, with an opcode histogram of each, for reading what ptxas made of a loop without a GPU
-# (the stream kernels' batch loops were sized this way: docs/linear-softmax.md, session 20).
+# (the stream kernels' batch loops were sized this way: docs/linear-softmax.md).
 #
 #   bash scripts/sass.sh build/CMakeFiles/fusedmlp.dir/src/cuda/linear/sm80_stream.cu.o \
 #     'linear_sm80_stream<__nv_bfloat16, __nv_bfloat16, 1, 4, false>' [ARCH]

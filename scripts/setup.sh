@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the build dependencies (Debian packages) and builds fusedmlp into ./build.
 # Idempotent: packages already present are not reinstalled; the build is incremental.
-# Environment: BUILD_DIR (default build), FMLP_CUDA (AUTO|ON|OFF, default AUTO), JOBS.
+# Environment: BUILD_DIR (default build), FMLP_CUDA (AUTO|ON|OFF, default AUTO), JOBS,
+# FMLP_CMAKE_ARGS (more CMake arguments; docs/tuning.md lists the options).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

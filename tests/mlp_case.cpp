@@ -15,12 +15,22 @@ namespace fmlp_test {
 
 using fmlp::detail::dtype_size;
 
+std::string knob_value(const char* name) {
+  fmlp_knob_info_t info{};
+  if (fmlp_knob_info(fmlp_knob_find(name), &info) != FMLP_SUCCESS) {
+    std::fprintf(stderr, "[fmlp] no knob %s: %s\n", name, fmlp_last_error());
+    return "";
+  }
+  if (*info.error) std::fprintf(stderr, "[fmlp] %s\n", info.error);
+  return info.value;
+}
+
 uint64_t test_seed() {
   static const uint64_t seed = [] {
     uint64_t s;
-    const char* env = std::getenv("FMLP_TEST_SEED");
-    if (env != nullptr && *env != '\0')
-      s = std::strtoull(env, nullptr, 0);
+    const std::string env = knob_value("FMLP_TEST_SEED");
+    if (env != "auto")
+      s = std::strtoull(env.c_str(), nullptr, 10);
     else
       s = uint64_t(std::chrono::system_clock::now().time_since_epoch().count());
     std::printf("[fmlp] test seed %llu (reproduce with FMLP_TEST_SEED=%llu)\n",

@@ -14,6 +14,10 @@ namespace fmlp_test {
 
 // FMLP_TEST_SEED when set, else the clock; fixed for the process and printed on first use.
 uint64_t test_seed();
+// The value of the environment knob `name` (core/knobs.def, through fmlp_knob_info): the
+// environment's text when the library accepts it, else its default ("auto", "0", "" ...); a
+// rejected value is reported on stderr.
+std::string knob_value(const char* name);
 uint64_t mix_seed(uint64_t a, uint64_t b);
 using Rng = std::mt19937_64;
 

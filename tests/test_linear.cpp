@@ -604,11 +604,11 @@ TEST(LinearExplain, NamesTheChosenEntryAndEveryOther) {
   }
 }
 
-// The CUDA planner at M = 2..4 (linear/planner.cpp, measured on an H200 in session 39): the
-// weight stream for fp8 weights wherever it runs, for 16-bit weights (with x of their dtype) at
-// M = 2 below 256 MiB and at M = 3, 4 for N <= 1024; the table order for wider 16-bit outputs at
-// M = 3, 4 (cuBLASLt) and for f32 x (whose first supporting entry happens to be the stream too:
-// what is checked is that the rule picked it).
+// The CUDA planner at M = 2..4 (linear/planner.cpp, measured on an H200:
+// bench/results/linear_m2_4_h200.json): the weight stream for fp8 weights wherever it runs, for
+// 16-bit weights (with x of their dtype) at M = 2 below 256 MiB and at M = 3, 4 for N <= 1024; the
+// table order for wider 16-bit outputs at M = 3, 4 (cuBLASLt) and for f32 x (whose first supporting
+// entry happens to be the stream too: what is checked is that the rule picked it).
 TEST(LinearPlanner, StreamAtTwoToFourTokensWhereMeasured) {
   SKIP_WITHOUT_GPU();
   struct Want {

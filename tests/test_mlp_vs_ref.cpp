@@ -398,7 +398,7 @@ void KernelTest::run_section(Section s) {
       continue;
     }
     // FMLP_TEST_TRACE: each case named before it runs, so a case that hangs is the last line.
-    static const bool trace = std::getenv("FMLP_TEST_TRACE") != nullptr;
+    static const bool trace = knob_value("FMLP_TEST_TRACE") == "1";
     if (trace) {
       std::printf("[fmlp] %s: running\n", case_header(s, i, c).c_str());
       std::fflush(stdout);

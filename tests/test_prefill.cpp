@@ -474,8 +474,9 @@ TEST(Planner, Fp8DecodeAtFewTokensW8A8AtMany) {
   }
 }
 
-// fp8 crossovers measured per shape (src/cuda/mlp/planner.cpp, session 23): the cluster kernel
-// keeps gpt2-small and llama3-8b at M = 16, 4096 -> 4096 takes the W8A8 path from M = 16.
+// fp8 crossovers measured per shape (src/cuda/mlp/planner.cpp,
+// bench/results/cuda_decode_fp8_h200.*): the cluster kernel keeps gpt2-small and llama3-8b at M =
+// 16, 4096 -> 4096 takes the W8A8 path from M = 16.
 TEST(Planner, Fp8MeasuredCrossovers) {
   SKIP_WITHOUT_GPU();
   struct Want {
@@ -573,8 +574,7 @@ bool device_is_sm90() {
 }
 
 bool wgmma_switched_on() {
-  const char* e = std::getenv("FMLP_PREFILL_WGMMA");
-  return e && std::string(e) == "1";
+  return knob_value("FMLP_PREFILL_WGMMA") == "1";
 }
 
 // run_kernel with explicit arguments (views narrowed or shifted from a PlacedCase's buffers).

@@ -150,7 +150,7 @@ int run_check(const CheckOptions& o) {
         continue;
       }
       // fp8 weights on the prefill path run W8A8 (x and h quantised per token to e4m3,
-      // docs/cuda-prefill.md): a few % of the row's scale, not the exact weight-only result.
+      // docs/prefill.md): a few % of the row's scale, not the exact weight-only result.
       const bool w8a8 =
           cases[ci].w_dtype == FMLP_DTYPE_F8_E4M3 && k.name.find("prefill") != std::string::npos;
       const double ktol = w8a8 ? 0.25 : tol;

@@ -15,7 +15,32 @@ std::string availability(fmlp_backend_t b) {
   return fmt::format("unavailable: {}", fmlp_last_error());
 }
 
-int run_info() {
+// Every FMLP_* environment knob (docs/tuning.md) with the value that applies now; with
+// `verbose` also its range and purpose.
+void print_knobs(bool verbose) {
+  fmt::print("knobs (FMLP_* environment variables; docs/tuning.md):\n");
+  const int n = fmlp_knob_count();
+  for (int i = 0; i < n; ++i) {
+    fmlp_knob_info_t k{};
+    if (fmlp_knob_info(i, &k) != FMLP_SUCCESS) continue;
+    const std::string def = *k.default_value ? k.default_value : "unset";
+    const std::string value = *k.value ? k.value : "unset";
+    std::string note =
+        k.env == nullptr ? fmt::format("default {}", def) : fmt::format("set; default {}", def);
+    if (*k.error) note = k.error;
+    fmt::print("  {:<6} {:<28} {:<8} ({})\n", k.scope, k.name, value, note);
+    if (verbose) {
+      if (*k.range) fmt::print("         accepts {}\n", k.range);
+      fmt::print("         {}\n", k.purpose);
+    }
+  }
+}
+
+int run_info(bool knobs_only) {
+  if (knobs_only) {
+    print_knobs(true);
+    return 0;
+  }
   fmt::print("fusedmlp {}", fmlp_version());
   if (const std::string c = git_commit(); !c.empty()) fmt::print(" (commit {})", c);
   fmt::print("\ncpu:       {}\n", cpu_model());
@@ -62,6 +87,7 @@ int run_info() {
       fmt::print("  {:<5} {}\n", fmlp_backend_name(t.backend(i)), t.name(i));
     if (n == 0) fmt::print("  (none)\n");
   }
+  print_knobs(false);
   return 0;
 }
 
@@ -69,8 +95,14 @@ int run_info() {
 
 void add_info_command(CLI::App& app, Command* selected) {
   CLI::App* cmd = app.add_subcommand(
-      "info", "Version, CPU and ISA, threads, backend availability and the kernel table");
-  cmd->callback([selected] { *selected = [] { return run_info(); }; });
+      "info",
+      "Version, CPU and ISA, threads, backend availability, the kernel table and the "
+      "environment knobs");
+  auto knobs_only = std::make_shared<bool>(false);
+  cmd->add_flag("--knobs", *knobs_only,
+                "Only the FMLP_* environment knobs, with what each accepts and does");
+  cmd->callback(
+      [selected, knobs_only] { *selected = [knobs_only] { return run_info(*knobs_only); }; });
 }
 
 }  // namespace fmlp_cli

@@ -187,7 +187,9 @@ std::string utc_timestamp() {
 }
 
 std::string git_commit() {
-  if (const char* env = std::getenv("FMLP_GIT_COMMIT"); env && *env) return env;
+  fmlp_knob_info_t k{};
+  if (fmlp_knob_info(fmlp_knob_find("FMLP_GIT_COMMIT"), &k) == FMLP_SUCCESS && *k.value)
+    return k.value;
   return FMLP_CLI_GIT_COMMIT;
 }
 

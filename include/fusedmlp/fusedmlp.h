@@ -162,6 +162,42 @@ FMLP_API fmlp_status_t fmlp_cuda_devices(char* buf, size_t buf_size, size_t* nee
 /* FMLP_SUCCESS when the backend can run here; otherwise the reason is in fmlp_last_error(). */
 FMLP_API fmlp_status_t fmlp_backend_available(fmlp_backend_t backend);
 
+/* ---- environment knobs ----
+ * Every FMLP_* environment variable fusedmlp reads, from one table (docs/tuning.md lists them,
+ * `fusedmlp info` and fusedmlp.knobs() show their values). Knobs are for measurements and A/B
+ * runs: each default is the measured choice. The library reads a knob once, at its first use in
+ * the process (unless its purpose says otherwise), so set it before the first call. A value it
+ * cannot accept (not a number, outside the range, not one of the words) is ignored with one line
+ * on stderr naming the variable, what it accepts and what came, and the default applies. */
+typedef enum fmlp_knob_kind_t {
+  FMLP_KNOB_BOOL = 0,                  /* 0 or 1 */
+  FMLP_KNOB_INT = 1,                   /* a decimal integer */
+  FMLP_KNOB_FLOAT = 2,                 /* a decimal number */
+  FMLP_KNOB_STRING = 3,                /* text */
+  FMLP_KNOB_KIND_MAX_ENUM = 0x7fffffff /* not a value (see FMLP_DTYPE_MAX_ENUM) */
+} fmlp_knob_kind_t;
+
+typedef struct fmlp_knob_info_t {
+  const char* name; /* the variable, e.g. "FMLP_STREAM_PDL" */
+  fmlp_knob_kind_t kind;
+  const char* scope;         /* what reads it: "cuda", "dist", "python", "cli" or "test" */
+  const char* default_value; /* as the environment spells it; "auto": decided per call; "" */
+  const char* range;         /* accepted: "lo..hi" (inclusive), "a|b|c" or "" (any text) */
+  const char* purpose;       /* one sentence */
+  const char* env;           /* the environment's text now; NULL when unset or empty */
+  const char* value;         /* what applies now: env when accepted, else default_value */
+  const char* error;         /* why env is rejected; "" when it is accepted or unset */
+} fmlp_knob_info_t;
+
+/* The number of knobs; fmlp_knob_info takes 0 .. count - 1. */
+FMLP_API int fmlp_knob_count(void);
+/* Knob `index`, the environment read at this call (a knob the library already read keeps the
+ * value it read then). name .. purpose live as long as the library; env, value and error until
+ * the next fmlp_knob_info call on this thread. FMLP_ERROR_INDEX_OUT_OF_RANGE for a bad index. */
+FMLP_API fmlp_status_t fmlp_knob_info(int index, fmlp_knob_info_t* info);
+/* The index of the knob named `name` (e.g. "FMLP_PLAN_TUNE"), or -1. */
+FMLP_API int fmlp_knob_find(const char* name);
+
 /* ---- tensor helpers (no allocation) ---- */
 FMLP_API fmlp_tensor_t fmlp_tensor_none(void);
 /* Row-major contiguous 1-D or 2-D view on the host. */

@@ -103,7 +103,8 @@ FMLP_API fmlp_status_t fmlp_tp_group_end(void);
  * each rank stores its partial into every peer's buffer over NVLink as LL lines (data and flag in
  * each 16-byte store), waits for its peers' lines and sums the partials in fp32 in rank order, so
  * every rank gets bitwise the same y (within one rounding of NCCL's sum, whose order is its own).
- * About one one-way NVLink trip (a few us) against NCCL's ~10-15 us for 16 KB. Larger messages and
+ * About one one-way NVLink trip, several times faster than NCCL's all-reduce for 16 KB
+ * (bench/tp_bench.sh; bench/results/tp_h200x2.json). Larger messages and
  * FMLP_TP_REDUCE_SCATTER use NCCL. Asynchronous, no host synchronisation, capturable in a CUDA
  * graph (state lives on the device, so replays advance it); the ranks must make the same sequence
  * of calls (as with any collective), keep a communicator's calls in one stream order, and run

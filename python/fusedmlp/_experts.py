@@ -59,10 +59,20 @@ def _moe_module():
     return _MOE[0]
 
 
-def register_experts(name="fusedmlp"):
-    """Registers fusedmlp_experts_forward as the experts implementation `name` of transformers'
-    experts registry; True when it is there (again: idempotent), False when the installed
-    transformers has no registry."""
+def register_experts(name: str = "fusedmlp") -> bool:
+    """Registers fusedmlp_experts_forward as the experts implementation ``name`` of
+    transformers' experts registry (idempotent).
+
+    Parameters
+    ----------
+    name : str
+        The name models select with set_experts_implementation(name).
+
+    Returns
+    -------
+    bool
+        True when registered, False when the installed transformers has no registry.
+    """
     moe = _moe_module()
     if moe is None:
         return False
@@ -156,7 +166,7 @@ def unsupported(m):
 def _verdict(m):
     """unsupported(m), kept on the module for as long as what it depends on stays the same (the
     source tensors' storage and dtype, the markers patch() and a refusal leave, the flags, the
-    activation): the full check costs ~30 us of Python per call, a decode step's budget."""
+    activation): the full check costs more Python time per call than a decode step can spare."""
     key = (tuple(None if t is None else (t.data_ptr(), t.dtype) for t in _sources(m)),
            m.__dict__.get("_fusedmlp_skip"), m.__dict__.get("_fusedmlp_refused"), _flags(m),
            getattr(m, "_is_expert_parallel", False), getattr(m, "has_post_expert_norm", False),
@@ -219,11 +229,34 @@ def _fallback(m, reason, warn):
     return original
 
 
-def fusedmlp_experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """The experts computation of a transformers experts module (self) through
-    torch.ops.fusedmlp.moe with the routing given: out[t] = sum_j top_k_weights[t, j] *
-    expert_{top_k_index[t, j]}(hidden_states[t]), hidden_states [T, d] -> [T, d] in its dtype.
-    Modules it cannot express run their own forward (see the module docstring)."""
+def fusedmlp_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
+                             top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts computation of a transformers experts module through torch.ops.fusedmlp.moe
+    with the routing given.
+
+    ::
+
+        out[t] = sum_j top_k_weights[t, j] * expert_(top_k_index[t, j])(hidden_states[t])
+
+    Modules it cannot express run their own forward (see the module docstring).
+
+    Parameters
+    ----------
+    self : nn.Module
+        The experts module (gate_up_proj / down_proj stacks, act_fn, config).
+    hidden_states : torch.Tensor
+        [T, d].
+    top_k_index : torch.Tensor
+        [T, k] expert ids, any integer dtype.
+    top_k_weights : torch.Tensor
+        [T, k] routing weights, any float dtype.
+
+    Returns
+    -------
+    torch.Tensor
+        [T, d] in hidden_states' dtype.
+    """
     reason = unsupported(self) if torch.compiler.is_compiling() else _verdict(self)
     if reason is not None:
         forward = _fallback(self, reason, warn=not getattr(self, "_fusedmlp_skip", None))

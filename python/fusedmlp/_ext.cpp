@@ -645,6 +645,40 @@ std::string devices() {
   return text;
 }
 
+// ---- environment knobs (fmlp_knob_info) ----
+
+// One knob as a dict; env is None when unset.
+nb::dict knob_dict(int index) {
+  fmlp_knob_info_t k{};
+  check(fmlp_knob_info(index, &k));
+  static const char* const kKinds[] = {"bool", "int", "float", "string"};
+  nb::dict d;
+  d["name"] = k.name;
+  d["kind"] = unsigned(k.kind) < 4 ? kKinds[k.kind] : "unknown";
+  d["scope"] = k.scope;
+  d["default"] = k.default_value;
+  d["range"] = k.range;
+  d["purpose"] = k.purpose;
+  d["env"] = k.env ? nb::object(nb::str(k.env)) : nb::none();
+  d["value"] = k.value;
+  d["error"] = k.error;
+  return d;
+}
+
+std::vector<nb::dict> knobs() {
+  std::vector<nb::dict> out;
+  for (int i = 0; i < fmlp_knob_count(); ++i) out.push_back(knob_dict(i));
+  return out;
+}
+
+nb::dict knob(const std::string& name) {
+  const int i = fmlp_knob_find(name.c_str());
+  if (i < 0)
+    raise(PyExc_KeyError,
+          name + " is not a fusedmlp knob (fusedmlp.knobs() lists them; docs/tuning.md)");
+  return knob_dict(i);
+}
+
 // ---- the C ABI for the torch extension (_ext_api.h) ----
 
 const fmlp_mlp_packed_t* acquire_pack(int64_t handle, void** hold) {
@@ -723,5 +757,7 @@ NB_MODULE(_ext, m) {
   m.def("build_info", [] { return std::string(fmlp_build_info()); });
   m.def("version", [] { return std::string(fmlp_version()); });
   m.def("with_cuda", [] { return bool(FMLP_EXT_CUDA); });
+  m.def("knobs", &knobs);
+  m.def("knob", &knob, "name"_a);
   m.attr("_api") = nb::capsule(&kApi, FMLP_EXT_API_CAPSULE);
 }

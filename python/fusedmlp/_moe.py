@@ -16,6 +16,8 @@ Other MoE blocks (shared experts, grouped or biased routers, transposed or biase
 NotImplementedError naming what does not fit.
 """
 
+from typing import Optional, Tuple, Union
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,21 +29,46 @@ __all__ = ["FusedMoE"]
 
 
 class FusedMoE(nn.Module):
-    """y = moe(x) [+ residual]: the router (router_w [E, d], router_b [E]), softmax or sigmoid
-    scoring, the top_k experts per token (ties to the lower id), optionally renormalised, and
-    the weighted sum of those experts' MLPs (w1 [E, hidden | 2*hidden, d], w2 [E, d_out,
-    hidden]); math in fusedmlp.moe.
+    """y = moe(x) [+ residual]: a sparse mixture-of-experts block through torch.ops.fusedmlp.moe.
 
-    forward(x[, residual]): x [..., d] -> [..., d_out] on the weights' device, x's dtype;
-    (y, router_logits [rows, E]) when return_router_logits (the transformers 4.x block
-    interface). jitter_noise > 0 scales x by uniform(1 - j, 1 + j) noise in training mode only,
-    as Mixtral does. first_expert / global_experts: w1/w2 hold only experts [first_expert,
-    first_expert + E) of global_experts routed over (expert parallelism, fusedmlp.tp); 0, 0:
-    every expert. round_router_logits: round the router's logits to x's dtype before scoring,
-    as a 16-bit nn.Linear router does (from_module sets it, so routing follows the Hugging Face
-    block's). float8_e4m3fn experts take float32 scales w1_scale / w2_scale, [E] (per expert)
-    or [E, rows] (per row). The weights are used as they are (nothing is packed), so .to() and
-    in-place edits need no extra step. Inference only: no backward.
+    The router (router_w [E, d], router_b [E]), softmax or sigmoid scoring, the top_k experts
+    per token (ties to the lower id), optionally renormalised, and the weighted sum of those
+    experts' MLPs (w1 [E, hidden or 2*hidden, d], w2 [E, d_out, hidden]); the math is
+    fusedmlp.moe's. The weights are used as they are (nothing is packed), so .to() and in-place
+    edits need no extra step. Inference only: no backward.
+
+    Parameters
+    ----------
+    w1, w2, router_w : torch.Tensor
+        The stacked experts and the router, as for fusedmlp.moe (kept as Parameters without
+        grad).
+    top_k : int
+        Experts per token, in [1, experts routed over].
+    router_b, b1, b2 : torch.Tensor, optional
+    activation, gated, scoring, renormalize, deterministic, backend
+        As for fusedmlp.moe.
+    jitter_noise : float
+        > 0 scales x by uniform(1 - j, 1 + j) noise in training mode only, as Mixtral does.
+    return_router_logits : bool
+        forward returns (y, router_logits [rows, E]), the transformers 4.x block interface.
+    first_expert, global_experts : int
+        w1/w2 hold only experts [first_expert, first_expert + E) of global_experts routed over
+        (expert parallelism, fusedmlp.tp); 0, 0: every expert.
+    round_router_logits : bool
+        Round the router's logits to x's dtype before scoring, as a 16-bit nn.Linear router
+        does (from_module sets it, so routing follows the Hugging Face block's).
+    w1_scale, w2_scale : torch.Tensor, optional
+        float32 scales of float8_e4m3fn experts, [E] (per expert) or [E, rows] (per row).
+
+    Attributes
+    ----------
+    num_experts, d, hidden, d_out : int
+        E local experts; x [..., d] -> y [..., d_out] through h [..., hidden].
+
+    Raises
+    ------
+    ValueError
+        w1 or w2 not 3-D, top_k out of range, an unknown activation, scoring or backend.
     """
 
     def __init__(self, w1, w2, router_w, *, top_k, router_b=None, b1=None, b2=None,
@@ -74,13 +101,52 @@ class FusedMoE(nn.Module):
         self.d_out, self.hidden = int(w2.shape[1]), int(w2.shape[2])
 
     @classmethod
-    def from_module(cls, module, backend="auto"):
-        """A FusedMoE computing what the Hugging Face sparse-MoE block `module` computes (the
-        blocks listed in the module docstring); NotImplementedError naming what does not fit.
-        Stacked (transformers 5) expert weights are shared, not copied."""
+    def from_module(cls, module: nn.Module, backend: str = "auto") -> "FusedMoE":
+        """A FusedMoE computing what a Hugging Face sparse-MoE block computes.
+
+        Stacked (transformers 5) expert weights are shared, not copied.
+
+        Parameters
+        ----------
+        module : nn.Module
+            One of the blocks listed in the module docstring (Mixtral, Qwen-MoE style).
+        backend : {"auto", "ref", "cpu", "cuda"}
+
+        Returns
+        -------
+        FusedMoE
+
+        Raises
+        ------
+        NotImplementedError
+            The block does not fit (the message names what).
+        """
         return cls(**_describe_moe(module), backend=backend)
 
-    def forward(self, x, residual=None):
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """y = moe(x) [+ residual].
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            [..., d] on the weights' device.
+        residual : torch.Tensor, optional
+            [..., d_out] in x's dtype.
+
+        Returns
+        -------
+        torch.Tensor or (torch.Tensor, torch.Tensor)
+            y [..., d_out] in x's dtype; (y, router_logits [rows, E]) with
+            return_router_logits.
+
+        Raises
+        ------
+        ValueError
+            A bad input (shape, dtype, device).
+        NotImplementedError
+            No kernel of the device handles the request.
+        """
         if self.training and self.jitter_noise > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise,
                                                  1.0 + self.jitter_noise)
@@ -92,12 +158,24 @@ class FusedMoE(nn.Module):
             return y, F.linear(x.reshape(-1, self.d), self.router_w, self.router_b)
         return y
 
-    def routing_margin(self, x):
-        """Per row of x [..., d]: the gap between the top_k-th and the next largest router
-        logit over max |logit| (inf when top_k = E), in float64. Rows with a small margin may
-        pick other experts under another rounding of the router (a 16-bit model's torch
-        router rounds its logits to the model dtype; round_router_logits does the same, but the
-        sums before that rounding differ)."""
+    def routing_margin(self, x: torch.Tensor) -> torch.Tensor:
+        """How far each row is from picking other experts.
+
+        Rows with a small margin may pick other experts under another rounding of the router
+        (a 16-bit model's torch router rounds its logits to the model dtype;
+        round_router_logits does the same, but the sums before that rounding differ).
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            [..., d].
+
+        Returns
+        -------
+        torch.Tensor
+            float64 [rows]: the gap between the top_k-th and the next largest router logit
+            over max |logit| (inf when top_k = E).
+        """
         logits = F.linear(x.reshape(-1, self.d).double(), self.router_w.double(),
                           None if self.router_b is None else self.router_b.double())
         if self.top_k == logits.shape[-1]:

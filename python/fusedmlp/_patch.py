@@ -32,6 +32,7 @@ name says Attention or Attn) and every `lm_head` also become FusedLinear modules
 
 import collections
 import dataclasses
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -56,8 +57,15 @@ PROBE_RTOL = {torch.float32: 2.0**-12, torch.float16: 2.0**-7, torch.bfloat16: 2
 
 
 class PatchError(RuntimeError):
-    """patch(strict=True) found a replacement whose output differs from the original; the model
-    was left unchanged. .report holds the details."""
+    """patch(strict=True) found a replacement whose output differs from the original.
+
+    The model was left unchanged.
+
+    Attributes
+    ----------
+    report : PatchReport
+        What was planned and why each refused replacement failed its probe.
+    """
 
     def __init__(self, message, report):
         super().__init__(message)
@@ -66,10 +74,24 @@ class PatchError(RuntimeError):
 
 @dataclasses.dataclass
 class PatchReport:
-    """What patch() did: replaced MLP/MoE blocks (`replaced`), experts modules now run by
-    fusedmlp through the transformers experts registry (`experts`) and, with linears=True,
-    linears (`linears`), each with what it became and, when probed, the largest error relative
-    to the tolerance (1.0 = at the limit); skipped ones with reasons."""
+    """What patch() did; ``print(report)`` lists it.
+
+    Attributes
+    ----------
+    replaced : list of str
+        Names of the MLP / MoE blocks replaced (FusedMLP, FusedBlock, FusedMoE, or the
+        tensor-parallel modules).
+    skipped : list of (str, str)
+        Names left alone, with the reason.
+    details : dict of str to str
+        Name -> what it became.
+    errors : dict of str to float
+        Name -> the probe's largest error relative to the tolerance (1.0: at the limit).
+    linears : list of str
+        With linears=True, the names now FusedLinear.
+    experts : list of str
+        Experts modules now run by fusedmlp through the transformers experts registry.
+    """
     replaced: list = dataclasses.field(default_factory=list)
     skipped: list = dataclasses.field(default_factory=list)  # (name, reason)
     details: dict = dataclasses.field(default_factory=dict)  # name -> description
@@ -462,49 +484,78 @@ def _probe_error(plan, probe):
     return (float(err.nan_to_num(nan=float("inf")).max()) if err.numel() else 0.0), None
 
 
-def patch(model, strict=False, probe=None, backend="auto", fuse_norm=True, tp_group=None,
-          linears=False, moe="fused"):
-    """Replaces the MLP blocks of `model` in place by FusedMLP modules (packed once for the
-    weights' device) and returns a PatchReport (print it).
+def patch(model: nn.Module, strict: bool = False, probe: Optional[torch.Tensor] = None,
+          backend: str = "auto", fuse_norm: bool = True, tp_group: Any = None,
+          linears: bool = False, moe: str = "fused") -> PatchReport:
+    """Replaces the MLP blocks of a Hugging Face model in place by fused modules.
+
+    Dense MLP blocks are found by structure (fusedmlp/_structure.py): modules computing
+    linear -> act (-> * linear) -> linear become FusedMLP (packed once for the weights'
+    device; FusedBlock when the forward also takes a residual or applies a post-norm); chains
+    inside a layer's own forward are replaced in place. Sparse-MoE blocks of Mixtral and
+    Qwen3-MoE become FusedMoE modules. Other MoE blocks whose experts module uses the
+    transformers 5 experts registry keep their router and their experts run through fusedmlp:
+    "fusedmlp" is registered and becomes the model's experts implementation
+    (model.set_experts_implementation; the setting is per config, so experts modules that
+    fusedmlp cannot express, or that the probe refused, keep the implementation they had);
+    they are listed in report.experts. Blocks that cannot be fused (an activation fusedmlp
+    lacks, a layout it cannot express, dropout in training mode, other mixtures of experts ...)
+    and MLP-looking modules that are not MLP blocks are listed in report.skipped with the
+    reason. Inference only: call model.eval() (blocks with an active dropout are skipped).
 
     Every replacement is probed first: a batch of rows goes through the original modules and
-    through the replacement, and an output element passes when it is within PROBE_RTOL[dtype] *
-    (|original| + rms(original row)) (fp32 2^-12, fp16 2^-7, bf16 2^-4). strict=True raises
-    PatchError, leaving the model unchanged, when any probe fails (a mismatch, or an error
-    inside the probe); otherwise the blocks that fail are skipped with the reason and the
-    others are swapped. probe: a tensor of hidden states [..., d_model] for that check
-    (default: 8 random rows, seeded).
-    Dense MLP blocks are found by structure (fusedmlp/_structure.py): modules computing linear ->
-    act (-> * linear) -> linear become FusedMLP (FusedBlock when the forward also takes a
-    residual or applies a post-norm); chains inside a layer's own forward are replaced in place.
-    fuse_norm: also move into the fused op the norm whose output feeds only that block, when it
-    computes LayerNorm or RMSNorm (the norm module becomes a passthrough). Sparse-MoE blocks of
-    Mixtral and Qwen3-MoE become FusedMoE modules (their probe compares the whole block's output
-    on the probe rows whose routing is unambiguous: see PROBE_RTOL). Other MoE blocks whose
-    experts module uses the transformers 5 experts registry keep their router and their experts
-    run through fusedmlp: "fusedmlp" is registered and becomes the model's experts
-    implementation (model.set_experts_implementation; the setting is per config, so experts
-    modules that fusedmlp cannot express, or that the probe refused, keep the implementation they
-    had). Their probe runs the experts module's eager forward and fusedmlp on the same seeded
-    routing (32 rows); they are listed in report.experts. moe="experts" takes that path for
-    Mixtral and Qwen3-MoE too (default "fused": FusedMoE, which fuses the router as well). Blocks
-    that cannot be fused (an activation fusedmlp lacks, a layout it cannot express, dropout in
-    training mode, other mixtures of experts, ...) and MLP-looking modules that are not MLP
-    blocks are listed in report.skipped with the reason.
-    tp_group: a torch.distributed NCCL process group: each rank replaces the MLP blocks by its
-    tensor-parallel shard (fusedmlp.tp.TPFusedMLP, all-reduce over the group) and the sparse-MoE
-    blocks by its range of the experts (fusedmlp.tp.TPFusedMoE, likewise); every rank must
-    call it on an identical model; strict, probe and fuse_norm do not apply, and the experts
-    registry path is not taken (its experts would not be sharded).
-    linears=True: also replaces, after the MLP work, the projections of attention modules (GPT-2
-    c_attn/c_proj as transposed copies of the Conv1D weights; nn.Linear q/k/v/o_proj,
-    query/key/value, attention output dense, ...) and every `lm_head` by fusedmlp.torch.FusedLinear
-    modules (torch.ops.fusedmlp.linear). An nn.Linear keeps its Parameters (a tied lm_head stays
-    tied, no memory is added); MoE routers, modules the MLP patch replaced or skipped and linears
-    the op cannot take (dtype, tensor subclass, nn.Linear subclass) are left alone, the latter
-    listed in report.skipped. Replaced names go to report.linears (report.replaced keeps the MLP
-    blocks); strict and probe check them like the blocks. Not with tp_group.
-    Inference only: call model.eval() (blocks with an active dropout are skipped).
+    through the replacement, and an output element passes when it is within
+    ``PROBE_RTOL[dtype] * (|original| + rms(original row))`` (float32 2^-12, float16 2^-7,
+    bfloat16 2^-4). A MoE block's probe compares the whole block's output on the probe rows
+    whose routing is unambiguous; an experts module's probe runs its eager forward and fusedmlp
+    on the same seeded routing (32 rows).
+
+    Parameters
+    ----------
+    model : nn.Module
+        The model, changed in place.
+    strict : bool
+        Raise PatchError, leaving the model unchanged, when any probe fails (a mismatch, or an
+        error inside the probe); otherwise the blocks that fail are skipped with the reason and
+        the others are swapped.
+    probe : torch.Tensor, optional
+        Hidden states [..., d_model] for the probes (default: 8 random rows, seeded).
+    backend : {"auto", "ref", "cpu", "cuda"}
+    fuse_norm : bool
+        Also move into the fused op the norm whose output feeds only that block, when it
+        computes LayerNorm or RMSNorm (the norm module becomes a passthrough).
+    tp_group : torch.distributed.ProcessGroup, optional
+        An NCCL process group: each rank replaces the MLP blocks by its tensor-parallel shard
+        (fusedmlp.tp.TPFusedMLP, all-reduce over the group) and the sparse-MoE blocks by its
+        range of the experts (fusedmlp.tp.TPFusedMoE); every rank must call it on an identical
+        model. strict, probe and fuse_norm do not apply, nor the experts registry path.
+    linears : bool
+        Also replace, after the MLP work, the projections of attention modules (GPT-2 c_attn /
+        c_proj as transposed copies of the Conv1D weights; nn.Linear q/k/v/o_proj,
+        query/key/value, attention output dense ...) and every ``lm_head`` by FusedLinear
+        modules. An nn.Linear keeps its Parameters (a tied lm_head stays tied, no memory is
+        added); MoE routers, modules the MLP patch replaced or skipped and linears the op cannot
+        take are left alone, the latter listed in report.skipped. strict and probe check them
+        like the blocks. Not with tp_group.
+    moe : {"fused", "experts"}
+        "fused": FusedMoE where it maps the block (the router fused as well); "experts": the
+        experts registry path also for Mixtral and Qwen3-MoE.
+
+    Returns
+    -------
+    PatchReport
+        What was replaced, switched and skipped (print it).
+
+    Raises
+    ------
+    PatchError
+        strict=True and a probe failed.
+    ValueError
+        moe is not one of its names.
+    NotImplementedError
+        tp_group together with linears=True.
+    RuntimeError
+        tp_group given but torch.distributed not initialised.
     """
     if tp_group is not None:  # tensor parallel: every rank keeps its shard (fusedmlp.tp)
         if linears:

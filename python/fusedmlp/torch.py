@@ -25,17 +25,17 @@ LM head) of Hugging Face models for them. call_cost() measures what a module cos
 
 import contextlib
 import dataclasses
-import os
 import statistics
 import time
 import warnings
 import weakref
-from typing import Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
 
 from . import _ACTIVATIONS, _BACKENDS, _NORMS, _ext, _lookup, _workspace_bytes
+from . import knob as _knob
 
 __all__ = ["mlp", "moe", "linear", "softmax", "log_softmax", "moe_device_errors", "FusedMLP",
            "FusedMoE", "FusedLinear", "patch", "PatchReport", "PatchError", "PROBE_RTOL",
@@ -68,12 +68,30 @@ def _workspace_for(x, kind="op"):
         device, nbytes, kind).__dlpack__(stream=-1)
 
 
-def moe_device_errors(device=None):
-    """The number of out-of-range expert ids (given routing on a CUDA device) met by the moe op
-    on `device` (default: the current one) since the last read, summed over the workspaces
-    fusedmlp.torch caches; resets the counts. Such a token's output row is NaN. Synchronises
-    the current stream: call it outside CUDA-graph capture (e.g. once per step). Workspaces
-    allocated during a capture are the graph's own and are not counted here."""
+def moe_device_errors(device: Union[None, int, str, torch.device] = None) -> int:
+    """Reads and resets the count of out-of-range device expert ids met by the moe op.
+
+    Counts the given-routing ids outside [0, global experts) on a CUDA device (each such
+    token's output row is NaN) since the last read, summed over the workspaces fusedmlp.torch
+    caches for ``device``. Synchronises the current stream: call it outside CUDA-graph capture
+    (e.g. once per step). Workspaces allocated during a capture are the graph's own and are not
+    counted.
+
+    Parameters
+    ----------
+    device : int, str or torch.device, optional
+        The CUDA device (default: the current one).
+
+    Returns
+    -------
+    int
+        The count since the last read (then 0).
+
+    Raises
+    ------
+    RuntimeError
+        CUDA is not available, or a CUDA call failed.
+    """
     device = torch.device("cuda" if device is None else device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = 0 if _CPP_OPS is None else torch.ops.fusedmlp._moe_device_errors(index)
@@ -147,7 +165,7 @@ _PACKS = weakref.WeakValueDictionary()
 def _load_cpp_ops():
     """fusedmlp._torch_ops (the ops as C++ kernels) when it can be used here, else None; and
     why not."""
-    if os.environ.get("FMLP_TORCH_OPS", "").lower() == "python":
+    if _knob("FMLP_TORCH_OPS") == "python":
         return None, "FMLP_TORCH_OPS=python"
     try:
         from ._torch_ops_build import TORCH_VERSION
@@ -174,9 +192,16 @@ if _CPP_OPS is None:
     from . import _torch_py_ops  # noqa: F401, E402 (defines the same ops in Python)
 
 
-def ops_implementation():
-    """Which implementation torch.ops.fusedmlp.* run: "c++" (fusedmlp._torch_ops) or
-    "python: <why>" (torch.library.custom_op, several times the host time per call)."""
+def ops_implementation() -> str:
+    """Which implementation the torch.ops.fusedmlp.* ops run.
+
+    Returns
+    -------
+    str
+        ``"c++"`` (fusedmlp._torch_ops: a few microseconds of host time per call) or
+        ``"python: <why>"`` (torch.library.custom_op over DLPack, several times the host time;
+        why: not built, built against another torch, or FMLP_TORCH_OPS=python).
+    """
     return "c++" if _CPP_OPS is not None else f"python: {_CPP_OPS_WHY}"
 
 
@@ -219,25 +244,97 @@ _linear_op = torch.ops.fusedmlp.linear.default
 _softmax_op = torch.ops.fusedmlp.softmax.default
 
 
-def mlp(x, w1, w2, *, b1=None, w_up=None, b_up=None, b2=None, residual=None, norm_weight=None,
-        norm_bias=None, w1_scale=None, w_up_scale=None, w2_scale=None, activation="gelu",
-        gated=False, norm=None, eps=1e-5):
-    """torch.ops.fusedmlp.mlp: fusedmlp.mlp for torch tensors of any leading dims
-    (x [..., d_in] -> [..., d_out]); see fusedmlp.mlp for the math and arguments."""
+def mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, b1: Optional[torch.Tensor] = None,
+        w_up: Optional[torch.Tensor] = None, b_up: Optional[torch.Tensor] = None,
+        b2: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+        norm_weight: Optional[torch.Tensor] = None, norm_bias: Optional[torch.Tensor] = None,
+        w1_scale: Optional[torch.Tensor] = None, w_up_scale: Optional[torch.Tensor] = None,
+        w2_scale: Optional[torch.Tensor] = None, activation: str = "gelu", gated: bool = False,
+        norm: Optional[str] = None, eps: float = 1e-5) -> torch.Tensor:
+    """torch.ops.fusedmlp.mlp: the fused FFN block on torch tensors of any leading dims.
+
+    The math and the weight arguments are fusedmlp.mlp's::
+
+        xn = norm(x_i);  h = act(W1 xn + b1)  or  act(Wg xn + bg) * (Wu xn + bu)
+        y_i = [residual_i +] W2 h + b2
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        [..., d_in], float32, float16 or bfloat16, on the CPU or a CUDA device (the op runs on
+        torch's current stream).
+    w1, w2, b1, w_up, b_up, b2, norm_weight, norm_bias, w1_scale, w_up_scale, w2_scale
+        As for fusedmlp.mlp, on x's device (float8 weights: torch.float8_e4m3fn).
+    residual : torch.Tensor, optional
+        [..., d_out] in x's dtype.
+    activation, gated, norm, eps
+        As for fusedmlp.mlp.
+
+    Returns
+    -------
+    torch.Tensor
+        y [..., d_out] in x's dtype, a new tensor.
+
+    Raises
+    ------
+    ValueError
+        A bad argument (the message names it), e.g. a tensor on another device.
+    NotImplementedError
+        No kernel of the tensors' device handles the request.
+    RuntimeError
+        A CUDA call failed, or backward was asked for (the op is inference-only).
+    """
     return _mlp_op(x, w1, w2, b1, w_up, b_up, b2, residual, norm_weight, norm_bias, w1_scale,
                    w_up_scale, w2_scale, activation, gated, "none" if norm is None else norm,
                    eps)
 
 
-def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=None, top_k,
-        b1=None, b2=None, residual=None, activation="silu", gated=True, scoring="softmax",
-        renormalize=True, deterministic=False, backend="auto", first_expert=0,
-        global_experts=0, round_router_logits=False, w1_scale=None, w2_scale=None):
-    """torch.ops.fusedmlp.moe: fusedmlp.moe for torch tensors of any leading dims (x [..., d]
-    -> [..., d_out]; topk_ids / topk_weights [..., top_k], any integer / float dtype); see
-    fusedmlp.moe for the math and arguments (first_expert / global_experts: a local expert
-    range, expert parallelism; w1_scale / w2_scale: float32 scales [E] or [E, rows] of
-    float8_e4m3fn experts)."""
+def moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
+        router_w: Optional[torch.Tensor] = None, router_b: Optional[torch.Tensor] = None,
+        topk_ids: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+        top_k: int, b1: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None,
+        residual: Optional[torch.Tensor] = None, activation: str = "silu", gated: bool = True,
+        scoring: str = "softmax", renormalize: bool = True, deterministic: bool = False,
+        backend: str = "auto", first_expert: int = 0, global_experts: int = 0,
+        round_router_logits: bool = False, w1_scale: Optional[torch.Tensor] = None,
+        w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """torch.ops.fusedmlp.moe: the mixture-of-experts op on torch tensors of any leading dims.
+
+    The math is fusedmlp.moe's: route each token to its top_k experts (or take the given
+    routing), y_t = [residual_t +] sum_j w_j mlp_(e_j)(x_t).
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        [..., d], float32, float16 or bfloat16.
+    w1, w2, router_w, router_b, b1, b2, top_k, activation, gated, scoring, renormalize, \
+deterministic, backend, round_router_logits
+        As for fusedmlp.moe.
+    topk_ids, topk_weights : torch.Tensor, optional
+        Given routing [..., top_k]: any integer dtype (cast to int32) and any float dtype
+        (cast to float32).
+    residual : torch.Tensor, optional
+        [..., d_out] in x's dtype.
+    first_expert, global_experts : int
+        A local expert range (expert parallelism), as for fusedmlp.moe.
+    w1_scale, w2_scale : torch.Tensor, optional
+        float32 scales [E] or [E, rows] of torch.float8_e4m3fn experts.
+
+    Returns
+    -------
+    torch.Tensor
+        y [..., d_out] in x's dtype.
+
+    Raises
+    ------
+    ValueError
+        A bad argument: top_k, first_expert or global_experts not an int, shapes, dtypes,
+        host expert ids out of range (naming the token).
+    NotImplementedError
+        No kernel of the device handles the request.
+    RuntimeError
+        A CUDA call failed, or backward was asked for.
+    """
     if isinstance(top_k, bool) or not isinstance(top_k, int):
         raise ValueError(f"top_k is {top_k!r}; expected an int, the experts per token")
     for name, v in (("first_expert", first_expert), ("global_experts", global_experts)):
@@ -248,18 +345,79 @@ def moe(x, w1, w2, *, router_w=None, router_b=None, topk_ids=None, topk_weights=
                    first_expert, global_experts, bool(round_router_logits), w1_scale, w2_scale)
 
 
-def linear(x, w, bias=None, *, w_scale=None):
-    """torch.ops.fusedmlp.linear: x [..., K] w^T + bias -> [..., N]."""
+def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+           w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """torch.ops.fusedmlp.linear: y = x w^T + bias over the last dim of x.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        [..., K], float32, float16 or bfloat16.
+    w : torch.Tensor
+        [N, K] (nn.Linear layout) in x's dtype, or torch.float8_e4m3fn with ``w_scale``.
+    bias : torch.Tensor, optional
+        [N].
+    w_scale : torch.Tensor, optional
+        float32 [1] or [N] scales of a float8 w.
+
+    Returns
+    -------
+    torch.Tensor
+        y [..., N] in x's dtype.
+
+    Raises
+    ------
+    ValueError
+        A bad argument (shape, dtype, device).
+    NotImplementedError
+        No kernel of the device handles the request.
+    """
     return _linear_op(x, w, bias, w_scale)
 
 
-def softmax(x, temperature=1.0):
-    """torch.ops.fusedmlp.softmax over the last dim."""
+def softmax(x: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """torch.ops.fusedmlp.softmax: softmax(x / temperature) over the last dim.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        [..., n], float32, float16 or bfloat16.
+    temperature : float
+        Finite, > 0.
+
+    Returns
+    -------
+    torch.Tensor
+        In x's shape and dtype; non-finite inputs as in fusedmlp.softmax.
+
+    Raises
+    ------
+    ValueError
+        A bad argument (dtype, temperature).
+    """
     return _softmax_op(x, temperature, False)
 
 
-def log_softmax(x, temperature=1.0):
-    """torch.ops.fusedmlp.softmax(log=True) over the last dim."""
+def log_softmax(x: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """torch.ops.fusedmlp.softmax(log=True): log_softmax(x / temperature) over the last dim.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        [..., n], float32, float16 or bfloat16.
+    temperature : float
+        Finite, > 0.
+
+    Returns
+    -------
+    torch.Tensor
+        In x's shape and dtype.
+
+    Raises
+    ------
+    ValueError
+        A bad argument (dtype, temperature).
+    """
     return _softmax_op(x, temperature, True)
 
 
@@ -267,36 +425,74 @@ def log_softmax(x, temperature=1.0):
 
 @dataclasses.dataclass(frozen=True)
 class CallCost:
-    """Microseconds per call of a module (or any callable), from call_cost():
+    """Microseconds per call of a module (or any callable), from call_cost().
 
-    host_us    the calling thread's time per call (the call returns without waiting for the
-               device: Python, dispatch, launches);
-    wall_us    per call of back-to-back calls, the device waited for at the end: about
-               max(host_us, device time), what a call adds to an eager decode step where the
-               device waits on Python;
-    device_us  per call replayed from a captured CUDA graph (call_cost(graph=True)): what it
-               adds to a graph-replayed step, host time gone; on the host backends the
-               arithmetic is host time, so wall_us; None where not measured or not capturable.
-
-    step_us("eager") is wall_us, step_us("graph") device_us (wall_us where that is None): the
-    figure to compare between a module and its replacement for the mode the model runs in."""
+    Attributes
+    ----------
+    host_us : float
+        The calling thread's time per call (the call returns without waiting for the device:
+        Python, dispatch, launches).
+    wall_us : float
+        Per call of back-to-back calls, the device waited for at the end: about
+        max(host_us, device time), what a call adds to an eager decode step where the device
+        waits on Python.
+    device_us : float or None
+        Per call replayed from a captured CUDA graph (call_cost(graph=True)): what it adds to a
+        graph-replayed step, host time gone; on the host backends the arithmetic is host time,
+        so wall_us; None where not measured or not capturable.
+    """
     host_us: float
     wall_us: float
     device_us: Optional[float] = None
 
-    def step_us(self, mode="eager"):
+    def step_us(self, mode: str = "eager") -> float:
+        """What a call adds to a model step run in ``mode``.
+
+        Parameters
+        ----------
+        mode : {"eager", "graph"}
+            "eager": wall_us; "graph": device_us (wall_us where that is None).
+
+        Returns
+        -------
+        float
+            Microseconds: the figure to compare between a module and its replacement.
+
+        Raises
+        ------
+        ValueError
+            mode is neither name.
+        """
         if mode not in ("eager", "graph"):
             raise ValueError(f"mode is {mode!r}; expected 'eager' or 'graph'")
         return self.wall_us if mode == "eager" or self.device_us is None else self.device_us
 
 
-def call_cost(fn, *args, calls=50, rounds=5, graph=False, **kwargs):
-    """The CallCost of fn(*args, **kwargs) under torch.no_grad(), e.g. call_cost(module,
-    torch.randn(1, 1, d, dtype=dt, device=dev)): medians over `rounds` runs of `calls` calls,
-    after a warm-up that makes the workspaces. graph=True also captures `calls` calls in a CUDA
-    graph and times its replays (device_us; a capture that fails leaves it None). Keep calls
-    small enough that the device's launch queue never fills (some hundred launches), or host_us
-    grows by the wait."""
+def call_cost(fn: Callable[..., Any], *args: Any, calls: int = 50, rounds: int = 5,
+              graph: bool = False, **kwargs: Any) -> CallCost:
+    """Measures what fn(*args, **kwargs) costs per call, under torch.no_grad().
+
+    Medians over ``rounds`` runs of ``calls`` calls, after a warm-up that makes the workspaces,
+    e.g. ``call_cost(module, torch.randn(1, 1, d, dtype=dt, device=dev))``. Keep calls small
+    enough that the device's launch queue never fills (some hundred launches), or host_us grows
+    by the wait.
+
+    Parameters
+    ----------
+    fn : callable
+        A module or function.
+    *args, **kwargs
+        Its arguments; the first tensor among args gives the device.
+    calls, rounds : int
+        Calls per timed run, and runs.
+    graph : bool
+        Also capture ``calls`` calls in a CUDA graph and time its replays (device_us; a capture
+        that fails leaves it None).
+
+    Returns
+    -------
+    CallCost
+    """
     device = next((a.device for a in args if isinstance(a, torch.Tensor)),
                   torch.device("cpu"))
     cuda = device.type == "cuda"
@@ -355,13 +551,33 @@ def _param(t):
 
 
 class FusedMLP(nn.Module):
-    """y = mlp(x) [+ residual] with weights packed once for the weights' device (repacked after
-    .to(), .half() and the like; call repack() after editing the weights in place).
+    """y = mlp(x) [+ residual] with weights packed once for the weights' device.
 
-    forward(x[, residual]): x [..., d_in] -> [..., d_out] on the weights' device, any float
-    dtype. `dropout` (an nn.Dropout, e.g. GPT-2's resid dropout) is applied to the output in
-    training mode; with a residual it cannot be (it would have to act before the add), so that
-    combination raises. Inference only: no backward.
+    The pack is made again after .to(), .half() and the like; call repack() after editing the
+    weights in place. The math and the weight arguments are fusedmlp.mlp's. Inference only:
+    no backward.
+
+    Parameters
+    ----------
+    w1, w2, b1, w_up, b_up, b2, norm_weight, norm_bias : torch.Tensor
+        As for fusedmlp.mlp (kept as Parameters without grad).
+    activation, gated, norm, eps, backend
+        As for fusedmlp.mlp.
+    dropout : nn.Dropout, optional
+        Applied to the output in training mode (e.g. GPT-2's resid dropout); with a residual it
+        cannot be (it would have to act before the add), so that combination raises.
+
+    Attributes
+    ----------
+    d_in, hidden, d_out : int
+        x [..., d_in] -> y [..., d_out] through h [..., hidden].
+
+    Raises
+    ------
+    ValueError
+        An unknown activation, norm or backend, or weights the library refuses.
+    NotImplementedError
+        No kernel of the weights' device takes them.
     """
 
     def __init__(self, w1, w2, *, b1=None, w_up=None, b_up=None, b2=None, activation="gelu",
@@ -383,16 +599,39 @@ class FusedMLP(nn.Module):
         self.repack()
 
     @classmethod
-    def from_module(cls, module, backend="auto"):
-        """A FusedMLP computing what `module` computes: GPT-2 style (c_fc, act, c_proj; Conv1D
-        or Linear), gated (gate_proj, up_proj, down_proj, act_fn: Llama, Mistral, Qwen2...),
-        fc1/activation_fn/fc2 (CLIP, OPT style) or nn.Sequential(Linear, act, Linear[,
-        Dropout]). Raises NotImplementedError naming what does not fit."""
+    def from_module(cls, module: nn.Module, backend: str = "auto") -> "FusedMLP":
+        """A FusedMLP computing what a Hugging Face MLP module computes.
+
+        Parameters
+        ----------
+        module : nn.Module
+            GPT-2 style (c_fc, act, c_proj; Conv1D or Linear), gated (gate_proj, up_proj,
+            down_proj, act_fn: Llama, Mistral, Qwen2 ...), fc1 / activation_fn / fc2 (CLIP,
+            OPT) or nn.Sequential(Linear, act, Linear[, Dropout]).
+        backend : {"auto", "ref", "cpu", "cuda"}
+
+        Returns
+        -------
+        FusedMLP
+
+        Raises
+        ------
+        NotImplementedError
+            The module's layout or activation has no fusedmlp equivalent (the message names
+            what does not fit).
+        """
         return cls(**_describe(module), backend=backend)
 
-    def repack(self):
-        """Packs the current weights for their device (on the current CUDA stream). The previous
-        pack is freed: CUDA graphs captured with it must be captured again."""
+    def repack(self) -> None:
+        """Packs the current weights for their device (on the current CUDA stream).
+
+        The previous pack is freed: CUDA graphs captured with it must be captured again.
+
+        Raises
+        ------
+        ValueError, NotImplementedError
+            As for fusedmlp.pack.
+        """
         with _device_of(self.w1):
             tensors, bits = _args(self.w1.device, w1=self.w1, b1=self.b1, w_up=self.w_up,
                                   b_up=self.b_up, w2=self.w2, b2=self.b2,
@@ -409,7 +648,28 @@ class FusedMLP(nn.Module):
         self.repack()
         return result
 
-    def forward(self, x, residual=None):
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """y = mlp(x) [+ residual] through torch.ops.fusedmlp.mlp_packed.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            [..., d_in] on the weights' device, float32, float16 or bfloat16.
+        residual : torch.Tensor, optional
+            [..., d_out] in x's dtype.
+
+        Returns
+        -------
+        torch.Tensor
+            [..., d_out] in x's dtype.
+
+        Raises
+        ------
+        RuntimeError
+            In training mode with a dropout and a residual.
+        ValueError
+            x or residual do not fit the pack.
+        """
         y = _mlp_packed_op(x, residual, self._handle, self.d_out)
         if self.training and self.dropout is not None and self.dropout.p > 0:
             if residual is not None:
@@ -434,14 +694,30 @@ def _is_conv1d(m):
 
 
 class FusedLinear(nn.Module):
-    """y = x W^T + b through torch.ops.fusedmlp.linear (on CUDA a GEMV at few rows), in place of
-    an nn.Linear or a transformers Conv1D.
+    """y = x W^T + b through torch.ops.fusedmlp.linear, in place of an nn.Linear or a
+    transformers Conv1D (on CUDA a GEMV at few rows).
 
-    weight [out, in] and bias [out] are the module's own Parameters when it is an nn.Linear
-    (shared, not copied: weight tying and memory stay as they were); a Conv1D's weight [in, out]
-    is transposed once into a new contiguous Parameter. forward(x): x [..., in] -> [..., out] in
-    x's dtype, which must be the weight's (nn.Linear raises on a mismatch too; autocast does not
-    apply: the op runs in the weight's dtype). Inference only: no backward.
+    Inference only: no backward. Autocast does not apply: the op runs in the weight's dtype.
+
+    Parameters
+    ----------
+    weight : torch.Tensor
+        [out, in], float32, float16 or bfloat16, rows contiguous; an nn.Parameter is used as it
+        is (shared, not copied: weight tying and memory stay as they were).
+    bias : torch.Tensor, optional
+        [out].
+
+    Attributes
+    ----------
+    in_features, out_features : int
+
+    Raises
+    ------
+    ValueError
+        weight is not 2-D, or bias is not [out].
+    NotImplementedError
+        A tensor subclass, a dtype other than float32/float16/bfloat16, a device other than
+        cpu/cuda, or strided rows.
     """
 
     def __init__(self, weight, bias=None):
@@ -472,10 +748,26 @@ class FusedLinear(nn.Module):
         self.in_features, self.out_features = int(weight.shape[1]), int(weight.shape[0])
 
     @classmethod
-    def from_module(cls, module):
-        """A FusedLinear computing what `module` (nn.Linear or transformers Conv1D) computes.
-        Raises NotImplementedError naming what does not fit (other modules, nn.Linear
-        subclasses with their own forward, e.g. quantized ones, dtypes the op does not take)."""
+    def from_module(cls, module: nn.Module) -> "FusedLinear":
+        """A FusedLinear computing what an nn.Linear or a transformers Conv1D computes.
+
+        An nn.Linear keeps its Parameters; a Conv1D's weight [in, out] is transposed once into
+        a new contiguous Parameter.
+
+        Parameters
+        ----------
+        module : nn.Linear or transformers Conv1D
+
+        Returns
+        -------
+        FusedLinear
+
+        Raises
+        ------
+        NotImplementedError
+            Another module, an nn.Linear subclass with its own forward (e.g. a quantized one),
+            or a dtype the op does not take.
+        """
         if isinstance(module, nn.Linear):
             if type(module).forward is not nn.Linear.forward:
                 raise NotImplementedError(f"{type(module).__name__} subclasses nn.Linear with its "
@@ -485,7 +777,24 @@ class FusedLinear(nn.Module):
             return cls(_param(module.weight.t().contiguous()), module.bias)
         raise NotImplementedError(f"{type(module).__name__} is not an nn.Linear or a Conv1D")
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x W^T + b.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            [..., in] in the weight's dtype, on its device.
+
+        Returns
+        -------
+        torch.Tensor
+            [..., out] in x's dtype.
+
+        Raises
+        ------
+        RuntimeError
+            x's dtype is not the weight's (nn.Linear raises here too).
+        """
         w = self.weight
         if x.dtype != w.dtype:
             raise RuntimeError(f"FusedLinear: x has dtype {x.dtype} but the weight {w.dtype}; "

@@ -15,6 +15,7 @@ all_reduce sums the partial outputs; the residual is added by rank 0.
 """
 
 import os
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -36,9 +37,30 @@ def _group_info(group):
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def shard_mlp(kw, rank, size):
-    """FusedMLP keyword arguments (as _describe gives them) cut down to rank's shard. Stacked
-    gate/up are not used by _describe (gate and up come separately), so rows split directly."""
+def shard_mlp(kw: Dict[str, Any], rank: int, size: int) -> Dict[str, Any]:
+    """FusedMLP keyword arguments cut down to rank's shard of the hidden units.
+
+    Rank r of N keeps hidden units [r*H/N, (r+1)*H/N): those rows of w1, b1, w_up, b_up, those
+    columns of w2; b2 only on rank 0.
+
+    Parameters
+    ----------
+    kw : dict
+        FusedMLP keyword arguments, as fusedmlp.torch._describe gives them (gate and up come
+        separately, so rows split directly).
+    rank, size : int
+        This rank and the group size.
+
+    Returns
+    -------
+    dict
+        The shard's keyword arguments (contiguous copies).
+
+    Raises
+    ------
+    ValueError
+        hidden is not a multiple of size * 8 (the message gives the padded size).
+    """
     hidden = int(kw["w2"].shape[1])
     if hidden % (size * 8) != 0:
         pad = -(-hidden // (size * 8)) * size * 8
@@ -57,9 +79,25 @@ def shard_mlp(kw, rank, size):
 
 
 class TPFusedMLP(nn.Module):
-    """y = all_reduce(mlp_shard(x) [+ residual on rank 0]) over `group` (default: WORLD).
+    """y = all_reduce(mlp_shard(x) [+ residual on rank 0]) over ``group`` (default: WORLD).
 
-    forward(x[, residual]) -> y on every rank. Inference only (no backward, no dropout).
+    Each rank runs a FusedMLP packed for its GPU on its shard of the hidden units (shard_mlp);
+    x must be the same on every rank. Inference only (no backward, no dropout).
+
+    Parameters
+    ----------
+    group : torch.distributed.ProcessGroup, optional
+        An NCCL process group (default: WORLD).
+    backend : {"auto", "ref", "cpu", "cuda"}
+    **kw
+        The whole MLP's FusedMLP keyword arguments (dropout is dropped).
+
+    Raises
+    ------
+    RuntimeError
+        torch.distributed is not initialised.
+    ValueError
+        hidden does not split over the group (see shard_mlp).
     """
 
     def __init__(self, group=None, backend="auto", **kw):
@@ -70,12 +108,45 @@ class TPFusedMLP(nn.Module):
         self.fused = FusedMLP(**shard_mlp(kw, self.rank, self.size), backend=backend)
 
     @classmethod
-    def from_module(cls, module, group=None, backend="auto"):
+    def from_module(cls, module: nn.Module, group: Any = None,
+                    backend: str = "auto") -> "TPFusedMLP":
         """The rank's shard of a Hugging Face MLP (the layouts FusedMLP.from_module takes); the
-        module's weights should be on this rank's GPU."""
+        module's weights should be on this rank's GPU.
+
+        Parameters
+        ----------
+        module : torch.nn.Module
+            The whole (unsharded) MLP, the same on every rank.
+        group : torch.distributed.ProcessGroup, optional
+            An NCCL process group (default: WORLD).
+        backend : {"auto", "ref", "cpu", "cuda"}
+
+        Returns
+        -------
+        TPFusedMLP
+
+        Raises
+        ------
+        NotImplementedError
+            The module does not fit FusedMLP.
+        """
         return cls(group=group, backend=backend, **_describe(module))
 
-    def forward(self, x, residual=None):
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The whole MLP's y on every rank.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            [..., d_in], the same on every rank.
+        residual : torch.Tensor, optional
+            Added once (by rank 0).
+
+        Returns
+        -------
+        torch.Tensor
+            [..., d_out], summed over the group in place.
+        """
         import torch.distributed as dist
         y = self.fused(x, residual if self.rank == 0 else None)
         dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
@@ -85,9 +156,23 @@ class TPFusedMLP(nn.Module):
         return f"rank {self.rank} of {self.size}: {self.fused.extra_repr()}"
 
 
-def expert_range(num_experts, rank, size):
-    """(first, count): rank's contiguous experts of num_experts over size ranks,
-    [rank*E//size, (rank+1)*E//size) (as fmlp_tp_expert_range)."""
+def expert_range(num_experts: int, rank: int, size: int) -> Tuple[int, int]:
+    """Rank's contiguous experts of num_experts over size ranks, as fmlp_tp_expert_range.
+
+    Parameters
+    ----------
+    num_experts, rank, size : int
+
+    Returns
+    -------
+    first, count : int
+        The range [rank*E//size, (rank+1)*E//size) as its first expert and length.
+
+    Raises
+    ------
+    ValueError
+        Fewer experts than ranks.
+    """
     if num_experts < size:
         raise ValueError(f"{num_experts} experts cannot be split over {size} ranks; every rank "
                          "needs at least one (use a smaller group for the experts)")
@@ -95,10 +180,27 @@ def expert_range(num_experts, rank, size):
     return first, num_experts * (rank + 1) // size - first
 
 
-def shard_moe(kw, rank, size):
-    """FusedMoE keyword arguments (as _describe_moe gives them) cut down to rank's experts:
-    w1/b1/w2/b2 copied (so the whole stack can be freed), first_expert and global_experts set,
-    the router whole."""
+def shard_moe(kw: Dict[str, Any], rank: int, size: int) -> Dict[str, Any]:
+    """FusedMoE keyword arguments cut down to rank's experts.
+
+    w1/b1/w2/b2 are copied (so the whole stack can be freed), first_expert and global_experts
+    set, the router kept whole.
+
+    Parameters
+    ----------
+    kw : dict
+        FusedMoE keyword arguments, as fusedmlp._moe._describe_moe gives them.
+    rank, size : int
+
+    Returns
+    -------
+    dict
+
+    Raises
+    ------
+    ValueError
+        Fewer experts than ranks.
+    """
     num_experts = int(kw["w1"].shape[0])
     first, count = expert_range(num_experts, rank, size)
     out = dict(kw)
@@ -110,10 +212,26 @@ def shard_moe(kw, rank, size):
 
 
 class TPFusedMoE(nn.Module):
-    """y = all_reduce(moe over this rank's experts (x) [+ residual on rank 0]) over `group`
-    (default: WORLD). x must be bitwise the same on every rank (the routing is recomputed on
-    each rank). forward(x[, residual]) -> y (and the router logits, when the wrapped block
-    returned them) on every rank. Inference only."""
+    """y = all_reduce(moe over this rank's experts (x) [+ residual on rank 0]) over ``group``.
+
+    x must be bitwise the same on every rank (the routing is recomputed on each rank).
+    Inference only.
+
+    Parameters
+    ----------
+    group : torch.distributed.ProcessGroup, optional
+        An NCCL process group (default: WORLD).
+    backend : {"auto", "ref", "cpu", "cuda"}
+    **kw
+        The whole block's FusedMoE keyword arguments.
+
+    Raises
+    ------
+    RuntimeError
+        torch.distributed is not initialised.
+    ValueError
+        Fewer experts than ranks.
+    """
 
     def __init__(self, group=None, backend="auto", **kw):
         super().__init__()
@@ -122,12 +240,47 @@ class TPFusedMoE(nn.Module):
         self.fused = FusedMoE(**shard_moe(kw, self.rank, self.size), backend=backend)
 
     @classmethod
-    def from_module(cls, module, group=None, backend="auto"):
-        """The rank's experts of a Hugging Face sparse-MoE block (the blocks FusedMoE.from_module
-        takes); the block's weights should be on this rank's GPU."""
+    def from_module(cls, module: nn.Module, group: Any = None,
+                    backend: str = "auto") -> "TPFusedMoE":
+        """The rank's experts of a Hugging Face sparse-MoE block (the blocks
+        FusedMoE.from_module takes); the block's weights should be on this rank's GPU.
+
+        Parameters
+        ----------
+        module : torch.nn.Module
+            The whole (unsharded) sparse-MoE block, the same on every rank.
+        group : torch.distributed.ProcessGroup, optional
+            An NCCL process group (default: WORLD).
+        backend : {"auto", "ref", "cpu", "cuda"}
+
+        Returns
+        -------
+        TPFusedMoE
+
+        Raises
+        ------
+        NotImplementedError
+            The block does not fit FusedMoE.
+        """
         return cls(group=group, backend=backend, **_describe_moe(module))
 
-    def forward(self, x, residual=None):
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """The whole block's y on every rank.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            [..., d], bitwise the same on every rank.
+        residual : torch.Tensor, optional
+            Added once (by rank 0).
+
+        Returns
+        -------
+        torch.Tensor or (torch.Tensor, torch.Tensor)
+            y [..., d_out] summed over the group (with the router logits when the wrapped
+            block returns them).
+        """
         import torch.distributed as dist
         out = self.fused(x, residual if self.rank == 0 else None)
         y = out[0] if isinstance(out, tuple) else out
@@ -138,11 +291,30 @@ class TPFusedMoE(nn.Module):
         return f"rank {self.rank} of {self.size}: {self.fused.extra_repr()}"
 
 
-def patch_tp(model, tp_group=None, backend="auto"):
-    """Replaces every MLP block of `model` (in place) by its TPFusedMLP shard for this rank, and
-    every sparse-MoE block FusedMoE takes by its TPFusedMoE experts, and returns the list of
-    replaced module names. Blocks that cannot be fused are left as they are. Every rank must
-    call it on an identical model."""
+def patch_tp(model: nn.Module, tp_group: Any = None, backend: str = "auto") -> List[str]:
+    """Replaces the MLP and sparse-MoE blocks of a model in place by their shards for this rank.
+
+    Every MLP block becomes its TPFusedMLP shard, every sparse-MoE block FusedMoE takes its
+    TPFusedMoE experts; blocks that cannot be fused are left as they are. Every rank must call
+    it on an identical model.
+
+    Parameters
+    ----------
+    model : nn.Module
+    tp_group : torch.distributed.ProcessGroup, optional
+        Default: WORLD.
+    backend : {"auto", "ref", "cpu", "cuda"}
+
+    Returns
+    -------
+    list of str
+        The replaced module names.
+
+    Raises
+    ------
+    RuntimeError
+        torch.distributed is not initialised.
+    """
     replaced = []
 
     def walk(module, prefix):

@@ -17,11 +17,12 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed; fusedmlp.torch needs it")
 
+import fusedmlp  # noqa: E402
 import fusedmlp.torch as ft  # noqa: E402
 from test_torch import assert_close, mlp_ref, weights  # noqa: E402
 
 BUILT = importlib.util.find_spec("fusedmlp._torch_ops_build") is not None
-FORCED_PYTHON = os.environ.get("FMLP_TORCH_OPS", "").lower() == "python"
+FORCED_PYTHON = fusedmlp.knob("FMLP_TORCH_OPS") == "python"
 
 
 def test_cpp_ops_are_used_where_built():

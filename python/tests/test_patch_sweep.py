@@ -6,7 +6,7 @@ of the unpatched model's: fp32 accumulation order gives ~1e-6), must account in 
 every MLP-looking module (hf_sweep.mlp_looking, by class names and children), and strict mode
 must either patch (then the logits match too) or refuse with PatchError leaving the model
 unchanged. Classes that cannot be built that way are skipped with the reason. The table of the
-sweep is printed at the end of the session (conftest.py); bench/patch_sweep.py writes it to
+sweep is printed at the end of the pytest run (conftest.py); bench/patch_sweep.py writes it to
 bench/results/patch_sweep.md and the README."""
 
 import pytest

@@ -3,9 +3,10 @@
 #if FMLP_WITH_NCCL
 #include <dlfcn.h>
 
-#include <cstdlib>
+#include <string>
 
 #include "core/error.hpp"
+#include "core/knobs.hpp"
 
 namespace fmlp::detail {
 namespace {
@@ -27,8 +28,8 @@ Loaded load() {
   Loaded l;
   std::string tried;
   void* lib = nullptr;
-  const char* env = std::getenv("FMLP_NCCL_LIBRARY");
-  for (const char* path : {env, FMLP_NCCL_LIBRARY_PATH, "libnccl.so.2", "libnccl.so"}) {
+  const std::string env = knob_string<Knob::FMLP_NCCL_LIBRARY>();
+  for (const char* path : {env.c_str(), FMLP_NCCL_LIBRARY_PATH, "libnccl.so.2", "libnccl.so"}) {
     if (path == nullptr || *path == '\0') continue;
     lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (lib != nullptr) break;

@@ -22,6 +22,7 @@
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
+#include "core/knobs.hpp"
 #include "core/tensor_check.hpp"
 #include "dist/tp_common.hpp"
 #include "fusedmlp/fusedmlp_nccl.h"
@@ -53,10 +54,8 @@ constexpr size_t kMaxCapacity = size_t(64) << 20;
 enum Mode : int32_t { kAuto = 0, kOff = 1, kForce = 2 };
 
 Mode env_mode() {
-  const char* v = std::getenv("FMLP_TP_P2P");
-  if (v != nullptr && std::strcmp(v, "0") == 0) return kOff;
-  if (v != nullptr && std::strcmp(v, "1") == 0) return kForce;
-  return kAuto;
+  const long long v = knob_int_or<Knob::FMLP_TP_P2P>(-1);
+  return v == 0 ? kOff : v == 1 ? kForce : kAuto;
 }
 
 // One process-local group made by fmlp_tp_p2p_init_all: its buffers live and die together.

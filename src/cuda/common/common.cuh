@@ -153,8 +153,8 @@ __device__ __forceinline__ float to_f(__nv_bfloat16 v) {
 // pdl_wait_previous_grid() waits until that grid has completed and its memory is visible; only
 // what no kernel of the stream writes (weights) may be read before it. pdl_allow_next_grid() lets
 // the next such kernel start; called after the wait, it also tells that kernel that every input
-// this grid waited for is complete. Measured on an H200: llama3-8b decode M = 1 95.5 -> 93.4 us,
-// 4096 -> 4096 26.5 -> 24.0 us (docs/cuda-decode.md).
+// this grid waited for is complete. It shortens the decode MLPs at M = 1 on an H200, most on the
+// small ones, where the launch gap is a larger share (docs/decode.md; fusedmlp_cuda_bench --ms 1).
 __device__ __forceinline__ void pdl_wait_previous_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -172,8 +172,8 @@ __device__ __forceinline__ void pdl_allow_next_grid() {
 // One fence per block, by the thread that arrives: the barrier orders the block's writes before
 // that thread's fence, and the fence is cumulative (the pattern of cooperative groups' grid
 // sync); the last block's thread fences again after the atomic, before the barrier releases its
-// block's readers. (A fence in every thread, as the kernels had it before, measured the same on
-// an H200: 4096 blocks of 256 threads storing a word each, 7.0 against 6.8 us.)
+// block's readers. (A fence in every thread measured the same on an H200, with 4096 blocks of
+// 256 threads storing a word each.)
 __device__ __forceinline__ bool block_arrive_last(unsigned* counter, unsigned total) {
   __shared__ bool last;
   __syncthreads();

@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "core/error.hpp"
+#include "core/knobs.hpp"
 
 namespace fmlp::detail {
 
@@ -52,21 +53,11 @@ int blocks_per_sm(KERNEL kernel, int threads, size_t smem, int device) {
   return it->second;
 }
 
-// A tuning knob for measurements: the integer in environment variable `name` when it parses
-// whole and lies in [lo, hi], else `fallback`. Callers read it once (a function-local static).
-inline long long env_knob(const char* name, long long lo, long long hi, long long fallback) {
-  const char* e = std::getenv(name);
-  if (e == nullptr || *e == '\0') return fallback;
-  char* end = nullptr;
-  const long long v = std::strtoll(e, &end, 10);
-  return *end == '\0' && v >= lo && v <= hi ? v : fallback;
-}
-
 // Whether kernels that support it launch with programmatic dependent launch on a device of
 // compute capability cc (major * 10 + minor): sm_90 and newer, unless FMLP_STREAM_PDL=0 (for
 // measurements).
 inline bool pdl_enabled(int cc) {
-  static const bool env_on = env_knob("FMLP_STREAM_PDL", 0, 1, 1) != 0;
+  static const bool env_on = knob_bool<Knob::FMLP_STREAM_PDL>();
   return env_on && cc >= 90;
 }
 

@@ -7,7 +7,7 @@
 // so what matters is that every multiprocessor streams its share of W at the rate of a plain
 // read until the very end. A GEMM tile walk does not: one 16-row x K tile a warp is 224 tiles of
 // 128 rows for llama3-8b's gate/up, 1.7 rounds of 132 multiprocessors, the last round on 92
-// (docs/cuda-decode.md: the swapped-tile decode kernel that lost). Here:
+// (docs/decode.md: the swapped-tile decode kernel that lost). Here:
 //   - a tile is 16 * WARPS rows of W (one 16-row mma group a warp) over all of k, cut into
 //     chunks of kc columns; the tiles' chunks form one sequence of iterations, and block b takes
 //     the contiguous run [iters * b / blocks, iters * (b + 1) / blocks) of it (stream-K), so

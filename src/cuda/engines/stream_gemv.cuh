@@ -4,9 +4,10 @@
 //
 // Why this order: at M <= 4 these ops are a read of W, and a plain read of the same bytes
 // (bench/hbm_probe.cu: resident blocks reading contiguous pieces in grid-stride order) runs far
-// faster than a warp-per-row GEMV that starts every row at once (33.5 MB on an H200: 9.1 us
-// against 15.6): the GEMV has a few KB of every row in flight at the same time, scattered over
-// all of W, while the probe's requests cover one contiguous window sliding through it. So:
+// faster than a warp-per-row GEMV that starts every row at once (bench/results/hbm_probe_h200.json
+// against linear_sm80_gemv on the same bytes): the GEMV has a few KB of every row in flight at
+// the same time, scattered over all of W, while the probe's requests cover one contiguous window
+// sliding through it. So:
 //   - a block iteration (a "group") is R whole consecutive rows, about stream_group_bytes() of
 //     W (R a power of two up to 8); its rows are split between the block's 8 warps (8 / R per
 //     row, each a contiguous run of the row's 16-byte chunks, read as batches of U chunks per
@@ -28,11 +29,11 @@
 //   - fp32 accumulation; fp8 e4m3 chunks (16 weights) are widened exactly to fp16 pairs with
 //     cvt.rn.f16x2.e4m3x2 and multiplied with packed fp16 FMAs into one fp16x2 sum per chunk (8
 //     products per half) before the fp32 add: widening to fp32 instead costs 16 more conversions
-//     per chunk (4096 -> 14336 at M = 1 on an H200: 16.2-16.7 us in session 38 against a 14.9
-//     us read; 26.8 us before session 21's x staging in 16-byte steps, 18.3 before session 36's
-//     leaner chunk). Measured and dropped (session 7): widening with integer ops
-//     (an e4m3 byte moved to fp16 bits 15 and 13..7 is w * 2^-8), 31.0 us, and half of each
-//     chunk each way, 29.7 us; the fp8 tensor-core mma.sync is no way around it either: sm_90
+//     per chunk, which the fp8 4096 -> 14336 linear at M = 1 shows against its pure read time
+//     (fusedmlp_ops_bench --only linear; bench/results/linear_fp8_h200.json). Measured and
+//     dropped, both slower than the fp16-pair FMAs: widening with integer ops (an e4m3 byte moved
+//     to fp16 bits 15 and 13..7 is w * 2^-8), and half of each chunk each way; the fp8
+//     tensor-core mma.sync is no way around it either: sm_90
 //     has none, ptxas expands each m16n8k32 .e4m3 into 12 conversions and two fp16 HMMAs. The
 //     integer widening remains for devices without the conversion (sm_80 code, which an sm_89
 //     device may also run), put in order and scaled back by 2^8 (exact); an e4m3 NaN
@@ -78,18 +79,17 @@ struct StreamShape {
 
 // W bytes per group of an [n, row_bytes] stream read for `tokens` tokens. 16-bit rows: 16 KB for
 // weights under 16 MiB (few groups per block: a short group keeps more blocks busy), 32 KB up to
-// 1 GiB, 64 KB beyond. Measured on an H200 (the session of commit 0bcccd9), us at 16 / 32 / 64 KB:
-// 4096x4096 bf16 11.9 / 11.0 / 10.9; 14336x4096 32.7 / 31.0 / 32.5; 1024x4096 5.2 / 5.1 / 5.8;
-// 768x3072 4.1 / 4.2 / 4.6; qwen2.5-7b lm head 268 / 249 / 245.
+// 1 GiB, 64 KB beyond: the size that was fastest per weight size among 16 / 32 / 64 KB (larger
+// groups leave blocks idle on small streams, smaller ones pay the per-group overhead on large).
 // fp8 rows (elem_bytes 1) where eight fit in 128 KB, at one token or up to 4 KB a row: a row per
 // warp (kStreamWarps rows a group), so a warp reads its row in full batches and no block barrier
-// combines parts of it. Measured on an H200 (session 23, 128 KB groups against the above, two
-// rounds, us): the fp8 linear 4096 <- 14336 20.9 -> 19.2, the fp8 llama3-8b MLP at M = 1
-// 54.9 -> 53.4, gpt2-small at M = 1 / 2 8.05 / 11.5 -> 7.75 / 10.3; llama3-8b's 14 KB down rows
-// at M = 2 got slower (68.5 -> 69.9); 16-bit rows were slower in bigger groups (sessions 11, 12).
-// FMLP_LINEAR_STREAM_KB=k (4..256) forces k KB groups for measurements.
+// combines parts of it; that beat the byte-sized groups above for fp8 at one token, not for 14 KB
+// rows at two tokens, and 16-bit rows were slower in bigger groups. To measure a size:
+// FMLP_LINEAR_STREAM_KB=k (4..256) forces k KB groups, e.g. with fusedmlp_ops_bench --only
+// linear and fusedmlp_cuda_bench --ms 1,2 (bench/ab_device.sh -e runs both settings in one call).
 inline int64_t stream_group_bytes(int64_t n, int64_t row_bytes, int elem_bytes, int64_t tokens) {
-  static const int env_kb = int(fmlp::detail::env_knob("FMLP_LINEAR_STREAM_KB", 4, 256, 0));
+  static const int env_kb =
+      int(fmlp::detail::knob_int_or<fmlp::detail::Knob::FMLP_LINEAR_STREAM_KB>(0));
   if (env_kb) return int64_t(env_kb) * 1024;
   if (elem_bytes == 1 && row_bytes * kStreamWarps <= (int64_t(128) << 10) &&
       (tokens <= 1 || row_bytes <= 4096))
@@ -140,12 +140,12 @@ inline StreamShape stream_shape(int64_t n, int64_t k, int elem_bytes, int64_t to
 // Loads per lane (U) for a kernel instantiated for U = 3 and 4: 3 where it reads a warp's part
 // of a row in as many batches as 4 with fewer idle lanes and the stream is at least 16 MiB. A
 // batch costs about one memory latency however many of its lanes load: K = 768 bf16 rows are 96
-// chunks, 75 % of a U = 4 batch (the 50257 x 768 lm head: 25.1 -> 22.7 us on an H200). Measured
-// and not taken: 3 where it adds a batch (4096 x 4096: 10.2 -> 12.1 us), 3 on small streams
-// (768 -> 2304: 2.6 -> 2.8 us), and 7 (one 224-chunk batch for the 224-chunk parts of K = 14336
-// rows: 4096 x 14336 32.9 -> 34.4 us, at three blocks per SM). FMLP_STREAM_U=3|4 forces one.
+// chunks, 75 % of a U = 4 batch (U = 3 is faster on the 50257 x 768 lm head). Measured slower
+// and not taken: 3 where it adds a batch (4096 x 4096), 3 on small streams (768 -> 2304), and 7
+// (one 224-chunk batch for the 224-chunk parts of K = 14336 rows: 4096 x 14336, at three blocks
+// per SM). FMLP_STREAM_U=3|4 forces one (fusedmlp_ops_bench --only linear).
 inline void stream_pick_loads(StreamShape& s, int64_t stream_bytes) {
-  static const int env_u = int(fmlp::detail::env_knob("FMLP_STREAM_U", 3, 4, 0));
+  static const int env_u = int(fmlp::detail::knob_int_or<fmlp::detail::Knob::FMLP_STREAM_U>(0));
   auto batches = [&](int u) { return stream_batches(s.cpw, u); };
   const bool three = stream_bytes >= (int64_t(16) << 20) && batches(3) == batches(4) &&
                      batches(3) * 96 < batches(4) * 128;
@@ -172,7 +172,7 @@ int stream_resident_blocks(KERNEL kernel, size_t smem, int device, int sms) {
 // 512 blocks run 14 full rounds, so the bytes in flight stay level to the end.
 // FMLP_STREAM_BALANCE=0 keeps the full resident grid.
 inline int stream_grid(int groups, int resident) {
-  static const bool on = fmlp::detail::env_knob("FMLP_STREAM_BALANCE", 0, 1, 1) != 0;
+  static const bool on = fmlp::detail::knob_bool<fmlp::detail::Knob::FMLP_STREAM_BALANCE>();
   if (groups <= resident || !on) return std::min(groups, resident);
   const int rounds = (groups + resident - 1) / resident;
   return (groups + rounds - 1) / rounds;
@@ -417,11 +417,11 @@ __device__ void stream_f16_scaled_from(__half* xs, int k, float* inv, unsigned* 
 // one [m][vecs] block. The rows' pieces are one token-major sequence with four loads a thread in
 // flight per round: a loop per row costs a memory latency per token, and a plain copy loop left
 // ptxas a serial remainder (one latency per piece; both seen under ncu at gpt2-small M = 4, where
-// staging took about half of the 16-bit MLP stream's up and down kernels, session 40). MT: the
-// most rows (1: no division). L2_ONLY as in stream_stage_f16_scaled. No barrier at the end.
-// The same token-major rounds in stream_stage_f16_scaled's two passes ran the fp8 streams at
-// M = 2..4 2-8 % slower (a division and a token select per load; H200, session 40): they
-// keep a loop per token.
+// staging took about half of the 16-bit MLP stream's up and down kernels). MT: the most rows (1:
+// no division). L2_ONLY as in stream_stage_f16_scaled. No barrier at the end.
+// The same token-major rounds in stream_stage_f16_scaled's two passes made the fp8 streams at
+// M = 2..4 slower (a division and a token select per load; fusedmlp_cuda_bench --wdtype f8
+// --ms 2,4): they keep a loop per token.
 template <int MT, bool L2_ONLY>
 __device__ __forceinline__ void stream_copy_rows(uint4* dst, const uint4* src, int64_t src_ld,
                                                  int m, int vecs) {
@@ -452,12 +452,12 @@ __device__ __forceinline__ void stream_copy_rows(uint4* dst, const uint4* src, i
 // second loads x again and stores it scaled, in stream_f16_piece order. Staging the raw rows and
 // then scanning and rewriting them moved each block's x through shared memory four times, with
 // the stream's first batch waiting behind it. L2_ONLY: x was written by the previous grid; read
-// it from L2, as the MLP down kernel always has (through L1 measured no faster in session 38, and
-// would rest on the wait's visibility guarantee reaching lines an earlier call left in L1). `wmax`
+// it from L2, as the MLP down kernel always has (through L1 measured no faster, and would rest
+// on the wait's visibility guarantee reaching lines an earlier call left in L1). `wmax`
 // is [kStreamWarps][MT] shared floats, free until the end barrier; inv[t] as in
 // stream_f16_scaled_from. The two passes' batched loads are written out: one loader shared with
 // them and linear/sm80_stream.cu's stage_x changed how ptxas scheduled the fp8 instances and ran
-// them 3-10 % slower (H200, session 38).
+// them slower (fusedmlp_ops_bench --only linear, fp8 rows; scripts/sass.sh shows the schedule).
 template <typename AT, int MT, bool L2_ONLY>
 __device__ void stream_stage_f16_scaled(__half* xs, const AT* x, int64_t x_ld, int m, int k,
                                         const unsigned* amax_given, float (*wmax)[MT], float* inv) {

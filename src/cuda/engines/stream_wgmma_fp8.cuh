@@ -3,10 +3,9 @@
 // W_row . x for up to four tokens, W (e4m3) read once by TMA and multiplied by wgmma without
 // widening it.
 //
-// Why: the CUDA-core fp8 streams (stream_gemv.cuh) convert e4m3 -> fp16 (8 per 16 bytes of W);
-// 4096 -> 14336 at M = 1 took 26.8 us against a 14.9 us read on an H200 when this was written
-// (17.9 since session 21 fixed their x staging, which had been half their instructions). wgmma
-// multiplies e4m3 directly (m64n8k32), so the only per-weight work is the tensor cores'.
+// Why: the CUDA-core fp8 streams (stream_gemv.cuh) convert e4m3 -> fp16 (8 per 16 bytes of W),
+// work that keeps them above the weights' read time; wgmma multiplies e4m3 directly
+// (m64n8k32), so the only per-weight work is the tensor cores'.
 // Its B operand must be e4m3 too, so each token's x (bf16/fp16) is split exactly into two e4m3
 // parts, hi = e4m3(x 2^e) and lo = e4m3(x 2^e - hi), 2^e a power of two per token and k slice that
 // puts the slice's largest finite |x| in [2^7, 2^8): hi + lo keeps 8 significant bits (all of bf16;
@@ -27,14 +26,13 @@
 // its tiles after its stream, all together, adding the parts in slice order (deterministic),
 // re-zeroing them and the counters (the workspace contract) and running the caller's epilogue.
 //
-// Status (session 10, H200, M = 1, per-row scales): correct on every test, not yet faster than
-// the CUDA-core entries, so the planners take it only when forced: 4096x4096 12.6-13.0 us,
-// 4096<-14336 26.8, 4096->14336 28.3, 8192->28672 82.3 (the stream / tensor-core entries: 12.7,
-// 26.8-28.0, 24.1-26.8, 73-80). What the measurements say (docs/linear-softmax.md): the same
-// kernel without wgmma and epilogue, i.e. the TMA stream alone, reads 4096->14336 in 17.4 us and
-// 8192->28672 in 62-65 (80-85 % of the copy bandwidth: 64-row boxes put 64 DRAM pages in every
-// request batch); a per-tile fence and atomic on the consumers' path cost more than the stream
-// (45.9 us; 28.3 with the signaller and the deferred finish).
+// Status: correct on every test, not faster than the CUDA-core entries at M = 1 (per-row
+// scales), so the planners take it only when forced (FMLP_LINEAR_KERNEL, or
+// fusedmlp_ops_bench --only linear against the default; docs/linear-softmax.md has the
+// analysis): the TMA stream alone, without wgmma and epilogue, reaches only 80-85 % of the copy
+// bandwidth (64-row boxes put 64 DRAM pages in every request batch), and a per-tile fence and
+// atomic on the consumers' path cost more than the stream, hence the signaller thread and the
+// deferred finish.
 // Non-finite x: NaN becomes an e4m3 NaN (the token's outputs are NaN, as in the reference); +-Inf
 // cannot be an e4m3 value, so it is staged as 0 and its products w * Inf are added in fp32 in the
 // epilogue of a tile whose slice holds one (rare: a slow loop over the slice).

@@ -1,10 +1,10 @@
 // Choice table and planner of the CUDA linear entries (see planner.hpp).
 #include "cuda/linear/planner.hpp"
 
-#include <cstdlib>
 #include <cstring>
 
 #include "core/error.hpp"
+#include "core/knobs.hpp"
 
 namespace fmlp::detail {
 namespace {
@@ -14,23 +14,21 @@ constexpr const char* kLt = "linear_sm90_cublaslt";
 constexpr const char* kStream = "linear_sm80_stream";
 constexpr const char* kMma = "linear_sm80_mma";
 
-// M = 1, measured on an H200 (fusedmlp_ops_bench with FMLP_LINEAR_KERNEL forcing each entry, one
-// session): the memory-order stream (linear_sm80_stream) beat the GEMV and cuBLASLt on 37 of the
-// bench's 44 16-bit shapes, by up to 1.8x on the small and medium ones (llama3-8b q 4096x4096:
-// 11.0 us against 14.0 for cuBLASLt; k/v 1024x4096: 5.1 against 8.2), and ties or wins on the lm
-// heads. It is the default wherever it runs; the rows below are the measured exceptions, and
-// shapes it cannot take (x larger than its shared memory, fp32 weights) keep the older rule.
-// fp8 weights: the same rule. Since its x staging went from one element with a division and a
-// shared atomic per step to 16-byte steps (session 21, one H200 call, M = 1, per-row scales), the
-// stream beats the tensor-core entry on all four measured shapes: 4096x4096 7.2 us against 12.6,
-// 4096<-14336 20.7 against 25.3, 14336<-4096 17.9 (24.1 before; the tensor-core entry 27-36),
-// 28672<-8192 59.3 (73 before, 90). The fp8 wgmma stream (linear_sm90_wgmma_fp8) tied or lost on
-// all four in session 10 (12.6-13.0, 26.8, 28.3, 82.3 us), so it is only taken when forced.
+// M = 1, measured on an H200 (fusedmlp_ops_bench with FMLP_LINEAR_KERNEL forcing each entry, in
+// one call; bench/results/linear_h200.json): the memory-order stream (linear_sm80_stream) beat
+// the GEMV and cuBLASLt on most of the bench's 16-bit shapes, by the most on the small and medium
+// ones (llama3-8b q 4096x4096 and k/v 1024x4096), and ties or wins on the lm heads. It is the
+// default wherever it runs; the rows below are the measured exceptions, and shapes it cannot take
+// (x larger than its shared memory, fp32 weights) keep the older rule. fp8 weights: the same rule.
+// With its x staged in 16-byte steps the stream beats the tensor-core entry (linear_sm80_mma) on
+// all four measured shapes at M = 1, per-row scales (4096x4096, 4096<-14336, 14336<-4096,
+// 28672<-8192; bench/results/linear_fp8_h200.json). The fp8 wgmma stream (linear_sm90_wgmma_fp8)
+// ties or loses on all four, so it is only taken when forced.
 constexpr const char* kMeasured = "measured on NVIDIA H200 (sm_90)";
 constexpr LinearChoice kTable[] = {
     // {n, k, w dtype, entry at M = 1, source}
-    {4864, 896, FMLP_DTYPE_BF16, kLt, kMeasured},    // 5.06 us, stream 5.08
-    {151936, 896, FMLP_DTYPE_BF16, kLt, kMeasured},  // 70.3 us, stream 70.8
+    {4864, 896, FMLP_DTYPE_BF16, kLt, kMeasured},    // a tie with the stream
+    {151936, 896, FMLP_DTYPE_BF16, kLt, kMeasured},  // a tie with the stream
 };
 // Shapes not in the table, when the stream cannot run them: the GEMV below 6 MiB of weights (one
 // launch, no epilogue pass: the tiny projections) and for N >= 28672 (wide outputs keep every SM
@@ -92,8 +90,8 @@ const LinearKernel* m1_choice(const LinearDesc& d, std::string* reason) {
 }
 
 // M = 2..4 (the stream's two- and four-token tiles; M = 3 runs the four-token one), measured on an
-// H200 (session 39: fusedmlp_ops_bench --ms 2,4 with the stream forced against the table order's
-// pick, torch's F.linear in the same call; bench/results/linear_m2_4_h200.json). fp8 weight-only:
+// H200 (fusedmlp_ops_bench --ms 2,4 with the stream forced against the table order's pick,
+// torch's F.linear in the same call; bench/results/linear_m2_4_h200.json). fp8 weight-only:
 // the stream wins wherever it runs (linear_sm80_mma's time x 0.60-0.67 at M = 2, 0.86-0.87 at
 // M = 4). 16-bit: at M = 2 it wins up to 256 MiB of weights (cuBLASLt's time x 0.32 for the router
 // 8x4096 .. 0.96 for llama3-8b's up; llama3-70b's up, 470 MB, 1.01); at M = 3, 4 only for narrow
@@ -126,12 +124,15 @@ const LinearKernel* few_token_choice(const LinearDesc& d, std::string* reason) {
 
 const LinearKernel* cuda_linear_plan(const LinearDesc& d, std::string* reason) {
   std::string note, why;
-  if (const char* env = std::getenv("FMLP_LINEAR_KERNEL"); env != nullptr && *env != '\0') {
-    const LinearKernel* k = find(env);
+  if (const std::string env = knob_string<Knob::FMLP_LINEAR_KERNEL>(); !env.empty()) {
+    const LinearKernel* k = find(env.c_str());
     if (k != nullptr && k->supports(d, &why)) {
       if (reason) *reason = fmt::format("FMLP_LINEAR_KERNEL={} forces it", env);
       return k;
     }
+    if (k == nullptr)
+      knob_reject(Knob::FMLP_LINEAR_KERNEL,
+                  "the name of a CUDA linear entry (`fusedmlp info` lists them)");
     note = k == nullptr ? fmt::format(" (FMLP_LINEAR_KERNEL={} ignored: no such CUDA entry)", env)
                         : fmt::format(" (FMLP_LINEAR_KERNEL={} ignored: {})", env, why);
   }

@@ -19,7 +19,7 @@
 //     no spinning) adds them in split order, so results are deterministic; it re-zeroes the
 //     partial sums it read and its counter, leaving the workspace zero-filled for the next call.
 //     Splitting shapes that already fill the GPU made them slower (4096 x 4096 bf16 split in
-//     two: 15.6 -> 18.2 us on an H200); the likely causes: every block's stream halves, so a
+//     two, on an H200); the likely causes: every block's stream halves, so a
 //     warp's second batch barely overlaps the first, and the partial-sum round trip (write,
 //     fence, counter, re-read by the last block) lands on the critical path at the end,
 //   - fp8 e4m3 is widened pairwise with cvt.rn.f16x2.e4m3x2 on sm_89+ (exact: every e4m3 value,
@@ -124,7 +124,7 @@ __device__ __forceinline__ void first_batch(const WT* row, int chunks, uint4 (&v
 
 // acc[r] += W row[0, chunks * E) . xs row r, for one warp; `cur` holds first_batch(row); the
 // next batch is requested before the current one is used. (The copy cur = nxt waits for those
-// loads, so one batch is in flight, not two: docs/linear-softmax.md, session 18.)
+// loads, so one batch is in flight, not two: docs/linear-softmax.md.)
 template <typename WT, int MT>
 __device__ __forceinline__ void row_dot_vec(const WT* row, int chunks, const float* xs, int ld,
                                             uint4 (&cur)[kUnroll], float (&acc)[MT]) {

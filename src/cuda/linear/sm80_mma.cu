@@ -299,8 +299,8 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_sm80_mma(const MmaParam
 // stream: four blocks of 64 registers per thread and 2-step batches, two in flight, with 4 tasks
 // per multiprocessor keep more bytes in flight than the 16-bit shape (two blocks, 4-step batches,
 // 2 tasks per SM: ncu found 25 % occupancy and one issue per 3.7 cycles). Measured on an H200 at
-// M = 1 (all five shapes x 2/4/8/16 tasks per SM): 4096x14336 39.8 -> 26.8 us, 4096x4096 13.1
-// -> 12.7; the wide shapes go to linear_sm80_stream (planner.cpp). The other shapes stay
+// M = 1 (all five shapes x 2/4/8/16 tasks per SM): a third off 4096x14336, a little off
+// 4096x4096; the wide shapes go to linear_sm80_stream (planner.cpp). The other shapes stay
 // selectable for measurements: FMLP_LINEAR_MMA_FP8="shape index,tasks per SM".
 struct Fp8Shape {
   int minb, sp, depth;
@@ -317,11 +317,17 @@ struct Config {
 std::pair<int, int> fp8_shape_choice() {
   static const std::pair<int, int> choice = [] {
     std::pair<int, int> c{kFp8Shape, kFp8TasksPerSm};
-    if (const char* e = std::getenv("FMLP_LINEAR_MMA_FP8"); e != nullptr && *e != '\0') {
+    constexpr int kShapes = int(sizeof(kFp8Shapes) / sizeof(kFp8Shapes[0]));
+    if (const std::string e = knob_string<Knob::FMLP_LINEAR_MMA_FP8>(); !e.empty()) {
       int v = 0, t = 0;
-      if (std::sscanf(e, "%d,%d", &v, &t) == 2 && v >= 0 &&
-          v < int(sizeof(kFp8Shapes) / sizeof(kFp8Shapes[0])) && t >= 1 && t <= 64)
+      char tail = 0;
+      if (std::sscanf(e.c_str(), "%d,%d%c", &v, &t, &tail) == 2 && v >= 0 && v < kShapes &&
+          t >= 1 && t <= 64)
         c = {v, t};
+      else
+        knob_reject(
+            Knob::FMLP_LINEAR_MMA_FP8,
+            fmt::format("\"SHAPE,TASKS\" with SHAPE in [0, {}] and TASKS in [1, 64]", kShapes - 1));
     }
     return c;
   }();

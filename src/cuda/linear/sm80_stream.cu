@@ -49,27 +49,25 @@ struct StreamParams : LinearOperands {
 // Whether the kernel loads each row's bias and fp8 scale one group ahead (stream_run_rows'
 // fetch): where every block takes one group and a row's warps combine it through the block
 // barrier, so the load goes out with the block's first weights instead of after the barrier.
-// Same-call A/Bs on an H200 (session 34, M = 1, us, ahead / in the epilogue): such shapes
-// 768 <- 3072 2.50 / 2.72, 1024 <- 4096 3.77 / 3.96, 8 <- 4096 1.90 / 2.12, 512 <- 3584 2.51
-// / 2.65; one group of whole rows per warp 3072 x 768 2.78 / 2.66, 4096 x 1024 3.94 / 3.80; blocks
-// that loop over groups 4096 x 4096 10.69 / 10.55, fp8 4096 <- 14336 19.49 / 19.11, the lm heads
-// within 1 %. FMLP_LINEAR_EPI_AHEAD=0|1 forces it off / on for measurements.
+// Same-call A/Bs at M = 1 found it 5-10 % faster on such shapes, slower where a warp holds a
+// group of whole rows, and within noise (or slightly behind) where blocks loop over groups.
+// FMLP_LINEAR_EPI_AHEAD=0|1 forces it off / on for measurements (fusedmlp_ops_bench --only
+// linear; the ctest linear_stream_epi_ahead checks the forced path).
 bool epi_ahead(const StreamShape& s, int grid) {
-  static const int env = int(env_knob("FMLP_LINEAR_EPI_AHEAD", 0, 1, -1));
+  static const int env = int(knob_int_or<Knob::FMLP_LINEAR_EPI_AHEAD>(-1));
   return env >= 0 ? env == 1 : grid >= s.groups && s.wpr > 1;
 }
 
 // One token whose row is 16-byte aligned is read in place through L1 (every block reads the same
 // lines), instead of being staged in each block's shared memory, where staging costs more than
 // it saves: x of at least 4 KiB and a block's share of W at most 4x x's bytes (few rows per
-// block, long rows). Measured on an H200 (M = 1 bf16, one session, staged -> in place, us):
-// 1024 x 4096 4.13 -> 3.74, 768 <- 3072 2.96 -> 2.59, 896 <- 4864 5.75 -> 4.91, 1024 x 8192
-// 6.98 -> 6.38; where each block has many rows in place is slower (4096 x 4096 10.2 -> 11.4,
-// the K = 768 lm head 22.9 -> 25.0: the inner loop's x reads from L1 cost more than from
-// shared memory) and on the 14336-column downs it changed nothing (32.7 -> 32.4).
-// FMLP_STREAM_XDIRECT=0|1 forces staging / in place (where allowed) for measurements.
+// block, long rows): at M = 1 bf16 that is 10-15 % faster on such shapes, while where each
+// block has many rows in place is slower (4096 x 4096, the K = 768 lm head: the inner loop's x
+// reads from L1 cost more than from shared memory) and the 14336-column downs do not change.
+// FMLP_STREAM_XDIRECT=0|1 forces staging / in place (where allowed) for measurements
+// (fusedmlp_ops_bench --only linear --ms 1).
 bool x_direct(const LinearDesc& d, const void* x, const StreamShape& s) {
-  static const int env = int(env_knob("FMLP_STREAM_XDIRECT", 0, 1, -1));
+  static const int env = int(knob_int_or<Knob::FMLP_STREAM_XDIRECT>(-1));
   if (env == 0 || d.m != 1 || d.w_dtype == FMLP_DTYPE_F8_E4M3 ||
       reinterpret_cast<uintptr_t>(x) % 16 != 0)
     return false;
@@ -92,7 +90,7 @@ __device__ __forceinline__ bool x_vec_ok(const StreamParams& p) {
 // stores any, one memory latency per four. With the misaligned path's branch in the same loop
 // ptxas kept each load next to its store, so a thread waited for its pieces one after another:
 // at K = 14336 (seven a thread) that was 3-4 % of the bf16 downs' time and of the fp8 down's
-// (H200, session 37: 31.15 -> 30.1 us, 19.0 -> 18.25). cp.async.cg copies instead (no registers,
+// (fusedmlp_ops_bench --only linear). cp.async.cg copies instead (no registers,
 // all in flight) were 2-47 % slower than the serial loads: L2 only, so the four blocks of a
 // multiprocessor no longer share x's lines in L1 and every block's requests for the same few KB
 // meet in the L2 (cp.async.ca measured as the register loads).
@@ -150,8 +148,8 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
   } else if constexpr (kFp8) {
     // x as fp16 times a power of two per token (engines/stream_gemv.cuh), from x in registers where
     // its rows allow 16-byte loads. Per element, with a division by k per element, this staging was
-    // half of the fp8 stream's instructions (ncu, 4096 -> 14336 at M = 1; 25.9 -> 17.9 us in
-    // 16-byte steps).
+    // half of the fp8 stream's instructions (ncu, 4096 -> 14336 at M = 1); 16-byte steps took
+    // about a third off that shape's time.
     if (!x_vec_ok<XT>(p)) {
       stage_x<XT, MT>(p, xs);  // the raw 16-bit x (bf16 or fp16: XT only sizes the pieces)
       __syncthreads();
@@ -205,13 +203,13 @@ int token_tile(int64_t m) {
 // Each block's first group into L2 while the previous kernel drains, where W outgrows the L2 or
 // the blocks take four or more groups each (so first groups are at most a quarter of W).
 // mlp/decode_sm80_stream.cu measured the prefetch to hurt where most of the matrix fits the L2;
-// what hurt is prefetching much of it at once: on an H200 (session 36, two rounds each, us without
-// / with) the fp8 4096 -> 14336 (58.7 MB, four groups a block) 17.26 / 16.77, while the fp8 4096 <-
-// 14336 (one group a block: all of W) 19.1 / 25.6 and 4096 x 4096 7.1 / 7.7.
-// FMLP_STREAM_PREFETCH=0 turns it off, =1 on, for measurements (as for the MLP streams).
+// what hurt is prefetching much of it at once: it helps the fp8 4096 -> 14336 (58.7 MB, four
+// groups a block) and slows the fp8 4096 <- 14336 (one group a block: all of W) by a third and
+// 4096 x 4096 by 8 %. FMLP_STREAM_PREFETCH=0 turns it off, =1 on, for measurements (as for the
+// MLP streams; fusedmlp_ops_bench --only linear).
 template <typename WT>
 int prefetch_groups(const StreamShape& s, int grid, int device) {
-  static const int env = int(env_knob("FMLP_STREAM_PREFETCH", 0, 1, -1));
+  static const int env = int(knob_int_or<Knob::FMLP_STREAM_PREFETCH>(-1));
   if (env >= 0) return env;
   const int64_t w_bytes = int64_t(s.n) * s.k * int64_t(sizeof(WT));
   return w_bytes > cuda_l2_bytes(device) || s.groups >= 4 * grid ? 1 : 0;

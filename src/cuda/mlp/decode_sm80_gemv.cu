@@ -145,7 +145,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) mlp_decode_sm80_gemv(c
   // The loop bound is the block's, not the group's: the shuffles below name the whole warp, so
   // every lane must run the same iterations. (With per-group bounds the first lanes of a warp ran
   // one iteration more when d_out is not a multiple of the block's stride, e.g. d_out 4104 at two
-  // tiles per block, and their full-mask shuffles hung the kernel on an H200, session 24.)
+  // tiles per block, and their full-mask shuffles hung the kernel; compute-sanitizer's synccheck
+  // in bench/run_device.sh catches that.)
   for (int ob = 0; ob < p.n; ob += groups * kPhase2Unroll) {
     const int o0 = ob + group;
     float part[kPhase2Unroll][M] = {};

@@ -94,7 +94,7 @@ bool needs_stage(const fmlp_mlp_args_t& a, const MlpDesc& d) {
 Plan plan_for(const MlpDesc& d) {
   Plan pl{};
   // FMLP_STREAMK_WIDE=0|1 forces 16-bit weights' 32- or 64-column steps, for measurements.
-  static const int env_wide = int(env_knob("FMLP_STREAMK_WIDE", 0, 1, 1));
+  static const int env_wide = int(knob_bool<Knob::FMLP_STREAMK_WIDE>());
   pl.nt = nt_for(d.m);
   const int sms = std::max(1, cuda_sm_count(d.device_id));
   const int max_blocks = sms * 2;

@@ -2,13 +2,13 @@
 // (engines/stream_gemv.cuh), for bf16/fp16 weights and e4m3 weights (weight-only, bf16/fp16 x).
 //
 // Why: at M = 1 the MLP is a read of its weights, and the one-launch kernels read them well below
-// a plain stream (docs/cuda-decode.md: the cluster kernel at 47 % of DRAM peak). Here each weight
+// a plain stream (docs/decode.md: the cluster kernel at 47 % of DRAM peak). Here each weight
 // matrix is one stream of engines/stream_gemv.cuh, at the price of h's round trip through the
 // workspace (M x hidden x 2 bytes) and a second launch, which programmatic dependent launch
 // overlaps with the first one's tail. Measured on an H200 (graph replay, cold L2,
-// docs/cuda-decode.md): gpt2- small 6.7 us at M = 1 (cuBLASLt path 12.6), 4096 -> 4096 gelu 23.7
-// (30.4), llama3-8b 92.2 (100.8), llama3-70b 339.2 (357.8): the planner's M = 1 choice on every
-// measured shape.
+// docs/decode.md, bench/results/cuda_decode_stream_h200.*): faster than the cuBLASLt path at
+// M = 1 on gpt2-small, 4096 -> 4096 gelu, llama3-8b and llama3-70b, so the planner's M = 1
+// choice on every measured shape.
 //   1. mlp_decode_sm80_stream_up: every block stages x, normalised, in the weights' dtype (as a
 //      16-bit model's norm output is rounded); W1 is streamed row by row (gated: gate row j and up
 //      row j interleaved as rows 2j and 2j + 1 of one virtual matrix, so one thread gets both
@@ -30,7 +30,8 @@
 // takes each token's largest finite |h| (one atomic per block into the workspace), so the down
 // kernel stages h scaled straight from L2 (stream_stage_f16_scaled) instead of staging, scanning
 // and rewriting it; x without a norm goes the same way (its largest |x| from a first pass).
-// llama3-8b at M = 1 on an H200: 46.9 us (session 39) against the cluster kernel's 72.3.
+// fp8 llama3-8b at M = 1 on an H200: about two thirds of the cluster kernel's time
+// (bench/results/cuda_decode_fp8_h200.*).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -337,10 +338,10 @@ fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc
   const int es = int(dtype_size(d.w_dtype));
   p.up = stream_shape(d.gated ? 2 * d.hidden : d.hidden, d.d_in, es, d.m, d.gated ? 2 : 1);
   p.down = stream_shape(d.d_out, d.hidden, es, d.m);
-  // Prefetching helps where W2 outgrows the L2 (llama3-8b M = 1: 91.6 us against 92.7 without)
-  // and hurt where most of W2 fits it (4096 -> 4096: 28.0 against 23.8), measured on an H200.
+  // Prefetching helps a little where W2 outgrows the L2 (llama3-8b M = 1) and hurt much where
+  // most of W2 fits it (4096 -> 4096), measured on an H200 (fusedmlp_cuda_bench --ms 1).
   // FMLP_STREAM_PREFETCH=0 turns it off, =1 on, for measurements.
-  static const int prefetch_env = int(env_knob("FMLP_STREAM_PREFETCH", 0, 1, -1));
+  static const int prefetch_env = int(knob_int_or<Knob::FMLP_STREAM_PREFETCH>(-1));
   const int64_t w2_bytes = d.d_out * d.hidden * es;
   const bool prefetch =
       prefetch_env >= 0 ? prefetch_env == 1 : w2_bytes > cuda_l2_bytes(d.device_id);
@@ -351,12 +352,12 @@ fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc
                             std::max<int64_t>(1, int64_t(p.down.rows) * d.hidden * es)))
                : 0;
   // Without those, a down stream whose warps read more than two batches of their first group
-  // requests the next two into L2 while h is staged: fp8 llama3-8b at M = 1 (7 batches of a 14 KB
-  // row a warp) 48.42 -> 47.06 us, with RMSNorm 51.97 -> 50.30; 1 batch 47.0, 4 batches 48.8.
+  // requests the next two into L2 while h is staged: 3 % off fp8 llama3-8b at M = 1 (7 batches of
+  // a 14 KB row a warp), with or without RMSNorm, where 1 batch gained as much and 4 lost.
   // Requesting batch 1 in every stream kernel instead (where it is all that is left) made the 4
-  // KB rows slower: 4096 -> 4096 13.2 -> 14.1 us. H200, session 39.
-  // FMLP_STREAM_PREFETCH_BATCHES=n forces n, for measurements.
-  static const int batches_env = int(env_knob("FMLP_STREAM_PREFETCH_BATCHES", 0, 8, -1));
+  // KB rows slower (4096 -> 4096). FMLP_STREAM_PREFETCH_BATCHES=n forces n, for measurements
+  // (fusedmlp_cuda_bench --wdtype f8 --ms 1).
+  static const int batches_env = int(knob_int_or<Knob::FMLP_STREAM_PREFETCH_BATCHES>(-1));
   p.down_prefetch_batches = batches_env >= 0                                    ? batches_env
                             : p.down_prefetch_groups == 0 && p.down.batches > 2 ? 2
                                                                                 : 0;

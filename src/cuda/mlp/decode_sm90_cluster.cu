@@ -327,11 +327,10 @@ __global__ void __launch_bounds__(kThreads, 1) mlp_decode_sm90_cluster(const Clu
   // The first W2 batches do not depend on h: they are requested before the hidden slices are
   // exchanged. With C > 1 they go out between the cluster barrier's arrive and its wait: the
   // arrive's release is a GPU-scope fence (MEMBAR.ALL.GPU) that waits for every load in flight, so
-  // with them requested before it (a cluster.sync() after them, until session 35) each block first
-  // waited for its W2 batches to arrive and only then for the other blocks. Same-call A/B on an
-  // H200 (session 35, two rounds, us, before -> after): fp8 weights gpt2-small M = 4 / 16 16.2 /
-  // 21.1 -> 15.6 / 20.7, llama3-8b 74.5 / 97.9 -> 73.5 / 96.6; bf16 gpt2-small 17.1 / 21.9 ->
-  // 16.3 / 21.2.
+  // with them requested before it (a cluster.sync() after them) each block would first wait for
+  // its W2 batches to arrive and only then for the other blocks: 1-5 % slower in a same-call A/B
+  // (fp8 and bf16, gpt2-small and llama3-8b at M = 4 and 16; fusedmlp_cuda_bench --kernel
+  // mlp_decode_sm90_cluster).
   if (C > 1) cluster_arrive();  // this rank's slice is in its shared memory
   prime(total, ring2, load2);
 
@@ -499,10 +498,7 @@ bool make_plan(const MlpDesc& d, Plan* pl, std::string* why) {
   if (scope.status() != FMLP_SUCCESS) return (*why = last_error(), false);
   const int sms = cuda_sm_count(d.device_id), tiles = int(d.hidden / 16);
   const int limit = cuda_max_dynamic_smem(d.device_id, 1024);
-  static const int forced = [] {
-    const int v = int(env_knob("FMLP_DECODE_CLUSTER", 1, 8, 0));
-    return (v & (v - 1)) == 0 ? v : 0;  // 1, 2, 4 or 8
-  }();
+  static const int forced = int(knob_int_or<Knob::FMLP_DECODE_CLUSTER>(0));  // 1, 2, 4 or 8
   KernelFn k = pick_kernel(d);
   for (int c : {8, 4, 2, 1}) {
     if (forced && c != forced) continue;

@@ -2,7 +2,8 @@
 // weight streams (engines/stream_wgmma_fp8.cuh), sm_90a.
 //
 // Why: the one-launch cluster kernel widens every e4m3 weight on the CUDA cores, and those
-// conversions, not HBM, bound it (llama3-8b M = 1: 72.3 us against a 41.3 us byte floor). Here the
+// conversions, not HBM, bound it (llama3-8b M = 1 runs far above its byte floor:
+// bench/results/cuda_decode_fp8_h200.*). Here the
 // tensor cores multiply e4m3 directly, at the price of h's round trip through the workspace
 // (M x hidden 16-bit values) and a second launch, which programmatic dependent launch overlaps
 // with the first one's tail (the down kernel's TMA copies of W2 start before it waits).

@@ -15,27 +15,27 @@ namespace {
 // the decode entries forced one by one against the cuBLASLt path at M = 1..4 with
 // bench/mlp_cuda_bench --kernel, bench/results/cuda_decode_{stream,cublaslt}_h200.*, commit
 // a469f86): below the crossover the decode entries run in table order, the weight streams
-// (mlp_decode_sm80_stream) first. Since the streams stage x and h in 16 bits and launch with
-// programmatic dependent launch (session 7) they beat the cuBLASLt path at M = 1 on every measured
+// (mlp_decode_sm80_stream) first. Staging x and h in 16 bits and launching with programmatic
+// dependent launch, the streams beat the cuBLASLt path at M = 1 on every measured
 // shape; at larger M the cuBLASLt path reads the weights once for all tokens while the stream's
 // shared memory and registers grow with M. The bench prints rows in this format to refill the
 // table. 16-bit rows serve bf16 and fp16 alike: the paths read the same bytes and do the same math.
 constexpr CrossoverEntry kTable[] = {
     // {d_in, hidden, gated, dtype, crossover M, source}
-    // gpt2-small: streams 6.7 / 8.4 / 11.0 us at M = 1 / 2 / 4, cuBLASLt path 12.6 / - / 12.7.
+    // gpt2-small: the streams ahead of the cuBLASLt path up to M = 4.
     {768, 3072, false, FMLP_DTYPE_BF16, 5, "measured on NVIDIA H200 (sm_90)"},
-    // 4096 -> 4096: streams 23.8 / 29.1 / 44.9 us at M = 1 / 2 / 4 (cuBLASLt 30.4 / - / 30.6).
+    // 4096 -> 4096: the streams ahead at M = 1 and 2, behind at M = 4.
     {4096, 4096, false, FMLP_DTYPE_BF16, 3, "measured on NVIDIA H200 (sm_90)"},
-    // llama3-8b: streams 92.6 / 107.8 us at M = 1 / 2, cuBLASLt 100.8 / 96.9 at M = 1 / 4.
+    // llama3-8b: the streams ahead at M = 1 only.
     {4096, 14336, true, FMLP_DTYPE_BF16, 2, "measured on NVIDIA H200 (sm_90)"},
-    // llama3-70b: streams 339.9 us at M = 1, cuBLASLt 357.8 (342.1 in another session).
+    // llama3-70b: the streams ahead at M = 1 (by less than the run-to-run spread of cuBLASLt).
     {8192, 28672, true, FMLP_DTYPE_BF16, 2, "measured on NVIDIA H200 (sm_90)"},
-    // fp8 weights with 16-bit x: the cluster kernel against the W8A8 path, us at M = 8 / 16
-    // (session 23, one call). gpt2-small 16.9 / 21.2 against 26.9 / 27.1.
+    // fp8 weights with 16-bit x: the cluster kernel against the W8A8 path at M = 8 and 16 (one
+    // call, bench/results/cuda_decode_fp8_h200.*). gpt2-small: the cluster kernel ahead at both.
     {768, 3072, false, FMLP_DTYPE_F8_E4M3, 17, "measured on NVIDIA H200 (sm_90)"},
-    // 4096 -> 4096: 39.2 / 53.1 against 39.8 / 39.6.
+    // 4096 -> 4096: a tie at M = 8, the W8A8 path ahead at 16.
     {4096, 4096, false, FMLP_DTYPE_F8_E4M3, 16, "measured on NVIDIA H200 (sm_90)"},
-    // llama3-8b: 77.0 / 98.3 against 104.6 / 103.8.
+    // llama3-8b: the cluster kernel ahead at both.
     {4096, 14336, true, FMLP_DTYPE_F8_E4M3, 17, "measured on NVIDIA H200 (sm_90)"},
 };
 // 16-bit shapes never measured: by weight bytes, the one thing the measured crossovers track.
@@ -138,12 +138,10 @@ const MlpKernel* cuda_mlp_plan(const MlpDesc& d, std::string* reason) {
   }
   // Below the crossover (or when the prefill path cannot run it): table order, decode first. fp8
   // weights too go to the weight streams (mlp_decode_sm80_stream) at every M they take (1..4, x
-  // and h within their shared memory). Until session 38 the streams were passed over for fp8 from
-  // three tokens on, for the cluster kernel (session 22, M = 4: 15.8 / 42.3 us against 16.0 / 36.7
-  // for gpt2-small / 4096 -> 4096); after sessions 36-38's leaner fp8 chunk and staging they win
-  // at M = 3 and 4 (H200, session 38, kernels forced in one call, us, stream / cluster):
-  // gpt2-small 12.26 / 15.58 and 15.18 / 15.42, 4096 -> 4096 24.34 / 35.82 and 30.53 / 35.80,
-  // llama3-8b at M = 3 72.18 / 72.43 (its M = 4 does not fit the streams).
+  // and h within their shared memory): with their fp8 chunk and staging they beat the cluster
+  // kernel at M = 3 and 4 on gpt2-small, 4096 -> 4096 and llama3-8b at M = 3 (its M = 4 does not
+  // fit the streams). To measure: fusedmlp_cuda_bench --wdtype f8 --ms 3,4 --kernel with each
+  // entry forced in one call (bench/results/decode_entries_h100.json has every entry per M).
   const MlpKernelList l = cuda_mlp_kernels();
   for (size_t i = 0; i < l.count; ++i) {
     const MlpKernel& k = l.kernels[i];

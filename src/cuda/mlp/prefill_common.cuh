@@ -23,7 +23,7 @@ inline int64_t round8(int64_t n) {
 // GPU) whose scratch, row_bytes a row, stays within 128 MiB (ample to fill the GPU many times).
 // FMLP_PREFILL_SCRATCH_MB (8..1024) sets another budget, for measurements.
 inline int64_t pass_rows(int64_t m, int64_t row_bytes) {
-  static const int64_t budget = env_knob("FMLP_PREFILL_SCRATCH_MB", 8, 1024, 128) << 20;
+  static const int64_t budget = knob_int<Knob::FMLP_PREFILL_SCRATCH_MB>() << 20;
   const int64_t max_rows = std::max<int64_t>(64, budget / row_bytes / 64 * 64);
   if (m <= 0) return 0;
   const int64_t passes = (m + max_rows - 1) / max_rows;

@@ -14,9 +14,9 @@
 //   4. y = h W2^T + b2 (+ residual as C with beta = 1; in place when residual is y)
 // With FMLP_PREFILL_WGMMA=1, gated 16-bit requests on sm_90a replace 2 and 3 with one kernel
 // (sm90/gemm_gated.cu: wgmma, the bias + activation + gate product in its epilogue) writing h
-// straight into the gate half of G. Off by default: measured on an H200 (session 9) it is not yet
-// faster than cuBLASLt's GEMM plus the bias/activation pass (llama3-8b M = 4096 2175 against 2158
-// us, M = 256 173.7 against 164.8; docs/cuda-prefill.md).
+// straight into the gate half of G. Off by default: it is not faster than cuBLASLt's GEMM plus
+// the bias/activation pass (llama3-8b at M = 256 and 4096; fusedmlp_cuda_bench_prefill with
+// FMLP_PREFILL_WGMMA=0/1, docs/prefill.md).
 // The scratch (and the cuBLASLt workspace bytes the chosen algorithms touched) is zeroed again at
 // the end, so the workspace contract of fusedmlp.h (left zero-filled) holds for every kernel.
 #include <cuda_bf16.h>
@@ -53,7 +53,7 @@ bool gelu_in_epilogue(const MlpDesc& d) {
 }
 
 bool wgmma_enabled() {
-  static const bool on = env_knob("FMLP_PREFILL_WGMMA", 0, 1, 0) == 1;
+  static const bool on = knob_bool<Knob::FMLP_PREFILL_WGMMA>();
   return on;
 }
 

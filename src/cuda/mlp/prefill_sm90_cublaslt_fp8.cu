@@ -2,7 +2,7 @@
 // (torch._scaled_mm rowwise + activation + torch._scaled_mm). The activations are quantised per
 // token to e4m3 with dynamic scales, both GEMMs run on fp8 tensor cores (cuBLASLt, fp32
 // accumulation, outer-vector scales: per weight row and per token). This is not the exact
-// weight-only dequantisation of the ref: docs/cuda-prefill.md states the error it adds.
+// weight-only dequantisation of the ref: docs/prefill.md states the error it adds.
 //
 // Per pass of `chunk` tokens:
 //   0. (once per call) the weight scales as per-row vectors in scratch: per-tensor scales repeated,

@@ -54,9 +54,9 @@ bool prefill_supports(const MlpDesc& d, std::string* why) {
 // Decode preference below the planner's crossover, measured on an H200: the two weight streams for
 // up to four tokens (decode_sm80_stream.cu), whole-slice prefetch into
 // shared memory for MLPs whose weights fit on chip (gpt2-small), the register-stream kernel for one
-// token (gpt2-small M = 1: 11.4 us against 16.4 for the cluster kernel), the
+// token (faster than the cluster kernel on gpt2-small at M = 1), the
 // tensor-core cluster kernel for up to 64 tokens of matching dtypes, the fp8 tensor-core streams
-// (decode_sm90_wgmma_fp8.cu: llama3-8b M = 1 99.7 us against the cluster kernel's 72.3, so behind
+// (decode_sm90_wgmma_fp8.cu: slower than the cluster kernel on llama3-8b at M = 1, so behind
 // it), the stream-K tensor-core streams (decode_sm80_mma_streamk.cu: up to 64 tokens, 16-bit or
 // fp8 weights, deterministic mode too; reached by name until they win somewhere:
 // bench/decode_suite_bench), splitk for the rest (fp32 activations, odd sizes).

@@ -192,7 +192,7 @@ int mlp_tuning_bucket(int64_t m) {
 
 void cuda_mlp_tune(fmlp_mlp_packed_s* p) {
   // FMLP_PLAN_TUNE=0 keeps the fixed rules for packed weights too (and skips the timing).
-  static const bool on = env_knob("FMLP_PLAN_TUNE", 0, 1, 1) != 0;
+  static const bool on = knob_bool<Knob::FMLP_PLAN_TUNE>();
   if (!on) return void(p->tuning_note = "FMLP_PLAN_TUNE=0: fixed rules");
   if (p->desc.deterministic)
     return void(p->tuning_note = "deterministic mode: fixed rules (the same entry every process)");

@@ -27,7 +27,7 @@ size_t align256(size_t n) {
 // other in one block (a dependent pass over the router rows each); four beyond, where the blocks
 // fill the GPU anyway and fewer re-read the router. FMLP_MOE_ROUTE_TOKENS=1..4 forces it (A/B).
 int route_tokens_for(int64_t tokens) {
-  static const int forced = int(env_knob("FMLP_MOE_ROUTE_TOKENS", 1, 4, 0));
+  static const int forced = int(knob_int_or<Knob::FMLP_MOE_ROUTE_TOKENS>(0));
   if (forced) return forced;
   return tokens <= kRouteSplitMaxBlocks ? 1 : 4;
 }

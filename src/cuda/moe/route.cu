@@ -107,8 +107,8 @@ __device__ void router_logits(const MoeParams& p, int t, float* scores) {
 // router_logits for 16-bit router rows with 16-byte pieces (d % 8 == 0): threads over the
 // 8-column pieces, kRouteExperts router rows at a time, so every thread has 16 loads in flight
 // (64 KB per block) where a warp per router row had one dependent round trip per piece: one
-// block routes a decode step alone, and that way it took tens of microseconds (E = 64, d = 2048,
-// under ncu: 78 us of a 136 us call). Each x piece is read once per pass and serves the pass's
+// block routes a decode step alone, and that way it took over half of a decode call (E = 64,
+// d = 2048, under ncu). Each x piece is read once per pass and serves the pass's
 // rows. Sums: per thread over its pieces in order, then the warp's lanes, then the warps in order:
 // deterministic. Router rows [e_begin, e_end) only.
 template <typename RT>
@@ -355,10 +355,11 @@ __device__ void plan(const MoeParams& p, RouteShared& sh) {
 // A one-block-per-token-group kernel is latency, and much of it is instruction fetch: the code a
 // block runs is fetched cold on every call. So the router runs one token at a time through one
 // copy of its code (a rolled loop), and select_topk's loops are rolled. Under ncu on an H200
-// (caches flushed): Mixtral T = 1 26.7 us when the router code was unrolled for four tokens, 16.0
-// for one, 8.3 once select_topk and the router appeared once each (192 -> 85 KB of code; the
-// whole op unchanged at ~184 us under graph replay); E = 64 top-8 T = 4 31.0 -> 23.8 us with the
-// tokens rolled (the op: Mixtral T = 4..512 and E = 64 T = 16..64 8-13 us faster, docs/moe.md).
+// (caches flushed) the routing kernel's time fell by two thirds on Mixtral T = 1 from the code
+// unrolled for four tokens to select_topk and the router appearing once each (192 -> 85 KB of
+// code; the whole op unchanged under graph replay, where the code stays cached), and by a quarter
+// on E = 64 top-8 T = 4 with the tokens rolled (the whole op faster at Mixtral T = 4..512 and
+// E = 64 T = 16..64; docs/moe.md, fusedmlp_moe_bench).
 // COLUMNS: 16-bit router rows in 16-byte pieces (router_logits_columns) or given routing; the
 // other routers (router_logits) are the other kernel, so neither path's registers or code shape
 // the other's (one kernel with both took 128 registers and a 480-byte stack frame).
@@ -528,10 +529,10 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_combine(const MoeParams p, 
 // moe_sm80_combine for one output slice (the grouped path, and the chunked path's red.add
 // buffer): one (token, 1024-column tile) per block, four columns per thread as one 16-byte load
 // per slot, the k slots' loads issued together (8 at a time) before any is re-zeroed. Same sums
-// in the same order as moe_sm80_combine. Measured on an H200 (ncu, E = 64 top-8 2048 -> 1408,
-// T = 512): 25 us, against 461 us for moe_sm80_combine on the same call (256 columns per block,
-// a 4-byte load per slot, each slot's load issued after the previous slot's re-zeroing store);
-// the whole op 930 -> 494 us, Mixtral-like T = 512 1496 -> 1306 (docs/moe.md, session 13).
+// in the same order as moe_sm80_combine, which it beats by an order of magnitude under ncu (E = 64
+// top-8 2048 -> 1408, T = 512): moe_sm80_combine takes 256 columns per block, a 4-byte load per
+// slot, each slot's load issued after the previous slot's re-zeroing store, and took about half
+// of the grouped op's time at T = 512 (docs/moe.md; fusedmlp_moe_bench --ts 512).
 __global__ void __launch_bounds__(kThreads) moe_sm80_combine_rows(const MoeParams p) {
   __shared__ CombineSlots cs;
   const int t = blockIdx.x, k = p.top_k, o = (blockIdx.y * kThreads + threadIdx.x) * 4;
@@ -572,8 +573,8 @@ __global__ void __launch_bounds__(kThreads) moe_sm80_combine_rows(const MoeParam
 // FMLP_MOE_ROUTE_RANK=0 and FMLP_MOE_ROUTE_CLUSTER=0 turn the ranked top-k and the cluster
 // hand-off off (A/B).
 fmlp_status_t moe_launch_route(const MoeParams& p_in, cudaStream_t s) {
-  static const bool rank_on = env_knob("FMLP_MOE_ROUTE_RANK", 0, 1, 1) == 1;
-  static const bool cluster_on = env_knob("FMLP_MOE_ROUTE_CLUSTER", 0, 1, 1) == 1;
+  static const bool rank_on = knob_bool<Knob::FMLP_MOE_ROUTE_RANK>();
+  static const bool cluster_on = knob_bool<Knob::FMLP_MOE_ROUTE_CLUSTER>();
   MoeParams p = p_in;
   p.topk_rank = rank_on && p.global_experts <= kRankMaxExperts;
   int device = 0;

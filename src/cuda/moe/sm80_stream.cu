@@ -3,7 +3,7 @@
 //
 // Why: at decode sizes the op is a read of the hit experts' weights, and the stream reads weights
 // near copy bandwidth where the chunked kernel's per-chunk mma streaming reached 45 % of it
-// (bench/results/moe_chunked_h200.json: Mixtral T = 1 at 374 us against a 168 us floor).
+// (bench/results/moe_chunked_h200.json, Mixtral T = 1).
 // Every slot (token t, rank j of its top k) is its own set of virtual rows, so the grid and the
 // row space depend on the shapes only (no host sync, capturable): a block reads the routing from
 // the workspace and skips (reads nothing for) the rows of slots without a local expert.
@@ -148,7 +148,7 @@ __device__ __forceinline__ void down_slots_load(DownSlots<KP>& d, const MoeParam
 
 // Token t's k rows of h: where the up launch left them, or (STAGE_H) copied into `hs` first, after
 // the caller's wait for the up launch. Staging needs k x hidden <= kMoeStreamDownStageBytes, which
-// keeps four blocks per SM: under ncu (E = 64 T = 1, docs/moe.md session 30) the in-place reads
+// keeps four blocks per SM: under ncu (E = 64 T = 1, docs/moe.md) the in-place reads
 // were issued one L1 round trip at a time inside the compute phase. Mixtral's k = 2 rows (56 KiB)
 // are read in place: staging them left three blocks per SM and 74 % of DRAM bandwidth (ncu).
 template <typename WT, bool STAGE_H>
@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
 // moe_sm80_stream_down_warp (rows of up to 4 KB: launch_all): the same sums with one warp per
 // output row r, which reads W2 row r of each of the token's slots in turn (s.batches batches of U
 // loads a row, the next one always in flight) and keeps slot j's sum in lane j, so no block
-// barrier ties the warps together: under ncu (E = 64 T = 1, docs/moe.md session 30)
+// barrier ties the warps together: under ncu (E = 64 T = 1, docs/moe.md)
 // moe_sm80_stream_down spent a third of its cycles at stream_run_rows' per-group barrier. The warps
 // of a block take consecutive rows, so each step reads 8 adjacent rows of one expert. Grid:
 // (blocks, T); warp w of block b takes rows b * 8 + w, + 8 * gridDim.x, ... With s.wpr = 2 (one
@@ -375,14 +375,13 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
   const StreamShape up = stream_shape(int64_t(p.top_k) * rows1, p.d, 2, 1, p.gated ? 2 : 1);
   // The down kernel: 0 row groups, 1 a warp per output row, 2 a pair of warps per row (half a
   // row each), where a W2 row is at most 4 KB: a pair at one token, a warp from two on.
-  // Measured (docs/moe.md, us): E = 64 T = 1 row groups 52.5, pairs 50.9 (session 31), a warp
-  // per row 57.6 against 53.1 (session 30: one token's rows make 2048 warps, half the GPU);
-  // T = 2 / 4 a warp per row 78.4 / 134.4 against row groups 81.8 / 142.9 (session 30) and pairs
-  // 82.7 / 134.1 against 81.8 / 131.7 (session 31); T = 16 a tie. Mixtral's rows (28 KB, each
-  // streamed by one warp or pair) scatter the reads over all of W2: a warp per row T = 1 / 2
-  // 184.3 / 349.1 against 175.5 / 343.1, pairs 182.8 against 176.4 at T = 1.
-  // FMLP_MOE_STREAM_DOWN_WARP=0|1|2 forces one of them.
-  static const int warp_knob = int(env_knob("FMLP_MOE_STREAM_DOWN_WARP", 0, 2, -1));
+  // Measured (docs/moe.md): at E = 64 T = 1 pairs beat row groups and a warp per row loses (one
+  // token's rows make 2048 warps, half the GPU); at T = 2 and 4 a warp per row beats row groups
+  // and ties with pairs; at T = 16 all tie. Mixtral's rows (28 KB, each streamed by one warp or
+  // pair) scatter the reads over all of W2, so there row groups win at T = 1 and 2.
+  // FMLP_MOE_STREAM_DOWN_WARP=0|1|2 forces one of them (fusedmlp_moe_bench --layers
+  // e64k8,mixtral --ts 1,2,4,16 with each).
+  static const int warp_knob = int(knob_int_or<Knob::FMLP_MOE_STREAM_DOWN_WARP>(-1));
   const int down_mode = warp_knob >= 0                 ? warp_knob
                         : p.hidden * sizeof(WT) > 4096 ? 0
                         : p.tokens == 1                ? 2
@@ -395,11 +394,10 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
                                : stream_shape(int64_t(kp) * p.d_out, p.hidden, 2, 1, kp);
   // E = 64's 1408-wide rows: 176 chunks, two batches either way, 192 loaded at U = 3 against 256
   stream_pick_loads(down, int64_t(p.top_k) * p.d_out * p.hidden * 2);
-  // h staged where it fits, by the row-group kernel at k = 8 (measured there, docs/moe.md session
-  // 30: E = 64 T = 1 / 2 / 4 53.4 / 87.2 / 143.5 -> 53.1 / 85.2 / 143.2 us, the down 26.6 -> 24.8
-  // us under ncu) and by the warp kernel (measured staged). FMLP_MOE_STREAM_DOWN_STAGE=0 reads h
-  // in place.
-  static const bool stage_on = env_knob("FMLP_MOE_STREAM_DOWN_STAGE", 0, 1, 1) == 1;
+  // h staged where it fits, by the row-group kernel at k = 8 (measured there, docs/moe.md: no
+  // slower at E = 64 T = 1..4 and the down kernel faster under ncu) and by the warp kernel
+  // (measured staged). FMLP_MOE_STREAM_DOWN_STAGE=0 reads h in place.
+  static const bool stage_on = knob_bool<Knob::FMLP_MOE_STREAM_DOWN_STAGE>();
   const bool stage = stage_on && (kp == kMoeStreamMaxTopK || warp_rows) &&
                      size_t(p.top_k) * p.hidden * sizeof(WT) <= kMoeStreamDownStageBytes;
   fmlp_status_t e = p.x_t == FMLP_DTYPE_F32   ? launch_up<WT, float>(p, up, w)

@@ -1,7 +1,7 @@
 // moe_sm90_grouped: the grouped path's two GEMMs (sm80_grouped.cu) on the TMA + wgmma main loop of
 // sm90/gemm_pipe.cuh, for gated 16-bit experts on sm_90a. mma.sync tops out near 300 TFLOP/s
-// there (Mixtral-like T = 512 under ncu: gate/up 240 GFLOP in 789 us, down 120 GFLOP in 494 us),
-// which keeps a 512-token call at twice its weights' read time.
+// there (Mixtral-like T = 512 under ncu, both GEMMs), which keeps a 512-token call at about twice
+// its weights' read time.
 //
 //   gather   x rows into chunk order, xg[q] = x[perm[q] / k] (a [slots, d] copy in the workspace),
 //            so a chunk's tokens are one 2-D box for TMA.
@@ -207,8 +207,9 @@ struct SwapDownProblem : SwapChunkTiles {
 // The tile shapes: 128 x 256 for both GEMMs (TALL false), or 192 rows (three consumers) x 176
 // (gate/up: 88 units) and x 128 (down). N is what fills the SMs' last round of tiles: Mixtral-like
 // hidden 14336 makes 163 gate/up tiles an expert (8 experts: 9.9 rounds of 132 SMs; 96 units made
-// 150, 9.1 rounds: 928.7 against 960.3 us at T = 512 on an H200, same call, session 25) and 4096
-// outputs 32 down tiles (1.9 rounds; 176 would make 24, 1.5).
+// 150, 9.1 rounds, and ran slower at T = 512 on an H200 in the same call:
+// bench/results/moe_tall_ab_h200.json) and 4096 outputs 32 down tiles (1.9 rounds; 176 would
+// make 24, 1.5).
 template <bool TALL>
 struct Tiles {
   static constexpr int kConsumers = TALL ? 3 : 2;

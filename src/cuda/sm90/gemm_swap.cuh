@@ -1,7 +1,7 @@
 // The sm_90a TMA + wgmma main loop with the operands swapped: the weights are the wgmma's A (M,
 // 64 rows a consumer) and a chunk's tokens its B (N = 96 or 160), so a chunk of a few tokens
 // costs a weight stream at the copy rate instead of 64-row MMA tiles that are mostly padding
-// (moe_sm90_grouped's swapped tiles, moe/sm90_grouped.cu; docs/moe.md, session 26).
+// (moe_sm90_grouped's swapped tiles, moe/sm90_grouped.cu; docs/moe.md).
 //
 // - A tile is 128 weight rows (PROBLEM::load_a copies them: gate and up rows interleaved in groups
 //   of 8, or 128 consecutive W2 rows) x N token rows, k blocks of 64 16-bit elements (one 128-byte

@@ -59,10 +59,11 @@ constexpr int64_t kMinRowBytes = 16 * 1024;   // shorter rows: softmax_sm80_rows
 constexpr int64_t kMaxPartBytes = 32 * 1024;  // 8 vectors per thread and register set
 constexpr int64_t kMinPartBytes = 4 * 1024;
 constexpr int64_t kTargetTickets = 128;
-// Every ticket is an atomic on one counter, which serialises at ~22 ns a ticket on an H200:
-// 256 x 128256 fp32 took 200 us in 16 KB parts (8192 tickets), 1467 us in 2 KB parts, against
-// 86 us for softmax_sm90_cluster. So this kernel takes few rows only, where its one launch over
-// the whole GPU wins (1 x 128256 fp32 4.9 us against 6.0; 1 x 1M 7.7 against 10.4).
+// Every ticket is an atomic on one counter, which serialises the tickets: on many rows (256 x
+// 128256 fp32, thousands of tickets) it ran several times slower than softmax_sm90_cluster, the
+// more so the smaller the parts. So this kernel takes few rows only, where its one launch over
+// the whole GPU wins (one 128256- or 1M-wide fp32 row; fusedmlp_ops_bench --only softmax,
+// bench/results/softmax_h200.json).
 constexpr int64_t kMaxRows = 4;
 constexpr int64_t kPartGrain = 512;  // a warp's 16-byte vectors
 
@@ -331,12 +332,12 @@ struct Plan {
 };
 
 int64_t env_part_bytes() {
-  static const int64_t kb = env_knob("FMLP_SOFTMAX_PART_KB", 0, kMaxPartBytes / 1024, 0);
+  static const int64_t kb = knob_int_or<Knob::FMLP_SOFTMAX_PART_KB>(0);
   return kb * 1024;
 }
 
 bool ticket_enabled() {
-  static const bool on = env_knob("FMLP_SOFTMAX_TICKET", 0, 1, 1) != 0;
+  static const bool on = knob_bool<Knob::FMLP_SOFTMAX_TICKET>();
   return on;
 }
 
@@ -349,9 +350,9 @@ Plan plan_for(const SoftmaxDesc& d) {
   const int64_t es = int64_t(dtype_size(d.dtype)), row = d.n * es;
   int64_t part = env_part_bytes();
   if (part == 0) {
-    // ~128 tickets in all, 4-32 KB each: measured on an H200 (part sweep, session 9), 1 x 128256
-    // fp32 5.58 / 4.93 / 5.06 / 6.59 us at 2 / 4 / 8 / 32 KB, 1 x 1M fp32 16.1 / 11.4 / 9.1 /
-    // 7.7 us.
+    // ~128 tickets in all, 4-32 KB each: the best of a part sweep on an H200 (one 128256-wide
+    // fp32 row fastest at 4 KB, a 1M-wide one at 32 KB; FMLP_SOFTMAX_PART_KB with
+    // fusedmlp_ops_bench --only softmax repeats it).
     part = std::clamp(round_up((d.rows * row + kTargetTickets - 1) / kTargetTickets, kPartGrain),
                       kMinPartBytes, kMaxPartBytes);
   }

@@ -2,7 +2,8 @@
 // 16-byte vectors a lane, all requested at once), so each row is one read and one write with no
 // barrier: the max, the sum and the outputs come from registers, reduced with shuffles in a fixed
 // order. softmax_sm80_rows spends a block, two block reductions and a second read (from L1) on
-// such rows: 4096 x 1024 fp32 took 11.6 us there against torch's 11.2 on an H200.
+// such rows, which left it behind torch on 4096 x 1024 fp32 (fusedmlp_ops_bench --only softmax;
+// bench/results/softmax_h200.json).
 #include <cuda_runtime.h>
 
 #include "core/dtype.hpp"
@@ -75,7 +76,7 @@ __global__ void __launch_bounds__(kWarpRowsThreads) softmax_sm80_warp_rows(const
 bool softmax_sm80_warp_rows_supports(const SoftmaxDesc& d, std::string* why) {
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   // FMLP_SOFTMAX_WARP_ROWS=0 turns the entry off (A/B measurements).
-  static const bool on = env_knob("FMLP_SOFTMAX_WARP_ROWS", 0, 1, 1) != 0;
+  static const bool on = knob_bool<Knob::FMLP_SOFTMAX_WARP_ROWS>();
   if (!on) return (*why = "switched off by FMLP_SOFTMAX_WARP_ROWS=0", false);
   const int64_t es = int64_t(dtype_size(d.dtype));
   if (d.n * es > kWarpRowsMaxBytes)

@@ -8,12 +8,12 @@
 // may be x: a block reads all of its part before it writes any of it, and only its own part. Blocks
 // run ahead of the DRAM: as it loads its part, each block also requests into L2 the part of the
 // block 30 % of the resident blocks after it (cluster_prefetch_ahead), so DRAM keeps reading while
-// the resident blocks reduce, wait for their cluster's pairs and write. Measured on an H200
-// (session 33, three rounds, 256 x 128256 fp32, us): 0 / 20 / 30 / 40 / 50 / 60 / 75 % ahead
-// 83.3-83.9 / 79.9-80.4 / 79.4-79.7 / 79.2-79.3 / 80.3-80.5 / 81.9-82.2 / 85.7-86.0; 8 x 64 KB
-// parts instead of 16 x 32 KB at 0 / 25 / 50 %: 82.0-82.4 / 77.7-77.8 / 79.6-79.8; bf16
-// 256 x 128256 (8 x 32 KB parts) 45.8 -> 44.5-44.7 at 30-40 %; more than half a wave ahead
-// evicts what the resident blocks are about to read. Where x fits in half the L2, x's copies and
+// the resident blocks reduce, wait for their cluster's pairs and write. 30-40 % ahead was the
+// fastest on 256 x 128256 rows in fp32 and bf16, about 5 % off no prefetch; more than half a
+// wave ahead evicts what the resident blocks are about to read. To measure:
+// FMLP_SOFTMAX_L2_AHEAD=0..400 (percent) and FMLP_SOFTMAX_CLUSTER_KB with fusedmlp_ops_bench
+// --only softmax (bench/results/softmax_h200.json has the default's figures). Where x fits in
+// half the L2, x's copies and
 // y's stores are marked L2 evict-first (cluster_evict_first).
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
@@ -43,22 +43,21 @@ constexpr int kClusterThreads = 256;
 constexpr int64_t kClusterPartBytes = 32 * 1024;
 constexpr int64_t kClusterWidePartBytes = 64 * 1024;
 int64_t cluster_part_bytes() {
-  static const int64_t bytes = env_knob("FMLP_SOFTMAX_CLUSTER_KB", 4, 200, 0) * 1024;
+  static const int64_t bytes = knob_int_or<Knob::FMLP_SOFTMAX_CLUSTER_KB>(0) * 1024;
   return bytes;
 }
 // How far ahead a block prefetches, in percent of the resident blocks: 30 unless
 // FMLP_SOFTMAX_L2_AHEAD (0..400) sets it (0 turns it off).
 int cluster_l2_ahead_pct() {
-  static const int pct = int(env_knob("FMLP_SOFTMAX_L2_AHEAD", 0, 400, 30));
+  static const int pct = int(knob_int<Knob::FMLP_SOFTMAX_L2_AHEAD>());
   return pct;
 }
 // Whether x's loads and y's stores carry an L2 evict-first hint: where x fits in half the L2,
-// unless FMLP_SOFTMAX_EVICT=0|1 says. Measured on an H200 (session 35, three rounds, same binary,
-// us without / with): 32 x 128256 fp32 (16 MB) 14.40-14.50 / 13.54-13.63, 256 x 32000 bf16
-// 14.38-14.42 / 13.48-13.52, 64 x 32000 bf16 6.84-6.85 / 6.69-6.71; but 256 x 128256 fp32 (131
-// MB) 70.30-70.43 / 72.40-72.56 and bf16 (66 MB) 40.73-40.91 / 41.37-41.49.
+// unless FMLP_SOFTMAX_EVICT=0|1 says: the hints take 2-6 % off the rows that fit (16 MB of fp32,
+// 16 MB of bf16, 4 MB of bf16) and add 2-3 % to those that do not (131 MB fp32, 66 MB bf16).
+// To measure: fusedmlp_ops_bench --only softmax with FMLP_SOFTMAX_EVICT=0 and 1.
 bool cluster_evict_first(const SoftmaxDesc& d) {
-  static const int env = int(env_knob("FMLP_SOFTMAX_EVICT", 0, 1, -1));
+  static const int env = int(knob_int_or<Knob::FMLP_SOFTMAX_EVICT>(-1));
   if (env >= 0) return env == 1;
   return d.rows * d.n * int64_t(dtype_size(d.dtype)) * 2 <= cuda_l2_bytes(d.device_id);
 }
@@ -136,14 +135,13 @@ __global__ void __launch_bounds__(kClusterThreads) softmax_sm90_cluster(const So
   acc = block_reduce(acc, p.sc2, scratch);
   // Every block's pair goes into every block of the cluster, so nothing is read remotely later
   // and a block leaves as soon as its writes are issued (with the pairs read remotely instead,
-  // each block waited at the end for the whole cluster: 64 x 32000 bf16 7.63 -> 7.16 us). The
+  // each block waited at the end for the whole cluster, measurably slower on small rows). The
   // pairs go by st.async, each counting its 8 bytes on the receiving block's mbarrier, and a
   // block waits on its own mbarrier for all C: no fence. Remote stores and a cluster barrier
   // instead cost a GPU-scope fence (the barrier's release: MEMBAR.ALL.GPU + ERRBAR), which waits
-  // for everything the block has in flight, the L2 prefetches included. Same-call A/B on an H200
-  // (session 34, three rounds, us): 256 x 128256 fp32 73.0-73.3 against 78.2-78.9, bf16
-  // 41.8-41.9 against 44.8, 32 x 128256 fp32 14.9-15.0 against 15.7, 64 x 32000 bf16 7.25
-  // against 7.54. A block leaves only after the C pairs sent to it have landed.
+  // for everything the block has in flight, the L2 prefetches included: 4-7 % slower on every
+  // measured shape in a same-call A/B (fusedmlp_ops_bench --only softmax). A block leaves only
+  // after the C pairs sent to it have landed.
   // (The remote blocks have started: the wait completes the arrive at the kernel's start.)
   asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
   if (C == 1) {  // nothing to exchange (and st.async needs a cluster of two blocks or more)

@@ -31,7 +31,7 @@
 // (never on a rank's pointer alignment), so block b of every rank covers the same lines and waits
 // only for block b of its peers. One line per thread while that needs at most kP2pMaxBlocks (64)
 // blocks: a decode y of 16 KB (2048 lines) takes 4 blocks of 512 threads, so its 32 KB of pushes
-// and its polling leave from 4 SMs at once (one SM's store and L2 bandwidth would add ~0.3 us)
+// and its polling leave from 4 SMs at once (one SM's store and L2 bandwidth would add latency)
 // and every thread waits for a single line per peer. Larger messages keep 64 blocks and give
 // each thread up to kLinesPerThread lines per batch, their loads in flight together.
 #include <cuda_bf16.h>
