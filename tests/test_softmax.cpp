@@ -158,8 +158,8 @@ std::vector<SmCase> cases() {
       v.push_back(c);
     }
   // More 160 KB rows than an H200 holds clusters of their eight blocks at once, so the cluster
-  // entry's rows run in several waves (and a variant whose resident clusters loop over rows,
-  // wip/softmax-cluster-rows, carries its part buffers from row to row); fp32 softmax and bf16
+  // entry's rows run in several waves (a kernel whose resident clusters loop over rows would carry
+  // its part buffers from row to row: this case is the one to break it); fp32 softmax and bf16
   // log_softmax in place.
   for (fmlp_dtype_t t : {FMLP_DTYPE_F32, FMLP_DTYPE_BF16}) {
     SmCase c;
