@@ -11,6 +11,8 @@
 #pragma once
 #include <string>
 
+#include "fusedmlp/fusedmlp.h"
+
 namespace fmlp::detail {
 
 enum class Knob : int {
@@ -56,8 +58,10 @@ struct KnobValue {
 KnobValue knob_evaluate(Knob k);
 
 // The reads behind the templates below (each warns once on stderr when it rejects a value).
-long long knob_read_int(Knob k, long long automatic);
-double knob_read_float(Knob k);
+// Exported from the shared library although internal: the in-tree probes (bench/hbm_probe.cu,
+// bench/streamk_probe.cu) compile engine headers that read knobs.
+FMLP_API long long knob_read_int(Knob k, long long automatic);
+FMLP_API double knob_read_float(Knob k);
 std::string knob_read_string(Knob k);
 // For checks only the read site can make (a string's format, an entry name): reports once on
 // stderr that the value of k was ignored because `expected` did not hold.
