@@ -3,8 +3,9 @@
 # Usage on the GPU machine, from the repo root: bash bench/run_device.sh [steps...]
 #   steps: build test sanitize bench peers (default: these); prefill (M = 1..8192 sweep of our
 #   kernels and the PyTorch peers, for the planner's crossover table) and ops (linear + softmax
-#   bench and peers), fp8 (the fp8 decode table with the bf16 peers) and moe (moe bench + PyTorch
-#   moe peers) run when named. Logs and JSON go to $OUT (or ./out).
+#   bench and peers), fp8 (the fp8 decode table with the bf16 peers), moe (moe bench + PyTorch
+#   moe peers) and suite (the batched-decode suite: bench/results/decode_suite_<gpu>.*) run when
+#   named. Logs and JSON go to $OUT (or ./out).
 # A git-ignored .device/fmt (headers + libfmt + cmake config) is used when the machine lacks fmt.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
@@ -81,6 +82,18 @@ if has fp8; then  # the fp8 decode table: the planner's picks, the bf16 peers in
     2>&1 | tee "$OUT/peers_f8.log" | tail -20
   python3 bench/report.py cuda --wdtype f8 --ours "$OUT/ours_f8.json" --peers "$OUT/peers_f8.json" \
     --out "$OUT/cuda_decode_fp8" >"$OUT/fp8_table.md" 2>&1 || tail -5 "$OUT/fp8_table.md"
+fi
+if has suite; then  # the batched-decode suite (bench/decode_suite.txt): ours, PyTorch, the report
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
+  nvcc --version | tail -1 >>"$OUT/gpu.txt"
+  timeout ${SUITE_TIMEOUT:-300} "$B/bench/fusedmlp_decode_suite_bench" --entries ${ENTRIES:-none} \
+    --json "$OUT/ours_suite.json" >"$OUT/suite.log" 2>&1; tail -3 "$OUT/suite.log"
+  PYTHONUNBUFFERED=1 timeout ${PEERS_TIMEOUT:-420} python3 bench/peers_suite.py \
+    --json "$OUT/peers_suite.json" >"$OUT/peers_suite.log" 2>&1; tail -3 "$OUT/peers_suite.log"
+  python3 bench/report.py decode-suite --ours "$OUT/ours_suite.json" \
+    --peers "$OUT/peers_suite.json" --gpu-info "$OUT/gpu.txt" \
+    --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" \
+    --out "$OUT/decode_suite" | tail -30
 fi
 if has moe; then  # moe op: our bench (fast and deterministic mode), then the PyTorch peers
   "$B/bench/fusedmlp_moe_bench" --json "$OUT/moe.json" 2>&1 | tee "$OUT/moe_bench.log" | tail -12

@@ -167,6 +167,38 @@ def sec_readme_decode(page_dir):
                     caption(d["meta"], "cuda_decode_h200.json"), page_dir)
 
 
+def suite_table(d):
+    """The batched-decode suite of one GPU: speedup over the best PyTorch peer per shape and M,
+    with the summary the batched-decode goals are read from."""
+    ms = sorted({r["M"] for r in d["rows"]})
+    by = {}
+    for r in d["rows"]:
+        by.setdefault(r["shape"], {})[r["M"]] = r
+    rows = []
+    for shape, per_m in by.items():
+        r0 = next(iter(per_m.values()))
+        kind = ("gated " if r0["gated"] else "") + r0["act"]
+        rows.append([f"{shape} ({r0['d_in']} -> {r0['hidden']}, {kind})",
+                     f"{r0['weight_MB']:.0f}"] +
+                    [x(per_m[m]["speedup"]) if m in per_m else "-" for m in ms])
+    s = d.get("summary", {})
+    line = (f"Speedup over the faster of PyTorch eager and torch.compile, each graph-replayed in "
+            f"the same call, of what dispatch runs on packed bf16 weights. M = 2..64: geometric "
+            f"mean {x(s.get('geomean_speedup_M2_64'))}, minimum {x(s.get('min_speedup'))} "
+            f"({s.get('min_speedup_at', '?')}); every pick within "
+            f"{(s.get('worst_pick_over_best', 1) - 1) * 100:.0f} % of the fastest entry. ")
+    return md_table(["shape", "weights MB"] + [f"M={m}" for m in ms], rows) + "\n\n" + line
+
+
+def sec_readme_decode_suite(page_dir):
+    parts = []
+    for path in sorted(glob.glob(os.path.join(RESULTS, "decode_suite_*.json"))):
+        name = os.path.basename(path)
+        d = load(name)
+        parts.append(suite_table(d) + caption(d, name))
+    return link_fix("\n\n".join(parts) if parts else "(no decode-suite results yet)", page_dir)
+
+
 def prefill_rows(d, ms):
     rows = []
     for r in d["rows"]:
@@ -635,6 +667,7 @@ def kernels_page():
 SECTIONS = {
     "headline": sec_headline,
     "readme-decode": sec_readme_decode,
+    "readme-decode-suite": sec_readme_decode_suite,
     "readme-prefill": sec_readme_prefill,
     "readme-moe": sec_readme_moe,
     "readme-linear": sec_readme_linear,

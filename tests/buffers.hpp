@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "fusedmlp/fusedmlp.h"
+
 #ifdef FMLP_TEST_WITH_CUDA
 #include <cuda_runtime.h>
 #endif
@@ -48,6 +50,17 @@ inline void cuda_check(cudaError_t e, const char* what) {
 
 // Owns `bytes` bytes, 256-byte aligned (like cudaMalloc), so tests control misalignment exactly by
 // adding offsets to data().
+// The first byte of a downloaded CUDA workspace's zeroed part that is not zero, or ws.size()
+// when the call left that part as the contract of fusedmlp.h wants it (scratch past it may hold
+// anything).
+inline size_t first_nonzero_in_zeroed_part(const std::vector<unsigned char>& ws) {
+  const size_t n =
+      ws.size() < FMLP_CUDA_WORKSPACE_ZEROED_BYTES ? ws.size() : FMLP_CUDA_WORKSPACE_ZEROED_BYTES;
+  for (size_t i = 0; i < n; ++i)
+    if (ws[i] != 0) return i;
+  return ws.size();
+}
+
 class Buffer {
  public:
   Buffer() = default;
@@ -108,6 +121,20 @@ class Buffer {
       return;
     }
     if (bytes_) std::memset(data_, value, bytes_);
+  }
+  // The state a workspace may be in before a call (fusedmlp.h): on the device the zeroed part
+  // (the first FMLP_CUDA_WORKSPACE_ZEROED_BYTES) zero and the scratch past it dirty; on the host
+  // all of it dirty. Dirty is 0xFF, NaN in every float dtype: an entry that reads scratch it did
+  // not write in the same call, or counts in it, fails.
+  void init_workspace() {
+    if (!device_) return fill(0xFF);
+#ifdef FMLP_TEST_WITH_CUDA
+    const size_t zeroed =
+        bytes_ < FMLP_CUDA_WORKSPACE_ZEROED_BYTES ? bytes_ : FMLP_CUDA_WORKSPACE_ZEROED_BYTES;
+    cuda_check(cudaMemset(data_, 0, zeroed), "cudaMemset");
+    if (bytes_ > zeroed)
+      cuda_check(cudaMemset(bytes_at(zeroed), 0xFF, bytes_ - zeroed), "cudaMemset");
+#endif
   }
   // Replaces the whole content with `host` (exactly size() bytes).
   void upload(const std::vector<unsigned char>& host) {

@@ -501,7 +501,7 @@ RunOutcome run_kernel(const PlacedCase& p, const char* kernel, Buffer* ws_out) {
   ws = Buffer();
   if (bytes > 0) {
     ws = Buffer(bytes, p.device());
-    ws.fill(0);  // the documented contract: a CUDA workspace starts zeroed
+    ws.init_workspace();  // zeroed part zero, scratch dirty (fusedmlp.h)
   }
   s = kernel ? fmlp_mlp_with_kernel(&p.args(), kernel, ws.data(), bytes, nullptr)
              : fmlp_mlp(&p.args(), backend, ws.data(), bytes, nullptr);

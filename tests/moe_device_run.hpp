@@ -67,7 +67,7 @@ inline std::string run_device(const MoeCase& c, const char* kernel, uint64_t see
   if (fmlp_moe_kernel_workspace_size(&args, kernel, &bytes) != FMLP_SUCCESS)
     return fmlp_last_error();
   Buffer ws(bytes, true);
-  ws.fill(0);
+  ws.init_workspace();  // zeroed part zero, scratch dirty (fusedmlp.h)
   std::vector<int32_t> ids = m.ids;
   std::vector<int64_t> nan_rows;
   for (const auto& [slot, id] : run.bad_ids)

@@ -567,7 +567,7 @@ TEST(MlpCudaWorkspace, MisalignedIsRejectedAndNothingIsWritten) {
   ASSERT_GT(need, 0u) << "the check applies to entries that use a workspace; this request's "
                          "dispatch is expected to take one (mlp_decode_sm80_stream stages h)";
   Buffer ws(need + 512, true);
-  ws.fill(0);
+  ws.init_workspace();  // zeroed part zero, scratch dirty (fusedmlp.h)
   const std::vector<unsigned char> y_before = p.y_bytes(), ws_before = ws.download();
   auto expect_misaligned = [&](const std::string& what, fmlp_status_t s) {
     const std::string msg = fmlp_last_error();

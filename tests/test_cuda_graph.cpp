@@ -47,7 +47,7 @@ TEST(CudaGraph, CaptureThenReplayOnNewInputsMatchesReference) {
     Buffer ws;
     if (bytes > 0) {
       ws = Buffer(bytes, true);
-      ws.fill(0);  // the documented contract: a CUDA workspace starts zeroed
+      ws.init_workspace();  // zeroed part zero, scratch dirty (fusedmlp.h)
     }
     p.upload(make_data(c, mix_seed(test_seed(), 0)));
     MlpGraph graph(p.args(), FMLP_BACKEND_CUDA, ws.data(), bytes);

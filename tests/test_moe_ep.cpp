@@ -79,7 +79,7 @@ std::string run_ranges(const RangeCase& rc, const char* kernel, bool device, uin
     if (fmlp_moe_kernel_workspace_size(&a, kernel, &bytes) != FMLP_SUCCESS)
       return where + fmlp_last_error();
     Buffer ws(bytes, device);
-    ws.fill(0);
+    ws.init_workspace();  // zeroed part zero, scratch dirty (fusedmlp.h)
     if (device) dc->upload(m, &ids);
     if (const fmlp_status_t s = fmlp_moe_with_kernel(&a, kernel, ws.data(), bytes, nullptr);
         s != FMLP_SUCCESS)
@@ -243,7 +243,7 @@ TEST(MoeExpertRange, GraphReplayOfARangeRoutesTheNewInputs) {
     ASSERT_EQ(fmlp_moe_kernel_workspace_size(&a, kernel, &bytes), FMLP_SUCCESS)
         << fmlp_last_error();
     Buffer ws(bytes, true);
-    ws.fill(0);
+    ws.init_workspace();  // zeroed part zero, scratch dirty (fusedmlp.h)
     const std::string err = capture_and_replay(
         [&](void* s) { return fmlp_moe_with_kernel(&a, kernel, ws.data(), bytes, s); },
         [&] { dc.upload(fresh); });

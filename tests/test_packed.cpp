@@ -53,7 +53,7 @@ class PackedTest : public ::testing::TestWithParam<fmlp_backend_t> {
     const fmlp_status_t s = fmlp_mlp_workspace_size(&p.args(), backend_, &bytes);
     if (s == FMLP_SUCCESS && bytes > 0) {
       *ws = Buffer(bytes, device_);
-      ws->fill(0);  // a CUDA workspace starts zeroed (fusedmlp.h)
+      ws->init_workspace();  // zeroed part zero, scratch dirty (fusedmlp.h)
     }
     return s;
   }
@@ -102,7 +102,7 @@ TEST_P(PackedTest, MatchesUnpacked) {
     Buffer pws;
     if (bytes > 0) {
       pws = Buffer(bytes, device_);
-      pws.fill(0);
+      pws.init_workspace();  // zeroed part zero, scratch dirty (fusedmlp.h)
     }
     p.upload(data);
     EXPECT_EQ(fmlp_mlp_packed_run(packed, &p.args().y, &p.args().x, &p.args().residual, pws.data(),
@@ -131,7 +131,7 @@ TEST_P(PackedTest, CppPackedMlpMatches) {
     p.upload(data);
     if (device_) {
       Buffer pws(packed.workspace_size(p.args().y, p.args().x), true);
-      pws.fill(0);  // a CUDA workspace starts zeroed (fusedmlp.h)
+      pws.init_workspace();  // zeroed part zero, scratch dirty (fusedmlp.h)
       packed.run(p.args().y, p.args().x, &p.args().residual, pws.data(), pws.size());
     } else {
       packed.run(p.args().y, p.args().x, &p.args().residual);  // allocates its own workspace

@@ -72,7 +72,7 @@ std::string run_case(const SmCase& c, const char* kernel, bool device, uint64_t 
   if (fmlp_softmax_kernel_workspace_size(&a, kernel, &bytes) != FMLP_SUCCESS)
     return fmlp_last_error();
   Buffer ws(bytes, device);
-  ws.fill(0);
+  ws.init_workspace();  // zeroed part zero, scratch dirty (fusedmlp.h)
   auto call = [&](void* stream) {
     return fmlp_softmax_with_kernel(&a, kernel, bytes ? ws.data() : nullptr, bytes, stream);
   };

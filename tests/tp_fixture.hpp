@@ -145,7 +145,7 @@ class TpDevices : public ::testing::Test {
       EXPECT_EQ(fmlp_tp_mlp_workspace_size(&args[r], r, FMLP_BACKEND_CUDA, &bytes), FMLP_SUCCESS)
           << fmlp_last_error();
       ws[r] = fmlp_test::Buffer(bytes, true);
-      ws[r].fill(0);
+      ws[r].init_workspace();  // zeroed part zero, scratch dirty (fusedmlp.h)
       EXPECT_EQ(cudaStreamCreate(&streams[r]), cudaSuccess);
     }
     EXPECT_EQ(fmlp_tp_group_start(), FMLP_SUCCESS);

@@ -29,6 +29,9 @@ extern "C" {
 #endif
 
 #define FMLP_MAX_DIMS 4
+/* The zeroed part of a CUDA workspace: its first FMLP_CUDA_WORKSPACE_ZEROED_BYTES bytes (4 MiB),
+ * or all of it when smaller (see fmlp_mlp_workspace_size). */
+#define FMLP_CUDA_WORKSPACE_ZEROED_BYTES ((size_t)4 << 20)
 
 typedef enum fmlp_status_t {
   FMLP_SUCCESS = 0,
@@ -207,12 +210,16 @@ FMLP_API fmlp_tensor_t fmlp_tensor_2d(void* data, fmlp_dtype_t dtype, int64_t ro
 FMLP_API fmlp_mlp_config_t fmlp_mlp_config_default(void);
 
 /* ---- mlp ---- */
-/* Bytes of scratch memory fmlp_mlp needs for these args (on the tensors' device).
- * CUDA workspaces must be zero-filled once before first use (cudaMemset); every kernel leaves
- * its workspace zero-filled when it completes, so the same workspace serves later calls and CUDA
- * graph replays without clearing. Calls that run concurrently need separate workspaces. CUDA
- * workspaces start on a 256-byte boundary (as cudaMalloc returns them; FMLP_ERROR_MISALIGNED
- * otherwise). Host workspaces need no initialisation. */
+/* Bytes of workspace memory fmlp_mlp needs for these args (on the tensors' device).
+ * A CUDA workspace must be zero-filled once before first use (cudaMemset of all of it). It has
+ * two parts: the first FMLP_CUDA_WORKSPACE_ZEROED_BYTES bytes (or all of it, when smaller) hold
+ * the counters and flags kernels synchronise through, and every call leaves them zero; past them
+ * lies scratch (hidden activations, partial sums, cuBLASLt's workspace), which calls overwrite and
+ * leave as they like, so no call pays for clearing it. Either way one workspace, sized by the
+ * largest query among the calls that use it, serves all of them and every CUDA-graph replay in
+ * turn without clearing. Calls that run concurrently need separate workspaces. CUDA workspaces
+ * start on a 256-byte boundary (as cudaMalloc returns them; FMLP_ERROR_MISALIGNED otherwise).
+ * Host workspaces need no initialisation. */
 FMLP_API fmlp_status_t fmlp_mlp_workspace_size(const fmlp_mlp_args_t* args, fmlp_backend_t backend,
                                                size_t* bytes);
 /* Runs the op on `stream` (a cudaStream_t for CUDA, ignored on the host). Asynchronous on CUDA:
@@ -300,7 +307,7 @@ FMLP_API fmlp_status_t fmlp_quantize_fp8(const fmlp_tensor_t* w, const fmlp_tens
  *   Non-finite inputs behave like PyTorch's kernels (max-subtracted exp): a NaN or +Inf anywhere
  *   in a row, or a row of only -Inf, makes the whole row NaN; -Inf elements of an otherwise
  *   finite row give 0 (log: -Inf). n = 0 or rows = 0 is a no-op.
- * Workspaces follow the mlp contract above (CUDA: zero-filled once, left zeroed). */
+ * Workspaces follow the mlp contract above (CUDA: zero-filled once; the zeroed part left zero). */
 typedef struct fmlp_linear_args_t {
   fmlp_tensor_t y;
   fmlp_tensor_t x;
@@ -392,7 +399,8 @@ FMLP_API fmlp_status_t fmlp_softmax_with_kernel(const fmlp_softmax_args_t* args,
  * synchronise: an id outside [0, G) is never used as an index, its slot is skipped, the token's
  * whole row of y is written as NaN, and the event is counted in the workspace;
  * fmlp_moe_device_errors reads the count.
- * Workspaces follow the mlp contract (a cuda workspace is left zero-filled except for that count).
+ * Workspaces follow the mlp contract (the zeroed part of a cuda workspace is left zero except for
+ * that count).
  * Accumulation is fp32 or wider. The cpu backend is deterministic (fixed summation order whatever
  * the thread count); the cuda backend is with config.deterministic set, and in practice at decode
  * sizes (it falls back to atomic fp32 sums only for large T * top_k * d_out without it). cuda

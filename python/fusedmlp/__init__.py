@@ -272,8 +272,8 @@ def mlp(x: Array, w1: Array, w2: Array, *, b1: Optional[Array] = None, w_up: Opt
     deterministic : bool
         Bitwise-identical results on reruns (on CUDA it may cost speed).
     workspace : array, optional
-        CUDA scratch memory of at least mlp_workspace_size() bytes on x's device, zero-filled
-        before its first use and left zeroed by every call (see the module docstring). By
+        CUDA memory of at least mlp_workspace_size() bytes on x's device, zero-filled before
+        its first use; every call leaves its counters zero (see the module docstring). By
         default one is allocated through x's framework and cached per (device, size).
     stream : int, optional
         The cudaStream_t to run on; by default the current stream of x's framework. Ignored on

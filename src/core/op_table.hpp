@@ -32,6 +32,10 @@ struct OpKernel {
   size_t (*workspace_bytes)(const DESC& desc);
   // `args` are validated; the workspace holds workspace_bytes(desc). Never throws.
   fmlp_status_t (*run)(const ARGS& args, const DESC& desc, void* workspace, void* stream);
+  // CUDA: true when the entry keeps its counters in the zeroed part of the workspace and its
+  // scratch past it (cuda_workspace_scratch; workspace_bytes counts both); false when every byte
+  // of its workspace is a zero-filled table (see kCudaWorkspaceZeroedBytes).
+  bool scratch = false;
 };
 
 // One backend's contribution to an op's table, in order of preference.
@@ -79,6 +83,43 @@ fmlp_status_t copy_text_out(const std::string& text, char* buf, size_t buf_size,
 // The CUDA kernels lay their tables out on 256-byte boundaries from the workspace's base and store
 // 16 bytes at a time into them (fusedmlp.h: FMLP_ERROR_MISALIGNED).
 constexpr uintptr_t kCudaWorkspaceAlign = 256;
+
+// The two parts of a CUDA workspace (fusedmlp.h): its first kCudaWorkspaceZeroedBytes hold what
+// kernels count and flag in, zero between calls; past them is scratch, which any call may leave
+// dirty (h, partial sums, cuBLASLt's workspace), so no call pays for clearing megabytes. Every
+// entry's zero-filled tables start at the base; an entry whose tables reach past the zeroed part
+// (large split-hidden accumulators) finds scratch there and clears it first (run_entry). 4 MiB
+// holds the counters of any shape and the split-hidden accumulators of 64 tokens up to d_out =
+// 16384.
+constexpr size_t kCudaWorkspaceZeroedBytes = FMLP_CUDA_WORKSPACE_ZEROED_BYTES;
+
+// Where a scratch entry's scratch starts, and the workspace bytes it asks for given its scratch.
+inline void* cuda_workspace_scratch(void* workspace) {
+  return static_cast<char*>(workspace) + kCudaWorkspaceZeroedBytes;
+}
+constexpr size_t cuda_scratch_workspace_bytes(size_t scratch) {
+  return kCudaWorkspaceZeroedBytes + scratch;
+}
+
+// cudaMemsetAsync(p, 0, bytes, stream) with its status (core code is built without CUDA).
+fmlp_status_t cuda_workspace_clear(void* p, size_t bytes, void* stream);
+
+// Runs entry k: a CUDA entry whose zero-filled tables reach into the scratch part first clears
+// that overhang (another call's scratch may lie there). Every path that runs an entry comes here.
+template <typename ARGS, typename DESC>
+fmlp_status_t run_entry(const OpKernel<ARGS, DESC>& k, const ARGS& a, const DESC& d, void* ws,
+                        void* stream) {
+  if (k.backend == FMLP_BACKEND_CUDA && !k.scratch && ws != nullptr) {
+    const size_t need = k.workspace_bytes(d);
+    if (need > kCudaWorkspaceZeroedBytes)
+      if (const fmlp_status_t s =
+              cuda_workspace_clear(static_cast<char*>(ws) + kCudaWorkspaceZeroedBytes,
+                                   need - kCudaWorkspaceZeroedBytes, stream);
+          s != FMLP_SUCCESS)
+        return s;
+  }
+  return k.run(a, d, ws, stream);
+}
 
 template <typename OP>
 struct OpTable {
@@ -144,7 +185,7 @@ struct OpTable {
                   "returns it (or offset it by a multiple of 256 bytes)",
                   ws, k.name);
     clear_last_error();
-    return k.run(a, d, ws, stream);
+    return run_entry(k, a, d, ws, stream);
   }
 
   // The workspace size and the run of an already validated request (the packed mlp path

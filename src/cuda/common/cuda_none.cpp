@@ -4,6 +4,7 @@
 #include "core/linear_desc.hpp"
 #include "core/mlp_desc.hpp"
 #include "core/moe_desc.hpp"
+#include "core/op_table.hpp"
 #include "core/planner.hpp"
 
 namespace fmlp::detail {
@@ -50,6 +51,10 @@ const MoeKernel* cuda_moe_plan(const MoeDesc&, std::string*) {
 void cuda_mlp_tune(fmlp_mlp_packed_s*) {}
 
 fmlp_status_t cuda_mlp_pack(fmlp_mlp_packed_s*, const fmlp_mlp_weights_t&, const MlpDesc&, void*) {
+  return fail(FMLP_ERROR_BACKEND_UNAVAILABLE, "{}", cuda_unavailable_reason());
+}
+
+fmlp_status_t cuda_workspace_clear(void*, size_t, void*) {
   return fail(FMLP_ERROR_BACKEND_UNAVAILABLE, "{}", cuda_unavailable_reason());
 }
 

@@ -9,6 +9,7 @@
 
 #include "core/error.hpp"
 #include "core/mlp_desc.hpp"
+#include "core/op_table.hpp"
 #include "cuda/common/launch_util.hpp"
 
 namespace fmlp::detail {
@@ -117,6 +118,16 @@ const std::string& cuda_unavailable_reason() {
 
 int cuda_compute_capability(int device) {
   return compute_capability(device);
+}
+
+fmlp_status_t cuda_workspace_clear(void* p, size_t bytes, void* stream) {
+  if (const cudaError_t e = cudaMemsetAsync(p, 0, bytes, static_cast<cudaStream_t>(stream));
+      e != cudaSuccess) {
+    cudaGetLastError();
+    return fail(FMLP_ERROR_CUDA, "clearing {} bytes of the workspace's scratch part failed: {}",
+                bytes, cudaGetErrorString(e));
+  }
+  return FMLP_SUCCESS;
 }
 
 bool cuda_device_sm80(int device, std::string* why) {

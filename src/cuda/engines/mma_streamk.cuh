@@ -22,10 +22,9 @@
 //   - a tile a block holds whole is finished from registers (`epi`); a tile split between
 //     blocks (at most the first and last of each block's run) is finished by the block that
 //     arrives last on its counter, which sums the fp32 partials in block order (deterministic for
-//     a given grid) and re-zeroes what it read.
-// The workspace words it counts in and the partial slots are left zero (the contract of
-// fusedmlp.h); so are the chunks of X when `x_zero` asks for it (X in the workspace): the last of
-// the tiles' stagings of a chunk re-zeroes it.
+//     a given grid) and re-zeroes the tile's counter.
+// The tile counters are left zero (the zeroed part of the workspace, fusedmlp.h); the partial
+// slots are scratch: every slot a finisher reads was written in the same call.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -47,13 +46,11 @@ struct MmaStreamKShape {
   int blocks;  // grid, <= iters
 };
 
-// The workspace one stream-K GEMM counts and sums in, zero between calls: tile counters
-// [tiles], chunk counters [chunks] (only where X is re-zeroed) and two partial slots a block
-// ([blocks][2][WARPS * 32 * NT * 4] floats, the lanes' accumulators in [warp][register][lane]
-// order).
+// The workspace one stream-K GEMM counts and sums in: tile counters [tiles] (zero between calls)
+// and two partial slots a block ([blocks][2][WARPS * 32 * NT * 4] floats, the lanes' accumulators
+// in [warp][register][lane] order; scratch).
 struct MmaStreamKScratch {
   unsigned* tile_count;
-  unsigned* chunk_count;
   float* slots;
 };
 
@@ -121,7 +118,6 @@ __device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, boo
 //     are zero and never finished),
 //   x: the tokens, [m][x_ld] values of XT, 16-byte aligned rows (x_ld a multiple of 8), `m` <=
 //     NT * 8 of them; k a multiple of 16 / sizeof(WT) (columns past k read as zero),
-//   x_zero: X lies in the workspace; the last staging of each chunk re-zeroes it,
 //   xs: the block's shared memory (mma_streamk_smem bytes),
 //   epi(tile, acc): finishes this warp's 16 rows of `tile` (rows tile * 16 * WARPS + 16 * warp +
 //     g and + 8 of lane (g, t) = (lane / 4, lane % 4), tokens nt * 8 + 2t and + 1 in
@@ -131,7 +127,7 @@ __device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, boo
 template <int WARPS, int NT, int DEPTH, typename WT, typename XT, bool WIDE, typename RowPtr,
           typename Epi, typename BeforeX>
 __device__ __forceinline__ void mma_streamk_run(const MmaStreamKShape& s, RowPtr row_ptr,
-                                                const XT* x, int64_t x_ld, int m, bool x_zero,
+                                                const XT* x, int64_t x_ld, int m,
                                                 const MmaStreamKScratch& scr, XT* xs, Epi epi,
                                                 BeforeX before_x) {
   constexpr bool kFp8 = sizeof(WT) == 1;
@@ -211,76 +207,89 @@ __device__ __forceinline__ void mma_streamk_run(const MmaStreamKShape& s, RowPtr
   float acc[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-  __shared__ int last_flag;
+  // A split tile's counter answer is read one tile late: thread 0 issues the atomicAdd and the
+  // block goes on streaming; the answer is published in shared memory before a barrier the block
+  // passes anyway (its next tile end's, or the run's end), so no round trip to L2 stalls the
+  // weight stream between two barriers.
+  __shared__ int last_tile;  // the split tile this block is to finish (-1: none)
+  // Thread 0's pending add: its answer in a register (a shared-memory store of an atomic's answer
+  // would wait for it), what it was for (t_tile -1: none) in shared memory (registers are what
+  // the widest instances are short of).
+  unsigned t_old = 0u;
+  __shared__ int t_tile, t_n;
+  if (threadIdx.x == 0) t_tile = -1;
+  auto slot_of = [&](int tile, int blk) {
+    const int which = mma_streamk_begin(s, blk) / s.chunks == tile ? 0 : 1;
+    return scr.slots + (int64_t(blk) * 2 + which) * kSlot;
+  };
+  // Whether this block was the last to add its part of tile t_tile (all threads, after a barrier
+  // that follows thread 0's publication): if so it sums every part in block order
+  // (deterministic), this block's own too, and finishes the tile; acc must be free.
+  auto publish_tile = [&]() {
+    if (threadIdx.x == 0) {
+      const bool last = t_tile >= 0 && t_old == unsigned(t_n) - 1u;
+      if (last) __threadfence();
+      last_tile = last ? t_tile : -1;
+      t_tile = -1;
+    }
+  };
+  auto finish_pending = [&]() {
+    const int tile = last_tile;
+    if (tile < 0) return;
+    const int first = tile * s.chunks;
+    const int c_first = mma_streamk_owner(s, first),
+              c_last = mma_streamk_owner(s, first + s.chunks - 1);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    for (int blk = c_first; blk <= c_last; ++blk) {
+      float* sl = slot_of(tile, blk) + warp * (NT * 4 * 32) + lane;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] += __ldcg(sl + (nt * 4 + i) * 32);
+    }
+    epi(tile, acc);
+    if (threadIdx.x == 0) scr.tile_count[tile] = 0;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  };
 
-  // A tile ends in this block: whole (finish from registers) or a part (partial sums).
+  // A tile ends in this block: whole (finish from registers) or a part (partial sums to the
+  // block's slot; the last of the tile's blocks to add finishes it, see finish_pending).
   auto end_tile = [&](int tile) {
     const int first = tile * s.chunks, last_it = first + s.chunks - 1;
     const int c_first = mma_streamk_owner(s, first), c_last = mma_streamk_owner(s, last_it);
     if (c_first == c_last) {
       epi(tile, acc);
-    } else {
-      // This block's slot for the tile: 0 for the tile of its first iteration, 1 for a later one.
-      auto slot_of = [&](int blk) {
-        const int which = mma_streamk_begin(s, blk) / s.chunks == tile ? 0 : 1;
-        return scr.slots + (int64_t(blk) * 2 + which) * kSlot;
-      };
-      float* mine = slot_of(b) + warp * (NT * 4 * 32) + lane;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) __stcg(mine + (nt * 4 + i) * 32, acc[nt][i]);
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        __threadfence();
-        const unsigned n = unsigned(c_last - c_first + 1);
-        const bool last = atomicAdd(scr.tile_count + tile, 1u) == n - 1;
-        if (last) __threadfence();
-        last_flag = last;
-      }
-      __syncthreads();
-      if (last_flag) {  // sum every part in block order (deterministic), this block's own too
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-        for (int blk = c_first; blk <= c_last; ++blk) {
-          float* sl = slot_of(blk) + warp * (NT * 4 * 32) + lane;
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              acc[nt][i] += __ldcg(sl + (nt * 4 + i) * 32);
-              __stcg(sl + (nt * 4 + i) * 32, 0.f);
-            }
-        }
-        epi(tile, acc);
-        if (threadIdx.x == 0) scr.tile_count[tile] = 0;
-      }
+      for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+      return;
     }
+    float* mine = slot_of(tile, b) + warp * (NT * 4 * 32) + lane;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) __stcg(mine + (nt * 4 + i) * 32, acc[nt][i]);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    publish_tile();   // an earlier split tile of this run (its add has had a whole tile's time)
+    __syncthreads();  // every part of this slot is written; last_tile is visible
+    finish_pending();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      t_old = atomicAdd(scr.tile_count + tile, 1u);
+      t_tile = tile;
+      t_n = c_last - c_first + 1;
+    }
   };
 
   for (int c_it = it0; c_it < it1; ++c_it) {
+    const int j = c_it - it0;
     // A new chunk: its X is staged; start staging the next one.
     cp_async_wait<0>();
     __syncthreads();  // the chunk is visible; every warp is done with the other buffer
-    const int j = c_it - it0;
     const XT* xbuf = xs + (j & 1) * (NT * 8 * xs_stride);
     if (c_it + 1 < it1) stage(c_it + 1, (j + 1) & 1);
-    if (x_zero) {  // this block has read the chunk of iteration c_it
-      if (threadIdx.x == 0)
-        last_flag = atomicAdd(scr.chunk_count + c_chunk, 1u) == unsigned(s.tiles) - 1;
-      __syncthreads();
-      if (last_flag) {  // every tile's staging of this chunk is done: re-zero it
-        const int c0 = c_chunk * s.kc, vecs = min(s.kc, s.k - c0) / 8;
-        for (int q = threadIdx.x; q < m * vecs; q += kThreads) {
-          const int tok = q / vecs;
-          *reinterpret_cast<uint4*>(const_cast<XT*>(x) + tok * x_ld + c0 + (q - tok * vecs) * 8) =
-              make_uint4(0, 0, 0, 0);
-        }
-        if (threadIdx.x == 0) scr.chunk_count[c_chunk] = 0;
-      }
-    }
     const XT* xr = xbuf + g * xs_stride + kLaneCols * t;
     for (int s0 = 0; s0 < spc; s0 += DEPTH) {  // spc is a multiple of DEPTH: ring slots line up
 #pragma unroll
@@ -316,6 +325,12 @@ __device__ __forceinline__ void mma_streamk_run(const MmaStreamKShape& s, RowPtr
       ++c_tile;
     }
   }
+  // The add still pending: the run's last split tile (a barrier first: a warp may still be
+  // reading the last_tile an earlier tile end published).
+  __syncthreads();
+  publish_tile();
+  __syncthreads();
+  finish_pending();
 }
 
 }  // namespace fmlp::cuda

@@ -33,7 +33,7 @@ bool linear_sm90_cublaslt_supports(const LinearDesc& d, std::string* why) {
 
 size_t linear_sm90_cublaslt_workspace(const LinearDesc& d) {
   lt_prepare(d.device_id);  // the size query precedes any graph capture: create the handle here
-  return kLtWorkspaceBytes;
+  return cuda_scratch_workspace_bytes(kLtWorkspaceBytes);  // cuBLASLt's workspace is scratch
 }
 
 fmlp_status_t linear_sm90_cublaslt_run(const fmlp_linear_args_t& a, const LinearDesc& d, void* ws,
@@ -55,14 +55,10 @@ fmlp_status_t linear_sm90_cublaslt_run(const fmlp_linear_args_t& a, const Linear
   g.bias = d.bias_dtype != FMLP_DTYPE_INVALID ? a.bias.data : nullptr;
   g.epilogue = g.bias ? LtEpilogue::kBias : LtEpilogue::kNone;
   const auto s = static_cast<cudaStream_t>(stream);
+  // Split-K algorithms leave partial sums behind: in the scratch part, where nothing needs
+  // clearing (fusedmlp.h, the workspace contract).
   size_t used = 0;
-  fmlp_status_t st = lt_matmul(g, ws, kLtWorkspaceBytes, &used, s);
-  // Split-K algorithms leave partial sums behind; the workspace contract wants it zero-filled.
-  if (st == FMLP_SUCCESS && used > 0 && cudaMemsetAsync(ws, 0, used, s) != cudaSuccess) {
-    const cudaError_t e = cudaGetLastError();
-    st = fail(FMLP_ERROR_CUDA, "clearing the cuBLASLt workspace failed: {}", cudaGetErrorString(e));
-  }
-  return st;
+  return lt_matmul(g, cuda_workspace_scratch(ws), kLtWorkspaceBytes, &used, s);
 }
 
 }  // namespace fmlp::detail

@@ -158,7 +158,7 @@ size_t linear_sm90_cublaslt_fp8_workspace(const LinearDesc& d) {
   cublasLtHandle_t h;
   cublaslt_handle(d.device_id,
                   &h);  // the size query precedes any graph capture: create the handle here
-  return kWorkspaceBytes;
+  return cuda_scratch_workspace_bytes(kWorkspaceBytes);  // cuBLASLt's workspace is scratch
 }
 
 fmlp_status_t linear_sm90_cublaslt_fp8_run(const fmlp_linear_args_t& a, const LinearDesc& d,
@@ -186,17 +186,11 @@ fmlp_status_t linear_sm90_cublaslt_fp8_run(const fmlp_linear_args_t& a, const Li
   const auto st = static_cast<cudaStream_t>(stream);
   if (s == CUBLAS_STATUS_SUCCESS)
     s = cublasLtMatmul(h, ds.op, &alpha, a.w.data, ds.a, a.x.data, ds.b, &beta, a.y.data, ds.d,
-                       a.y.data, ds.d, &c.algo, ws, c.workspace, st);
+                       a.y.data, ds.d, &c.algo, cuda_workspace_scratch(ws), c.workspace, st);
   if (s != CUBLAS_STATUS_SUCCESS)
     return fail(FMLP_ERROR_CUDA, "cublasLtMatmul (fp8 M={} N={} K={}) failed: {}", d.m, d.n, d.k,
                 cublasLtGetStatusString(s));
-  // Split-K algorithms leave partial sums behind; the workspace contract wants it zero-filled.
-  if (c.workspace > 0 && cudaMemsetAsync(ws, 0, c.workspace, st) != cudaSuccess) {
-    const cudaError_t e = cudaGetLastError();
-    return fail(FMLP_ERROR_CUDA, "clearing the cuBLASLt workspace failed: {}",
-                cudaGetErrorString(e));
-  }
-  return FMLP_SUCCESS;
+  return FMLP_SUCCESS;  // split-K partial sums stay in the scratch part: nothing to clear
 }
 
 }  // namespace fmlp::detail

@@ -12,11 +12,11 @@ namespace {
 // behind the entries it has not beaten yet (linear/planner.cpp); FMLP_LINEAR_KERNEL forces it.
 const LinearKernel kCudaKernels[] = {
     {"linear_sm90_cublaslt", FMLP_BACKEND_CUDA, linear_sm90_cublaslt_supports,
-     linear_sm90_cublaslt_workspace, linear_sm90_cublaslt_run},
+     linear_sm90_cublaslt_workspace, linear_sm90_cublaslt_run, /*scratch=*/true},
     {"linear_sm80_mma", FMLP_BACKEND_CUDA, linear_sm80_mma_supports, linear_sm80_mma_workspace,
      linear_sm80_mma_run},
     {"linear_sm90_cublaslt_fp8", FMLP_BACKEND_CUDA, linear_sm90_cublaslt_fp8_supports,
-     linear_sm90_cublaslt_fp8_workspace, linear_sm90_cublaslt_fp8_run},
+     linear_sm90_cublaslt_fp8_workspace, linear_sm90_cublaslt_fp8_run, /*scratch=*/true},
     {"linear_sm80_stream", FMLP_BACKEND_CUDA, linear_sm80_stream_supports,
      linear_sm80_stream_workspace, linear_sm80_stream_run},
     {"linear_sm90_wgmma_fp8", FMLP_BACKEND_CUDA, linear_sm90_wgmma_fp8_supports,

@@ -5,15 +5,15 @@
 // programmatic dependent launch.
 //   0. (only with a pre-norm, or x that cannot be staged as it is) mlp_decode_sm80_mma_streamk_
 //      stage: one block a token writes norm(x) in the weights' dtype to the workspace (as a
-//      16-bit model's norm output is rounded); the up stream stages that instead of x, and the
-//      last reader of each chunk re-zeroes it.
+//      16-bit model's norm output is rounded); the up stream stages that instead of x.
 //   1. mlp_decode_sm80_mma_streamk_up: W1's rows as mma groups of 16 (gated: 8 gate rows over
 //      the 8 up rows of the same hidden units, so one lane holds both sums of a unit and applies
 //      the activation and the gating in registers), b1 and the activation in the epilogue, h
 //      rounded to the weights' dtype (as PyTorch rounds it) into the workspace, [M][hidden]:
 //      M x hidden x 2 bytes that stay in L2.
-//   2. mlp_decode_sm80_mma_streamk_down: W2 against h, b2 and the residual in the epilogue; the
-//      last staging of each chunk of h re-zeroes it (the workspace contract of fusedmlp.h).
+//   2. mlp_decode_sm80_mma_streamk_down: W2 against h, b2 and the residual in the epilogue.
+// Only the tile counters need the zeroed part of the workspace (fusedmlp.h); norm(x), h and the
+// partial slots are scratch, written before they are read in every call, so nothing is cleared.
 // fp32 accumulation in a fixed order for a given grid (tiles split between blocks are summed in
 // block order), so reruns on one device are bitwise equal: the entry takes deterministic mode.
 #include <cuda_runtime.h>
@@ -50,7 +50,6 @@ constexpr int depth_for(bool lane16, bool two_pieces, int nt) {
 struct StreamKMlpParams : DecodeOperands, fmlp::cuda::Fp8Scales {
   const void* xsrc;  // what the up stream stages: x itself, or norm(x) in the workspace
   int64_t xsrc_ld;
-  bool xsrc_in_ws;
   void* xn;    // [m][k] workspace rows the stage kernel writes (or nullptr)
   void* hbuf;  // [m][h] workspace
   MmaStreamKShape up, down;
@@ -64,7 +63,8 @@ struct Plan {
   bool wide;   // 16-bit weights read as 64-column steps (two 16-byte pieces a row and lane)
   bool stage;  // the stage kernel runs (a pre-norm, or x rows not 16-byte aligned)
   MmaStreamKShape up, down;
-  size_t xn_bytes, h_bytes, tiles_bytes, chunks_bytes, slot_bytes, total;
+  // The tile counters in the workspace's zeroed part; xn, h and the partial slots in its scratch.
+  size_t tiles_bytes, xn_bytes, h_bytes, slot_bytes, total;
 };
 
 // Token tiles of 8 an instance is built for: M = 17..24 runs the 32-token instance, etc.
@@ -109,10 +109,9 @@ Plan plan_for(const MlpDesc& d) {
   pl.xn_bytes = align_up(size_t(d.m) * size_t(d.d_in) * es);
   pl.h_bytes = align_up(size_t(d.m) * size_t(d.hidden) * es);
   pl.tiles_bytes = align_up(size_t(std::max(pl.up.tiles, pl.down.tiles)) * 4);
-  pl.chunks_bytes = align_up(size_t(std::max(pl.up.chunks, pl.down.chunks)) * 4);
   pl.slot_bytes = align_up(size_t(std::max(pl.up.blocks, pl.down.blocks)) * 2 *
                            size_t(fmlp::cuda::mma_streamk_slot_floats(kWarps, pl.nt)) * 4);
-  pl.total = pl.xn_bytes + pl.h_bytes + pl.tiles_bytes + pl.chunks_bytes + pl.slot_bytes;
+  pl.total = cuda_scratch_workspace_bytes(pl.xn_bytes + pl.h_bytes + pl.slot_bytes);
   return pl;
 }
 
@@ -211,7 +210,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     }
   };
   fmlp::cuda::mma_streamk_run<kWarps, NT, kDepth<WT, WIDE, NT>, WT, XT, WIDE>(
-      p.up, row_ptr, static_cast<const XT*>(p.xsrc), p.xsrc_ld, p.m, p.xsrc_in_ws, p.scratch,
+      p.up, row_ptr, static_cast<const XT*>(p.xsrc), p.xsrc_ld, p.m, p.scratch,
       reinterpret_cast<XT*>(smem_v), epi, pdl_begin);
 }
 
@@ -247,7 +246,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     }
   };
   fmlp::cuda::mma_streamk_run<kWarps, NT, kDepth<WT, WIDE, NT>, WT, XT, WIDE>(
-      p.down, row_ptr, static_cast<const XT*>(p.hbuf), p.h, p.m, true, p.scratch,
+      p.down, row_ptr, static_cast<const XT*>(p.hbuf), p.h, p.m, p.scratch,
       reinterpret_cast<XT*>(smem_v), epi, pdl_begin);
 }
 
@@ -338,6 +337,11 @@ bool mlp_decode_sm80_mma_streamk_supports(const MlpDesc& d, std::string* why) {
   const Plan pl = plan_for(d);
   if (!fmlp::cuda::mma_streamk_fits(pl.up) || !fmlp::cuda::mma_streamk_fits(pl.down))
     return (*why = "the layer is too large for the stream-K partition's 32-bit arithmetic", false);
+  if (pl.tiles_bytes > kCudaWorkspaceZeroedBytes)
+    return (*why = fmt::format("{} bytes of tile counters exceed the workspace's zeroed part ({} "
+                               "bytes); mlp_decode_sm90_splitk takes layers this large",
+                               pl.tiles_bytes, kCudaWorkspaceZeroedBytes),
+            false);
   return true;
 }
 
@@ -353,19 +357,15 @@ fmlp_status_t mlp_decode_sm80_mma_streamk_run(const fmlp_mlp_args_t& a, const Ml
   static_cast<DecodeOperands&>(p) = fmlp::cuda::decode_operands(a, d);
   if (d.w_dtype == FMLP_DTYPE_F8_E4M3)
     static_cast<fmlp::cuda::Fp8Scales&>(p) = fmlp::cuda::fp8_scales(a, d);
-  char* base = static_cast<char*>(workspace);
-  p.xn = base;
-  p.hbuf = base + pl.xn_bytes;
-  p.scratch.tile_count = reinterpret_cast<unsigned*>(base + pl.xn_bytes + pl.h_bytes);
-  p.scratch.chunk_count =
-      reinterpret_cast<unsigned*>(base + pl.xn_bytes + pl.h_bytes + pl.tiles_bytes);
-  p.scratch.slots =
-      reinterpret_cast<float*>(base + pl.xn_bytes + pl.h_bytes + pl.tiles_bytes + pl.chunks_bytes);
+  p.scratch.tile_count = static_cast<unsigned*>(workspace);
+  char* scratch = static_cast<char*>(cuda_workspace_scratch(workspace));
+  p.xn = scratch;
+  p.hbuf = scratch + pl.xn_bytes;
+  p.scratch.slots = reinterpret_cast<float*>(scratch + pl.xn_bytes + pl.h_bytes);
   p.up = pl.up;
   p.down = pl.down;
   p.xsrc = pl.stage ? p.xn : a.x.data;
   p.xsrc_ld = pl.stage ? d.d_in : a.x.stride[0];
-  p.xsrc_in_ws = pl.stage;
   if (d.d_out == 0) return FMLP_SUCCESS;
   const DeviceScope scope(d.device_id);
   if (scope.status() != FMLP_SUCCESS) return scope.status();

@@ -16,9 +16,10 @@
 //      stores h rounded to the weights' dtype (as PyTorch rounds it) to the workspace.
 //   2. mlp_decode_sm80_stream_down: launched early, requests its first W2 batch (and into L2,
 //      where W2 outgrows the L2 its first groups, else where rows are long its next two batches)
-//      before it waits for the up grid; then every block stages h, counts itself in, and the
-//      last block to have staged it re-zeroes h and the counter (the workspace contract: left
-//      zero); W2 is streamed; the epilogue adds b2 and the residual and writes y.
+//      before it waits for the up grid; then every block stages h (scratch: nothing to clear;
+//      with fp8 weights each block counts itself in and the last re-zeroes the largest-|h| words,
+//      which live in the workspace's zeroed part); W2 is streamed; the epilogue adds b2 and the
+//      residual and writes y.
 // fp32 accumulation in a fixed order (deterministic). x and h in 16 bits halve the shared memory
 // of fp32 staging (four blocks per multiprocessor at M <= 2 instead of three) and the shared-
 // memory reads per weight chunk. Limits: h and the normalised x in shared memory (M x hidden and
@@ -83,8 +84,8 @@ template <int M>
 constexpr int kMinBlocks = M <= 2 ? 4 : 3;
 
 struct StreamMlpParams : DecodeOperands, fmlp::cuda::Fp8Scales {
-  void* hbuf;         // [m, hidden] in the staged dtype (AT), workspace, zero between calls
-  unsigned* counter;  // blocks of the down launch that staged h, zero between calls
+  void* hbuf;         // [m, hidden] in the staged dtype (AT), workspace scratch
+  unsigned* counter;  // fp8: blocks of the down launch that read hmax, zero between calls
   unsigned* hmax;     // fp8: [m] each token's largest finite |h| (float bits), zero between calls
   StreamShape up, down;
   // Groups per block requested into L2 before the previous grid is complete (W1: its first; W2:
@@ -207,22 +208,22 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
   uint4 cur[kStreamU];
   stream_begin<WT>(cur, p.down, sp, row_ptr, p.down_prefetch_groups,
                    p.down_prefetch_batches);  // then h is complete
-  const int vecs = M * p.h / 8;               // hidden is a multiple of 8
-  uint4* hbuf = static_cast<uint4*>(p.hbuf);
   if constexpr (kFp8) {  // h as scaled fp16 (engines/stream_gemv.cuh) with the up kernel's largest
                          // |h|
     stream_stage_f16_scaled<AT, M, true>(hs, static_cast<const AT*>(p.hbuf), p.h, M, p.h, p.hmax,
                                          red[0], inv);  // ends with a barrier
   } else {
-    fmlp::cuda::stream_copy_rows<1, true>(smem_v, hbuf, vecs, 1, vecs);  // [M][h]: one row
+    const int vecs = M * p.h / 8;  // hidden is a multiple of 8; [M][h] copied as one row
+    fmlp::cuda::stream_copy_rows<1, true>(smem_v, static_cast<const uint4*>(p.hbuf), vecs, 1, vecs);
     __syncthreads();  // this block's reads of h are done
   }
-  if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (is_last) {  // every block has staged h: re-zero it for the next call
-    for (int i = threadIdx.x; i < vecs; i += kStreamThreads) hbuf[i] = make_uint4(0, 0, 0, 0);
-    if (threadIdx.x == 0) *p.counter = 0;
-    if (kFp8 && threadIdx.x < M) p.hmax[threadIdx.x] = 0;
+  if constexpr (kFp8) {  // every block has read hmax: the last re-zeroes it for the next call
+    if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (is_last) {
+      if (threadIdx.x == 0) *p.counter = 0;
+      if (threadIdx.x < M) p.hmax[threadIdx.x] = 0;
+    }
   }
   const size_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
   auto finish = [&](int row, int t, const float(&v)[1]) {
@@ -319,9 +320,9 @@ bool mlp_decode_sm80_stream_supports(const MlpDesc& d, std::string* why) {
   return true;
 }
 
+// The counter and hmax (fp8) in the workspace's zeroed part, h in its scratch part.
 size_t mlp_decode_sm80_stream_workspace(const MlpDesc& d) {
-  return align_up(size_t(d.m) * size_t(d.hidden) * stage_elem_bytes(d)) +
-         align_up(4 * (1 + size_t(d.m)));
+  return cuda_scratch_workspace_bytes(size_t(d.m) * size_t(d.hidden) * stage_elem_bytes(d));
 }
 
 fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc& d,
@@ -330,11 +331,9 @@ fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc
   static_cast<DecodeOperands&>(p) = fmlp::cuda::decode_operands(a, d);
   const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
   if (fp8) static_cast<fmlp::cuda::Fp8Scales&>(p) = fmlp::cuda::fp8_scales(a, d);
-  char* base = static_cast<char*>(workspace);
-  p.hbuf = base;
-  p.counter = reinterpret_cast<unsigned*>(
-      base + align_up(size_t(d.m) * size_t(d.hidden) * stage_elem_bytes(d)));
+  p.counter = static_cast<unsigned*>(workspace);
   p.hmax = p.counter + 1;
+  p.hbuf = cuda_workspace_scratch(workspace);
   const int es = int(dtype_size(d.w_dtype));
   p.up = stream_shape(d.gated ? 2 * d.hidden : d.hidden, d.d_in, es, d.m, d.gated ? 2 : 1);
   p.down = stream_shape(d.d_out, d.hidden, es, d.m);

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "core/error.hpp"
+#include "core/op_table.hpp"
 #include "cuda/common/common.cuh"
 #include "cuda/common/launch_util.hpp"
 
@@ -81,21 +82,11 @@ __device__ __forceinline__ float bias_act(const ActParams& p, float g, float u, 
   return a * u;
 }
 
-// Runs run(base, &lt_used) on the 256-byte aligned workspace, then zeroes what a call may have
-// touched (its scratch up to lt bytes, plus the cuBLASLt workspace bytes the algorithms used)
-// even after a failure, so the next call finds the zero-filled workspace the contract of
-// fusedmlp.h promises.
-template <typename RUN>
-fmlp_status_t run_then_rezero(void* workspace, size_t lt, cudaStream_t s, RUN run) {
-  char* base = reinterpret_cast<char*>(align_up(reinterpret_cast<uintptr_t>(workspace)));
-  size_t lt_used = 0;
-  const fmlp_status_t st = run(base, &lt_used);
-  const cudaError_t err = cudaMemsetAsync(base, 0, lt + lt_used, s);
-  if (st != FMLP_SUCCESS) return st;
-  if (err != cudaSuccess)
-    return fail(FMLP_ERROR_CUDA, "clearing the prefill workspace failed: {}",
-                cudaGetErrorString(err));
-  return FMLP_SUCCESS;
+// The scratch part of the workspace (core/op_table.hpp), where both prefill paths lay out xn, G,
+// h, the bias copies and cuBLASLt's workspace: nothing there needs clearing after the call, so
+// the path is its GEMMs and its element-wise passes, no memset.
+inline char* scratch_base(void* workspace) {
+  return static_cast<char*>(cuda_workspace_scratch(workspace));
 }
 
 }  // namespace fmlp::detail::prefill

@@ -17,8 +17,8 @@
 // straight into the gate half of G. Off by default: it is not faster than cuBLASLt's GEMM plus
 // the bias/activation pass (llama3-8b at M = 256 and 4096; fusedmlp_cuda_bench_prefill with
 // FMLP_PREFILL_WGMMA=0/1, docs/prefill.md).
-// The scratch (and the cuBLASLt workspace bytes the chosen algorithms touched) is zeroed again at
-// the end, so the workspace contract of fusedmlp.h (left zero-filled) holds for every kernel.
+// Everything the passes write lies in the workspace's scratch part (core/op_table.hpp): the path
+// counts in nothing, so it leaves nothing to clear (fusedmlp.h, the workspace contract).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -106,7 +106,7 @@ GatedGemmArgs fused_gemm1_args(const MlpDesc& d, const fmlp_mlp_weights_t& w, co
   return ga;
 }
 
-// Byte offsets of the scratch regions from the 256-aligned workspace base.
+// Byte offsets of the regions from the base of the workspace's scratch part.
 struct Layout {
   int64_t chunk = 0;  // tokens per pass
   int64_t ldn = 0;    // row stride of the normalised x (elements); 0 without a norm
@@ -116,7 +116,7 @@ struct Layout {
 };
 
 // Weights of 64 MiB and more offer cuBLASLt no workspace: their GEMMs have tiles enough without
-// split-K, and every byte an algorithm uses must be zeroed again (the workspace contract).
+// split-K, and the algorithms that take none were faster there.
 // Measured on an H200 (fusedmlp_cuda_bench_prefill, one run, us with 32 MiB / none): llama3-70b
 // M = 4 342.9 / 340.6, 16 348.2 / 340.7, 64 377.8 / 363.4, 256 596.2 / 584.6, 4096 8672 / 8541;
 // llama3-8b M = 64 109.3 / 102.5, 4096 2240 / 2224; but gpt2-small M = 16 13.3 / 14.1, 64
@@ -226,7 +226,7 @@ __global__ void prefill_convert(T* d1, const void* s1, fmlp_dtype_t t1, int64_t 
 
 template <typename T>
 fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base, const Layout& l,
-                         cudaStream_t s, size_t* lt_used) {
+                         cudaStream_t s) {
   const fmlp_mlp_weights_t& w = a.weights;
   const size_t es = sizeof(T);
   const int64_t H = d.hidden;
@@ -260,9 +260,7 @@ fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base,
     // the fallback for anything the heuristic answers only with one.
     lg.ws_fallback = kLtWorkspaceBytes;
     size_t used = 0;
-    const fmlp_status_t st = lt_matmul(lg, lt_ws, l.lt_offer, &used, s);
-    *lt_used = std::max(*lt_used, used);
-    return st;
+    return lt_matmul(lg, lt_ws, l.lt_offer, &used, s);
   };
 
   for (int64_t r0 = 0; r0 < d.m; r0 += l.chunk) {
@@ -369,9 +367,7 @@ template <typename T>
 fmlp_status_t run_typed(const fmlp_mlp_args_t& a, const MlpDesc& d, void* workspace,
                         cudaStream_t s) {
   const Layout l = layout(d);
-  return prefill::run_then_rezero(workspace, l.lt, s, [&](char* base, size_t* lt_used) {
-    return run_passes<T>(a, d, base, l, s, lt_used);
-  });
+  return run_passes<T>(a, d, prefill::scratch_base(workspace), l, s);
 }
 
 }  // namespace
@@ -404,7 +400,7 @@ size_t mlp_prefill_sm90_cublaslt_workspace(const MlpDesc& d) {
   // here resurfaces with its message from the run.
   lt_prepare(d.device_id);
   if (d.w_dtype == FMLP_DTYPE_F8_E4M3) return mlp_prefill_fp8_workspace(d);
-  return layout(d).end + 256;  // + 256: the base is aligned up inside the caller's buffer
+  return cuda_scratch_workspace_bytes(layout(d).end);
 }
 
 fmlp_status_t mlp_prefill_sm90_cublaslt_run(const fmlp_mlp_args_t& a, const MlpDesc& d,

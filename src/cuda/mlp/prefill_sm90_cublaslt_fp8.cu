@@ -45,7 +45,7 @@ using namespace prefill;  // the helpers both prefill paths share
 
 constexpr int kThreads = 512;  // one block per token row
 
-// Byte offsets of the scratch regions from the 256-aligned workspace base.
+// Byte offsets of the regions from the base of the workspace's scratch part.
 struct Layout {
   int64_t chunk = 0;      // tokens per pass
   int64_t ldg = 0;        // row stride of G (elements): 2H gated, H dense
@@ -360,7 +360,7 @@ fmlp_status_t plan_pass(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base, 
 
 template <typename T>
 fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base, const Layout& l,
-                         cudaStream_t s, size_t* lt_used) {
+                         cudaStream_t s) {
   const fmlp_mlp_weights_t& w = a.weights;
   const size_t es = sizeof(T);
   const int64_t H = d.hidden;
@@ -402,9 +402,7 @@ fmlp_status_t run_passes(const fmlp_mlp_args_t& a, const MlpDesc& d, char* base,
       reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0 && (a.x.stride[0] * int64_t(es)) % 16 == 0;
   auto gemm = [&](const LtGemm& g) {
     size_t used = 0;
-    const fmlp_status_t st = lt_matmul(g, base + l.lt, kLtWorkspaceBytes, &used, s);
-    *lt_used = std::max(*lt_used, used);
-    return st;
+    return lt_matmul(g, base + l.lt, kLtWorkspaceBytes, &used, s);
   };
 
   for (int64_t r0 = 0; r0 < d.m; r0 += l.chunk) {
@@ -477,9 +475,7 @@ template <typename T>
 fmlp_status_t run_typed(const fmlp_mlp_args_t& a, const MlpDesc& d, void* workspace,
                         cudaStream_t s) {
   const Layout l = layout(d, sizeof(T));
-  return prefill::run_then_rezero(workspace, l.lt, s, [&](char* base, size_t* lt_used) {
-    return run_passes<T>(a, d, base, l, s, lt_used);
-  });
+  return run_passes<T>(a, d, prefill::scratch_base(workspace), l, s);
 }
 
 }  // namespace
@@ -551,7 +547,7 @@ bool mlp_prefill_fp8_supports(const MlpDesc& d, std::string* why) {
 }
 
 size_t mlp_prefill_fp8_workspace(const MlpDesc& d) {
-  return layout(d, dtype_size(d.act_dtype)).end + 256;  // + 256: the base is aligned up
+  return cuda_scratch_workspace_bytes(layout(d, dtype_size(d.act_dtype)).end);
 }
 
 fmlp_status_t mlp_prefill_fp8_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* workspace,

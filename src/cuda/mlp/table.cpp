@@ -62,7 +62,7 @@ bool prefill_supports(const MlpDesc& d, std::string* why) {
 // bench/decode_suite_bench), splitk for the rest (fp32 activations, odd sizes).
 const MlpKernel kCudaKernels[] = {
     {"mlp_decode_sm80_stream", FMLP_BACKEND_CUDA, stream_supports, mlp_decode_sm80_stream_workspace,
-     mlp_decode_sm80_stream_run},
+     mlp_decode_sm80_stream_run, /*scratch=*/true},
     {"mlp_decode_sm80_prefetch", FMLP_BACKEND_CUDA, prefetch_supports,
      mlp_decode_sm80_prefetch_workspace, mlp_decode_sm80_prefetch_run},
     {"mlp_decode_sm80_gemv", FMLP_BACKEND_CUDA, gemv_supports, mlp_decode_sm80_gemv_workspace,
@@ -72,12 +72,12 @@ const MlpKernel kCudaKernels[] = {
     {"mlp_decode_sm90_wgmma_fp8", FMLP_BACKEND_CUDA, wgmma_fp8_supports,
      mlp_decode_sm90_wgmma_fp8_workspace, mlp_decode_sm90_wgmma_fp8_run},
     {"mlp_decode_sm80_mma_streamk", FMLP_BACKEND_CUDA, mma_streamk_supports,
-     mlp_decode_sm80_mma_streamk_workspace, mlp_decode_sm80_mma_streamk_run},
+     mlp_decode_sm80_mma_streamk_workspace, mlp_decode_sm80_mma_streamk_run, /*scratch=*/true},
     {"mlp_decode_sm90_splitk", FMLP_BACKEND_CUDA, splitk_supports, mlp_decode_sm90_splitk_workspace,
      mlp_decode_sm90_splitk_run},
     // Any M; dispatch reaches it through the planner (mlp/planner.cpp) from the crossover M.
     {kPrefillKernelName, FMLP_BACKEND_CUDA, prefill_supports, mlp_prefill_sm90_cublaslt_workspace,
-     mlp_prefill_sm90_cublaslt_run},
+     mlp_prefill_sm90_cublaslt_run, /*scratch=*/true},
 };
 
 }  // namespace

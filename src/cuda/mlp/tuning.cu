@@ -67,13 +67,14 @@ float time_entry(const MlpKernel& k, const fmlp_mlp_args_t& a, const MlpDesc& d,
   cudaGraphExec_t ge = nullptr;
   // One eager call first: what an entry sets up on first use (a cuBLASLt handle, its heuristic's
   // answer) must not happen inside the capture.
-  if (k.run(a, d, ws, t.stream) != FMLP_SUCCESS || cudaStreamSynchronize(t.stream) != cudaSuccess) {
+  if (run_entry(k, a, d, ws, t.stream) != FMLP_SUCCESS ||
+      cudaStreamSynchronize(t.stream) != cudaSuccess) {
     cudaGetLastError();
     clear_last_error();
     return -1;
   }
   if (cudaStreamBeginCapture(t.stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) return -1;
-  const fmlp_status_t st = k.run(a, d, ws, t.stream);
+  const fmlp_status_t st = run_entry(k, a, d, ws, t.stream);
   const cudaError_t end = cudaStreamEndCapture(t.stream, &g);
   float result = -1;
   if (st == FMLP_SUCCESS && end == cudaSuccess && g != nullptr &&
