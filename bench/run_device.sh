@@ -86,7 +86,7 @@ fi
 if has suite; then  # the batched-decode suite (bench/decode_suite.txt): ours, PyTorch, the report
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
   nvcc --version | tail -1 >>"$OUT/gpu.txt"
-  timeout ${SUITE_TIMEOUT:-300} "$B/bench/fusedmlp_decode_suite_bench" --entries ${ENTRIES:-none} \
+  timeout ${SUITE_TIMEOUT:-300} "$B/bench/fusedmlp_decode_suite_bench" --entries ${ENTRIES:-all} \
     --json "$OUT/ours_suite.json" >"$OUT/suite.log" 2>&1; tail -3 "$OUT/suite.log"
   PYTHONUNBUFFERED=1 timeout ${PEERS_TIMEOUT:-420} python3 bench/peers_suite.py \
     --json "$OUT/peers_suite.json" >"$OUT/peers_suite.log" 2>&1; tail -3 "$OUT/peers_suite.log"

@@ -2,6 +2,7 @@
 // the unpacked call, for every backend that can run here.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -143,7 +144,8 @@ TEST_P(PackedTest, CppPackedMlpMatches) {
 }
 
 // fmlp_mlp_packed_explain names the entry that runs; on CUDA the planner's line says the pick was
-// timed at pack time (and which bucket), and deterministic mode keeps the fixed rules, saying so.
+// timed at pack time (and which bucket), and deterministic mode keeps the fixed rules, saying so;
+// FMLP_PLAN_TUNE=0 in the environment keeps them too, and the report says that instead.
 TEST_P(PackedTest, ExplainSaysWhatRunsAndWhy) {
   for (const bool deterministic : {false, true}) {
     MlpCase c;
@@ -156,7 +158,10 @@ TEST_P(PackedTest, ExplainSaysWhatRunsAndWhy) {
     const std::string report = packed.explain(p.args().y, p.args().x);
     EXPECT_NE(report.find("chosen "), std::string::npos) << report;
     EXPECT_NE(report.find("M=3 "), std::string::npos) << report;
-    if (device_) {
+    const char* tune = std::getenv("FMLP_PLAN_TUNE");
+    if (device_ && tune != nullptr && std::string(tune) == "0") {
+      EXPECT_NE(report.find("FMLP_PLAN_TUNE=0: fixed rules"), std::string::npos) << report;
+    } else if (device_) {
       if (deterministic)
         EXPECT_NE(report.find("deterministic mode: fixed rules"), std::string::npos) << report;
       else
