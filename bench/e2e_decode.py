@@ -289,7 +289,7 @@ def run_variant(torch, transformers, fusedmlp, name, variant, args, modes, ids, 
     model = build(transformers, torch, name, ids.device)
     with torch.no_grad():  # the diff below is the patch's only if the build repeats exactly
         rebuilt = torch.equal(model(input_ids=ids).logits.float(), ref_logits)
-    patch_report = fusedmlp.patch(model, strict=True, **_VARIANTS[variant])
+    patch_report = fusedmlp.patch(model, strict=True, mode=args.patch_mode, **_VARIANTS[variant])
     print(f"  [{variant}] {patch_report}", flush=True)
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()
@@ -332,6 +332,9 @@ def main():
     ap.add_argument("--modes", default="generate,graph,eager")
     ap.add_argument("--patch", default="mlp,mlp+linears",
                     help="patched variants to measure: " + ", ".join(_VARIANTS))
+    ap.add_argument("--patch-mode", default="always", choices=["always", "eager", "graph"],
+                    help="fusedmlp.patch(mode=...): 'eager' / 'graph' keep the original modules "
+                         "where the fused ones are not faster in that mode")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
@@ -356,7 +359,8 @@ def main():
 
     import torch
     report = {"python": platform.python_version(), "torch": torch.__version__,
-              "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "batch": 1,
+              "new_tokens": args.new_tokens, "patch_mode": args.patch_mode,
+              "prompt_len": args.prompt_len, "batch": 1,
               "dtype": args.dtype, "device": args.device, "threads": args.threads,
               "stat": args.stat, "repeats": args.repeats, "interleave": args.interleave,
               "models": {}}

@@ -1375,7 +1375,7 @@ def kernels(op: str = "mlp") -> List[Tuple[str, str]]:
 
 def patch(model: Any, strict: bool = False, probe: Any = None, backend: str = "auto",
           fuse_norm: bool = True, tp_group: Any = None, linears: bool = False,
-          moe: str = "fused") -> Any:
+          moe: str = "fused", mode: str = "always") -> Any:
     """Swaps the MLP blocks of a Hugging Face model for fused ones, in place.
 
     Needs torch; the same as fusedmlp.torch.patch, which documents every argument in full.
@@ -1400,6 +1400,10 @@ def patch(model: Any, strict: bool = False, probe: Any = None, backend: str = "a
         Also replace the attention projections and the LM head by FusedLinear modules.
     moe : {"fused", "experts"}
         How sparse-MoE blocks are replaced: FusedMoE, or the transformers experts registry.
+    mode : {"always", "eager", "graph"}
+        "always" replaces every block the probe accepts; "eager" / "graph" time each kind of
+        block against the original as the model will run (host time included, or CUDA-graph
+        replay) and keep the original where the fused module is not faster.
 
     Returns
     -------
@@ -1413,13 +1417,13 @@ def patch(model: Any, strict: bool = False, probe: Any = None, backend: str = "a
     fusedmlp.torch.PatchError
         With ``strict=True``, when a block cannot be replaced or a probe disagrees.
     ValueError
-        moe is not one of its names.
+        moe or mode is not one of its names.
     NotImplementedError
         tp_group together with linears=True.
     """
     from .torch import patch as _patch
     return _patch(model, strict=strict, probe=probe, backend=backend, fuse_norm=fuse_norm,
-                  tp_group=tp_group, linears=linears, moe=moe)
+                  tp_group=tp_group, linears=linears, moe=moe, mode=mode)
 
 
 def register_experts(name: str = "fusedmlp") -> bool:

@@ -41,7 +41,7 @@ from . import _structure as st
 from ._blocks import (FusedBlock, NotInPlace, Passthrough, Plan, _norm_choice, block_plan,
                       inline_plan)
 from ._experts import experts_probe, is_registry_experts, switch_experts
-from .torch import FusedLinear, FusedMLP, FusedMoE, _is_conv1d
+from .torch import FusedLinear, FusedMLP, FusedMoE, _is_conv1d, call_cost
 
 # Probe tolerance per dtype of the model's weights: an output element passes when
 # |fused - original| <= rtol * (|original| + rms(original row)). Both sides carry their own
@@ -91,6 +91,11 @@ class PatchReport:
         With linears=True, the names now FusedLinear.
     experts : list of str
         Experts modules now run by fusedmlp through the transformers experts registry.
+    costs : dict of str to (float, float)
+        With mode "eager" or "graph": name -> µs per call of the original and of the fused
+        module in that mode, for every block timed (replaced or kept).
+    mode : str
+        The patch's mode.
     """
     replaced: list = dataclasses.field(default_factory=list)
     skipped: list = dataclasses.field(default_factory=list)  # (name, reason)
@@ -98,6 +103,8 @@ class PatchReport:
     errors: dict = dataclasses.field(default_factory=dict)  # name -> error / tolerance
     linears: list = dataclasses.field(default_factory=list)  # names now FusedLinear
     experts: list = dataclasses.field(default_factory=list)  # experts modules now on fusedmlp
+    costs: dict = dataclasses.field(default_factory=dict)  # name -> (original us, fused us)
+    mode: str = "always"
 
     def __str__(self):
         heads = sum(n.rpartition(".")[2] == "lm_head" for n in self.linears)
@@ -113,7 +120,10 @@ class PatchReport:
             err = self.errors.get(name)
             probe = "" if err is None else f", probe error {err:.3g} of tolerance"
             verb = "switched" if name in self.experts else "replaced"
-            lines.append(f"  {verb} {name}: {self.details.get(name, '')}{probe}")
+            cost = self.costs.get(name)
+            cost = "" if cost is None else \
+                f", {self.mode} {cost[0]:.1f} -> {cost[1]:.1f} us a call"
+            lines.append(f"  {verb} {name}: {self.details.get(name, '')}{probe}{cost}")
         for name, reason in self.skipped:
             lines.append(f"  skipped  {name}: {reason}")
         return "\n".join(lines)
@@ -484,9 +494,60 @@ def _probe_error(plan, probe):
     return (float(err.nan_to_num(nan=float("inf")).max()) if err.numel() else 0.0), None
 
 
+_MODES = ("always", "eager", "graph")
+
+
+def _plan_cost(plan, mode):
+    """(original us, fused us) per call of one decode row in mode, or None for the fused side
+    when it cannot be measured there (a CUDA-graph capture that fails)."""
+    x = _probe_input(None, plan)[:1]
+    graph = mode == "graph" and x.device.type == "cuda"
+    out = []
+    for fn in (plan.original, plan.fused):
+        c = call_cost(fn, x, calls=20, rounds=3, graph=graph)
+        out.append(c.device_us if graph else c.wall_us)
+    return tuple(out)
+
+
+def _keep_faster(accepted, mode, report):
+    """The plans whose fused module costs less per call than the original in mode (eager: the
+    wall time of back-to-back calls, host time included; graph: CUDA-graph replay), timed once
+    per kind of block (same description, weight shape, dtype and device); the others are listed
+    in report.skipped with both costs."""
+    costs, chosen = {}, []
+    for plan in accepted:
+        key = (plan.detail, tuple(plan.weight.shape), plan.weight.dtype, plan.weight.device)
+        if key not in costs:
+            try:
+                costs[key] = _plan_cost(plan, mode)
+            except Exception as e:  # noqa: BLE001 - a block that cannot be timed stays as it is
+                costs[key] = e
+        c = costs[key]
+        if isinstance(c, Exception):
+            report.skipped.append((plan.name, f"kept the original: timing it in {mode} mode "
+                                   f"raised {type(c).__name__}: {str(c)[:200]}"))
+            continue
+        orig, fused = c
+        if fused is None:
+            report.skipped.append((plan.name, "kept the original: the fused module could not "
+                                   "be captured in a CUDA graph"))
+            continue
+        if orig is None:  # the original cannot be captured; the fused one can
+            chosen.append(plan)
+            continue
+        report.costs[plan.name] = (orig, fused)
+        if fused < orig:
+            chosen.append(plan)
+        else:
+            report.skipped.append((plan.name, f"kept the original: in {mode} mode it costs "
+                                   f"{orig:.1f} us a call, the fused module {fused:.1f} us "
+                                   "(mode='always' replaces it regardless)"))
+    return chosen
+
+
 def patch(model: nn.Module, strict: bool = False, probe: Optional[torch.Tensor] = None,
           backend: str = "auto", fuse_norm: bool = True, tp_group: Any = None,
-          linears: bool = False, moe: str = "fused") -> PatchReport:
+          linears: bool = False, moe: str = "fused", mode: str = "always") -> PatchReport:
     """Replaces the MLP blocks of a Hugging Face model in place by fused modules.
 
     Dense MLP blocks are found by structure (fusedmlp/_structure.py): modules computing
@@ -540,6 +601,14 @@ def patch(model: nn.Module, strict: bool = False, probe: Optional[torch.Tensor] 
     moe : {"fused", "experts"}
         "fused": FusedMoE where it maps the block (the router fused as well); "experts": the
         experts registry path also for Mixtral and Qwen3-MoE.
+    mode : {"always", "eager", "graph"}
+        "always": every block the probe accepts is replaced. "eager" / "graph": each kind of
+        block (one per description, weight shape, dtype and device) is also timed on one row
+        against the original, as the model will run it: "eager" by the wall time of
+        back-to-back calls, host time included (``model.generate()`` without CUDA graphs), and
+        "graph" by CUDA-graph replay (captured decode steps, where host time does not count);
+        where the fused module is not faster the original stays, listed in report.skipped with
+        both costs. The choice depends on the machine and its load; "always" is deterministic.
 
     Returns
     -------
@@ -551,12 +620,16 @@ def patch(model: nn.Module, strict: bool = False, probe: Optional[torch.Tensor] 
     PatchError
         strict=True and a probe failed.
     ValueError
-        moe is not one of its names.
+        moe or mode is not one of its names.
     NotImplementedError
         tp_group together with linears=True.
     RuntimeError
         tp_group given but torch.distributed not initialised.
     """
+    if mode not in _MODES:
+        raise ValueError(f"mode is {mode!r}; expected 'always' (replace every block the probe "
+                         "accepts), 'eager' or 'graph' (keep the original where the fused module "
+                         "is not faster in that mode)")
     if tp_group is not None:  # tensor parallel: every rank keeps its shard (fusedmlp.tp)
         if linears:
             raise NotImplementedError("fusedmlp.patch(tp_group=..., linears=True): the attention "
@@ -567,7 +640,7 @@ def patch(model: nn.Module, strict: bool = False, probe: Optional[torch.Tensor] 
     if moe not in ("fused", "experts"):
         raise ValueError(f"moe is {moe!r}; expected 'fused' (FusedMoE where it maps the block) "
                          "or 'experts' (the experts registry where the block's experts use it)")
-    report = PatchReport()
+    report = PatchReport(mode=mode)
     plans = []
     _collect(model, backend, plans, report, fuse_norm=fuse_norm, moe=moe)
     if linears:
@@ -594,6 +667,13 @@ def patch(model: nn.Module, strict: bool = False, probe: Optional[torch.Tensor] 
                          "is unchanged", report)
     for p, why in failures:
         report.skipped.append((p.name, f"probe refused it: {why}"))
+    if mode != "always":
+        chosen = _keep_faster(accepted, mode, report)
+        ids = {id(p) for p in chosen}
+        for p in accepted:
+            if id(p) not in ids and p.experts is not None:
+                p.experts.__dict__.pop("_fusedmlp_layout", None)
+        accepted = chosen
     for plan in accepted:
         for owner, attr, new in plan.swaps:
             setattr(owner, attr, new)

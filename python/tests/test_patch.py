@@ -301,3 +301,53 @@ def test_linears_strict_refuses_and_leaves_model_unchanged(monkeypatch):
 def test_linears_with_tp_group_raise():
     with pytest.raises(NotImplementedError, match="linears"):
         fusedmlp.patch(gpt2(), tp_group=object(), linears=True)
+
+
+def test_mode_keeps_the_original_where_the_fused_module_is_slower(monkeypatch):
+    """mode="eager": each kind of block is timed once (same description, weight shape, dtype,
+    device); where the fused module is not faster the original stays, listed with both costs,
+    and the model still matches the unpatched one."""
+    import fusedmlp._patch as fp
+    timed = []
+
+    def fake_cost(plan, mode):  # linears slower when fused, MLP blocks faster
+        timed.append((plan.detail, tuple(plan.weight.shape)))
+        assert mode == "eager"
+        return (1.0, 2.0) if plan.linear else (2.0, 1.0)
+
+    monkeypatch.setattr(fp, "_plan_cost", fake_cost)
+    torch.manual_seed(0)
+    model = gpt2().eval()
+    x = ids(128)
+    ref = output(model, x)
+    report = fusedmlp.patch(model, linears=True, mode="eager")
+    assert report.replaced == ["transformer.h.0.mlp", "transformer.h.1.mlp"], str(report)
+    assert report.linears == [], str(report)
+    assert len(timed) == len(set(timed)) == 4, timed  # mlp, c_attn, c_proj, lm_head kinds
+    kept = [n for n, why in report.skipped if why.startswith("kept the original: in eager mode")]
+    assert len(kept) == 5 and "transformer.h.1.attn.c_attn" in kept, str(report)  # 4 + lm_head
+    assert "eager 2.0 -> 1.0 us a call" in str(report)
+    assert all(type(m).__name__ != "FusedLinear" for m in model.modules())
+    close(output(model, x), ref)
+
+
+def test_mode_times_the_blocks_for_real():
+    """mode="eager" and "graph" with the real timing (cpu): every candidate either replaced or
+    kept with its costs, and the model unchanged in what it computes."""
+    for mode in ("eager", "graph"):
+        torch.manual_seed(0)
+        model = llama().eval()
+        x = ids(128)
+        ref = output(model, x)
+        report = fusedmlp.patch(model, linears=True, mode=mode)
+        names = report.replaced + report.linears
+        kept = [n for n, why in report.skipped if why.startswith("kept the original")]
+        assert len(names) + len(kept) == 2 + 2 * 4 + 1, str(report)  # mlps, q/k/v/o, lm_head
+        assert set(report.costs) == set(names) | set(kept), str(report)
+        assert all(o > 0 and f > 0 for o, f in report.costs.values())
+        close(output(model, x), ref)
+
+
+def test_mode_must_be_known():
+    with pytest.raises(ValueError, match="mode is 'fast'; expected 'always'"):
+        fusedmlp.patch(gpt2().eval(), mode="fast")
