@@ -442,6 +442,7 @@ def decode_suite(a):
             "kernel": r["kernel"], "check_ok": r["check_ok"], "best_entry": r["best_entry"],
             "best_entry_us": r["best_entry_us"],
             "pick_over_best": round(r["ours_us"] / r["best_entry_us"], 3),
+            "entries_us": r.get("entries_us", {}),  # every other entry timed (fixed rules' data)
         })
     sp = [r for r in rows if r["speedup"]]
     batched = [r["speedup"] for r in sp if 2 <= r["M"] <= 64]

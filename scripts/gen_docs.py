@@ -319,11 +319,12 @@ def sec_mlp_crossovers(page_dir):
         nums = [f for f in fields if re.fullmatch(r"\d+", f)]
         src = "".join(re.findall(r"\"([^\"]*)\"", m.group(2)))
         defaults.append(f"- `{m.group(1)}`: M = {nums[-1]} ({src})")
-    small = re.search(r"kSmallWeightBytes\s*=\s*int64_t\((\d+)\)\s*<<\s*(\d+)", text)
+    splits = [int(a) << int(b) >> 20 for a, b in
+              re.findall(r"k\w+WeightBytes\s*=\s*int64_t\((\d+)\)\s*<<\s*(\d+)", text)]
     out = md_table(["d_in", "hidden", "kind", "dtypes", "crossover M", "source"], rows)
     out += ("\n\nShapes not in the table" +
-            (f" (the split is at {int(small.group(1)) << int(small.group(2)) >> 20} MiB of "
-             "weights)" if small else "") + ":\n\n" + "\n".join(defaults))
+            (f" (split at {' and '.join(f'{v} MiB' for v in splits)} of weights)"
+             if splits else "") + ":\n\n" + "\n".join(defaults))
     return out + "\n\nRead from `kTable` and the defaults in `src/cuda/mlp/planner.cpp`."
 
 

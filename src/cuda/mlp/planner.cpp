@@ -39,19 +39,28 @@ constexpr CrossoverEntry kTable[] = {
     {4096, 14336, true, FMLP_DTYPE_F8_E4M3, 17, "measured on NVIDIA H200 (sm_90)"},
 };
 // 16-bit shapes never measured: by weight bytes, the one thing the measured crossovers track.
-constexpr int64_t kSmallWeightBytes = int64_t(16) << 20;
+// Every entry timed on the 22 real-model shapes of bench/decode_suite.txt (the rows at M = 2, 4, 8
+// of bench/results/decode_suite_h100.log): the weight streams ahead of the cuBLASLt path at M = 2
+// on every shape they take and at M = 4 below about 32 MiB of weights; above it the two are within
+// a few percent at M = 4, either way. The H200 rows of kTable agree.
+constexpr int64_t kSmallWeightBytes = int64_t(32) << 20;
+constexpr int64_t kHugeWeightBytes = int64_t(1) << 30;
 constexpr CrossoverEntry kDefaultSmall{
     0,     0,
     false, FMLP_DTYPE_INVALID,
-    2,     "default for weights under 16 MiB: decode kernels at M = 1, as measured for gpt2-small"};
+    5,     "default for weights under 32 MiB: the weight streams up to M = 4"};
 constexpr CrossoverEntry kDefaultLarge{
+    0,     0,
+    false, FMLP_DTYPE_INVALID,
+    3,     "default for weights of 32 MiB to 1 GiB: the weight streams up to M = 2"};
+constexpr CrossoverEntry kDefaultHuge{
     0,
     0,
     false,
     FMLP_DTYPE_INVALID,
     2,
-    "default for weights of 16 MiB or more: the weight streams at M = 1, as measured for "
-    "llama3-8b and llama3-70b"};
+    "default for weights of 1 GiB or more: the weight streams at M = 1, as measured for "
+    "llama3-70b"};
 
 // fp8 weights on the prefill path are W8A8 (activations quantised per token): below the crossover
 // the decode kernels keep the exact weight-only dequantisation, and they stream the same fp8
@@ -107,7 +116,9 @@ const CrossoverEntry& cuda_crossover(const MlpDesc& d) {
   const int64_t rows1 = d.gated ? 2 * d.hidden : d.hidden;
   const int64_t bytes =
       (rows1 * d.d_in + d.d_out * d.hidden) * int64_t(fmlp::dtype_size(d.w_dtype));
-  return bytes < kSmallWeightBytes ? kDefaultSmall : kDefaultLarge;
+  return bytes < kSmallWeightBytes  ? kDefaultSmall
+         : bytes < kHugeWeightBytes ? kDefaultLarge
+                                    : kDefaultHuge;
 }
 
 const MlpKernel* cuda_mlp_plan(const MlpDesc& d, std::string* reason) {
