@@ -2,7 +2,6 @@
 // the unpacked call, for every backend that can run here.
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -158,8 +157,7 @@ TEST_P(PackedTest, ExplainSaysWhatRunsAndWhy) {
     const std::string report = packed.explain(p.args().y, p.args().x);
     EXPECT_NE(report.find("chosen "), std::string::npos) << report;
     EXPECT_NE(report.find("M=3 "), std::string::npos) << report;
-    const char* tune = std::getenv("FMLP_PLAN_TUNE");
-    if (device_ && tune != nullptr && std::string(tune) == "0") {
+    if (device_ && knob_value("FMLP_PLAN_TUNE") == "0") {
       EXPECT_NE(report.find("FMLP_PLAN_TUNE=0: fixed rules"), std::string::npos) << report;
     } else if (device_) {
       if (deterministic)
