@@ -1,6 +1,6 @@
 """`fusedmlp quantize` end to end, with the standard library only (ctest runs it before numpy is
 installed): writes float32/float16 .npy and raw bf16 inputs, runs the CLI, decodes the e4m3 codes
-and checks the policy of fmlp_quantize_fp8 (fusedmlp.h): scale = amax / 448 per row or tensor,
+and checks the policy of fmlp_quantize_fp8 (fusedmlp.h): scale = amax / 448 per row, tensor or block,
 |q * scale - w| <= 2^-4 |w| (normal codes) or 2^-10 scale (subnormal), NaN kept, +-Inf saturated
 to +-448, the reported amax; and that bad input fails with a message and exit status 1.
 usage: cli_quantize_check.py PATH_TO_FUSEDMLP"""
@@ -94,6 +94,35 @@ def check(cli, tmp, name, descr, rows, cols, w, per_tensor=False, raw=None):
     assert f"amax {amax_all:g}" in out or f"amax {struct.unpack('<f', struct.pack('<f', amax_all))[0]:g}" in out, out
 
 
+def check_block(cli, tmp, rows, cols, w):
+    """--block: scales [ceil(rows / 128), ceil(cols / 128)], each tile by its own amax."""
+    src = os.path.join(tmp, "block.npy")
+    write_npy(src, "<f4", rows, cols, w)
+    w = list(struct.unpack(f"<{len(w)}f", struct.pack(f"<{len(w)}f", *w)))
+    q_path, s_path = os.path.join(tmp, "block_q.npy"), os.path.join(tmp, "block_s.npy")
+    run(cli, src, "--out", q_path, "--scales", s_path, "--block")
+    _, q = read_npy(q_path)
+    sh, scales = read_npy(s_path)
+    rb, cb = -(-rows // 128), -(-cols // 128)
+    assert f"'shape': ({rb}, {cb})" in sh, sh
+    for i in range(rb):
+        for j in range(cb):
+            cells = [(r, c) for r in range(i * 128, min(rows, i * 128 + 128))
+                     for c in range(j * 128, min(cols, j * 128 + 128))]
+            finite = [abs(w[r * cols + c]) for r, c in cells if math.isfinite(w[r * cols + c])]
+            amax = max(finite) if finite else 0.0
+            s = scales[i * cb + j]
+            want = struct.unpack("<f", struct.pack("<f", amax / 448))[0] if amax / 448 > 0 else 1.0
+            assert abs(s - want) <= 1e-7 * want, ("block", i, j, s, want)
+            for r, c in cells:
+                v, got = w[r * cols + c], e4m3(q[r * cols + c])
+                bound = 2.0**-4 * abs(v) if abs(v) >= 2.0**-6 * s else 2.0**-10 * s
+                assert abs(got * s - v) <= bound * (1 + 1e-6), ("block", r, c, v, got * s)
+    p = run(cli, src, "--out", q_path, "--scales", s_path, "--block", "--per-tensor", ok=False)
+    if p.returncode != 1 or "--block and --per-tensor" not in p.stderr:
+        sys.exit(f"FAIL: --block --per-tensor: rc {p.returncode}, stderr {p.stderr!r}")
+
+
 def main():
     cli = sys.argv[1]
     rnd = random.Random(7)
@@ -107,6 +136,10 @@ def main():
         w16 = [max(-60000.0, min(60000.0, v)) if math.isfinite(v) else v for v in w]
         check(cli, tmp, "f16_rows", "<f2", rows, cols, w16)
         check(cli, tmp, "bf16_raw", None, rows, cols, w, raw=True)
+        wb = [rnd.gauss(0, 0.05) for _ in range(200 * 150)]
+        for c in range(128, 150):  # a far larger tile (0, 1)
+            wb[5 * 150 + c] *= 100
+        check_block(cli, tmp, 200, 150, wb)
         # Bad input: a missing file, a 1-D array, an int array, a raw size that does not match.
         write_npy(os.path.join(tmp, "one_d.npy"), "<f4", 1, 4, [1.0] * 4)
         data = open(os.path.join(tmp, "one_d.npy"), "rb").read().replace(b"(1, 4)", b"(4,)  ")
@@ -120,8 +153,8 @@ def main():
                     os.path.join(tmp, "y.npy"), ok=False)
             if p.returncode != 1 or text not in p.stderr:
                 sys.exit(f"FAIL: {args}: rc {p.returncode}, stderr {p.stderr!r} lacks {text!r}")
-    print("fusedmlp quantize: f32/f16/bf16 inputs, per row and per tensor, NaN/Inf/zero rows, "
-          "bad input: ok")
+    print("fusedmlp quantize: f32/f16/bf16 inputs, per row, per tensor and per 128 x 128 block, "
+          "NaN/Inf/zero rows, bad input: ok")
 
 
 if __name__ == "__main__":

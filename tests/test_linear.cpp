@@ -27,12 +27,16 @@ struct LinCase {
   fmlp_dtype_t yt = kAbsent;  // y's dtype when x is f8_e4m3 (W8A8); else x's
   bool x_per_row = false;     // W8A8: x_scale [M] rather than [1]
   int64_t w_pad = 0;          // W rows padded by this many elements (poison) past K: ldw > K
+  bool block = false;         // fp8 W: w_scale [ceil(N / 128), ceil(K / 128)] (block scales)
   fmlp_dtype_t out() const { return yt != kAbsent ? yt : xt; }
   std::string name() const {
     return "M=" + std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k) +
            " x=" + fmlp_dtype_name(xt) + " w=" + fmlp_dtype_name(wt) +
            (bt != kAbsent ? std::string(" bias=") + fmlp_dtype_name(bt) : "") +
-           (wt == FMLP_DTYPE_F8_E4M3 ? (per_row ? " scale/row" : " scale/tensor") : "") +
+           (wt == FMLP_DTYPE_F8_E4M3 ? (block     ? " scale/128x128"
+                                        : per_row ? " scale/row"
+                                                  : " scale/tensor")
+                                     : "") +
            (xt == FMLP_DTYPE_F8_E4M3 ? std::string(x_per_row ? " x_scale/row" : " x_scale/tensor") +
                                            " y=" + fmlp_dtype_name(out())
                                      : "") +
@@ -62,7 +66,10 @@ std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t
   std::normal_distribution<double> nd;
   std::uniform_real_distribution<double> ud(-1.0, 1.0);
   HostMatrix x = matrix(c.xt, c.m, c.k), w = matrix(c.wt, c.n, c.k);
-  HostMatrix s = matrix(FMLP_DTYPE_F32, 1, c.per_row ? c.n : 1), b;
+  const int64_t nb = (c.n + 127) / 128, kb = (c.k + 127) / 128;
+  HostMatrix s = c.block ? matrix(FMLP_DTYPE_F32, nb, kb)
+                         : matrix(FMLP_DTYPE_F32, 1, c.per_row ? c.n : 1),
+             b;
   const bool x8 = c.xt == FMLP_DTYPE_F8_E4M3;
   HostMatrix xsc = matrix(FMLP_DTYPE_F32, 1, c.x_per_row ? c.m : 1);
   for (int64_t i = 0; i < xsc.cols; ++i) xsc.set(0, i, (0.5 + ud(rng) * 0.25) / 100.0);
@@ -75,8 +82,11 @@ std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t
   const double wscale = c.wt == FMLP_DTYPE_F8_E4M3 ? 100.0 : 1.0 / std::sqrt(double(c.k));
   for (int64_t i = 0; i < c.n; ++i)
     for (int64_t j = 0; j < c.k; ++j) w.set(i, j, ud(rng) * wscale);
-  for (int64_t i = 0; i < s.cols; ++i)
-    s.set(0, i, (0.5 + ud(rng) * 0.25) / (100.0 * std::sqrt(double(c.k))));
+  for (int64_t r = 0; r < s.rows; ++r)  // block scales 1/4 .. 4 apart: a misread block shows
+    for (int64_t i = 0; i < s.cols; ++i)
+      s.set(r, i,
+            (0.5 + ud(rng) * 0.25) / (100.0 * std::sqrt(double(c.k))) *
+                (c.block ? std::exp2(double((r * 3 + i) % 5) - 2.0) : 1.0));
   if (c.nonfinite && !x8) {  // e4m3fn has no Inf
     x.set(0, c.k / 2, NAN);
     if (c.m >= 2) x.set(1, 0, INFINITY);
@@ -103,7 +113,7 @@ std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t
   }
   PlacedTensor py(c.out(), c.m, c.n, device, c.misaligned || c.x_misaligned,
                   c.strided || c.x_strided);
-  PlacedTensor ps(FMLP_DTYPE_F32, 1, s.cols, device, false, false);
+  PlacedTensor ps(FMLP_DTYPE_F32, s.rows, s.cols, device, false, c.block && c.strided);
   PlacedTensor pxs(FMLP_DTYPE_F32, 1, xsc.cols, device, false, false);
   PlacedTensor pb;
   HostMatrix stale = x;  // what a captured graph finds before its inputs are refreshed
@@ -115,7 +125,7 @@ std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t
   pxs.upload(xsc);
   fmlp_linear_args_t a{py.view(), px.view(), pw.view(), fmlp_tensor_none(), fmlp_tensor_none()};
   a.w.shape[1] = c.k;  // of the c.k + c.w_pad columns placed
-  if (c.wt == FMLP_DTYPE_F8_E4M3) a.w_scale = ps.vector_view();
+  if (c.wt == FMLP_DTYPE_F8_E4M3) a.w_scale = c.block ? ps.view() : ps.vector_view();
   if (x8) a.x_scale = pxs.vector_view();
   if (c.bt != kAbsent) {
     pb = PlacedTensor(c.bt, 1, c.n, device, c.misaligned, false);
@@ -152,11 +162,12 @@ std::string run_case(const LinCase& c, const char* kernel, bool device, uint64_t
   std::string first;
   for (int64_t i = 0; i < c.m; ++i)
     for (int64_t o = 0; o < c.n; ++o) {
-      const double sc = (c.wt == FMLP_DTYPE_F8_E4M3 ? s.get(0, c.per_row ? o : 0) : 1.0) *
-                        (x8 ? xsc.get(0, c.x_per_row ? i : 0) : 1.0);
+      const double sc =
+          (c.wt == FMLP_DTYPE_F8_E4M3 && !c.block ? s.get(0, c.per_row ? o : 0) : 1.0) *
+          (x8 ? xsc.get(0, c.x_per_row ? i : 0) : 1.0);
       double ref = 0.0, l2 = 0.0;
       for (int64_t j = 0; j < c.k; ++j) {
-        const double t = w.get(o, j) * sc * x.get(i, j);
+        const double t = w.get(o, j) * sc * (c.block ? s.get(o / 128, j / 128) : 1.0) * x.get(i, j);
         ref += t;
         l2 += t * t;
       }
@@ -201,6 +212,31 @@ std::vector<LinCase> cases() {
       c.bt = rng() % 2 ? FMLP_DTYPE_F32 : kAbsent;
       c.per_row = rng() % 2;
       c.strided = rng() % 2;
+      v.push_back(c);
+    }
+  // Block-scaled fp8 weights (128 x 128 blocks): shapes inside one block, on and across block
+  // edges, partial edge blocks, M in and past the cpu kernel's widen-once and 48-row blocks;
+  // strided W and scales, misaligned views, NaN/Inf x and NaN codes in W.
+  int bv = 0;
+  for (int64_t m : {1, 3, 7, 16, 100})
+    for (auto [n, k] : {std::pair<int64_t, int64_t>{1, 1},
+                        {7, 127},
+                        {129, 300},
+                        {300, 129},
+                        {257, 1000},
+                        {769, 4095}}) {
+      if (m * n * k > 20'000'000) continue;
+      LinCase c;
+      c.m = m, c.n = n, c.k = k;
+      c.xt = acts[bv % 3];
+      c.wt = FMLP_DTYPE_F8_E4M3;
+      c.block = true;
+      c.bt = bv % 2 ? acts[(bv / 2) % 3] : kAbsent;
+      c.strided = bv % 4 == 1;
+      c.misaligned = bv % 5 == 2;
+      c.nonfinite = bv % 6 == 3;
+      c.w_nan = bv % 7 == 4;
+      ++bv;
       v.push_back(c);
     }
   for (fmlp_dtype_t x : acts)
@@ -660,6 +696,29 @@ TEST(LinearBadInput, Scales) {
   expect_rejected(f, FMLP_ERROR_BAD_SCALE, {"w_scale[1] is -1"});
   BadLinear g;
   g.a.w_scale = fmlp_tensor_1d(g.s, FMLP_DTYPE_F32, 1);
+  expect_rejected(g, FMLP_ERROR_BAD_SCALE, {"w_scale is given but w is f32"});
+}
+
+// Block scales: [ceil(N / 128), ceil(K / 128)] fp32, finite and > 0, fp8 weights, x not fp8.
+TEST(LinearBadInput, BlockScales) {
+  BadLinear f;  // N = 3, K = 4: one block
+  f.a.w = fmlp_tensor_2d(f.w8, FMLP_DTYPE_F8_E4M3, 3, 4, 4);
+  f.a.w_scale = fmlp_tensor_2d(f.s, FMLP_DTYPE_F32, 1, 1, 1);
+  ASSERT_EQ(fmlp_linear(&f.a, FMLP_BACKEND_REF, nullptr, 0, nullptr), FMLP_SUCCESS)
+      << fmlp_last_error();
+  EXPECT_FLOAT_EQ(f.y[0], 1.f * 0.5f * 4 + 1.f);
+  std::memset(f.y, 0x5A, sizeof f.y);
+  f.a.w_scale = fmlp_tensor_2d(f.s, FMLP_DTYPE_F32, 1, 2, 2);
+  expect_rejected(f, FMLP_ERROR_SHAPE_MISMATCH, {"w_scale", "ceil(N / 128), ceil(K / 128)"});
+  f.s[0] = INFINITY;
+  f.a.w_scale = fmlp_tensor_2d(f.s, FMLP_DTYPE_F32, 1, 1, 1);
+  expect_rejected(f, FMLP_ERROR_BAD_SCALE, {"w_scale[0, 0] is inf", "finite and > 0"});
+  f.s[0] = 1.f;
+  f.a.x = fmlp_tensor_2d(f.x8, FMLP_DTYPE_F8_E4M3, 2, 4, 4);  // W8A8 with block scales
+  f.a.x_scale = fmlp_tensor_1d(f.xs, FMLP_DTYPE_F32, 1);
+  expect_rejected(f, FMLP_ERROR_NOT_SUPPORTED, {"block scales", "weight-only"});
+  BadLinear g;  // 2-D scale on a 16-bit weight
+  g.a.w_scale = fmlp_tensor_2d(g.s, FMLP_DTYPE_F32, 1, 1, 1);
   expect_rejected(g, FMLP_ERROR_BAD_SCALE, {"w_scale is given but w is f32"});
 }
 TEST(LinearBadInput, DeviceAndAliasing) {

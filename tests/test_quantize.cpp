@@ -103,6 +103,50 @@ TEST(QuantizeFp8, PerRowPolicyAndRoundTrip) {
   check_policy(w, 33, 65, true);
 }
 
+// Block scales [ceil(rows / 128), ceil(cols / 128)], strided: each 128 x 128 tile (edge tiles
+// smaller) by its own amax, an outlier confined to its tile, an all-zero tile scaled 1.
+TEST(QuantizeFp8, BlockPolicyAndRoundTrip) {
+  const int64_t rows = 300, cols = 257, rb = 3, cb = 3, ld = 5;  // scale row stride 5 > 3
+  std::vector<float> w = normal_matrix(rows, cols, 0.05f, 3);
+  w[size_t(130 * cols + 140)] = 900.f;  // tile (1, 1)
+  for (int64_t r = 256; r < rows; ++r)
+    for (int64_t c = 0; c < 128; ++c) w[size_t(r * cols + c)] = 0.f;  // tile (2, 0)
+  w[size_t(5 * cols + 7)] = NAN;
+  std::vector<uint8_t> q(w.size(), 0xAA);
+  std::vector<float> scale(size_t(rb * ld), -1.f);
+  float amax = -1.f;
+  const fmlp_tensor_t wt = fmlp::view(w.data(), rows, cols);
+  const fmlp_tensor_t qt = fmlp_tensor_2d(q.data(), FMLP_DTYPE_F8_E4M3, rows, cols, cols);
+  const fmlp_tensor_t st = fmlp_tensor_2d(scale.data(), FMLP_DTYPE_F32, rb, cb, ld);
+  ASSERT_EQ(fmlp_quantize_fp8(&wt, &qt, &st, &amax), FMLP_SUCCESS) << fmlp_last_error();
+  EXPECT_EQ(amax, 900.f);
+  for (int64_t i = 0; i < rb; ++i) {
+    for (int64_t j = cb; j < ld; ++j) EXPECT_EQ(scale[size_t(i * ld + j)], -1.f) << "padding";
+    for (int64_t j = 0; j < cb; ++j) {
+      float m = 0.f;
+      for (int64_t r = i * 128; r < std::min(rows, i * 128 + 128); ++r)
+        for (int64_t c = j * 128; c < std::min(cols, j * 128 + 128); ++c)
+          if (std::isfinite(w[size_t(r * cols + c)]))
+            m = std::max(m, std::fabs(w[size_t(r * cols + c)]));
+      const float s = scale[size_t(i * ld + j)];
+      ASSERT_EQ(s, m / 448.0f > 0.f ? m / 448.0f : 1.0f) << "block " << i << ", " << j;
+      for (int64_t r = i * 128; r < std::min(rows, i * 128 + 128); ++r)
+        for (int64_t c = j * 128; c < std::min(cols, j * 128 + 128); ++c) {
+          const float v = w[size_t(r * cols + c)];
+          const uint8_t code = q[size_t(r * cols + c)];
+          const std::string where = "w[" + std::to_string(r) + "][" + std::to_string(c) + "]";
+          if (std::isnan(v)) {
+            EXPECT_EQ(code & 0x7f, 0x7f) << where;
+            continue;
+          }
+          expect_nearest_code(v / s, code, where);
+        }
+    }
+  }
+  EXPECT_EQ(scale[size_t(2 * ld + 0)], 1.0f);              // the all-zero tile
+  EXPECT_GT(scale[size_t(1 * ld + 1)], 100.f * scale[0]);  // the outlier stays in its tile
+}
+
 TEST(QuantizeFp8, PerRowIsTighterThanPerTensorWithAnOutlierRow) {
   std::vector<float> w = normal_matrix(16, 256, 0.05f, 3);
   // e4m3 is floating point: a shared scale only costs precision once it pushes the other rows
@@ -252,11 +296,12 @@ const std::vector<QBad>& q_bad_cases() {
       {"ScaleWrongLength",
        [](QFixture& f) { f.st.shape[0] = 2; },
        FMLP_ERROR_SHAPE_MISMATCH,
-       {"scale has 2 entries", "1 (one scale for the tensor) or 3 (one per row of w)"}},
+       {"scale has 2 entries", "1 (one scale for the tensor), 3 (one per row of w)",
+        "one per 128 x 128 block"}},
       {"Scale2D",
        [](QFixture& f) { f.st = fmlp_tensor_2d(f.scale, FMLP_DTYPE_F32, 3, 1, 1); },
        FMLP_ERROR_SHAPE_MISMATCH,
-       {"scale must be 1-D", "2-D"}},
+       {"scale", "ceil(rows / 128), ceil(cols / 128)"}},
       {"QShapeDiffers",
        [](QFixture& f) { f.qt = fmlp_tensor_2d(f.q, FMLP_DTYPE_F8_E4M3, 4, 3, 3); },
        FMLP_ERROR_SHAPE_MISMATCH,

@@ -3,7 +3,8 @@
 // any framework can produce and read them: the input float32 or float16 [rows, cols] (bfloat16,
 // which .npy cannot name, as a raw little-endian file with --raw-shape), the output codes as
 // uint8 [rows, cols] (numpy: np.load(path).view(ml_dtypes.float8_e4m3fn); torch:
-// .view(torch.float8_e4m3fn)) and the scales as float32 [rows] or [1].
+// .view(torch.float8_e4m3fn)) and the scales as float32 [rows], [1] or, with --block,
+// [ceil(rows / 128), ceil(cols / 128)] (one per 128 x 128 block, the fine-grained fp8 layout).
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -17,7 +18,7 @@ namespace {
 struct QuantizeOptions {
   std::string in, out, scales, raw_dtype;
   std::vector<int64_t> raw_shape;
-  bool per_tensor = false;
+  bool per_tensor = false, block = false;
 };
 
 struct Matrix {
@@ -127,19 +128,32 @@ int run_quantize(const QuantizeOptions& o) {
   Matrix m = o.raw_dtype.empty() ? read_npy(o.in) : read_raw(o);
   const fmlp_tensor_t w = fmlp_tensor_2d(m.bytes.data(), m.dtype, m.rows, m.cols, m.cols);
   std::vector<uint8_t> q(size_t(m.rows) * size_t(m.cols));
-  std::vector<float> scale(o.per_tensor ? 1 : size_t(m.rows));
+  if (o.block && o.per_tensor)
+    throw CliError("--block and --per-tensor pick different scale layouts; pass one of them");
+  const int64_t rb = (m.rows + 127) / 128, cb = (m.cols + 127) / 128;
+  std::vector<float> scale(o.block ? size_t(rb * cb) : o.per_tensor ? 1 : size_t(m.rows));
   const fmlp_tensor_t qt = fmlp_tensor_2d(q.data(), FMLP_DTYPE_F8_E4M3, m.rows, m.cols, m.cols);
-  const fmlp_tensor_t st = fmlp_tensor_1d(scale.data(), FMLP_DTYPE_F32, int64_t(scale.size()));
+  const fmlp_tensor_t st =
+      o.block ? fmlp_tensor_2d(scale.data(), FMLP_DTYPE_F32, rb, cb, cb)
+              : fmlp_tensor_1d(scale.data(), FMLP_DTYPE_F32, int64_t(scale.size()));
   float amax = 0.f;
   check_status(fmlp_quantize_fp8(&w, &qt, &st, &amax), "quantize " + o.in);
   write_npy(o.out, "|u1", {m.rows, m.cols}, q.data(), q.size());
-  write_npy(o.scales, "<f4", {int64_t(scale.size())}, scale.data(), scale.size() * 4);
+  if (o.block)
+    write_npy(o.scales, "<f4", {rb, cb}, scale.data(), scale.size() * 4);
+  else
+    write_npy(o.scales, "<f4", {int64_t(scale.size())}, scale.data(), scale.size() * 4);
+  const std::string layout = o.block        ? fmt::format("[{}, {}]", rb, cb)
+                             : o.per_tensor ? std::string("[1]")
+                                            : fmt::format("[{}]", m.rows);
   fmt::print(
       "{}: {} x {} {} -> {} (e4m3 codes, uint8) + {} (float32 scales, {})\n"
       "amax {:g}; scale = amax / 448 per {}, q = e4m3(w / scale) rounded to nearest even, "
       "NaN kept, +-Inf and overflow saturated to +-448; w ~= q * scale\n",
-      o.in, m.rows, m.cols, fmlp_dtype_name(m.dtype), o.out, o.scales,
-      o.per_tensor ? "[1]" : fmt::format("[{}]", m.rows), amax, o.per_tensor ? "tensor" : "row");
+      o.in, m.rows, m.cols, fmlp_dtype_name(m.dtype), o.out, o.scales, layout, amax,
+      o.block        ? "128 x 128 block"
+      : o.per_tensor ? "tensor"
+                     : "row");
   return 0;
 }
 
@@ -150,13 +164,17 @@ void add_quantize_command(CLI::App& app, Command* selected) {
   CLI::App* cmd = app.add_subcommand(
       "quantize",
       "Weights [rows, cols] (.npy float32/float16, or raw bf16) -> float8 e4m3 codes + fp32 "
-      "scales (per row, or per tensor), for fp8 mlp/linear weights");
+      "scales (per row, per tensor, or per 128 x 128 block), for fp8 mlp/linear weights");
   cmd->add_option("input", o->in, "Input .npy (float32 or float16, C order, 2-D)")->required();
   cmd->add_option("--out", o->out, "Output .npy of the e4m3 codes (uint8 [rows, cols])")
       ->required();
-  cmd->add_option("--scales", o->scales, "Output .npy of the fp32 scales ([rows] or [1])")
+  cmd->add_option("--scales", o->scales,
+                  "Output .npy of the fp32 scales ([rows], [1] or the block grid)")
       ->required();
   cmd->add_flag("--per-tensor", o->per_tensor, "One scale for the whole matrix (default: per row)");
+  cmd->add_flag("--block", o->block,
+                "One scale per 128 x 128 block, [ceil(rows / 128), ceil(cols / 128)] (linear on "
+                "the ref and cpu backends takes it)");
   cmd->add_option("--raw-dtype", o->raw_dtype,
                   "Read the input as raw little-endian bytes of this dtype (f32, f16, bf16)")
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));

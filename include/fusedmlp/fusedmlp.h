@@ -272,8 +272,10 @@ FMLP_API fmlp_status_t fmlp_mlp_with_kernel(const fmlp_mlp_args_t* args, const c
  * Quantises w [rows, cols] (f32, f16 or bf16, host memory, inner stride 1) to float8_e4m3fn q
  * [rows, cols] with fp32 dequantisation scales, so that w ~= q * scale. The shape of `scale`
  * picks the granularity: [1] one scale for the whole tensor, [rows] one per row (output unit;
- * the better choice: a row's outliers then cost only that row precision). Policy, per tensor or
- * per row:
+ * the better choice: a row's outliers then cost only that row precision), or 2-D
+ * [ceil(rows / 128), ceil(cols / 128)] one per 128 x 128 block (the fine-grained fp8 checkpoint
+ * format: DeepSeek-V3 / Qwen3 FP8 `weight_scale_inv`; edge blocks are smaller; fmlp_linear takes
+ * it). Policy, per tensor, row or block:
  *   amax  = max |w| over the finite values (NaN and +-Inf are left out);
  *   scale = amax / 448 in fp32 (448 = largest e4m3 value), or 1 when that is not > 0 (all-zero
  *           or all-non-finite rows, or an amax so small that amax / 448 underflows), so every
@@ -293,7 +295,9 @@ FMLP_API fmlp_status_t fmlp_quantize_fp8(const fmlp_tensor_t* w, const fmlp_tens
 /* ==== linear and softmax ops ====
  * linear:  y[M, N] = x[M, K] W^T + bias        W: [N, K] (nn.Linear layout, rows may be strided)
  *   x, y: one dtype (f32, f16, bf16); W: f32, f16, bf16 or f8_e4m3 (then w_scale is required:
- *   fp32 [1] per tensor or [N] per row, W is dequantised as w * scale); bias: optional [N],
+ *   fp32 [1] per tensor, [N] per row, or 2-D [ceil(N / 128), ceil(K / 128)] per 128 x 128 block,
+ *   W[n, k] dequantised as w * scale[n / 128, k / 128]; block scales: x not fp8, ref and cpu
+ *   backends); bias: optional [N],
  *   f32, f16 or bf16. M, N or K may be 0 (K = 0 gives y = bias, or 0). y may not overlap any
  *   input. Accumulation is fp32 or wider.
  *   W8A8 (torch._scaled_mm semantics): x f8_e4m3 with x_scale fp32 [1] per tensor or [M] per

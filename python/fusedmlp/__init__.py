@@ -909,7 +909,9 @@ def linear(x: Array, w: Array, bias: Optional[Array] = None, *, w_scale: Optiona
     bias : array, optional
         [N], float32, float16 or bfloat16.
     w_scale : array, optional
-        float32 [1] (per tensor) or [N] (per row) scales of a float8 w.
+        float32 [1] (per tensor), [N] (per row) or [ceil(N / 128), ceil(K / 128)] (per 128 x 128
+        block, as fine-grained fp8 checkpoints store ``weight_scale_inv``; x not float8; ref and
+        cpu backends) scales of a float8 w.
     x_scale : array, optional
         float32 [1] or [M] (per token) scales of a float8 x (W8A8).
     out : array, optional
@@ -1142,11 +1144,12 @@ def softmax_workspace_size(x: Array, *, temperature: float = 1.0, log: bool = Fa
     return _softmax("workspace_size", x, temperature, log, out, backend, None, None)
 
 
-def quantize_fp8(w: Array, *, per_row: bool = True) -> Tuple[Array, Array, float]:
+def quantize_fp8(w: Array, *, per_row: bool = True,
+                 block: bool = False) -> Tuple[Array, Array, float]:
     """Quantises host weights to float8_e4m3fn with float32 dequantisation scales,
     w ~= q * scale.
 
-    Per tensor, or per row::
+    Per tensor, per row, or per 128 x 128 block::
 
         amax  = max |w| over the finite values (NaN and +-Inf left out)
         scale = amax / 448 in float32 (448: the largest e4m3 value), or 1 when that is not > 0
@@ -1165,6 +1168,9 @@ def quantize_fp8(w: Array, *, per_row: bool = True) -> Tuple[Array, Array, float
     per_row : bool
         One scale per row (output unit: a row's outliers then cost only that row precision),
         else one for the whole tensor.
+    block : bool
+        One scale per 128 x 128 block (edge blocks smaller): the layout of fine-grained fp8
+        checkpoints (DeepSeek-V3, Qwen3 FP8), which linear() takes; overrides per_row.
 
     Returns
     -------
@@ -1172,7 +1178,7 @@ def quantize_fp8(w: Array, *, per_row: bool = True) -> Tuple[Array, Array, float
         [rows, cols]: for numpy an ml_dtypes float8_e4m3fn array (its uint8 bits without
         ml_dtypes), for torch a torch.float8_e4m3fn tensor.
     scale : array
-        float32 [rows] (per_row) or [1].
+        float32 [rows] (per_row), [1], or [ceil(rows / 128), ceil(cols / 128)] (block).
     amax : float
         The largest amax used.
 
@@ -1187,17 +1193,18 @@ def quantize_fp8(w: Array, *, per_row: bool = True) -> Tuple[Array, Array, float
     if shape is None or len(shape) != 2:
         raise ValueError(f"w has shape {shape}; expected [rows, cols]")
     rows = shape[0] if per_row else 1
+    sshape = ((-(-shape[0] // 128), -(-shape[1] // 128)) if block else (rows,))
     if _library(w) == "torch":
         import torch
         q = torch.empty(tuple(shape), dtype=torch.float8_e4m3fn)
-        scale = torch.empty(rows, dtype=torch.float32)
+        scale = torch.empty(sshape, dtype=torch.float32)
     else:
         try:
             import ml_dtypes
             q = np.empty(shape, dtype=ml_dtypes.float8_e4m3fn)
         except ImportError:
             q = np.empty(shape, dtype=np.uint8)
-        scale = np.empty(rows, dtype=np.float32)
+        scale = np.empty(sshape, dtype=np.float32)
     tensors, bits = _prepare(dict(w=w, q=q, scale=scale))
     if isinstance(q, np.ndarray) and q.dtype == np.uint8:
         bits["q"] = "f8"

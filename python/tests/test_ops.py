@@ -87,6 +87,25 @@ def test_linear_fp8_weights():
     assert_close(y, linear_ref(x, _dequant(q, scale)), rtol=2.0**-7)
 
 
+@pytest.mark.parametrize("backend", ["ref", "cpu"])
+def test_linear_fp8_block_scales(backend):
+    """quantize_fp8(block=True) -> [ceil(N / 128), ceil(K / 128)] scales, and linear on them
+    (edge blocks of 1 and 44 rows, 16 columns) against the fp64 product of the dequantised W."""
+    rng = np.random.default_rng(6)
+    x = rand(rng, (5, 272), np.float32)
+    w = rand(rng, (300, 272), np.float32, 0.125)
+    w[:128, 128:256] *= 40  # one block far larger than the rest
+    q, scale, _ = fusedmlp.quantize_fp8(w, block=True)
+    assert scale.shape == (3, 3) and np.all(scale > 0)
+    assert scale[0, 1] > 10 * scale[0, 0]
+    full = np.repeat(np.repeat(scale, 128, axis=0), 128, axis=1)[:300, :272]
+    wq = _bits_as_float(q) * full
+    y = fusedmlp.linear(x, q, w_scale=scale, backend=backend)
+    assert_close(y, linear_ref(x, wq), rtol=2.0**-12)
+    with pytest.raises(ValueError, match="ceil"):
+        fusedmlp.linear(x, q, w_scale=scale[:, :2], backend=backend)
+
+
 @pytest.mark.parametrize("per_row", [True, False], ids=["x_scale_per_row", "x_scale_per_tensor"])
 def test_linear_w8a8(per_row):
     """fp8 x and fp8 w with fp32 scales (torch._scaled_mm semantics) against the exact

@@ -105,6 +105,23 @@ def test_linear_fp8_weights():
     assert_close(ft.linear(x, q, w_scale=scale), x.double() @ deq.T, rtol=2.0**-7)
 
 
+
+def test_linear_fp8_block_scales_op_and_compile():
+    """torch.ops.fusedmlp.linear with [ceil(N / 128), ceil(K / 128)] scales (quantize_fp8(block=
+    True)) against the fp64 product of the dequantised weight, eager and under
+    torch.compile(fullgraph=True)."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(300, 272, generator=g) * 0.1
+    x = torch.randn(3, 272, generator=g)
+    q, s, _ = fusedmlp.quantize_fp8(w, block=True)
+    assert s.shape == (3, 3)
+    full = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :272]
+    ref = x.double() @ (q.double() * full.double()).T
+    y = torch.ops.fusedmlp.linear(x, q, None, s)
+    assert_close(y, ref, rtol=2.0**-12)
+    compiled = torch.compile(lambda v: torch.ops.fusedmlp.linear(v, q, None, s), fullgraph=True)
+    assert torch.equal(compiled(x), y)
+
 def test_opcheck_all_ops():
     kw = weights(gated=True)
     x = torch.randn(3, 32)

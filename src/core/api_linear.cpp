@@ -62,6 +62,38 @@ fmlp_status_t check_scale(const char* name, const fmlp_tensor_t& s, const char* 
   return FMLP_SUCCESS;
 }
 
+// Block scales of the fp8 weight w [n, k]: fp32 [ceil(n / 128), ceil(k / 128)], weight-only.
+fmlp_status_t check_block_scale(const fmlp_tensor_t& s, bool w_fp8, bool x_fp8,
+                                fmlp_dtype_t w_dtype, int64_t n, int64_t k) {
+  if (!w_fp8)
+    return fail(FMLP_ERROR_BAD_SCALE,
+                "w_scale is given but w is {}; scales apply to fp8 e4m3 weights only, drop the "
+                "scale",
+                fmlp_dtype_name(w_dtype));
+  if (x_fp8)
+    return fail(FMLP_ERROR_NOT_SUPPORTED,
+                "w_scale is 2-D (block scales) and x is f8_e4m3; block-scaled weights take x in "
+                "f32, f16 or bf16 (weight-only), or pass per-row w_scale [N] for W8A8");
+  const int64_t rb = (n + kFp8Block - 1) / kFp8Block, cb = (k + kFp8Block - 1) / kFp8Block;
+  const int64_t want[2] = {rb, cb};
+  FMLP_TRY(check_tensor("w_scale", s, 2, want,
+                        "[ceil(N / 128), ceil(K / 128)] (one per 128 x 128 block of w)"));
+  if (s.dtype != FMLP_DTYPE_F32)
+    return fail(FMLP_ERROR_BAD_SCALE, "w_scale has dtype {}; scales must be f32",
+                fmlp_dtype_name(s.dtype));
+  if (s.device_type == FMLP_DEVICE_CPU) {
+    const float* p = static_cast<const float*>(s.data);
+    for (int64_t i = 0; i < rb; ++i)
+      for (int64_t j = 0; j < cb; ++j) {
+        const float v = p[i * s.stride[0] + j * s.stride[1]];
+        if (!(std::isfinite(v) && v > 0.f))
+          return fail(FMLP_ERROR_BAD_SCALE, "w_scale[{}, {}] is {}; scales must be finite and > 0",
+                      i, j, v);
+      }
+  }
+  return FMLP_SUCCESS;
+}
+
 fmlp_status_t validate_linear(const fmlp_linear_args_t* a, LinearDesc* d) {
   if (a == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "args is NULL");
   if (tensor_absent(a->w)) return fail(FMLP_ERROR_NULL_POINTER, "w is absent; pass [N, K]");
@@ -98,8 +130,14 @@ fmlp_status_t validate_linear(const fmlp_linear_args_t* a, LinearDesc* d) {
   d->act_dtype = a->x.dtype;
   d->out_dtype = a->y.dtype;
   d->w_dtype = a->w.dtype;
-  FMLP_TRY(check_scale("w_scale", a->w_scale, "w", a->w.dtype == FMLP_DTYPE_F8_E4M3, a->w.dtype,
-                       d->n, "row", &d->w_scale));
+  if (!tensor_absent(a->w_scale) && a->w_scale.ndim == 2) {
+    FMLP_TRY(check_block_scale(a->w_scale, a->w.dtype == FMLP_DTYPE_F8_E4M3, x_fp8, a->w.dtype,
+                               d->n, d->k));
+    d->w_scale = ScaleKind::kBlock;
+  } else {
+    FMLP_TRY(check_scale("w_scale", a->w_scale, "w", a->w.dtype == FMLP_DTYPE_F8_E4M3, a->w.dtype,
+                         d->n, "row", &d->w_scale));
+  }
   FMLP_TRY(
       check_scale("x_scale", a->x_scale, "x", x_fp8, a->x.dtype, d->m, "row (token)", &d->x_scale));
   d->bias_dtype = FMLP_DTYPE_INVALID;
@@ -162,6 +200,7 @@ std::string describe(const LinearDesc& d) {
   auto scale = [](ScaleKind k) {
     return k == ScaleKind::kPerTensor ? " scale/tensor"
            : k == ScaleKind::kPerRow  ? " scale/row"
+           : k == ScaleKind::kBlock   ? " scale/128x128"
                                       : "";
   };
   return fmt::format("M={} N={} K={} x={}{}{} w={}{}{}{} on {}", d.m, d.n, d.k,

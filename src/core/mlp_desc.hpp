@@ -12,7 +12,10 @@
 
 namespace fmlp::detail {
 
-enum class ScaleKind : uint8_t { kNone, kPerTensor, kPerRow };
+// kBlock: one scale per kFp8Block x kFp8Block tile of the weight, [ceil(rows / 128),
+// ceil(cols / 128)] (the fine-grained fp8 checkpoints' weight_scale_inv); linear only.
+enum class ScaleKind : uint8_t { kNone, kPerTensor, kPerRow, kBlock };
+constexpr int64_t kFp8Block = 128;
 
 // Layout of the weights a kernel receives. kLinear is nn.Linear as the caller gave it; packed
 // layouts are private contracts between a backend's pack() and its kernels.

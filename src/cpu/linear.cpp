@@ -2,7 +2,8 @@
 // contiguous slice of W rows and dots every 4-row group with a block of x rows (converted once to
 // fp32 in the workspace) while the group is in L1. fp8 e4m3 weights are widened in registers as
 // code / 256 (cpu/fp8.hpp), or, from cpu::kWidenOnceRows x rows, once per row group into a thread's
-// scratch; the per-row or per-tensor scale (times 256) is applied to the finished dot product.
+// scratch; the per-row or per-tensor scale (times 256) is applied to the finished dot product,
+// block scales (128 x 128) to each 128-column chunk's.
 // fp8 activations (W8A8) are widened exactly when x is converted to fp32; their scale joins the
 // weight scale at the end. Each output's summation order depends only on K, never on the thread
 // count.
@@ -18,6 +19,8 @@ namespace fmlp::detail {
 namespace {
 
 using cpu::padded;
+
+constexpr int64_t kRowBlock = 48;  // x rows that stay in L2 while a thread's W slice streams by
 
 struct View {
   const fmlp_linear_args_t* a;
@@ -36,7 +39,8 @@ void row_group(const View& v, int64_t j, int64_t nj, int64_t r0, int64_t r1) {
   for (int64_t q = 0; q < 4; ++q) w[q] = row_ptr(v.a->w, j + std::min(q, nj - 1), dtype_size(WT));
   float scale[4] = {1.f, 1.f, 1.f, 1.f}, bias[4] = {0.f, 0.f, 0.f, 0.f};
   for (int64_t q = 0; q < nj; ++q) {
-    if (d.w_scale != ScaleKind::kNone)  // fp8 dot products are of code / 256 (cpu/fp8.hpp)
+    if (d.w_scale == ScaleKind::kPerTensor || d.w_scale == ScaleKind::kPerRow)
+      // fp8 dot products are of code / 256 (cpu/fp8.hpp)
       scale[q] = static_cast<const float*>(
                      v.a->w_scale.data)[d.w_scale == ScaleKind::kPerRow ? j + q : 0] *
                  (WT == FMLP_DTYPE_F8_E4M3 ? cpu::kF8Unscale : 1.f);
@@ -53,8 +57,32 @@ void row_group(const View& v, int64_t j, int64_t nj, int64_t r0, int64_t r1) {
     for (int64_t q = 0; q < nj; ++q)
       store_from_double(y, d.out_dtype, j + q, double(t[q] * (xs * scale[q]) + bias[q]));
   };
-  cpu::dot_row_group<WT>(w, v.xs + r0 * v.ldx, v.ldx, r1 - r0, d.k, v.wide,
-                         [&](int64_t r, __m128 s) { emit(r0 + r, s); });
+  if (d.w_scale != ScaleKind::kBlock) {
+    cpu::dot_row_group<WT>(w, v.xs + r0 * v.ldx, v.ldx, r1 - r0, d.k, v.wide,
+                           [&](int64_t r, __m128 s) { emit(r0 + r, s); });
+    return;
+  }
+  // Block scales: each 128-column chunk's dot products (code / 256) times that chunk's scale of
+  // the row's block, summed in chunk order.
+  const fmlp_tensor_t& st = v.a->w_scale;
+  __m128 acc[kRowBlock];
+  for (int64_t r = 0; r < r1 - r0; ++r) acc[r] = _mm_setzero_ps();
+  for (int64_t c0 = 0; c0 < d.k; c0 += kFp8Block) {
+    const char* wc[4];
+    alignas(16) float sc[4];
+    for (int64_t q = 0; q < 4; ++q) {
+      const int64_t row = j + std::min(q, nj - 1);
+      wc[q] = w[q] + c0;  // fp8: one byte a column
+      sc[q] = static_cast<const float*>(
+                  st.data)[(row / kFp8Block) * st.stride[0] + (c0 / kFp8Block) * st.stride[1]] *
+              cpu::kF8Unscale;
+    }
+    const __m128 s4 = _mm_load_ps(sc);
+    cpu::dot_row_group<WT>(wc, v.xs + r0 * v.ldx + c0, v.ldx, r1 - r0,
+                           std::min(kFp8Block, d.k - c0), v.wide,
+                           [&](int64_t r, __m128 s) { acc[r] = _mm_fmadd_ps(s, s4, acc[r]); });
+  }
+  for (int64_t r = 0; r < r1 - r0; ++r) emit(r0 + r, acc[r]);
 }
 
 template <fmlp_dtype_t WT>
@@ -64,7 +92,6 @@ void run_impl(const View& v) {
                               std::max(1, omp_get_max_threads()));  // what the scratch is sized for
   float* xs = const_cast<float*>(v.xs);
   const size_t es = dtype_size(d.act_dtype);
-  constexpr int64_t kRowBlock = 48;  // x rows that stay in L2 while a thread's W slice streams by
   auto body = [&](int t, int nt) {
     int64_t b, e;
     cpu::split(d.m, 1, nt, t, &b, &e);

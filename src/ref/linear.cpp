@@ -29,9 +29,17 @@ fmlp_status_t ref_run(const fmlp_linear_args_t& a, const LinearDesc& d, void*, v
     for (int64_t o = 0; o < d.n; ++o) {
       const char* w = row_ptr(a.w, o, ws);
       double acc = 0.0;
-      for (int64_t c = 0; c < d.k; ++c)
-        acc += load_as_double(w, d.w_dtype, c) * load_as_double(x, d.act_dtype, c);
-      if (d.w_scale != ScaleKind::kNone)
+      if (d.w_scale == ScaleKind::kBlock) {  // w[o, c] * scale[o / 128, c / 128], weight-only
+        const float* s = scale + (o / kFp8Block) * a.w_scale.stride[0];
+        for (int64_t c = 0; c < d.k; ++c)
+          acc += load_as_double(w, d.w_dtype, c) *
+                 double(s[(c / kFp8Block) * a.w_scale.stride[1]]) *
+                 load_as_double(x, d.act_dtype, c);
+      } else {
+        for (int64_t c = 0; c < d.k; ++c)
+          acc += load_as_double(w, d.w_dtype, c) * load_as_double(x, d.act_dtype, c);
+      }
+      if (d.w_scale == ScaleKind::kPerTensor || d.w_scale == ScaleKind::kPerRow)
         acc *= xsc * scale[d.w_scale == ScaleKind::kPerRow ? o : 0];
       if (d.bias_dtype != FMLP_DTYPE_INVALID) acc += load_as_double(a.bias.data, d.bias_dtype, o);
       store_from_double(y, d.out_dtype, o, acc);

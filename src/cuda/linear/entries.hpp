@@ -25,6 +25,16 @@ struct LinearOperands {
   int m, n, k;
 };
 
+// No cuda linear entry reads block scales yet: every supports() starts here.
+inline bool refuses_block_scales(const LinearDesc& d, std::string* why) {
+  if (d.w_scale != ScaleKind::kBlock) return false;
+  *why =
+      "block-scaled fp8 weights (w_scale [ceil(N / 128), ceil(K / 128)]) run on the ref and cpu "
+      "backends only; pass per-row scales [N] (fmlp_quantize_fp8 with a [N] scale) for the "
+      "cuda kernels";
+  return true;
+}
+
 inline LinearOperands linear_operands(const fmlp_linear_args_t& a, const LinearDesc& d) {
   LinearOperands o{};
   o.x = a.x.data;

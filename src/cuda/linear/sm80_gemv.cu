@@ -288,6 +288,7 @@ Config config_for(const LinearDesc& d) {
 }  // namespace
 
 bool linear_sm80_gemv_supports(const LinearDesc& d, std::string* why) {
+  if (refuses_block_scales(d, why)) return false;
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (d.m >= (int64_t(1) << 31) || d.n >= (int64_t(1) << 31) || d.k >= (int64_t(1) << 31))
     return (*why = "M, N and K must be below 2^31", false);

@@ -413,6 +413,7 @@ fmlp_status_t dispatch(const MmaParams& p, const Config& c, cudaStream_t s) {
 }  // namespace
 
 bool linear_sm80_mma_supports(const LinearDesc& d, std::string* why) {
+  if (refuses_block_scales(d, why)) return false;
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
   if (fp8) {

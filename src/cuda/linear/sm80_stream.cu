@@ -268,6 +268,7 @@ fmlp_status_t dispatch_x(const StreamParams& p, int mt, size_t smem, int device,
 }  // namespace
 
 bool linear_sm80_stream_supports(const LinearDesc& d, std::string* why) {
+  if (refuses_block_scales(d, why)) return false;
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (d.w8a8())
     return (*why = "fp8 activations (W8A8): linear_sm80_mma and cuBLASLt take them", false);

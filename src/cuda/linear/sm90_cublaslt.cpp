@@ -13,6 +13,7 @@
 namespace fmlp::detail {
 
 bool linear_sm90_cublaslt_supports(const LinearDesc& d, std::string* why) {
+  if (refuses_block_scales(d, why)) return false;
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (d.k == 0 || d.n == 0)
     return (*why = "K = 0 or N = 0: nothing to multiply; the GEMV entry writes y = bias", false);

@@ -126,6 +126,7 @@ fmlp_status_t choose(const LinearDesc& d, int64_t lda, int64_t ldb, int64_t ldd,
 }  // namespace
 
 bool linear_sm90_cublaslt_fp8_supports(const LinearDesc& d, std::string* why) {
+  if (refuses_block_scales(d, why)) return false;
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (!d.w8a8())
     return (*why = "fp8 x and fp8 W (W8A8) only; weight-only fp8 goes to the streaming entries",

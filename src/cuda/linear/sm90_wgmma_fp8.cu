@@ -63,6 +63,7 @@ WgShape shape_of(const LinearDesc& d) {
 }  // namespace
 
 bool linear_sm90_wgmma_fp8_supports(const LinearDesc& d, std::string* why) {
+  if (refuses_block_scales(d, why)) return false;
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (d.w_dtype != FMLP_DTYPE_F8_E4M3 || d.w8a8())
     return (*why = fmt::format("{} takes fp8 e4m3 weights with bf16/f16 x (weight-only); got {} "
