@@ -589,7 +589,7 @@ def patch(model: nn.Module, strict: bool = False, probe: Optional[torch.Tensor] 
         An NCCL process group: each rank replaces the MLP blocks by its tensor-parallel shard
         (fusedmlp.tp.TPFusedMLP, all-reduce over the group) and the sparse-MoE blocks by its
         range of the experts (fusedmlp.tp.TPFusedMoE); every rank must call it on an identical
-        model. strict, probe and fuse_norm do not apply, nor the experts registry path.
+        model. strict, probe, fuse_norm and mode do not apply, nor the experts registry path.
     linears : bool
         Also replace, after the MLP work, the projections of attention modules (GPT-2 c_attn /
         c_proj as transposed copies of the Conv1D weights; nn.Linear q/k/v/o_proj,
