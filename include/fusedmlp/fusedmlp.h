@@ -234,9 +234,11 @@ FMLP_API fmlp_status_t fmlp_mlp_explain(const fmlp_mlp_args_t* args, fmlp_backen
 
 /* One-time weight pack: validates the weights once, copies them into the layout the backend's
  * kernels read fastest, and owns that copy. weights.* shapes define d_in, hidden and d_out.
- * CUDA: also times the kernels that take the packed MLP at decode token counts (M = 1 .. 64,
- * activations of the weights' 16-bit dtype, bf16 for fp8 weights), once per shape and device in
- * the process, and the planner then runs the fastest for each M; this synchronises the device
+ * CUDA: rows are padded with zeros to 16-byte multiples, so sizes that are not multiples of 8
+ * (16 for fp8) run on the same weight streams as aligned ones; pack also times the kernels that
+ * take the packed MLP at decode token counts (M = 1 .. 64, activations of the weights' 16-bit
+ * dtype, bf16 for fp8 weights), once per shape and device in the process, and the planner then
+ * runs the fastest for each M; this synchronises the device
  * (packing is not capturable). Deterministic mode, or FMLP_PLAN_TUNE=0, keeps the fixed rules;
  * fmlp_mlp_packed_explain says which decided. */
 FMLP_API fmlp_status_t fmlp_mlp_pack(fmlp_mlp_packed_t** packed, const fmlp_mlp_weights_t* weights,
@@ -254,6 +256,18 @@ FMLP_API fmlp_status_t fmlp_mlp_packed_explain(const fmlp_mlp_packed_t* packed,
 FMLP_API fmlp_status_t fmlp_mlp_packed_run(const fmlp_mlp_packed_t* packed, const fmlp_tensor_t* y,
                                            const fmlp_tensor_t* x, const fmlp_tensor_t* residual,
                                            void* workspace, size_t workspace_bytes, void* stream);
+/* fmlp_mlp_packed_run through one named op-table entry instead of the planner's pick (tests and
+ * benchmarks: every entry on the packed layout); NOT_SUPPORTED with its reason when the entry
+ * cannot take the call. The workspace size is the entry's own. */
+FMLP_API fmlp_status_t fmlp_mlp_packed_kernel_workspace_size(const fmlp_mlp_packed_t* packed,
+                                                             const char* kernel,
+                                                             const fmlp_tensor_t* y,
+                                                             const fmlp_tensor_t* x, size_t* bytes);
+FMLP_API fmlp_status_t fmlp_mlp_packed_with_kernel(const fmlp_mlp_packed_t* packed,
+                                                   const char* kernel, const fmlp_tensor_t* y,
+                                                   const fmlp_tensor_t* x,
+                                                   const fmlp_tensor_t* residual, void* workspace,
+                                                   size_t workspace_bytes, void* stream);
 
 /* ---- the op table, for tests, benchmarks and explain ----
  * Every kernel of every backend is an entry with a unique name (op_arch_technique). Dispatch

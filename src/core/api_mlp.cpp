@@ -110,4 +110,33 @@ fmlp_status_t fmlp_mlp_packed_run(const fmlp_mlp_packed_t* packed, const fmlp_te
                               "fmlp_mlp_packed_workspace_size");
 }
 
+fmlp_status_t fmlp_mlp_packed_kernel_workspace_size(const fmlp_mlp_packed_t* packed,
+                                                    const char* kernel, const fmlp_tensor_t* y,
+                                                    const fmlp_tensor_t* x, size_t* bytes) {
+  if (bytes == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "bytes is NULL");
+  fmlp_mlp_args_t args{};
+  MlpDesc d;
+  if (const fmlp_status_t s = packed_args(packed, y, x, nullptr, &args, &d); s != FMLP_SUCCESS)
+    return s;
+  const MlpKernel* k = nullptr;
+  if (const fmlp_status_t s = Table::named_validated(d, kernel, &k); s != FMLP_SUCCESS) return s;
+  *bytes = k->workspace_bytes(d);
+  clear_last_error();
+  return FMLP_SUCCESS;
+}
+
+fmlp_status_t fmlp_mlp_packed_with_kernel(const fmlp_mlp_packed_t* packed, const char* kernel,
+                                          const fmlp_tensor_t* y, const fmlp_tensor_t* x,
+                                          const fmlp_tensor_t* residual, void* workspace,
+                                          size_t workspace_bytes, void* stream) {
+  fmlp_mlp_args_t args{};
+  MlpDesc d;
+  if (const fmlp_status_t s = packed_args(packed, y, x, residual, &args, &d); s != FMLP_SUCCESS)
+    return s;
+  const MlpKernel* k = nullptr;
+  if (const fmlp_status_t s = Table::named_validated(d, kernel, &k); s != FMLP_SUCCESS) return s;
+  return Table::run_kernel(*k, args, d, workspace, workspace_bytes, stream,
+                           "fmlp_mlp_packed_kernel_workspace_size");
+}
+
 }  // extern "C"

@@ -253,13 +253,18 @@ struct OpTable {
   static fmlp_status_t named(const Args* a, const char* name, Desc* d, const Kernel** out) {
     if (name == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "kernel name is NULL");
     if (const fmlp_status_t s = OP::validate(a, d); s != FMLP_SUCCESS) return s;
+    return named_validated(*d, name, out);
+  }
+  // named() for an already validated request (packed weights).
+  static fmlp_status_t named_validated(const Desc& d, const char* name, const Kernel** out) {
+    if (name == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "kernel name is NULL");
     for (const Kernel* k : all()) {
       if (std::strcmp(k->name, name) != 0) continue;
       fmlp_backend_t b;
-      if (const fmlp_status_t s = resolve(k->backend, *d, &b); s != FMLP_SUCCESS) return s;
+      if (const fmlp_status_t s = resolve(k->backend, d, &b); s != FMLP_SUCCESS) return s;
       std::string why;
-      if (!k->supports(*d, &why))
-        return fail(FMLP_ERROR_NOT_SUPPORTED, "{} does not handle {}: {}", name, OP::describe(*d),
+      if (!k->supports(d, &why))
+        return fail(FMLP_ERROR_NOT_SUPPORTED, "{} does not handle {}: {}", name, OP::describe(d),
                     why);
       *out = k;
       return FMLP_SUCCESS;

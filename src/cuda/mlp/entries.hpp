@@ -34,6 +34,12 @@ const char* mlp_prefill_gemm1_note(const MlpDesc& d);
 // activation scales); mlp_prefill_sm90_cublaslt_* hand fp8 requests to these.
 FMLP_DECLARE_OP_ENTRY(mlp_prefill_fp8, fmlp_mlp_args_t, MlpDesc);
 
+// The width a stream may read of weight rows of `cols` columns: packed weights (cuda/mlp/pack.cu)
+// pad every row with zeros to whole 16-byte loads, so d_in and hidden that are not multiples of
+// 8 (16-bit) or 16 (e4m3) still run on the 16-byte streams; `cols` itself otherwise. In
+// decode_operands.cu, which fills DecodeOperands::kp / hp with it.
+int64_t padded_width(const MlpDesc& d, int64_t cols);
+
 // The CUDA-core split-hidden kernels (gemv, prefetch): their shared preconditions (CUDA memory,
 // not deterministic, M <= max_tokens, bf16/fp16 weights, d_in and hidden multiples of 8, 16-byte
 // aligned weight rows), and their workspace: fp32 accumulators [M, d_out] and a block counter,
