@@ -314,6 +314,10 @@ FMLP_API fmlp_status_t fmlp_quantize_fp8(const fmlp_tensor_t* w, const fmlp_tens
  *   backends); bias: optional [N],
  *   f32, f16 or bf16. M, N or K may be 0 (K = 0 gives y = bias, or 0). y may not overlap any
  *   input. Accumulation is fp32 or wider.
+ *   CUDA: W rows that start on 16-byte boundaries (base and row stride) take the weight streams at
+ *   any K; for K not a multiple of 8 (16 for f8_e4m3) store W with a padded row stride (e.g. a
+ *   [N, round_up(K, 8)] buffer viewed as [:, :K]; nothing past K is read). Rows back to back run
+ *   on the general GEMV, and fmlp_linear_explain says so.
  *   W8A8 (torch._scaled_mm semantics): x f8_e4m3 with x_scale fp32 [1] per tensor or [M] per
  *   row (token), W f8_e4m3 with w_scale; y f32, f16 or bf16:
  *     y[m, n] = (x_scale[m] * w_scale[n]) * sum_k x[m, k] w[n, k] + bias[n].
