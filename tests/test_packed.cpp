@@ -176,6 +176,32 @@ TEST_P(PackedTest, ExplainSaysWhatRunsAndWhy) {
   }
 }
 
+// The unpacked call's explain says what skipping the pack costs where the sizes keep the 16-byte
+// weight streams out (CUDA: a note naming fmlp_mlp_pack); aligned sizes, the packed call's
+// explain and the host backends carry no such note.
+TEST_P(PackedTest, UnpackedExplainSaysPackingPadsOddSizes) {
+  for (const bool odd : {true, false}) {
+    MlpCase c;
+    c.m = 1, c.d_in = odd ? 1001 : 1008, c.hidden = odd ? 769 : 776, c.d_out = 127;
+    c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.x_dtype = c.w_dtype = FMLP_DTYPE_BF16;
+    PlacedCase p(c, device_);
+    p.upload(make_data(c, mix_seed(test_seed(), 950)));
+    size_t need = 0;
+    ASSERT_EQ(fmlp_mlp_explain(&p.args(), backend_, nullptr, 0, &need), FMLP_SUCCESS)
+        << fmlp_last_error();
+    std::string report(need, '\0');
+    ASSERT_EQ(fmlp_mlp_explain(&p.args(), backend_, report.data(), report.size(), &need),
+              FMLP_SUCCESS);
+    const bool note =
+        report.find("  note     unpacked weights: d_in 1001 and hidden 769") != std::string::npos &&
+        report.find("fmlp_mlp_pack, fusedmlp.pack") != std::string::npos;
+    EXPECT_EQ(note, device_ && odd) << report;
+    const fmlp::PackedMlp packed(p.args().weights, p.args().config, backend_);
+    const std::string packed_report = packed.explain(p.args().y, p.args().x);
+    EXPECT_EQ(packed_report.find("unpacked weights"), std::string::npos) << packed_report;
+  }
+}
+
 // Sizes that are not multiples of 8 or 16 (1, 7, 127, 769, 1001 and 8 * odd for fp8), dense and
 // gated, M from 1 to 64, norms, misaligned and strided x, non-finite x: every entry of the
 // backend that takes the packed call (fmlp_mlp_packed_with_kernel) matches the reference. Packing

@@ -39,6 +39,27 @@ struct MlpOp {
   static const MlpKernel* plan(const MlpDesc& d, fmlp_backend_t b, std::string* reason) {
     return b == FMLP_BACKEND_CUDA ? cuda_mlp_plan(d, reason) : nullptr;
   }
+  // Unpacked 16-bit or fp8 weights the 16-byte weight streams cannot read (d_in or hidden not
+  // whole 16-byte loads, misaligned rows) run on CUDA's general kernel: packing is the fix.
+  static std::string explain_note(const MlpDesc& d, fmlp_backend_t b) {
+    const bool fast_w = d.w_dtype == FMLP_DTYPE_BF16 || d.w_dtype == FMLP_DTYPE_F16 ||
+                        d.w_dtype == FMLP_DTYPE_F8_E4M3;
+    if (b != FMLP_BACKEND_CUDA || !fast_w || d.layout == WeightLayout::kCudaPacked || d.m > 64)
+      return "";  // beyond M = 64 the prefill GEMMs take any size alike
+    const int64_t per = 16 / int64_t(dtype_size(d.w_dtype));
+    const bool odd = d.d_in % per != 0 || d.hidden % per != 0;
+    if (!odd && d.weights_vec16) return "";
+    const std::string what =
+        odd ? fmt::format("d_in {} and hidden {} are not both multiples of {} ({} weights)", d.d_in,
+                          d.hidden, per, fmlp_dtype_name(d.w_dtype))
+            : std::string("the weight rows are not 16-byte aligned");
+    return fmt::format(
+        "unpacked weights: {}, so the 16-byte weight streams (mlp_decode_sm80_stream, "
+        "mlp_decode_sm80_mma_streamk) decline and the general kernel's element loads are the "
+        "cost; packing (fmlp_mlp_pack, fusedmlp.pack) pads the weight rows with zeros and takes "
+        "the fast entries at any size",
+        what);
+  }
 };
 using Table = OpTable<MlpOp>;
 
