@@ -687,6 +687,23 @@ class FusedMLP(nn.Module):
 _LINEAR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _padded_rows(w):
+    """w [N, K] re-stored with a row stride of whole 16-byte chunks (zeros past K), or None
+    where that buys nothing: not a 16-bit CUDA weight, or its rows already start on 16-byte
+    boundaries. The CUDA weight streams (linear_sm80_stream, linear_sm80_mma) read such rows at
+    any K; rows of odd K packed back to back leave only the general GEMV."""
+    if w.device.type != "cuda" or w.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    n, k = w.shape
+    per = 16 // w.element_size()
+    if w.data_ptr() % 16 == 0 and (n <= 1 or w.stride(0) % per == 0):
+        return None
+    kp = -(-k // per) * per
+    padded = w.detach().new_zeros(n, kp)
+    padded[:, :k].copy_(w.detach())
+    return padded[:, :k]
+
+
 def _is_conv1d(m):
     """A transformers Conv1D (GPT-2's linears: weight [in, out]), told by name so that
     transformers need not be imported."""
@@ -706,6 +723,13 @@ class FusedLinear(nn.Module):
         is (shared, not copied: weight tying and memory stay as they were).
     bias : torch.Tensor, optional
         [out].
+    pad_rows : bool
+        On CUDA, a 16-bit weight whose rows do not start on 16-byte boundaries (``in`` not a
+        multiple of 8, rows back to back) runs from a copy with a padded row stride, made at the
+        first call and again whenever the weight changes (its version or storage): the weight
+        streams then take it at the aligned shape's cost, where the rows as given leave the
+        general GEMV. The copy costs the weight's memory once more. False runs the weight as
+        given.
 
     Attributes
     ----------
@@ -720,7 +744,7 @@ class FusedLinear(nn.Module):
         cpu/cuda, or strided rows.
     """
 
-    def __init__(self, weight, bias=None):
+    def __init__(self, weight, bias=None, pad_rows=True):
         super().__init__()
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight)
@@ -746,6 +770,8 @@ class FusedLinear(nn.Module):
         self.weight = weight if isinstance(weight, nn.Parameter) else _param(weight)
         self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else _param(bias)
         self.in_features, self.out_features = int(weight.shape[1]), int(weight.shape[0])
+        self.pad_rows = bool(pad_rows)
+        self._padded = None  # (key, padded view) of _padded_rows(self.weight)
 
     @classmethod
     def from_module(cls, module: nn.Module) -> "FusedLinear":
@@ -799,7 +825,17 @@ class FusedLinear(nn.Module):
         if x.dtype != w.dtype:
             raise RuntimeError(f"FusedLinear: x has dtype {x.dtype} but the weight {w.dtype}; "
                                "cast x first (nn.Linear raises here too)")
+        if self.pad_rows and w.is_cuda and self.in_features % 8:
+            w = self._padded_weight(w)
         return _linear_op(x, w, self.bias, None)
+
+    def _padded_weight(self, w):
+        """w, or its padded-stride copy (_padded_rows), rebuilt when w changed since."""
+        key = (w.data_ptr(), w._version, w.device, w.dtype)
+        if self._padded is None or self._padded[0] != key:
+            self._padded = (key, _padded_rows(w))
+        padded = self._padded[1]
+        return w if padded is None else padded
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -199,6 +199,30 @@ def test_fused_linear_cuda_graph(n, k):
         assert_close(y, ref, rtol=RTOL_GPU[torch.bfloat16])
 
 
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+def test_fused_linear_odd_in_features_pads_rows(m):
+    """in_features not a multiple of 8: FusedLinear runs a padded-stride copy of the weight
+    (16-byte rows, what the CUDA weight streams need), rebuilt when the weight changes in place;
+    pad_rows=False runs the weight as given. Both match the reference."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1001, 2731).to(DEV, torch.bfloat16)
+    fused = ft.FusedLinear.from_module(lin)
+    plain = ft.FusedLinear(lin.weight, lin.bias, pad_rows=False)
+    x = torch.randn(m, 1001, device=DEV, dtype=torch.bfloat16)
+    for step in range(2):
+        with torch.no_grad():
+            y, y_plain = fused(x), plain(x)
+        padded = fused._padded[1]
+        assert padded is not None and padded.stride(0) == 1008 and padded.data_ptr() % 16 == 0
+        assert torch.equal(padded, lin.weight)
+        assert plain._padded is None
+        ref = x.double() @ lin.weight.double().T + lin.bias.double()
+        assert_close(y, ref, rtol=RTOL_GPU[torch.bfloat16])
+        assert_close(y_plain, ref, rtol=RTOL_GPU[torch.bfloat16])
+        with torch.no_grad():
+            lin.weight.mul_(-0.5)  # in place: same storage, a new version
+
+
 def test_call_cost_cuda():
     """call_cost on the device: host time, wall time and the time per call replayed from a
     captured graph (only plausibility: speed is for the benchmarks)."""
