@@ -73,6 +73,8 @@ struct MoeCase {
   bool fp8_rows = true;        // wt == F8_E4M3: scales [E, rows] (per row) or [E] (per expert)
   int64_t expert_pad = 0;  // 16-bit experts: W1 and W2 keep this many unused (random) rows after
                            // each expert, so the experts are not one matrix each
+  bool pad_rows = false;   // 16-bit experts: W1 and W2 rows padded with NaN past d and hidden to
+                           // whole 16-byte chunks (row stride a multiple of 8): never to count
   std::string name() const {
     return "T=" + std::to_string(t) + " d=" + std::to_string(d) + " h=" + std::to_string(hidden) +
            " d_out=" + std::to_string(d_out) + " E=" + std::to_string(e) +
@@ -84,7 +86,8 @@ struct MoeCase {
            (b2 ? " b2" : "") + (rb ? " router_b" : "") + (deterministic ? "" : " nondet") +
            (round ? " round-logits" : "") +
            (wt == FMLP_DTYPE_F8_E4M3 ? (fp8_rows ? " row-scales" : " expert-scales") : "") +
-           (expert_pad ? " expert-pad=" + std::to_string(expert_pad) : "");
+           (expert_pad ? " expert-pad=" + std::to_string(expert_pad) : "") +
+           (pad_rows ? " padded-rows" : "");
   }
 };
 
@@ -111,12 +114,16 @@ inline void make(const MoeCase& c, uint64_t seed, MoeData* m) {
   const auto weights = [&](HostTensor* w, HostTensor* s, int64_t rows, int64_t cols) {
     const double sd = 1.0 / std::sqrt(double(cols));
     if (c.wt != FMLP_DTYPE_F8_E4M3) {
-      *w = HostTensor(c.wt, {c.e, rows + c.expert_pad, cols});
+      const int64_t ld = c.pad_rows ? (cols + 7) / 8 * 8 : cols;
+      *w = HostTensor(c.wt, {c.e, rows + c.expert_pad, ld});
       fill(*w, rng, sd);
+      for (int64_t r = 0; r < c.e * (rows + c.expert_pad); ++r)
+        for (int64_t i = cols; i < ld; ++i) w->set(r * ld + i, NAN);
       w->view.shape[1] = rows;  // the expert stride keeps the padding rows
+      w->view.shape[2] = cols;  // and the row stride the padding columns
       return;
     }
-    EXPECT_EQ(c.expert_pad, 0) << "expert_pad is for 16-bit experts";
+    EXPECT_TRUE(c.expert_pad == 0 && !c.pad_rows) << "expert_pad, pad_rows: 16-bit experts only";
     *w = HostTensor(c.wt, {c.e, rows, cols});
     HostTensor f(FMLP_DTYPE_F32, {c.e, rows, cols});
     fill(f, rng, sd);
@@ -279,8 +286,8 @@ inline void reference(const MoeCase& c, const MoeData& m, const std::vector<doub
         double acc = c.b1 ? m.b1.get(e * rows1 + r) : 0.0, l2 = acc * acc;
         const double s1 = scale_of(m.s1, rows1, r);
         for (int64_t i = 0; i < c.d; ++i) {
-          const double p =
-              m.w1.get(e * m.w1.view.stride[0] + r * c.d + i) * s1 * m.x.get(t * c.d + i);
+          const double p = m.w1.get(e * m.w1.view.stride[0] + r * m.w1.view.stride[1] + i) * s1 *
+                           m.x.get(t * c.d + i);
           acc += p, l2 += p * p;
         }
         *mag = std::sqrt(l2);
@@ -298,7 +305,7 @@ inline void reference(const MoeCase& c, const MoeData& m, const std::vector<doub
         double acc = c.b2 ? m.b2.get(e * c.d_out + o) : 0.0, l2 = acc * acc;
         const double s2 = scale_of(m.s2, c.d_out, o);
         for (int64_t i = 0; i < c.hidden; ++i) {
-          const double wv = m.w2.get(e * m.w2.view.stride[0] + o * c.hidden + i) * s2;
+          const double wv = m.w2.get(e * m.w2.view.stride[0] + o * m.w2.view.stride[1] + i) * s2;
           acc += wv * h[size_t(i)];
           l2 += wv * hmag[size_t(i)] * wv * hmag[size_t(i)];
         }
