@@ -164,9 +164,10 @@ TEST(LinearOddExplain, PaddedRowsReachTheStreamsAndExplainSaysHow) {
     const std::string at = "M=" + std::to_string(w.m) + " N=" + std::to_string(w.n) +
                            " K=" + std::to_string(w.k) + " pad " + std::to_string(w.pad) + ": ";
     EXPECT_NE(report.find(std::string("chosen   ") + w.chosen), std::string::npos) << at << report;
-    const bool note = report.find("note") != std::string::npos &&
-                      report.find("row stride of a multiple of 8 elements") != std::string::npos &&
-                      report.find("FusedLinear") != std::string::npos;
+    const bool note =
+        report.find("  note     W's rows are not 16-byte aligned") != std::string::npos &&
+        report.find("row stride of a multiple of 8 elements") != std::string::npos &&
+        report.find("FusedLinear") != std::string::npos;
     EXPECT_EQ(note, w.note) << at << report;
   }
 }

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _ACTIVATIONS, _BACKENDS, _SCORINGS, _lookup
-from .torch import _activation, _moe_op, _param
+from .torch import _activation, _moe_op, _PaddedCopy, _param
 
 __all__ = ["FusedMoE"]
 
@@ -35,7 +35,10 @@ class FusedMoE(nn.Module):
     per token (ties to the lower id), optionally renormalised, and the weighted sum of those
     experts' MLPs (w1 [E, hidden or 2*hidden, d], w2 [E, d_out, hidden]); the math is
     fusedmlp.moe's. The weights are used as they are (nothing is packed), so .to() and in-place
-    edits need no extra step. Inference only: no backward.
+    edits need no extra step; on CUDA, 16-bit experts whose d or hidden is not a multiple of 8
+    (rows back to back) run from a copy with padded rows, made at the first call and again when
+    the weights change (pad_rows=False: as given, which no CUDA kernel takes). Inference only: no
+    backward.
 
     Parameters
     ----------
@@ -59,6 +62,8 @@ class FusedMoE(nn.Module):
         does (from_module sets it, so routing follows the Hugging Face block's).
     w1_scale, w2_scale : torch.Tensor, optional
         float32 scales of float8_e4m3fn experts, [E] (per expert) or [E, rows] (per row).
+    pad_rows : bool
+        See above: the padded-row copies of w1 and w2 for odd d or hidden on CUDA.
 
     Attributes
     ----------
@@ -75,7 +80,7 @@ class FusedMoE(nn.Module):
                  activation="silu", gated=True, scoring="softmax", renormalize=True,
                  jitter_noise=0.0, return_router_logits=False, deterministic=False,
                  backend="auto", first_expert=0, global_experts=0, round_router_logits=False,
-                 w1_scale=None, w2_scale=None):
+                 w1_scale=None, w2_scale=None, pad_rows=True):
         super().__init__()
         _lookup(_ACTIVATIONS, "activation", activation)
         _lookup(_SCORINGS, "scoring", scoring)
@@ -99,6 +104,8 @@ class FusedMoE(nn.Module):
         self.first_expert, self.global_experts = int(first_expert), int(global_experts)
         self.round_router_logits = bool(round_router_logits)
         self.d_out, self.hidden = int(w2.shape[1]), int(w2.shape[2])
+        self.pad_rows = bool(pad_rows)
+        self._padded = (_PaddedCopy(), _PaddedCopy())  # of w1, w2
 
     @classmethod
     def from_module(cls, module: nn.Module, backend: str = "auto") -> "FusedMoE":
@@ -150,7 +157,10 @@ class FusedMoE(nn.Module):
         if self.training and self.jitter_noise > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise,
                                                  1.0 + self.jitter_noise)
-        y = _moe_op(x, self.w1, self.w2, self.top_k, self.router_w, self.router_b, None, None,
+        w1, w2 = self.w1, self.w2
+        if self.pad_rows and w1.is_cuda and (self.d % 8 or self.hidden % 8):
+            w1, w2 = self._padded[0].get(w1), self._padded[1].get(w2)
+        y = _moe_op(x, w1, w2, self.top_k, self.router_w, self.router_b, None, None,
                     self.b1, self.b2, residual, self.activation, self.gated, self.scoring,
                     self.renormalize, self.deterministic, self.backend, self.first_expert,
                     self.global_experts, self.round_router_logits, self.w1_scale, self.w2_scale)

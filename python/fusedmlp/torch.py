@@ -688,20 +688,36 @@ _LINEAR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _padded_rows(w):
-    """w [N, K] re-stored with a row stride of whole 16-byte chunks (zeros past K), or None
-    where that buys nothing: not a 16-bit CUDA weight, or its rows already start on 16-byte
-    boundaries. The CUDA weight streams (linear_sm80_stream, linear_sm80_mma) read such rows at
-    any K; rows of odd K packed back to back leave only the general GEMV."""
+    """w [..., N, K] re-stored with rows of whole 16-byte chunks (row stride K rounded up to a
+    multiple of 8, zeros past K), or None where that buys nothing: not a 16-bit CUDA weight, or
+    its rows already start on 16-byte boundaries. The CUDA weight streams (linear_sm80_stream,
+    linear_sm80_mma, moe_sm80_stream) read such rows at any K; rows of odd K back to back leave
+    the linear op only the general GEMV and the moe op no CUDA entry."""
     if w.device.type != "cuda" or w.dtype not in (torch.float16, torch.bfloat16):
         return None
-    n, k = w.shape
+    k = w.shape[-1]
     per = 16 // w.element_size()
-    if w.data_ptr() % 16 == 0 and (n <= 1 or w.stride(0) % per == 0):
+    rows_ok = all(w.stride(i) % per == 0 for i in range(w.dim() - 1) if w.shape[i] > 1)
+    if w.data_ptr() % 16 == 0 and rows_ok:
         return None
     kp = -(-k // per) * per
-    padded = w.detach().new_zeros(n, kp)
-    padded[:, :k].copy_(w.detach())
-    return padded[:, :k]
+    padded = w.detach().new_zeros(*w.shape[:-1], kp)
+    padded[..., :k].copy_(w.detach())
+    return padded[..., :k]
+
+
+class _PaddedCopy:
+    """The padded-row copy (_padded_rows) of a weight, rebuilt when the weight's storage,
+    version, device or dtype changes; `get(w)` gives the copy, or w where none is needed."""
+
+    def __init__(self):
+        self.key, self.padded = None, None
+
+    def get(self, w):
+        key = (w.data_ptr(), w._version, w.device, w.dtype, tuple(w.shape), w.stride())
+        if key != self.key:
+            self.key, self.padded = key, _padded_rows(w)
+        return w if self.padded is None else self.padded
 
 
 def _is_conv1d(m):
@@ -771,7 +787,7 @@ class FusedLinear(nn.Module):
         self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else _param(bias)
         self.in_features, self.out_features = int(weight.shape[1]), int(weight.shape[0])
         self.pad_rows = bool(pad_rows)
-        self._padded = None  # (key, padded view) of _padded_rows(self.weight)
+        self._padded = _PaddedCopy()
 
     @classmethod
     def from_module(cls, module: nn.Module) -> "FusedLinear":
@@ -826,16 +842,8 @@ class FusedLinear(nn.Module):
             raise RuntimeError(f"FusedLinear: x has dtype {x.dtype} but the weight {w.dtype}; "
                                "cast x first (nn.Linear raises here too)")
         if self.pad_rows and w.is_cuda and self.in_features % 8:
-            w = self._padded_weight(w)
+            w = self._padded.get(w)
         return _linear_op(x, w, self.bias, None)
-
-    def _padded_weight(self, w):
-        """w, or its padded-stride copy (_padded_rows), rebuilt when w changed since."""
-        key = (w.data_ptr(), w._version, w.device, w.dtype)
-        if self._padded is None or self._padded[0] != key:
-            self._padded = (key, _padded_rows(w))
-        padded = self._padded[1]
-        return w if padded is None else padded
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
