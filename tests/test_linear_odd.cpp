@@ -111,6 +111,22 @@ TEST_P(LinearOddTest, OddSizesOnPaddedRowsMatchReference) {
     EXPECT_GT(ran, 0) << kernel_ << " took none of the odd cases";
 }
 
+// Captured in a CUDA graph and replayed on refreshed inputs: the padded-row paths (split K in the
+// tensor-core entry at M = 16, the stream at M = 1 and 3) read the new x.
+TEST_P(LinearOddTest, OddSizesOnPaddedRowsReplayFromAGraph) {
+  if (!device_) GTEST_SKIP() << "device kernels only";
+  const std::vector<OddCase> all = odd_cases();
+  int i = 0;
+  for (size_t ci : {size_t(0), size_t(3), size_t(8), size_t(12)}) {
+    RunMode mode;
+    mode.graph = true;
+    const std::string err =
+        run_case(all[ci].c, kernel_, true, mix_seed(test_seed(), uint64_t(7000 + ++i)), mode);
+    if (skipped(err)) continue;
+    EXPECT_TRUE(err.empty()) << kernel_ << " graph [" << all[ci].c.name() << "]: " << err;
+  }
+}
+
 // The same shapes with contiguous W (row stride K): every entry still matches the reference where
 // it runs (the general GEMV at least), a few M per dtype.
 TEST_P(LinearOddTest, OddSizesOnContiguousRowsMatchReference) {

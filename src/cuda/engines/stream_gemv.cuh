@@ -209,14 +209,23 @@ __device__ __forceinline__ void stream_load(uint4 (&v)[U], const StreamShape& s,
   const int row = group * s.rows + sp.row;
   const WT* wr = row_ptr(min(row, s.n - 1));
   const int lane = threadIdx.x % 32;
+  const bool row_in = row < s.n && (!SKIP || wr != nullptr);
   const int tail_c = s.tail ? s.k / kStreamPerChunk<WT> - 1 : -1;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int c = sp.begin + (b * U + u) * 32 + lane;
-    const bool in = row < s.n && (!SKIP || wr != nullptr) && c < sp.end;
-    v[u] = in && c != tail_c ? ld_stream_v4(wr + int64_t(c) * kStreamPerChunk<WT>)
-           : in              ? ld_stream_tail(wr + int64_t(c) * kStreamPerChunk<WT>, s.tail)
-                             : make_uint4(0, 0, 0, 0);
+    v[u] = row_in && c < sp.end && c != tail_c ? ld_stream_v4(wr + int64_t(c) * kStreamPerChunk<WT>)
+                                               : make_uint4(0, 0, 0, 0);
+  }
+  // The partial chunk apart, behind a branch uniform over the grid: streams of whole-chunk rows
+  // keep one predicated load per chunk.
+  if (s.tail) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = sp.begin + (b * U + u) * 32 + lane;
+      if (row_in && c < sp.end && c == tail_c)
+        v[u] = ld_stream_tail(wr + int64_t(c) * kStreamPerChunk<WT>, s.tail);
+    }
   }
 }
 

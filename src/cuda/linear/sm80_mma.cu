@@ -222,14 +222,22 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_sm80_mma(const MmaParam
 #pragma unroll
       for (int s = 0; s < SP; ++s) {
         const int col = (b * SP + s) * SC + LC * t;
-        const bool in = active && col < cols, whole = col + LC <= cols;
-        const int tail = (cols - col) * int(sizeof(ST));  // bytes of the row's partial chunk
-        f.v[s][0] = in && whole ? ld_stream_v4(wg + col)
-                    : in        ? ld_stream_tail(wg + col, tail)
-                                : make_uint4(0, 0, 0, 0);
-        f.v[s][1] = in && whole ? ld_stream_v4(wg8 + col)
-                    : in        ? ld_stream_tail(wg8 + col, tail)
-                                : make_uint4(0, 0, 0, 0);
+        const bool in = active && col + LC <= cols;
+        f.v[s][0] = in ? ld_stream_v4(wg + col) : make_uint4(0, 0, 0, 0);
+        f.v[s][1] = in ? ld_stream_v4(wg8 + col) : make_uint4(0, 0, 0, 0);
+      }
+      // A split that ends inside a chunk (the last one, for K not whole chunks): that chunk by
+      // its own bytes, apart, so whole-chunk splits keep one predicated load per piece.
+      if (cols % LC) {
+#pragma unroll
+        for (int s = 0; s < SP; ++s) {
+          const int col = (b * SP + s) * SC + LC * t;
+          if (active && col < cols && col + LC > cols) {
+            const int tail = (cols - col) * int(sizeof(ST));
+            f.v[s][0] = ld_stream_tail(wg + col, tail);
+            f.v[s][1] = ld_stream_tail(wg8 + col, tail);
+          }
+        }
       }
     };
     Frags<SP> ring[DEPTH];

@@ -272,10 +272,16 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + (q.b * U + u) * 32 + lane;
-      const bool in = wr && c < c1;
-      v[u] = in && c != tail_c ? ld_stream_v4(wr + int64_t(c) * kStreamPerChunk<WT>)
-             : in              ? ld_stream_tail(wr + int64_t(c) * kStreamPerChunk<WT>, s.tail)
-                               : make_uint4(0, 0, 0, 0);
+      v[u] = wr && c < c1 && c != tail_c ? ld_stream_v4(wr + int64_t(c) * kStreamPerChunk<WT>)
+                                         : make_uint4(0, 0, 0, 0);
+    }
+    if (s.tail) {  // a row's partial last chunk by its own bytes, apart (stream_load says why)
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + (q.b * U + u) * 32 + lane;
+        if (wr && c < c1 && c == tail_c)
+          v[u] = ld_stream_tail(wr + int64_t(c) * kStreamPerChunk<WT>, s.tail);
+      }
     }
   };
   Pos at{int(blockIdx.x) * s.rows + warp / s.wpr, 0, 0};
