@@ -15,7 +15,9 @@
 //          to their aligned neighbours (rounded up to 16), bf16 and fp8, at M = 1, 4, 16, 64 (or
 //          --ms); the odd weights with a padded row stride (what fusedmlp.FusedLinear stores) and
 //          as given (contiguous, row stride K), each with its time over the aligned row's
-//          ("odd/aligned", the goal: <= 1.1 padded).
+//          ("odd/aligned", the goal: <= 1.1 padded); then the padded odd rows and the
+//          aligned ones on each of the weight-stream and tensor-core entries forced (where they
+//          take the call), to show which entry the planner should give odd shapes.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -195,8 +197,10 @@ void print_row(const Row& r, double bw) {
 }
 
 // w_ld: W's row stride in elements (0: K, rows back to back); the padding past K is zeros.
+// kernel: the op-table entry to time instead of the planner's pick (nullptr: dispatch); a row
+// with an empty op when it does not take the call.
 Row bench_linear(const Shape& sh, int64_t m, fmlp_dtype_t wt, size_t l2, cudaStream_t s, int reps,
-                 int64_t w_ld = 0) {
+                 int64_t w_ld = 0, const char* kernel = nullptr) {
   const fmlp_dtype_t xt = FMLP_DTYPE_BF16;
   const int64_t ld = w_ld > 0 ? w_ld : sh.k;
   const size_t wbytes = size_t(sh.n * ld) * esize(wt);
@@ -228,15 +232,33 @@ Row bench_linear(const Shape& sh, int64_t m, fmlp_dtype_t wt, size_t l2, cudaStr
     a.w_scale = fmlp_tensor_1d(scale, FMLP_DTYPE_F32, sh.n);
     a.w_scale.device_type = FMLP_DEVICE_CUDA;
   }
+  auto release = [&] {
+    for (void* w : wcopies) CK(cudaFree(w));
+    CK(cudaFree(x));
+    CK(cudaFree(bias));
+    CK(cudaFree(scale));
+    CK(cudaFree(y));
+  };
+  if (kernel && fmlp_linear_kernel_supports(&a, kernel) != FMLP_SUCCESS) {
+    release();
+    return {};
+  }
   size_t wsb = 0;
-  FK(fmlp_linear_workspace_size(&a, FMLP_BACKEND_CUDA, &wsb));
+  if (kernel)
+    FK(fmlp_linear_kernel_workspace_size(&a, kernel, &wsb));
+  else
+    FK(fmlp_linear_workspace_size(&a, FMLP_BACKEND_CUDA, &wsb));
   void* ws = nullptr;
   if (wsb) {
     CK(cudaMalloc(&ws, wsb));
     CK(cudaMemset(ws, 0, wsb));
   }
+  auto call = [&] {
+    return kernel ? fmlp_linear_with_kernel(&a, kernel, ws, wsb, s)
+                  : fmlp_linear(&a, FMLP_BACKEND_CUDA, ws, wsb, s);
+  };
   // Spot check of the first copy against fp64.
-  FK(fmlp_linear(&a, FMLP_BACKEND_CUDA, ws, wsb, s));
+  FK(call());
   CK(cudaStreamSynchronize(s));
   std::vector<uint8_t> hy(size_t(m * sh.n) * esize(xt));
   CK(cudaMemcpy(hy.data(), y, hy.size(), cudaMemcpyDeviceToHost));
@@ -257,7 +279,7 @@ Row bench_linear(const Shape& sh, int64_t m, fmlp_dtype_t wt, size_t l2, cudaStr
   cudaGraphExec_t g = capture(s, [&] {
     for (int c = 0; c < copies; ++c) {
       a.w.data = wcopies[size_t(c)];
-      FK(fmlp_linear(&a, FMLP_BACKEND_CUDA, ws, wsb, s));
+      FK(call());
     }
   });
   Row r{"linear",
@@ -269,14 +291,10 @@ Row bench_linear(const Shape& sh, int64_t m, fmlp_dtype_t wt, size_t l2, cudaStr
         sh.k,
         0.0,
         double(size_t(sh.n * sh.k) * esize(wt) + size_t(m * (sh.k + sh.n)) * esize(xt))};
-  r.kernel = chosen_kernel(fmlp_linear_explain, a);
+  r.kernel = kernel ? std::string(kernel) + " (forced)" : chosen_kernel(fmlp_linear_explain, a);
   r.us = graph_us_per_call(g, s, copies, reps);
   CK(cudaGraphExecDestroy(g));
-  for (void* w : wcopies) CK(cudaFree(w));
-  CK(cudaFree(x));
-  CK(cudaFree(bias));
-  CK(cudaFree(scale));
-  CK(cudaFree(y));
+  release();
   if (ws) CK(cudaFree(ws));
   return r;
 }
@@ -438,6 +456,14 @@ int main(int argc, char** argv) {
                           ld && rows.back().over_aligned > 1.1 ? "  OVER 1.1" : "");
             summary.push_back(line);
           }
+          for (const char* forced : {"linear_sm80_stream", "linear_sm80_mma"})
+            for (const auto& [sh, ld] :
+                 {std::pair<Shape, int64_t>{p.aligned, 0}, {p.odd, padded_ld}}) {
+              Row r = bench_linear(sh, m, wt, l2, s, reps, ld, forced);
+              if (r.op.empty()) continue;
+              if (ld) r.over_aligned = r.us / aligned_us;
+              rows.push_back(r), print_row(rows.back(), bw);
+            }
         }
     std::printf("\n");
     for (const std::string& l : summary) std::printf("%s\n", l.c_str());

@@ -107,8 +107,9 @@ TEST_P(LinearOddTest, OddSizesOnPaddedRowsMatchReference) {
   }
   // cuBLASLt's entries take 16-byte aligned x and y only, which odd K and N rule out.
   const std::string name = kernel_;
-  if (name.find("cublaslt") == std::string::npos && name.find("wgmma") == std::string::npos)
+  if (name.find("cublaslt") == std::string::npos && name.find("wgmma") == std::string::npos) {
     EXPECT_GT(ran, 0) << kernel_ << " took none of the odd cases";
+  }
 }
 
 // Captured in a CUDA graph and replayed on refreshed inputs: the padded-row paths (split K in the
