@@ -122,7 +122,14 @@ typedef struct fmlp_mlp_config_t {
  * Gated: gate in w1 [hidden, d_in] and up in w_up [hidden, d_in]; or both stacked in w1
  * as [2*hidden, d_in] (gate rows first, then up rows) with w_up absent, b1 then [2*hidden].
  * Biases and norm parameters may be fp32, fp16 or bf16 whatever the weight dtype.
- * *_scale: fp32 dequantisation scales, only for fp8 weights: [1] per tensor or [rows] per row. */
+ * *_scale: fp32 dequantisation scales, only for fp8 weights: [1] per tensor, [rows] per row, or
+ *   2-D [ceil(rows / 128), ceil(cols / 128)] per 128 x 128 block (the fine-grained fp8 checkpoints'
+ *   weight_scale_inv; ref and cpu backends, weight-only), W[r, c] = code * scale[r / 128, c / 128].
+ *   A stacked gated w1 [2*hidden, d_in] takes block scales [2 * ceil(hidden / 128),
+ *   ceil(d_in / 128)]: the gate's block rows, then the up's, each half starting its own blocks,
+ *   so the gate_proj and up_proj checkpoint scales concatenate as they are (one scale over the
+ *   2*hidden stacked rows would differ where hidden % 128 != 0: block rows would straddle both).
+ *   Separate w1 / w_up: both block-scaled or neither. Each matrix picks its own kind. */
 typedef struct fmlp_mlp_weights_t {
   fmlp_tensor_t w1;
   fmlp_tensor_t w1_scale;
@@ -234,11 +241,12 @@ FMLP_API fmlp_status_t fmlp_mlp_explain(const fmlp_mlp_args_t* args, fmlp_backen
 
 /* One-time weight pack: validates the weights once, copies them into the layout the backend's
  * kernels read fastest, and owns that copy. weights.* shapes define d_in, hidden and d_out.
- * CUDA: also times the kernels that take the packed MLP at decode token counts (M = 1 .. 64,
- * activations of the weights' 16-bit dtype, bf16 for fp8 weights), once per shape and device in
- * the process, and the planner then runs the fastest for each M; this synchronises the device
- * (packing is not capturable). Deterministic mode, or FMLP_PLAN_TUNE=0, keeps the fixed rules;
- * fmlp_mlp_packed_explain says which decided. */
+ * Host backends keep fp8 block scales as blocks (gate and up stacked); the CUDA pack refuses them
+ * (FMLP_ERROR_NOT_SUPPORTED: re-quantise per row). CUDA: also times the kernels that take the
+ * packed MLP at decode token counts (M = 1 .. 64, activations of the weights' 16-bit dtype, bf16
+ * for fp8 weights), once per shape and device in the process, and the planner then runs the fastest
+ * for each M; this synchronises the device (packing is not capturable). Deterministic mode, or
+ * FMLP_PLAN_TUNE=0, keeps the fixed rules; fmlp_mlp_packed_explain says which decided. */
 FMLP_API fmlp_status_t fmlp_mlp_pack(fmlp_mlp_packed_t** packed, const fmlp_mlp_weights_t* weights,
                                      const fmlp_mlp_config_t* config, fmlp_backend_t backend,
                                      void* stream);
@@ -274,8 +282,9 @@ FMLP_API fmlp_status_t fmlp_mlp_with_kernel(const fmlp_mlp_args_t* args, const c
  * picks the granularity: [1] one scale for the whole tensor, [rows] one per row (output unit;
  * the better choice: a row's outliers then cost only that row precision), or 2-D
  * [ceil(rows / 128), ceil(cols / 128)] one per 128 x 128 block (the fine-grained fp8 checkpoint
- * format: DeepSeek-V3 / Qwen3 FP8 `weight_scale_inv`; edge blocks are smaller; fmlp_linear takes
- * it). Policy, per tensor, row or block:
+ * format: DeepSeek-V3 / Qwen3 FP8 `weight_scale_inv`; edge blocks are smaller; fmlp_linear,
+ * fmlp_mlp and fmlp_moe take it; for a stacked gated w1 quantise gate and up apart and stack the
+ * scales). Policy, per tensor, row or block:
  *   amax  = max |w| over the finite values (NaN and +-Inf are left out);
  *   scale = amax / 448 in fp32 (448 = largest e4m3 value), or 1 when that is not > 0 (all-zero
  *           or all-non-finite rows, or an amax so small that amax / 448 underflows), so every
