@@ -397,10 +397,14 @@ FMLP_API fmlp_status_t fmlp_softmax_with_kernel(const fmlp_softmax_args_t* args,
  * fusedmlp_nccl.h) pass it to one of them only. The sum over ranges covering [0, global_experts)
  * is the whole op.
  * Types: x, y, residual: one activation dtype (f32, f16, bf16). W1, W2: one dtype, f32, f16, bf16
- * or f8_e4m3; fp8 experts need fp32 scales w1_scale / w2_scale, [E] (one per expert) or [E, rows]
- * (one per row of each expert: rows = W1's 2*hidden or hidden, W2's d_out), finite and > 0, and
- * are dequantised exactly (W[e][r][c] * scale[e][r], as in fmlp_mlp); fmlp_quantize_fp8 on each
- * expert's [rows, cols] makes them. fp8 experts run on the ref and cpu backends (the cuda entries
+ * or f8_e4m3; fp8 experts need fp32 scales w1_scale / w2_scale, [E] (one per expert), [E, rows]
+ * (one per row of each expert: rows = W1's 2*hidden or hidden, W2's d_out) or [E, row blocks,
+ * col blocks] (one per 128 x 128 block, ref and cpu backends: W1 [E, 2 * ceil(hidden / 128),
+ * ceil(d / 128)] gated, each expert's gate block rows then its up block rows, as fmlp_mlp's
+ * stacked w1; [E, ceil(hidden / 128), ceil(d / 128)] dense; W2 [E, ceil(d_out / 128),
+ * ceil(hidden / 128)]), finite and > 0, and are dequantised exactly (W[e][r][c] * scale[e][r],
+ * as in fmlp_mlp); fmlp_quantize_fp8 on each expert's [rows, cols] (gated block scales: on its
+ * gate and up halves) makes them. fp8 experts run on the ref and cpu backends (the cuda entries
  * stream 16-bit weights). Wr: f32, f16 or bf16; biases f32, f16 or bf16.
  * Shapes: E = config.num_experts = W1.shape[0] = W2.shape[0]; Wr.shape[0] = the global expert
  * count (E without a local range); 1 <= top_k <= global experts;
@@ -455,8 +459,8 @@ typedef struct fmlp_moe_args_t {
   fmlp_tensor_t w2;          /* [E, d_out, hidden] */
   fmlp_tensor_t b2;          /* optional [E, d_out] */
   fmlp_moe_config_t config;
-  fmlp_tensor_t w1_scale; /* fp8 w1 only: fp32 [E] or [E, hidden or 2*hidden] */
-  fmlp_tensor_t w2_scale; /* fp8 w2 only: fp32 [E] or [E, d_out] */
+  fmlp_tensor_t w1_scale; /* fp8 w1 only: fp32 [E], [E, hidden or 2*hidden] or 3-D blocks */
+  fmlp_tensor_t w2_scale; /* fp8 w2 only: fp32 [E], [E, d_out] or 3-D blocks */
 } fmlp_moe_args_t;
 
 /* softmax scoring, renormalize on, deterministic, silu, dense, all experts local. */
