@@ -96,13 +96,15 @@ TEST_P(BlockKernel, MatchesReferenceOrRefuses) {
   const char* kernel = fmlp_mlp_kernel_name(GetParam());
   const fmlp_backend_t b = fmlp_mlp_kernel_backend(GetParam());
   if (fmlp_backend_available(b) != FMLP_SUCCESS) GTEST_SKIP() << fmlp_last_error();
+  const bool device = b == FMLP_BACKEND_CUDA;
+  if (device && !device_unavailable_reason().empty()) GTEST_SKIP() << device_unavailable_reason();
   const std::vector<MlpCase> cs = cases();
   int ran = 0;
   for (size_t i = 0; i < cs.size(); ++i) {
     const MlpCase& c = cs[i];
-    PlacedCase p(c, false);
+    PlacedCase p(c, device);
     const fmlp_status_t sup = fmlp_mlp_kernel_supports(&p.args(), kernel);
-    if (b == FMLP_BACKEND_CUDA) {  // host tensors: the block-scale refusal comes first
+    if (device) {  // the block-scale refusal comes before any other of the entry's checks
       EXPECT_EQ(sup, FMLP_ERROR_NOT_SUPPORTED) << kernel << " " << header(i, c);
       const std::string why = fmlp_last_error();
       EXPECT_NE(why.find("block scale"), std::string::npos) << why;
@@ -397,6 +399,24 @@ TEST(MlpFp8Block, BadScalesAreRejectedByNameAndYUntouched) {
       EXPECT_EQ(p.y_bytes(), before) << s.what << ": y was written";
     }
   }
+}
+
+// The cuda pack refuses block scales by name (device weights; needs a GPU).
+TEST(MlpFp8Block, CudaPackRefusesBlockScales) {
+  if (fmlp_backend_available(FMLP_BACKEND_CUDA) != FMLP_SUCCESS) GTEST_SKIP() << fmlp_last_error();
+  if (!device_unavailable_reason().empty()) GTEST_SKIP() << device_unavailable_reason();
+  MlpCase c;
+  c.m = 1, c.d_in = 256, c.hidden = 256, c.d_out = 256, c.gate = Gate::kSeparate;
+  c.w_dtype = FMLP_DTYPE_F8_E4M3, c.block_w1 = true;
+  PlacedCase p(c, true);
+  p.upload(make_data(c, 4));
+  fmlp_mlp_packed_t* packed = nullptr;
+  EXPECT_EQ(fmlp_mlp_pack(&packed, &p.args().weights, &p.args().config, FMLP_BACKEND_CUDA, nullptr),
+            FMLP_ERROR_NOT_SUPPORTED);
+  EXPECT_EQ(packed, nullptr);
+  const std::string msg = fmlp_last_error();
+  EXPECT_NE(msg.find("weights.w1_scale is a 2-D block scale"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("per row"), std::string::npos) << msg;
 }
 
 // Tensor-parallel shards run on the cuda entries: block scales are refused by name there too.
