@@ -318,7 +318,9 @@ deterministic, backend, round_router_logits
     first_expert, global_experts : int
         A local expert range (expert parallelism), as for fusedmlp.moe.
     w1_scale, w2_scale : torch.Tensor, optional
-        float32 scales [E] or [E, rows] of torch.float8_e4m3fn experts.
+        float32 scales [E], [E, rows] or [E, ceil(rows / 128), ceil(cols / 128)] (128 x 128
+        blocks, gated w1: the gate's block rows, then the up's; cpu backend) of
+        torch.float8_e4m3fn experts.
 
     Returns
     -------
