@@ -103,11 +103,52 @@ def _reference_forward(m):
     return forward
 
 
+def is_fp8_experts(m):
+    """transformers' fine-grained fp8 experts (FP8Experts): stacked e4m3 gate_up_proj
+    [E, 2I, H] and down_proj [E, H, I] with *_scale_inv, each expert's projections computed by
+    its `linear` method."""
+    w = getattr(m, "gate_up_proj", None)
+    return (isinstance(w, torch.Tensor) and w.dtype == torch.float8_e4m3fn and w.dim() == 3
+            and isinstance(getattr(m, "gate_up_proj_scale_inv", None), torch.Tensor)
+            and isinstance(getattr(m, "down_proj_scale_inv", None), torch.Tensor)
+            and callable(getattr(m, "linear", None)))
+
+
+def experts_scales(m, owner):
+    """(w1_scale, w2_scale) of fp8 experts as fusedmlp.moe takes them: [E, 2 * ceil(I / 128),
+    ceil(H / 128)] (each expert's gate block rows, then its up block rows) and [E,
+    ceil(H / 128), ceil(I / 128)]; raises NotImplementedError where the layout differs."""
+    block = tuple(getattr(m, "block_size", None) or ())
+    if block != (BLOCK, BLOCK):
+        raise NotImplementedError(f"{owner}.experts are fp8 with "
+                                  f"{'per-tensor scales' if not block else f'{block} blocks'}; "
+                                  f"fusedmlp's fp8 experts take {BLOCK} x {BLOCK} block scales")
+    e, two_i, hd = m.gate_up_proj.shape
+    inter = two_i // 2
+    if inter % BLOCK:
+        raise NotImplementedError(f"{owner}.experts: intermediate size {inter} is not a multiple "
+                                  f"of {BLOCK}, so gate_up_proj's scale blocks straddle the gate "
+                                  "and up halves, which fusedmlp's block scales keep apart")
+    s1, s2 = m.gate_up_proj_scale_inv.detach().float(), m.down_proj_scale_inv.detach().float()
+    want1 = (e, 2 * (inter // BLOCK), -(-hd // BLOCK))
+    want2 = (e, -(-m.down_proj.shape[1] // BLOCK), -(-m.down_proj.shape[2] // BLOCK))
+    if tuple(s1.shape) != want1 or tuple(s2.shape) != want2:
+        raise NotImplementedError(f"{owner}.experts: scales {tuple(s1.shape)} and "
+                                  f"{tuple(s2.shape)}; {BLOCK} x {BLOCK} blocks need {want1} and "
+                                  f"{want2}")
+    return s1.contiguous(), s2.contiguous()
+
+
+def _reference_linear(input, weight, weight_scale_inv, activation_scale=None):
+    w = dequantize(weight, weight_scale_inv.float()).to(input.device)
+    return F.linear(input.float(), w).to(input.dtype)
+
+
 @contextlib.contextmanager
 def dequantized(model):
     """Within the block, every fp8 linear under `model` computes x @ (weight * scale)^T + b in
     float32, rounded to x's dtype (what fusedmlp's weight-only fp8 path computes), instead of
-    its own forward."""
+    its own forward; fp8 experts compute each projection the same way."""
     changed = []
     for m in model.modules():
         if is_fp8_linear(m):
@@ -115,16 +156,19 @@ def dequantized(model):
                 fp8_scale(m)
             except NotImplementedError:
                 continue
-            changed.append((m, m.__dict__.get("forward")))
+            changed.append((m, "forward", m.__dict__.get("forward")))
             m.forward = _reference_forward(m)
+        elif is_fp8_experts(m):
+            changed.append((m, "linear", m.__dict__.get("linear")))
+            m.linear = _reference_linear
     try:
         yield
     finally:
-        for m, old in changed:
+        for m, attr, old in changed:
             if old is None:
-                m.__dict__.pop("forward", None)
+                m.__dict__.pop(attr, None)
             else:
-                m.forward = old
+                setattr(m, attr, old)
 
 
 def activation_dtype(*modules):

@@ -145,14 +145,17 @@ def _first(out):
 
 def _moe_plan(name, parent, child_name, block, backend):
     fused = FusedMoE.from_module(block, backend=backend).train(block.training)
+    # fp8 experts: x in the dtype the model computes in (its router's)
+    x_dtype = _fp8.activation_dtype(block) if fused.w1.dtype == torch.float8_e4m3fn \
+        else fused.w1.dtype
     with torch.no_grad():  # NotImplementedError now (a skip with the reason), not at forward
-        fused.eval()(torch.zeros(1, fused.d, dtype=fused.w1.dtype, device=fused.w1.device))
+        fused.eval()(torch.zeros(1, fused.d, dtype=x_dtype, device=fused.w1.device))
     fused.train(block.training)
     return Plan(name, [(parent, child_name, fused)],
                 lambda x: _first(block(x.unsqueeze(0)))[0], lambda x: _first(fused(x)),
                 fused.d, fused.w1, f"{type(block).__name__} -> FusedMoE ({fused.extra_repr()})",
                 select=lambda x: fused.routing_margin(x) > PROBE_RTOL.get(x.dtype, 2.0**-4),
-                probe_rows=64, covers=(name,))
+                probe_rows=64, covers=(name,), x_dtype=x_dtype)
 
 
 def _experts_plan(name, experts):

@@ -201,3 +201,49 @@ def test_fused_linear_fp8_checks_its_arguments():
     torch.testing.assert_close(lin(x), x @ (w.float() * 0.5).t(), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="w_scale"):
         ft.FusedLinear(w, weight_scale=torch.ones(31))(x)
+
+
+def _block_q(w):
+    q, s, _ = fusedmlp.quantize_fp8(w.detach().float().contiguous(), block=True)
+    return q, s
+
+
+def _deq(q, s):
+    return q.float() * s.repeat_interleave(128, 0)[:q.shape[0]].repeat_interleave(
+        128, 1)[:, :q.shape[1]]
+
+
+def test_fp8_experts_moe_blocks_patch_and_match():
+    """Mixtral with fine-grained fp8 experts (FP8Experts: gate_up_proj / down_proj in e4m3 with
+    128 x 128 *_scale_inv): its sparse-MoE blocks become FusedMoE on the e4m3 experts, and the
+    logits match the model whose experts hold the dequantised weights."""
+    torch.manual_seed(2)
+    cfg = transformers.MixtralConfig(hidden_size=256, intermediate_size=256,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=160, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    ref = copy.deepcopy(model)
+    for layer, ref_layer in zip(model.model.layers, ref.model.layers):
+        old = layer.mlp.experts
+        new = fg.FP8Experts(cfg, block_size=(128, 128))
+        e, two_i, hd = old.gate_up_proj.shape
+        inter = two_i // 2
+        for i in range(e):
+            gq, gs = _block_q(old.gate_up_proj[i, :inter])
+            uq, us = _block_q(old.gate_up_proj[i, inter:])
+            dq, ds = _block_q(old.down_proj[i])
+            new.gate_up_proj.data[i] = torch.cat([gq, uq])
+            new.gate_up_proj_scale_inv.data[i] = torch.cat([gs, us])
+            new.down_proj.data[i], new.down_proj_scale_inv.data[i] = dq, ds
+            with torch.no_grad():
+                ref_layer.mlp.experts.gate_up_proj[i] = torch.cat([_deq(gq, gs), _deq(uq, us)])
+                ref_layer.mlp.experts.down_proj[i] = _deq(dq, ds)
+        layer.mlp.experts = new
+    want = logits(ref, _ids(160))
+    report = fusedmlp.patch(model, strict=True, backend="cpu")
+    assert report.replaced == ["model.layers.0.mlp", "model.layers.1.mlp"], str(report)
+    moe = model.model.layers[0].mlp
+    assert isinstance(moe, ft.FusedMoE) and moe.w1.dtype == torch.float8_e4m3fn
+    assert moe.w1_scale.shape == (4, 4, 2)
+    close(logits(model, _ids(160)), want)
