@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _ACTIVATIONS, _BACKENDS, _SCORINGS, _lookup
+from . import _ACTIVATIONS, _BACKENDS, _SCORINGS, _fp8, _lookup
 from .torch import _activation, _moe_op, _PaddedCopy, _param
 
 __all__ = ["FusedMoE"]
@@ -226,13 +226,25 @@ def _router(block):
 
 
 def _stacked_experts(experts, owner):
-    """(w1, w2, activation) of transformers 5 experts (3-D gate_up_proj, down_proj)."""
+    """(w1, w2, activation, scales) of transformers 5 experts (3-D gate_up_proj, down_proj;
+    fine-grained fp8 ones with their 128 x 128 block scales, else scales {})."""
     if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False) \
             or not getattr(experts, "has_gate", True):
         raise NotImplementedError(f"{owner}.experts is transposed, biased or not gated; "
                                   "fusedmlp takes gate_up_proj [E, 2I, H] and down_proj "
                                   "[E, H, I] without biases")
     names = sorted(n for n, _ in experts.named_parameters())
+    scales = {}
+    if _fp8.is_fp8_experts(experts):
+        for a in ("gate_softcap", "swiglu_alpha", "limit"):
+            if getattr(experts, a, None) is not None:
+                raise NotImplementedError(f"{owner}.experts clamp or softcap their gate ({a}); "
+                                          "fusedmlp's experts apply act(gate) * up")
+        s1, s2 = _fp8.experts_scales(experts, owner)
+        scales = dict(w1_scale=s1, w2_scale=s2)
+        names = [n for n in names if n not in ("gate_up_proj_scale_inv", "down_proj_scale_inv",
+                                               "gate_up_proj_activation_scale",
+                                               "down_proj_activation_scale")]
     if names != ["down_proj", "gate_up_proj"]:
         raise NotImplementedError(f"{owner}.experts has parameters {names}; expected "
                                   "gate_up_proj and down_proj only")
@@ -242,7 +254,7 @@ def _stacked_experts(experts, owner):
         raise NotImplementedError(f"{owner}.experts has gate_up_proj {tuple(w1.shape)} and "
                                   f"down_proj {tuple(w2.shape)}; expected [E, 2I, H] and "
                                   "[E, H, I]")
-    return w1, w2, _activation(experts.act_fn)
+    return w1, w2, _activation(experts.act_fn), scales
 
 
 def _listed_experts(experts, owner):
@@ -267,7 +279,7 @@ def _listed_experts(experts, owner):
     with torch.no_grad():
         w1 = torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups)])
         w2 = torch.stack(downs)
-    return w1, w2, acts.pop()
+    return w1, w2, acts.pop(), {}
 
 
 def _describe_moe(block):
@@ -279,7 +291,7 @@ def _describe_moe(block):
     router_w, router_b = _router(block)
     experts = getattr(block, "experts", None)
     legacy = isinstance(experts, nn.ModuleList)
-    w1, w2, activation = (_listed_experts if legacy else _stacked_experts)(experts, kind)
+    w1, w2, activation, scales = (_listed_experts if legacy else _stacked_experts)(experts, kind)
     top_k = getattr(block, "top_k", getattr(block.gate, "top_k", None))
     if not isinstance(top_k, int) or router_w.shape[0] != w1.shape[0]:
         raise NotImplementedError(f"{kind}: top_k {top_k!r} or router {tuple(router_w.shape)} "
@@ -291,4 +303,4 @@ def _describe_moe(block):
                 return_router_logits=legacy,
                 # The block's router is an nn.Linear in the model dtype: its logits are rounded
                 # to it before the softmax, and routing near a tie follows that rounding.
-                round_router_logits=True)
+                round_router_logits=True, **scales)

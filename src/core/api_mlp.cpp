@@ -16,6 +16,11 @@ std::string describe(const MlpDesc& d) {
                   fmlp_activation_name(d.activation));
   if (d.norm == FMLP_NORM_LAYERNORM) s += " layernorm";
   if (d.norm == FMLP_NORM_RMSNORM) s += " rmsnorm";
+  const auto kind = [](ScaleKind k) {
+    return k == ScaleKind::kBlock ? "128x128" : k == ScaleKind::kPerRow ? "row" : "tensor";
+  };
+  if (d.w1_scale == ScaleKind::kBlock || d.w2_scale == ScaleKind::kBlock)
+    s += fmt::format(" fp8-scales(w1 {}, w2 {})", kind(d.w1_scale), kind(d.w2_scale));
   if (d.has_b1 || d.has_b_up || d.has_b2) s += " bias";
   if (d.has_residual) s += d.residual_is_y ? " residual(in-place)" : " residual";
   if (d.deterministic) s += " deterministic";

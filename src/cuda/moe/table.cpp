@@ -16,9 +16,16 @@
 namespace fmlp::detail {
 namespace {
 
-// What both entries need: the device, 16-bit experts (or fp8 ones on sm_89+), the route kernel's
-// expert limit.
+// What every entry needs: no block scales, the device, 16-bit experts (or fp8 ones on sm_89+), the
+// route kernel's expert limit.
 bool moe_common_supports(const MoeDesc& d, std::string* why) {
+  if (d.expert.w1_scale == ScaleKind::kBlock || d.expert.w2_scale == ScaleKind::kBlock)
+    return (*why = fmt::format("{} is a 3-D block scale (128 x 128 blocks per expert): the cuda "
+                               "moe entries take [E] or [E, rows] fp8 scales only; run on the cpu "
+                               "backend, or re-quantise each expert per row (fmlp_quantize_fp8 "
+                               "with a [rows] scale) for cuda",
+                               d.expert.w1_scale == ScaleKind::kBlock ? "w1_scale" : "w2_scale"),
+            false);
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (d.w_dtype == FMLP_DTYPE_F8_E4M3) {
     if (cuda_compute_capability(d.device_id) < 89)
