@@ -124,6 +124,9 @@ TEST(MoeCudaStream, OddSizesOnPaddedRowsMatchReference) {
     ++n;
     DeviceRun run;
     run.graph = n % 3 == 0;
+    // A graph run replays twice after its refresh: y as its own residual would get the op added
+    // twice, so graph runs take a separate residual.
+    if (run.graph && c.residual == 2) c.residual = 1;
     run.nan_token = n % 4 == 1 ? 0 : -1;
     EXPECT_EQ(run_device(c, "moe_sm80_stream", mix_seed(test_seed(), uint64_t(700 + n)), run), "")
         << c.name() << (run.graph ? " graph" : "") << " (FMLP_TEST_SEED=" << test_seed() << ")";
