@@ -18,23 +18,6 @@
 namespace fmlp_test {
 namespace {
 
-std::string run_moe(const MoeCase& c, MoeData& m, const char* kernel) {
-  std::vector<double> residual;
-  const HostTensor& r = c.residual == 2 ? m.y : m.res;
-  for (int64_t i = 0; c.residual && i < c.t * c.d_out; ++i) residual.push_back(r.get(i));
-  if (fmlp_moe_kernel_supports(&m.args, kernel) != FMLP_SUCCESS)
-    return std::string("refused: ") + fmlp_last_error();
-  size_t bytes = 0;
-  if (fmlp_moe_kernel_workspace_size(&m.args, kernel, &bytes) != FMLP_SUCCESS)
-    return fmlp_last_error();
-  std::vector<unsigned char> ws(bytes + 1);
-  if (const fmlp_status_t s = fmlp_moe_with_kernel(&m.args, kernel, ws.data(), bytes, nullptr);
-      s != FMLP_SUCCESS)
-    return std::string(fmlp_status_name(s)) + ": " + fmlp_last_error();
-  if (!m.y.guard_intact()) return "bytes after y were written";
-  return check_y(c, m, residual, {});
-}
-
 // Sizes across the block edges (hidden 1 .. 1001, d and d_out 7 .. 769), dense and gated, every
 // activation, T from 1 to 200 (groups from one row to past the cpu decode kernel's 16).
 std::vector<MoeCase> cases() {
@@ -80,7 +63,7 @@ TEST(MoeFp8Block, EveryEntryMatchesReferenceOrRefuses) {
         EXPECT_NE(err.find("cpu backend"), std::string::npos) << kernel << ": " << err;
         continue;
       }
-      const std::string err = run_moe(cs[n], m, kernel);
+      const std::string err = run_host(cs[n], m, kernel);
       EXPECT_EQ(err, "") << kernel << " [" << cs[n].name() << "] (FMLP_TEST_SEED=" << test_seed()
                          << ")";
     }
@@ -98,7 +81,7 @@ TEST(MoeFp8Block, NonFiniteInputsAndCodes) {
     m.x.set(0 * c.d + 5, NAN);
     m.x.set(3 * c.d + 199, INFINITY);
     m.w2.bytes[size_t(1 * c.d_out * c.hidden + 7 * c.hidden + 130)] = 0x7f;  // expert 1, row 7
-    EXPECT_EQ(run_moe(c, m, kernel), "") << kernel;
+    EXPECT_EQ(run_host(c, m, kernel), "") << kernel;
   }
 }
 
@@ -115,8 +98,8 @@ TEST(MoeFp8Block, OneExpertBlockMovesOnlyItsTokensAndRows) {
     // w2_scale [4, 3, 3]: expert 2, block (1, 2).
     const int64_t at = (2 * 3 + 1) * 3 + 2;
     b.s2.set(at, 2.0 * b.s2.get(at));
-    ASSERT_EQ(run_moe(c, a, kernel), "") << kernel;
-    ASSERT_EQ(run_moe(c, b, kernel), "") << kernel;
+    ASSERT_EQ(run_host(c, a, kernel), "") << kernel;
+    ASSERT_EQ(run_host(c, b, kernel), "") << kernel;
     int64_t moved = 0;
     for (int64_t t = 0; t < c.t; ++t)
       for (int64_t o = 0; o < c.d_out; ++o) {
