@@ -6,10 +6,18 @@
 // bandwidth measured in this run). Outputs are spot-checked against an fp64 host reference.
 // usage: fusedmlp_ops_bench [--json FILE] [--reps N] [--only linear|fp8|softmax]
 //                           [--shape NAME[,NAME...]] [--ms M[,M...]] [--softmax-kernel NAME]
+//                           [--odd]
 //   --only fp8: the fp8 linear rows alone; --shape: the linear rows of those shapes alone;
 //   --ms: instead of the default rows, every (--shape) linear shape at each of these M, bf16
 //         (and fp8 for the fp8 rows' shapes; with --only fp8 those alone);
-//   --softmax-kernel: the softmax rows on that op-table entry (rows it does not take are left out).
+//   --softmax-kernel: the softmax rows on that op-table entry (rows it does not take are left out);
+//   --odd: instead of the default rows, odd shapes (kOddShapes: K and N not multiples of 8) next
+//          to their aligned neighbours (rounded up to 16), bf16 and fp8, at M = 1, 4, 16, 64 (or
+//          --ms); the odd weights with a padded row stride (what fusedmlp.FusedLinear stores) and
+//          as given (contiguous, row stride K), each with its time over the aligned row's
+//          ("odd/aligned", the goal: <= 1.1 padded); then the padded odd rows and the
+//          aligned ones on each of the weight-stream and tensor-core entries forced (where they
+//          take the call), to show which entry the planner should give odd shapes.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -81,6 +89,18 @@ const Shape kShapes[] = {
     {"qwen2.5-7b.lm_head", 152064, 3584},
     {"lm_head.768", 50257, 768},
     {"lm_head.4096", 128256, 4096},
+};
+
+// Odd projections (up and down of the odd MLP sizes in odd_suite.txt) and their neighbours rounded
+// up to multiples of 16, for --odd.
+struct OddPair {
+  Shape odd, aligned;
+};
+const OddPair kOddShapes[] = {
+    {{"odd.up.4095", 11007, 4095}, {"al.up.4096", 11008, 4096}},
+    {{"odd.down.4095", 4095, 11007}, {"al.down.4096", 4096, 11008}},
+    {{"odd.up.1001", 2731, 1001}, {"al.up.1008", 2736, 1008}},
+    {{"odd.down.1001", 1001, 2731}, {"al.down.1008", 1008, 2736}},
 };
 
 uint64_t g_rng = 0x9E3779B97F4A7C15ull;
@@ -163,7 +183,8 @@ struct Row {
   std::string op, shape, dtype, check;
   int64_t m, n, k;
   double us, bytes;
-  std::string kernel;  // the cuda entry the dispatch chose
+  std::string kernel;       // the cuda entry the dispatch chose
+  double over_aligned = 0;  // --odd: us over the aligned neighbour's (0: not an odd row)
 };
 
 void print_row(const Row& r, double bw) {
@@ -175,9 +196,14 @@ void print_row(const Row& r, double bw) {
   std::fflush(stdout);
 }
 
-Row bench_linear(const Shape& sh, int64_t m, fmlp_dtype_t wt, size_t l2, cudaStream_t s, int reps) {
+// w_ld: W's row stride in elements (0: K, rows back to back); the padding past K is zeros.
+// kernel: the op-table entry to time instead of the planner's pick (nullptr: dispatch); a row
+// with an empty op when it does not take the call.
+Row bench_linear(const Shape& sh, int64_t m, fmlp_dtype_t wt, size_t l2, cudaStream_t s, int reps,
+                 int64_t w_ld = 0, const char* kernel = nullptr) {
   const fmlp_dtype_t xt = FMLP_DTYPE_BF16;
-  const size_t wbytes = size_t(sh.n * sh.k) * esize(wt);
+  const int64_t ld = w_ld > 0 ? w_ld : sh.k;
+  const size_t wbytes = size_t(sh.n * ld) * esize(wt);
   const int copies = int(std::min<size_t>(64, std::max<size_t>(1, (3 * l2 + wbytes - 1) / wbytes)));
   const std::vector<uint8_t> hw =
       random_host(wt, size_t(sh.n * sh.k), 1.0 / std::sqrt(double(sh.k)));
@@ -186,8 +212,12 @@ Row bench_linear(const Shape& sh, int64_t m, fmlp_dtype_t wt, size_t l2, cudaStr
   std::vector<float> hs(size_t(sh.n), 1.f / 64);
   std::vector<uint8_t> hsb(hs.size() * 4);
   std::memcpy(hsb.data(), hs.data(), hsb.size());
+  std::vector<uint8_t> hw_ld(size_t(sh.n * ld) * esize(wt), 0);
+  for (int64_t r = 0; r < sh.n; ++r)
+    std::memcpy(hw_ld.data() + size_t(r * ld) * esize(wt), hw.data() + size_t(r * sh.k) * esize(wt),
+                size_t(sh.k) * esize(wt));
   std::vector<void*> wcopies(static_cast<size_t>(copies));
-  for (auto& w : wcopies) w = upload(hw);
+  for (auto& w : wcopies) w = upload(hw_ld);
   void* x = upload(hx);
   void* bias = upload(hb);
   void* scale = upload(hsb);
@@ -195,21 +225,40 @@ Row bench_linear(const Shape& sh, int64_t m, fmlp_dtype_t wt, size_t l2, cudaStr
   CK(cudaMalloc(&y, size_t(m * sh.n) * esize(xt)));
   fmlp_linear_args_t a{dev2d(y, xt, m, sh.n), dev2d(x, xt, m, sh.k),
                        dev2d(wcopies[0], wt, sh.n, sh.k), fmlp_tensor_none(), fmlp_tensor_none()};
+  a.w.stride[0] = ld;
   a.bias = fmlp_tensor_1d(bias, xt, sh.n);
   a.bias.device_type = FMLP_DEVICE_CUDA;
   if (wt == FMLP_DTYPE_F8_E4M3) {
     a.w_scale = fmlp_tensor_1d(scale, FMLP_DTYPE_F32, sh.n);
     a.w_scale.device_type = FMLP_DEVICE_CUDA;
   }
+  auto release = [&] {
+    for (void* w : wcopies) CK(cudaFree(w));
+    CK(cudaFree(x));
+    CK(cudaFree(bias));
+    CK(cudaFree(scale));
+    CK(cudaFree(y));
+  };
+  if (kernel && fmlp_linear_kernel_supports(&a, kernel) != FMLP_SUCCESS) {
+    release();
+    return {};
+  }
   size_t wsb = 0;
-  FK(fmlp_linear_workspace_size(&a, FMLP_BACKEND_CUDA, &wsb));
+  if (kernel)
+    FK(fmlp_linear_kernel_workspace_size(&a, kernel, &wsb));
+  else
+    FK(fmlp_linear_workspace_size(&a, FMLP_BACKEND_CUDA, &wsb));
   void* ws = nullptr;
   if (wsb) {
     CK(cudaMalloc(&ws, wsb));
     CK(cudaMemset(ws, 0, wsb));
   }
+  auto call = [&] {
+    return kernel ? fmlp_linear_with_kernel(&a, kernel, ws, wsb, s)
+                  : fmlp_linear(&a, FMLP_BACKEND_CUDA, ws, wsb, s);
+  };
   // Spot check of the first copy against fp64.
-  FK(fmlp_linear(&a, FMLP_BACKEND_CUDA, ws, wsb, s));
+  FK(call());
   CK(cudaStreamSynchronize(s));
   std::vector<uint8_t> hy(size_t(m * sh.n) * esize(xt));
   CK(cudaMemcpy(hy.data(), y, hy.size(), cudaMemcpyDeviceToHost));
@@ -230,26 +279,22 @@ Row bench_linear(const Shape& sh, int64_t m, fmlp_dtype_t wt, size_t l2, cudaStr
   cudaGraphExec_t g = capture(s, [&] {
     for (int c = 0; c < copies; ++c) {
       a.w.data = wcopies[size_t(c)];
-      FK(fmlp_linear(&a, FMLP_BACKEND_CUDA, ws, wsb, s));
+      FK(call());
     }
   });
   Row r{"linear",
-        sh.name,
+        std::string(sh.name) + (ld != sh.k ? ".ld" + std::to_string(ld) : ""),
         fmlp_dtype_name(wt),
         worst <= 1.0 ? "ok" : "CHECK-FAILED",
         m,
         sh.n,
         sh.k,
         0.0,
-        double(wbytes + size_t(m * (sh.k + sh.n)) * esize(xt))};
-  r.kernel = chosen_kernel(fmlp_linear_explain, a);
+        double(size_t(sh.n * sh.k) * esize(wt) + size_t(m * (sh.k + sh.n)) * esize(xt))};
+  r.kernel = kernel ? std::string(kernel) + " (forced)" : chosen_kernel(fmlp_linear_explain, a);
   r.us = graph_us_per_call(g, s, copies, reps);
   CK(cudaGraphExecDestroy(g));
-  for (void* w : wcopies) CK(cudaFree(w));
-  CK(cudaFree(x));
-  CK(cudaFree(bias));
-  CK(cudaFree(scale));
-  CK(cudaFree(y));
+  release();
   if (ws) CK(cudaFree(ws));
   return r;
 }
@@ -345,6 +390,7 @@ int main(int argc, char** argv) {
   std::string json = "ops.json", only, shape;
   std::vector<int64_t> ms;
   int reps = 50;
+  bool odd = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc)
@@ -360,6 +406,8 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--ms %s: expected positive integers separated by commas\n", argv[i]);
         return 1;
       }
+    } else if (a == "--odd") {
+      odd = true;
     } else if (a == "--softmax-kernel" && i + 1 < argc) {
       g_softmax_kernel = argv[++i];
     } else {
@@ -385,7 +433,42 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   const char* const fp8_shapes[] = {"llama3-8b.q", "llama3-8b.down", "llama3-8b.up",
                                     "llama3-70b.up"};
-  if (!ms.empty()) {  // --ms: the chosen shapes at the chosen M, no softmax
+  if (odd) {  // --odd: odd shapes beside their aligned neighbours, no softmax
+    const std::vector<int64_t> odd_ms = ms.empty() ? std::vector<int64_t>{1, 4, 16, 64} : ms;
+    std::vector<std::string> summary;
+    for (const OddPair& p : kOddShapes)
+      for (fmlp_dtype_t wt : {FMLP_DTYPE_BF16, FMLP_DTYPE_F8_E4M3})
+        for (int64_t m : odd_ms) {
+          if (only == "fp8" && wt != FMLP_DTYPE_F8_E4M3) continue;
+          const int64_t per = wt == FMLP_DTYPE_F8_E4M3 ? 16 : 8;
+          const int64_t padded_ld = (p.odd.k + per - 1) / per * per;
+          rows.push_back(bench_linear(p.aligned, m, wt, l2, s, reps)), print_row(rows.back(), bw);
+          const double aligned_us = rows.back().us;
+          for (const int64_t ld : {padded_ld, int64_t(0)}) {
+            rows.push_back(bench_linear(p.odd, m, wt, l2, s, reps, ld));
+            rows.back().over_aligned = rows.back().us / aligned_us;
+            print_row(rows.back(), bw);
+            char line[256];
+            std::snprintf(line, sizeof line, "odd/aligned %-22s %-5s M=%-3lld %6.3f  (%s vs %s)%s",
+                          rows.back().shape.c_str(), fmlp_dtype_name(wt), (long long)m,
+                          rows.back().over_aligned, rows.back().kernel.c_str(),
+                          rows[rows.size() - 1 - (ld ? 1 : 2)].kernel.c_str(),
+                          ld && rows.back().over_aligned > 1.1 ? "  OVER 1.1" : "");
+            summary.push_back(line);
+          }
+          for (const char* forced : {"linear_sm80_stream", "linear_sm80_mma"})
+            for (const auto& [sh, ld] :
+                 {std::pair<Shape, int64_t>{p.aligned, 0}, {p.odd, padded_ld}}) {
+              Row r = bench_linear(sh, m, wt, l2, s, reps, ld, forced);
+              if (r.op.empty()) continue;
+              if (ld) r.over_aligned = r.us / aligned_us;
+              rows.push_back(r), print_row(rows.back(), bw);
+            }
+        }
+    std::printf("\n");
+    for (const std::string& l : summary) std::printf("%s\n", l.c_str());
+    only = "none";
+  } else if (!ms.empty()) {  // --ms: the chosen shapes at the chosen M, no softmax
     for (int64_t m : ms)
       for (const Shape& sh : kShapes)
         if (wanted(sh.name)) {
@@ -449,10 +532,13 @@ int main(int argc, char** argv) {
         f,
         "  {\"op\": \"%s\", \"shape\": \"%s\", \"dtype\": \"%s\", \"M\": %lld, \"N\": %lld, "
         "\"K\": %lld, \"us\": %.3f, \"GBps\": %.1f, \"pct_of_copy\": %.1f, \"check\": \"%s\", "
-        "\"kernel\": \"%s\"}%s\n",
+        "\"kernel\": \"%s\"%s}%s\n",
         r.op.c_str(), r.shape.c_str(), r.dtype.c_str(), (long long)r.m, (long long)r.n,
         (long long)r.k, r.us, r.bytes / r.us * 1e-3, 100.0 * r.bytes / bw / (r.us * 1e-6),
-        r.check.c_str(), r.kernel.c_str(), i + 1 < rows.size() ? "," : "");
+        r.check.c_str(), r.kernel.c_str(),
+        r.over_aligned > 0 ? (", \"odd_over_aligned\": " + std::to_string(r.over_aligned)).c_str()
+                           : "",
+        i + 1 < rows.size() ? "," : "");
   }
   std::fprintf(f, "]}\n");
   std::fclose(f);

@@ -462,6 +462,14 @@ def decode_suite(a):
                             for r in rows if r["pick_over_best"] > 1.05],
         "checks_failed": [f"{r['shape']} M={r['M']}" for r in rows if not r["check_ok"]],
     }
+    # bench/odd_suite.txt: shape NAME-al is NAME rounded up to aligned sizes; time odd / aligned.
+    by = {(r["shape"], r["M"]): r for r in rows}
+    pairs = {s: {m: round(by[(s, m)]["ours_us"] / by[(s + "-al", m)]["ours_us"], 3)
+                 for (s2, m) in by if s2 == s and (s + "-al", m) in by}
+             for s in dict.fromkeys(r["shape"] for r in rows) if any(k[0] == s + "-al" for k in by)}
+    if pairs:
+        summary["odd_over_aligned"] = pairs
+        summary["odd_over_aligned_max"] = max(v for p in pairs.values() for v in p.values())
     doc = {"gpu": ours["gpu"], "gpu_info": gpu_lines(a), "commit": a.commit,
            "copy_TBps": ours["copy_TBps"], "torch": peers.get("torch"),
            "method": "CUDA-graph replay, weights rotated over > 3x L2, median; floor = (weight + "

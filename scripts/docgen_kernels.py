@@ -23,7 +23,8 @@ ENTRIES = {
     "mlp_decode_sm80_stream": dict(
         src=["src/cuda/mlp/decode_sm80_stream.cu"],
         w="bf16, f16, e4m3", x="any (e4m3 weights: bf16, f16)",
-        m="1..{kMaxTokens} (x and h within {kMaxStageBytes:KiB} of shared memory)",
+        m="1..{kMaxTokens} (x and h within {kMaxStageBytes:KiB} of shared memory); any sizes on "
+          "packed weights",
         arch="sm_80+",
         when="planner: first below the crossover (M <= 4)",
         how="two memory-order weight streams (up: W1 with bias, activation, gating; down: W2 with "
@@ -54,7 +55,8 @@ ENTRIES = {
             "two e4m3 parts"),
     "mlp_decode_sm80_mma_streamk": dict(
         src=["src/cuda/mlp/decode_sm80_mma_streamk.cu"],
-        w="bf16, f16 (x's dtype), e4m3 (sm_89+)", x="bf16, f16", m="1..{kMaxTokens}",
+        w="bf16, f16 (x's dtype), e4m3 (sm_89+)", x="bf16, f16",
+        m="1..{kMaxTokens}; any sizes on packed weights",
         arch="sm_80+",
         when="pack-time timing or by name; table order where the entries before it decline",
         how="two stream-K tensor-core weight streams (engines/mma_streamk.cuh), each weight read "
@@ -63,7 +65,8 @@ ENTRIES = {
         src=["src/cuda/mlp/decode_sm90_splitk.cu"],
         w="f32, f16, bf16, e4m3 (sm_89+)", x="f32, f16, bf16", m="1..{kMaxTokens}",
         arch="sm_80+",
-        when="what the others refuse: f32, odd sizes, misaligned views, deterministic mode",
+        when="what the others refuse: f32, odd sizes of unpacked weights, misaligned views, "
+             "deterministic mode",
         how="one launch, tensor cores with hi + lo bf16 splits (fp32-grade accuracy), "
             "per-tile counters"),
     "mlp_prefill_sm90_cublaslt": dict(
@@ -96,8 +99,10 @@ ENTRIES = {
     "linear_sm80_mma": dict(
         src=["src/cuda/linear/sm80_mma.cu"],
         w="bf16, f16 (x's dtype); e4m3 (sm_89+, also W8A8)", x="bf16, f16, e4m3",
-        m="2..{kMaxTokens} (e4m3: 1..{kMaxTokens})", arch="sm_80+",
-        when="fp8 weights at M <= 64 the stream does not take",
+        m="2..{kMaxTokens} (e4m3: 1..{kMaxTokens}); any K on 16-byte aligned (padded) W rows",
+        arch="sm_80+",
+        when="fp8 weights at M <= 64 the stream does not take; 16-bit M = 2..64 cuBLASLt "
+             "declines (x or y rows of odd length)",
         how="one pass over W for all tokens on mma.sync, W as the A operand from global memory"),
     "linear_sm90_cublaslt_fp8": dict(
         src=["src/cuda/linear/sm90_cublaslt_fp8.cpp"],
@@ -107,7 +112,9 @@ ENTRIES = {
     "linear_sm80_stream": dict(
         src=["src/cuda/linear/sm80_stream.cu"],
         w="bf16, f16, e4m3", x="any (e4m3 weights: bf16, f16)",
-        m="1..{kMaxTokens} (staged x within {kMaxXsBytes:KiB})", arch="sm_80+",
+        m="1..{kMaxTokens} (staged x within {kMaxXsBytes:KiB}); any K on 16-byte aligned (padded) "
+          "W rows",
+        arch="sm_80+",
         when="planner: M = 1 wherever it runs; M = 2..4 where measured faster",
         how="memory-order stream over W (engines/stream_gemv.cuh), programmatic dependent launch"),
     "linear_sm90_wgmma_fp8": dict(
@@ -118,7 +125,8 @@ ENTRIES = {
     "linear_sm80_gemv": dict(
         src=["src/cuda/linear/sm80_gemv.cu"],
         w="all", x="all", m="any", arch="sm_80+",
-        when="everything else (mixed dtypes, f32, misaligned W)",
+        when="everything else (mixed dtypes, f32, misaligned W: odd K stored back to back; "
+             "explain's note says to pad the row stride)",
         how="warp-per-row GEMV on the CUDA cores, x tiles of 8 rows, deterministic split-K"),
     "linear_cpu_avx2_gemv": dict(
         src=["src/cpu/linear.cpp"], w="f32, f16, bf16, e4m3", x="f32, f16, bf16, e4m3",
@@ -158,9 +166,12 @@ ENTRIES = {
     # ---- moe -------------------------------------------------------------------------------
     "moe_sm80_stream": dict(
         src=["src/cuda/moe/sm80_stream.cu", "src/cuda/moe/moe_cuda.hpp", "src/cuda/moe/tuning.cpp"],
-        w="bf16, f16", x="any", m="1..{kMoeStreamMaxTokens} tokens, top_k <= {kMoeStreamMaxTopK}",
+        w="bf16, f16", x="any",
+        m="1..{kMoeStreamMaxTokens} tokens, top_k <= {kMoeStreamMaxTopK}; any d, hidden on "
+          "16-byte aligned (padded) expert rows",
         arch="sm_80+",
-        when="planner: up to {kStreamMaxShare} expected slots per hit expert",
+        when="planner: up to {kStreamMaxShare} expected slots per hit expert; the only entry for "
+             "d or hidden not a multiple of 8",
         how="device routing, then every slot's expert rows as two weight streams writing y "
             "directly"),
     "moe_sm90_grouped": dict(

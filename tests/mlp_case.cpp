@@ -110,9 +110,26 @@ void fill_normal(HostMatrix* m, Rng& rng) {
     }
 }
 
-// A weight matrix ~ U(-1, 1) / sqrt(fan_in); fp8 stores w / scale with fp32 scales.
+// Block scales: [halves * ceil(rows / halves / 128), ceil(cols / 128)] (fusedmlp.h).
+int64_t blocks(int64_t n) {
+  return (n + 127) / 128;
+}
+int64_t block_row(int64_t r, int64_t rows, int halves) {
+  const int64_t half = rows / halves;
+  return r / half * blocks(half) + r % half / 128;
+}
+
+// The scale of element (r, k) of a weight of `rows` rows: [1], [rows] or 2-D block scales.
+double scale_at(const HostMatrix& scale, int64_t r, int64_t k, int64_t rows, int halves) {
+  if (!scale.present()) return 1.0;
+  if (scale.cols > 0) return scale.get(block_row(r, rows, halves), k / 128);
+  return scale.get(scale.rows == 1 ? 0 : r, 0);
+}
+
+// A weight matrix ~ U(-1, 1) / sqrt(fan_in); fp8 stores w / scale with fp32 scales (block: one
+// per 128 x 128 block of each of `halves` halves of the rows).
 void make_weight(HostMatrix* w, HostMatrix* scale, const MlpCase& c, int64_t rows, int64_t fan_in,
-                 Rng& rng) {
+                 Rng& rng, bool block = false, int halves = 1) {
   const double bound = 1.0 / std::sqrt(double(fan_in));
   *w = make_matrix(c.w_dtype, rows, fan_in);
   if (c.w_dtype != FMLP_DTYPE_F8_E4M3) {
@@ -121,10 +138,12 @@ void make_weight(HostMatrix* w, HostMatrix* scale, const MlpCase& c, int64_t row
   }
   // Stored codes span about +-16, well inside e4m3's range and precise to 3 mantissa bits; or,
   // with fp8_all_codes, any finite non-zero code, so every exponent and subnormal is decoded.
-  *scale = make_matrix(FMLP_DTYPE_F32, c.per_row_scale ? rows : 1, 0);
+  *scale = block ? make_matrix(FMLP_DTYPE_F32, halves * blocks(rows / halves), blocks(fan_in))
+                 : make_matrix(FMLP_DTYPE_F32, c.per_row_scale ? rows : 1, 0);
   std::uniform_real_distribution<double> spread(0.5, 2.0);
   const double top = c.fp8_all_codes ? 448.0 : 16.0;
-  for (int64_t r = 0; r < scale->rows; ++r) scale->set(r, 0, bound / top * spread(rng));
+  for (int64_t r = 0; r < scale->rows; ++r)
+    for (int64_t k = 0; k < scale->width(); ++k) scale->set(r, k, bound / top * spread(rng));
   if (c.fp8_all_codes) {
     for (unsigned char& code : w->bytes) {
       do code = uint8_t(rng());
@@ -133,22 +152,20 @@ void make_weight(HostMatrix* w, HostMatrix* scale, const MlpCase& c, int64_t row
     return;
   }
   std::uniform_real_distribution<double> u(-bound, bound);
-  for (int64_t r = 0; r < rows; ++r) {
-    const double s = scale->get(c.per_row_scale ? r : 0, 0);
+  for (int64_t r = 0; r < rows; ++r)
     for (int64_t k = 0; k < fan_in; ++k) {
+      const double s = scale_at(*scale, r, k, rows, halves);
       do w->set(r, k, u(rng) / s);
       while (w->get(r, k) == 0.0);
     }
-  }
 }
 
 // Dense double copy of a weight matrix with its fp8 scales applied.
-std::vector<double> decode_weight(const HostMatrix& w, const HostMatrix& scale) {
+std::vector<double> decode_weight(const HostMatrix& w, const HostMatrix& scale, int halves = 1) {
   std::vector<double> out(size_t(w.rows * w.cols));
-  for (int64_t r = 0; r < w.rows; ++r) {
-    const double s = scale.present() ? scale.get(scale.rows == 1 ? 0 : r, 0) : 1.0;
-    for (int64_t k = 0; k < w.cols; ++k) out[size_t(r * w.cols + k)] = w.get(r, k) * s;
-  }
+  for (int64_t r = 0; r < w.rows; ++r)
+    for (int64_t k = 0; k < w.cols; ++k)
+      out[size_t(r * w.cols + k)] = w.get(r, k) * scale_at(scale, r, k, w.rows, halves);
   return out;
 }
 
@@ -167,6 +184,9 @@ std::string MlpCase::name() const {
                   fmlp_activation_name(act) + " " + gate_name(gate) +
                   " x=" + fmlp_dtype_name(x_dtype) + " w=" + fmlp_dtype_name(w_dtype);
   if (w_dtype == FMLP_DTYPE_F8_E4M3) s += per_row_scale ? "(row scales)" : "(tensor scale)";
+  if (block_w1 || block_w2)
+    s += std::string(" block scales(") + (block_w1 ? "w1" : "") +
+         (block_w1 && block_w2 ? "," : "") + (block_w2 ? "w2" : "") + ")";
   if (fp8_all_codes) s += " all-fp8-codes";
   if (nan_weights) s += " nan-weights";
   if (b1 != kAbsent) s += std::string(" b1=") + fmlp_dtype_name(b1);
@@ -205,7 +225,7 @@ void normalize(MlpCase* c) {
   if (c->norm != FMLP_NORM_LAYERNORM) c->beta = kAbsent;
   if (c->m < 3) c->nonfinite = false;
   if (c->w_dtype != FMLP_DTYPE_F8_E4M3)
-    c->per_row_scale = c->fp8_all_codes = c->nan_weights = false;
+    c->per_row_scale = c->fp8_all_codes = c->nan_weights = c->block_w1 = c->block_w2 = false;
 }
 
 MlpCase random_case(Rng& rng, int64_t max_macs) {
@@ -271,10 +291,12 @@ CaseData make_data(const MlpCase& c, uint64_t seed) {
     d.residual = make_matrix(c.x_dtype, c.m, c.d_out);
     fill_normal(&d.residual, rng);
   }
-  make_weight(&d.w1, &d.w1_scale, c, c.gate == Gate::kStacked ? 2 * c.hidden : c.hidden, c.d_in,
-              rng);
-  if (c.gate == Gate::kSeparate) make_weight(&d.w_up, &d.w_up_scale, c, c.hidden, c.d_in, rng);
-  make_weight(&d.w2, &d.w2_scale, c, c.d_out, c.hidden, rng);
+  const bool stacked = c.gate == Gate::kStacked;
+  make_weight(&d.w1, &d.w1_scale, c, stacked ? 2 * c.hidden : c.hidden, c.d_in, rng, c.block_w1,
+              stacked ? 2 : 1);
+  if (c.gate == Gate::kSeparate)
+    make_weight(&d.w_up, &d.w_up_scale, c, c.hidden, c.d_in, rng, c.block_w1);
+  make_weight(&d.w2, &d.w2_scale, c, c.d_out, c.hidden, rng, c.block_w2);
   if (c.nan_weights) {
     d.w2.bytes[size_t(rng() % uint64_t(c.hidden))] = 0x7f;
     d.w2.bytes[size_t((c.d_out - 1) * c.hidden + int64_t(rng() % uint64_t(c.hidden)))] = 0xff;
@@ -294,7 +316,7 @@ CaseData make_data(const MlpCase& c, uint64_t seed) {
 
 Reference reference(const MlpCase& c, const CaseData& d) {
   const int64_t K = c.d_in, H = c.hidden, N = c.d_out;
-  const std::vector<double> w1 = decode_weight(d.w1, d.w1_scale);
+  const std::vector<double> w1 = decode_weight(d.w1, d.w1_scale, c.gate == Gate::kStacked ? 2 : 1);
   const std::vector<double> wu =
       d.w_up.present() ? decode_weight(d.w_up, d.w_up_scale) : std::vector<double>{};
   const std::vector<double> w2 = decode_weight(d.w2, d.w2_scale);
@@ -380,21 +402,33 @@ PlacedCase::PlacedCase(const MlpCase& c, bool device) : c_(c), device_(device) {
   place(kY, c.x_dtype, c.m, c.d_out, 5);
   place(kRes, c.residual == Residual::kSeparate ? c.x_dtype : kAbsent, c.m, c.d_out, 1);
   place(kW1, c.w_dtype, rows1, c.d_in, 7);
-  place(kW1s, scale_t, c.per_row_scale ? rows1 : 1, 0, 0);
+  const int64_t rb1 = (c.gate == Gate::kStacked ? 2 : 1) * blocks(c.hidden);
+  if (c.block_w1)
+    place(kW1s, scale_t, rb1, blocks(c.d_in), 1);
+  else
+    place(kW1s, scale_t, c.per_row_scale ? rows1 : 1, 0, 0);
   place(kB1, c.b1, rows1, 0, 0);
   place(kWu, up_t, c.hidden, c.d_in, 2);
-  place(kWus, c.gate == Gate::kSeparate ? scale_t : kAbsent, c.per_row_scale ? c.hidden : 1, 0, 0);
+  const fmlp_dtype_t up_scale_t = c.gate == Gate::kSeparate ? scale_t : kAbsent;
+  if (c.block_w1)
+    place(kWus, up_scale_t, blocks(c.hidden), blocks(c.d_in), 3);
+  else
+    place(kWus, up_scale_t, c.per_row_scale ? c.hidden : 1, 0, 0);
   place(kBu, c.b_up, c.hidden, 0, 0);
   place(kW2, c.w_dtype, c.d_out, c.hidden, 4);
-  place(kW2s, scale_t, c.per_row_scale ? c.d_out : 1, 0, 0);
+  if (c.block_w2)
+    place(kW2s, scale_t, blocks(c.d_out), blocks(c.hidden), 2);
+  else
+    place(kW2s, scale_t, c.per_row_scale ? c.d_out : 1, 0, 0);
   place(kB2, c.b2, c.d_out, 0, 0);
   place(kG, c.gamma, c.d_in, 0, 0);
   place(kBeta, c.beta, c.d_in, 0, 0);
   // Valid scales from the start, so validation and supports() can run before any upload.
   for (Slot s : {kW1s, kWus, kW2s}) {
     if (slots_[s].view.data == nullptr) continue;
-    HostMatrix ones = make_matrix(FMLP_DTYPE_F32, slots_[s].rows, 0);
-    for (int64_t r = 0; r < ones.rows; ++r) ones.set(r, 0, 1.0);
+    HostMatrix ones = make_matrix(FMLP_DTYPE_F32, slots_[s].rows, slots_[s].cols);
+    for (int64_t r = 0; r < ones.rows; ++r)
+      for (int64_t k = 0; k < ones.width(); ++k) ones.set(r, k, 1.0);
     write(s, ones);
   }
   args_.x = slots_[kX].view;

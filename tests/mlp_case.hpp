@@ -32,6 +32,9 @@ struct MlpCase {
   fmlp_dtype_t x_dtype = FMLP_DTYPE_F32;  // x, y and residual
   fmlp_dtype_t w_dtype = FMLP_DTYPE_F32;  // w1, w_up, w2
   bool per_row_scale = false;             // fp8 weights: [rows] scales instead of [1]
+  // fp8 weights: 2-D 128 x 128 block scales for W1 and W_up (a stacked W1: the gate's block rows,
+  // then the up's) / for W2, instead of per_row_scale's kind; each block its own scale.
+  bool block_w1 = false, block_w2 = false;
   bool fp8_all_codes = false;  // fp8 weights: codes drawn from every finite non-zero code
                                // (subnormals and 448 included) instead of about +-16
   bool nan_weights = false;    // fp8 weights: w2 holds a 0x7f NaN in row 0, 0xff in the last row

@@ -71,8 +71,13 @@ struct MoeCase {
                     // 4 expert i gets exactly slots[i] of the t*k slots (given ids, shuffled)
   std::vector<int64_t> slots;  // routing 4: sums to t*k
   bool fp8_rows = true;        // wt == F8_E4M3: scales [E, rows] (per row) or [E] (per expert)
+  // wt == F8_E4M3: 128 x 128 block scales [E, row blocks, col blocks] instead (gated W1: the
+  // gate half and the up half quantised apart, their block rows concatenated, fusedmlp.h)
+  bool fp8_block = false;
   int64_t expert_pad = 0;  // 16-bit experts: W1 and W2 keep this many unused (random) rows after
                            // each expert, so the experts are not one matrix each
+  bool pad_rows = false;   // 16-bit experts: W1 and W2 rows padded with NaN past d and hidden to
+                           // whole 16-byte chunks (row stride a multiple of 8): never to count
   std::string name() const {
     return "T=" + std::to_string(t) + " d=" + std::to_string(d) + " h=" + std::to_string(hidden) +
            " d_out=" + std::to_string(d_out) + " E=" + std::to_string(e) +
@@ -83,8 +88,12 @@ struct MoeCase {
            (residual ? " residual=" + std::to_string(residual) : "") + (b1 ? " b1" : "") +
            (b2 ? " b2" : "") + (rb ? " router_b" : "") + (deterministic ? "" : " nondet") +
            (round ? " round-logits" : "") +
-           (wt == FMLP_DTYPE_F8_E4M3 ? (fp8_rows ? " row-scales" : " expert-scales") : "") +
-           (expert_pad ? " expert-pad=" + std::to_string(expert_pad) : "");
+           (wt == FMLP_DTYPE_F8_E4M3 ? (fp8_block  ? " block-scales"
+                                        : fp8_rows ? " row-scales"
+                                                   : " expert-scales")
+                                     : "") +
+           (expert_pad ? " expert-pad=" + std::to_string(expert_pad) : "") +
+           (pad_rows ? " padded-rows" : "");
   }
 };
 
@@ -108,18 +117,38 @@ inline void make(const MoeCase& c, uint64_t seed, MoeData* m) {
   m->y = HostTensor(c.xt, {c.t, c.d_out});
   fill(m->x, rng, 1.0);
   // fp8 experts: random fp32 weights quantised expert by expert with the library's quantiser.
-  const auto weights = [&](HostTensor* w, HostTensor* s, int64_t rows, int64_t cols) {
+  const auto weights = [&](HostTensor* w, HostTensor* s, int64_t rows, int64_t cols, int halves) {
     const double sd = 1.0 / std::sqrt(double(cols));
     if (c.wt != FMLP_DTYPE_F8_E4M3) {
-      *w = HostTensor(c.wt, {c.e, rows + c.expert_pad, cols});
+      const int64_t ld = c.pad_rows ? (cols + 7) / 8 * 8 : cols;
+      *w = HostTensor(c.wt, {c.e, rows + c.expert_pad, ld});
       fill(*w, rng, sd);
+      for (int64_t r = 0; r < c.e * (rows + c.expert_pad); ++r)
+        for (int64_t i = cols; i < ld; ++i) w->set(r * ld + i, NAN);
       w->view.shape[1] = rows;  // the expert stride keeps the padding rows
+      w->view.shape[2] = cols;  // and the row stride the padding columns
       return;
     }
-    EXPECT_EQ(c.expert_pad, 0) << "expert_pad is for 16-bit experts";
+    EXPECT_TRUE(c.expert_pad == 0 && !c.pad_rows) << "expert_pad, pad_rows: 16-bit experts only";
     *w = HostTensor(c.wt, {c.e, rows, cols});
     HostTensor f(FMLP_DTYPE_F32, {c.e, rows, cols});
     fill(f, rng, sd);
+    if (c.fp8_block) {
+      const int64_t half = rows / halves, rb = (half + 127) / 128, cb = (cols + 127) / 128;
+      *s = HostTensor(FMLP_DTYPE_F32, {c.e, halves * rb, cb});
+      for (int64_t e = 0; e < c.e; ++e)
+        for (int64_t p = 0; p < halves; ++p) {
+          const int64_t r0 = e * rows + p * half;
+          const fmlp_tensor_t fe =
+              fmlp_tensor_2d(f.bytes.data() + r0 * cols * 4, FMLP_DTYPE_F32, half, cols, cols);
+          const fmlp_tensor_t qe =
+              fmlp_tensor_2d(w->bytes.data() + r0 * cols, c.wt, half, cols, cols);
+          const fmlp_tensor_t se = fmlp_tensor_2d(s->bytes.data() + (e * halves + p) * rb * cb * 4,
+                                                  FMLP_DTYPE_F32, rb, cb, cb);
+          EXPECT_EQ(fmlp_quantize_fp8(&fe, &qe, &se, nullptr), FMLP_SUCCESS) << fmlp_last_error();
+        }
+      return;
+    }
     *s = c.fp8_rows ? HostTensor(FMLP_DTYPE_F32, {c.e, rows}) : HostTensor(FMLP_DTYPE_F32, {c.e});
     for (int64_t e = 0; e < c.e; ++e) {
       const fmlp_tensor_t fe =
@@ -131,8 +160,8 @@ inline void make(const MoeCase& c, uint64_t seed, MoeData* m) {
       EXPECT_EQ(fmlp_quantize_fp8(&fe, &qe, &se, nullptr), FMLP_SUCCESS) << fmlp_last_error();
     }
   };
-  weights(&m->w1, &m->s1, rows1, c.d);
-  weights(&m->w2, &m->s2, c.d_out, c.hidden);
+  weights(&m->w1, &m->s1, rows1, c.d, c.gated ? 2 : 1);
+  weights(&m->w2, &m->s2, c.d_out, c.hidden, 1);
   fmlp_moe_args_t& a = m->args;
   a = fmlp_moe_args_t{};
   a.x = m->x.view, a.y = m->y.view, a.w1 = m->w1.view, a.w2 = m->w2.view;
@@ -271,16 +300,22 @@ inline void reference(const MoeCase& c, const MoeData& m, const std::vector<doub
       const int64_t e = ids[size_t(j)];
       if (!range.holds(e)) continue;
       // fp8 experts: the weights as fmlp_moe dequantises them, code * scale.
-      const auto scale_of = [&](const HostTensor& sc, int64_t rows, int64_t r) {
+      // Block scales: [E, halves * ceil(rows / halves / 128), ceil(cols / 128)].
+      const auto scale_of = [&](const HostTensor& sc, int64_t rows, int64_t r, int64_t i,
+                                int halves) {
         if (sc.t == kAbsent) return 1.0;
+        if (sc.shape.size() == 3) {
+          const int64_t half = rows / halves, br = r / half * ((half + 127) / 128) + r % half / 128;
+          return sc.get((e * sc.shape[1] + br) * sc.shape[2] + i / 128);
+        }
         return sc.shape.size() == 2 ? sc.get(e * rows + r) : sc.get(e);
       };
       auto layer1 = [&](int64_t r, double* mag) {
         double acc = c.b1 ? m.b1.get(e * rows1 + r) : 0.0, l2 = acc * acc;
-        const double s1 = scale_of(m.s1, rows1, r);
         for (int64_t i = 0; i < c.d; ++i) {
-          const double p =
-              m.w1.get(e * m.w1.view.stride[0] + r * c.d + i) * s1 * m.x.get(t * c.d + i);
+          const double s1 = scale_of(m.s1, rows1, r, i, c.gated ? 2 : 1);
+          const double p = m.w1.get(e * m.w1.view.stride[0] + r * m.w1.view.stride[1] + i) * s1 *
+                           m.x.get(t * c.d + i);
           acc += p, l2 += p * p;
         }
         *mag = std::sqrt(l2);
@@ -296,9 +331,9 @@ inline void reference(const MoeCase& c, const MoeData& m, const std::vector<doub
       }
       for (int64_t o = 0; o < c.d_out; ++o) {
         double acc = c.b2 ? m.b2.get(e * c.d_out + o) : 0.0, l2 = acc * acc;
-        const double s2 = scale_of(m.s2, c.d_out, o);
         for (int64_t i = 0; i < c.hidden; ++i) {
-          const double wv = m.w2.get(e * m.w2.view.stride[0] + o * c.hidden + i) * s2;
+          const double wv = m.w2.get(e * m.w2.view.stride[0] + o * m.w2.view.stride[1] + i) *
+                            scale_of(m.s2, c.d_out, o, i, 1);
           acc += wv * h[size_t(i)];
           l2 += wv * hmag[size_t(i)] * wv * hmag[size_t(i)];
         }
@@ -341,6 +376,27 @@ inline std::string check_y(const MoeCase& c, const MoeData& m, const std::vector
   if (ties * 10 > c.t + 10)
     return std::to_string(ties) + " near-tie tokens: the case checks little";
   return bad ? std::to_string(bad) + " wrong outputs; first " + first : "";
+}
+
+// Runs `kernel` on host data m (made by make(), maybe edited since) and checks y against the
+// reference: "", "skipped: " + why when the entry declines the call, or what failed.
+inline std::string run_host(const MoeCase& c, MoeData& m, const char* kernel,
+                            std::vector<unsigned char>* y_bytes = nullptr) {
+  std::vector<double> residual;
+  const HostTensor& r = c.residual == 2 ? m.y : m.res;
+  for (int64_t i = 0; c.residual && i < c.t * c.d_out; ++i) residual.push_back(r.get(i));
+  if (fmlp_moe_kernel_supports(&m.args, kernel) != FMLP_SUCCESS)
+    return std::string("skipped: ") + fmlp_last_error();
+  size_t bytes = 0;
+  if (fmlp_moe_kernel_workspace_size(&m.args, kernel, &bytes) != FMLP_SUCCESS)
+    return fmlp_last_error();
+  std::vector<unsigned char> ws(bytes + 1);
+  if (const fmlp_status_t s = fmlp_moe_with_kernel(&m.args, kernel, ws.data(), bytes, nullptr);
+      s != FMLP_SUCCESS)
+    return std::string(fmlp_status_name(s)) + ": " + fmlp_last_error();
+  if (!m.y.guard_intact()) return "bytes after y were written";
+  if (y_bytes) *y_bytes = m.y.bytes;
+  return check_y(c, m, residual, {});
 }
 
 // A case's tensors copied into device buffers (guard bytes included) and its args pointing there.

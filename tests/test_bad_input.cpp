@@ -499,13 +499,23 @@ const std::vector<BadCase>& bad_cases() {
        FMLP_ERROR_BAD_SCALE,
        {"weights.w_up_scale has 4 entries", "1 (per tensor) or 3"},
        BadCase::kWeightsOnly},
-      {"ScaleNot1D",
+      {"ScaleNot1D",  // a 2-D scale is a block scale: one per 128 x 128 block
        [](F f) {
          f.use_fp8();
          f.w().w1_scale = fmlp_tensor_2d(f.s.scale, FMLP_DTYPE_F32, 3, 1, 1);
        },
        FMLP_ERROR_SHAPE_MISMATCH,
-       {"weights.w1_scale must be 1-D", "2-D"},
+       {"weights.w1_scale must have shape", "128 x 128 block", "[1, 1]", "got [3, 1]"},
+       BadCase::kWeightsOnly},
+      {"Scale3D",
+       [](F f) {
+         f.use_fp8();
+         fmlp_tensor_t t = fmlp_tensor_2d(f.s.scale, FMLP_DTYPE_F32, 1, 1, 1);
+         t.ndim = 3, t.shape[2] = 1, t.stride[2] = 1;
+         f.w().w1_scale = t;
+       },
+       FMLP_ERROR_SHAPE_MISMATCH,
+       {"weights.w1_scale must be 1-D", "2-D", "got a 3-D tensor"},
        BadCase::kWeightsOnly},
       {"ScaleDataNull",
        [](F f) {

@@ -25,21 +25,7 @@ std::string run_case(const MoeCase& c, const char* kernel, uint64_t seed,
                      std::vector<unsigned char>* y_bytes = nullptr) {
   MoeData m;
   make(c, seed, &m);
-  std::vector<double> residual;
-  const HostTensor& r = c.residual == 2 ? m.y : m.res;
-  for (int64_t i = 0; c.residual && i < c.t * c.d_out; ++i) residual.push_back(r.get(i));
-  if (fmlp_moe_kernel_supports(&m.args, kernel) != FMLP_SUCCESS)
-    return std::string("skipped: ") + fmlp_last_error();
-  size_t bytes = 0;
-  if (fmlp_moe_kernel_workspace_size(&m.args, kernel, &bytes) != FMLP_SUCCESS)
-    return fmlp_last_error();
-  std::vector<unsigned char> ws(bytes + 1);
-  if (const fmlp_status_t s = fmlp_moe_with_kernel(&m.args, kernel, ws.data(), bytes, nullptr);
-      s != FMLP_SUCCESS)
-    return std::string(fmlp_status_name(s)) + ": " + fmlp_last_error();
-  if (!m.y.guard_intact()) return "bytes after y were written";
-  if (y_bytes) *y_bytes = m.y.bytes;
-  return check_y(c, m, residual, {});
+  return run_host(c, m, kernel, y_bytes);
 }
 
 std::vector<MoeCase> cases() {

@@ -2,7 +2,9 @@
 // the unpacked call, for every backend that can run here.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fusedmlp/fusedmlp.hpp"
@@ -172,6 +174,156 @@ TEST_P(PackedTest, ExplainSaysWhatRunsAndWhy) {
     EXPECT_EQ(fmlp_mlp_packed_explain(packed.get(), nullptr, &p.args().x, nullptr, 0, &needed),
               FMLP_ERROR_NULL_POINTER);
   }
+}
+
+// The unpacked call's explain says what skipping the pack costs where the sizes keep the 16-byte
+// weight streams out (CUDA: a note naming fmlp_mlp_pack); aligned sizes, the packed call's
+// explain and the host backends carry no such note.
+TEST_P(PackedTest, UnpackedExplainSaysPackingPadsOddSizes) {
+  for (const bool odd : {true, false}) {
+    MlpCase c;
+    c.m = 1, c.d_in = odd ? 1001 : 1008, c.hidden = odd ? 769 : 776, c.d_out = 127;
+    c.gate = Gate::kStacked, c.act = FMLP_ACT_SILU, c.x_dtype = c.w_dtype = FMLP_DTYPE_BF16;
+    PlacedCase p(c, device_);
+    p.upload(make_data(c, mix_seed(test_seed(), 950)));
+    size_t need = 0;
+    ASSERT_EQ(fmlp_mlp_explain(&p.args(), backend_, nullptr, 0, &need), FMLP_SUCCESS)
+        << fmlp_last_error();
+    std::string report(need, '\0');
+    ASSERT_EQ(fmlp_mlp_explain(&p.args(), backend_, report.data(), report.size(), &need),
+              FMLP_SUCCESS);
+    const bool note =
+        report.find("  note     unpacked weights: d_in 1001 and hidden 769") != std::string::npos &&
+        report.find("fmlp_mlp_pack, fusedmlp.pack") != std::string::npos;
+    EXPECT_EQ(note, device_ && odd) << report;
+    const fmlp::PackedMlp packed(p.args().weights, p.args().config, backend_);
+    const std::string packed_report = packed.explain(p.args().y, p.args().x);
+    EXPECT_EQ(packed_report.find("unpacked weights"), std::string::npos) << packed_report;
+  }
+}
+
+// Sizes that are not multiples of 8 or 16 (1, 7, 127, 769, 1001 and 8 * odd for fp8), dense and
+// gated, M from 1 to 64, norms, misaligned and strided x, non-finite x: every entry of the
+// backend that takes the packed call (fmlp_mlp_packed_with_kernel) matches the reference. Packing
+// pads the weight rows with zeros, so on CUDA the 16-byte weight streams must take these shapes:
+// the test fails if they decline one they are listed for.
+std::vector<MlpCase> odd_cases() {
+  std::vector<MlpCase> v(8);
+  v[0].m = 1, v[0].d_in = 1001, v[0].hidden = 769, v[0].d_out = 127;
+  v[0].x_dtype = v[0].w_dtype = FMLP_DTYPE_BF16, v[0].b1 = FMLP_DTYPE_F32,
+  v[0].b2 = FMLP_DTYPE_BF16;
+  v[1].m = 3, v[1].d_in = 127, v[1].hidden = 7, v[1].d_out = 1001;
+  v[1].gate = Gate::kStacked, v[1].act = FMLP_ACT_SILU;
+  v[1].x_dtype = v[1].w_dtype = FMLP_DTYPE_F16, v[1].norm = FMLP_NORM_LAYERNORM;
+  v[1].gamma = FMLP_DTYPE_F16, v[1].beta = FMLP_DTYPE_F32, v[1].residual = Residual::kSeparate;
+  v[1].nonfinite = true;
+  v[2].m = 16, v[2].d_in = 769, v[2].hidden = 1001, v[2].d_out = 769;
+  v[2].gate = Gate::kSeparate, v[2].act = FMLP_ACT_GELU_TANH, v[2].b_up = FMLP_DTYPE_BF16;
+  v[2].x_dtype = v[2].w_dtype = FMLP_DTYPE_BF16, v[2].norm = FMLP_NORM_RMSNORM;
+  v[2].gamma = FMLP_DTYPE_BF16, v[2].misaligned = v[2].strided = true;
+  v[3].m = 33, v[3].d_in = 7, v[3].hidden = 127, v[3].d_out = 1, v[3].act = FMLP_ACT_RELU;
+  v[3].x_dtype = v[3].w_dtype = FMLP_DTYPE_BF16, v[3].residual = Residual::kInPlace;
+  v[4] = v[0], v[4].m = 64, v[4].nonfinite = true;
+  v[5].m = 4, v[5].d_in = 1000, v[5].hidden = 776, v[5].d_out = 127;
+  v[5].gate = Gate::kStacked, v[5].act = FMLP_ACT_SILU, v[5].x_dtype = FMLP_DTYPE_BF16;
+  v[5].w_dtype = FMLP_DTYPE_F8_E4M3, v[5].per_row_scale = true, v[5].b1 = FMLP_DTYPE_F32;
+  v[6].m = 2, v[6].d_in = 127, v[6].hidden = 769, v[6].d_out = 64, v[6].act = FMLP_ACT_GELU;
+  v[6].x_dtype = FMLP_DTYPE_F16, v[6].w_dtype = FMLP_DTYPE_F8_E4M3, v[6].b2 = FMLP_DTYPE_F16;
+  v[7].m = 7, v[7].d_in = 1, v[7].hidden = 1, v[7].d_out = 7;
+  v[7].x_dtype = v[7].w_dtype = FMLP_DTYPE_F16, v[7].gate = Gate::kSeparate;
+  for (size_t i = 0; i < v.size(); ++i) {
+    normalize(&v[i]);
+    v[i].data_seed = mix_seed(test_seed(), 1000 + i);
+  }
+  return v;
+}
+
+TEST_P(PackedTest, EveryEntryTakesOddSizesOnPackedWeights) {
+  const std::vector<MlpCase> cases = odd_cases();
+  // On CUDA, the cases (by index) each weight stream must take.
+  const std::vector<std::pair<std::string, std::vector<size_t>>> must = {
+      {"mlp_decode_sm80_stream", {0, 1, 5, 6}},
+      {"mlp_decode_sm80_mma_streamk", {0, 1, 2, 3, 4, 5, 6, 7}}};
+  int ran = 0;
+  for (size_t ci = 0; ci < cases.size(); ++ci) {
+    const MlpCase& c = cases[ci];
+    PlacedCase p(c, device_);
+    const CaseData data = make_data(c, c.data_seed);
+    const Reference ref = reference(c, data);
+    p.upload(data);
+    fmlp_mlp_packed_t* packed = nullptr;
+    ASSERT_EQ(fmlp_mlp_pack(&packed, &p.args().weights, &p.args().config, backend_, nullptr),
+              FMLP_SUCCESS)
+        << "[" << c.name() << "]: " << fmlp_last_error();
+    for (int i = 0; i < fmlp_mlp_kernel_count(); ++i) {
+      if (fmlp_mlp_kernel_backend(i) != backend_) continue;
+      const std::string name = fmlp_mlp_kernel_name(i);
+      size_t bytes = 0;
+      const fmlp_status_t ws = fmlp_mlp_packed_kernel_workspace_size(
+          packed, name.c_str(), &p.args().y, &p.args().x, &bytes);
+      const std::string why = ws == FMLP_SUCCESS ? "" : fmlp_last_error();
+      for (const auto& [entry, idx] : must)
+        if (device_ && entry == name && std::find(idx.begin(), idx.end(), ci) != idx.end()) {
+          EXPECT_EQ(ws, FMLP_SUCCESS) << name << " declines packed [" << c.name() << "]: " << why;
+        }
+      if (ws == FMLP_ERROR_NOT_SUPPORTED) continue;
+      ASSERT_EQ(ws, FMLP_SUCCESS) << name << " [" << c.name() << "]: " << why;
+      Buffer pws;
+      if (bytes > 0) {
+        pws = Buffer(bytes, device_);
+        pws.init_workspace();  // zeroed part zero, scratch dirty (fusedmlp.h)
+      }
+      p.upload(data);  // y poisoned again
+      ASSERT_EQ(fmlp_mlp_packed_with_kernel(packed, name.c_str(), &p.args().y, &p.args().x,
+                                            &p.args().residual, pws.data(), bytes, nullptr),
+                FMLP_SUCCESS)
+          << name << " [" << c.name() << "]: " << fmlp_last_error();
+      std::string stray;
+      const std::vector<double> out = p.download_y(&stray);
+      EXPECT_TRUE(stray.empty()) << name << " [" << c.name() << "]: " << stray;
+      const CompareOutcome vs_ref = compare(c, out, ref);
+      EXPECT_TRUE(vs_ref.ok) << name << " on packed [" << c.name() << "]: " << vs_ref.bad
+                             << " wrong; " << vs_ref.detail << " (FMLP_TEST_SEED=" << test_seed()
+                             << ")";
+      ++ran;
+    }
+    fmlp_mlp_packed_destroy(packed);
+  }
+  EXPECT_GT(ran, 0);
+}
+
+// The named-entry calls on packed weights refuse what they cannot run, saying why.
+TEST_P(PackedTest, NamedEntryErrors) {
+  MlpCase c;
+  c.m = 2, c.d_in = 16, c.hidden = 24, c.d_out = 8;
+  PlacedCase p(c, device_);
+  p.upload(make_data(c, mix_seed(test_seed(), 1100)));
+  fmlp_mlp_packed_t* packed = nullptr;
+  ASSERT_EQ(fmlp_mlp_pack(&packed, &p.args().weights, &p.args().config, backend_, nullptr),
+            FMLP_SUCCESS)
+      << fmlp_last_error();
+  size_t bytes = 0;
+  EXPECT_EQ(fmlp_mlp_packed_kernel_workspace_size(packed, "no_such_entry", &p.args().y, &p.args().x,
+                                                  &bytes),
+            FMLP_ERROR_INVALID_VALUE);
+  EXPECT_NE(std::string(fmlp_last_error()).find("no_such_entry"), std::string::npos);
+  EXPECT_EQ(
+      fmlp_mlp_packed_kernel_workspace_size(packed, nullptr, &p.args().y, &p.args().x, &bytes),
+      FMLP_ERROR_NULL_POINTER);
+  EXPECT_EQ(fmlp_mlp_packed_kernel_workspace_size(packed, "mlp_ref_scalar_fp64", &p.args().y,
+                                                  &p.args().x, nullptr),
+            FMLP_ERROR_NULL_POINTER);
+  EXPECT_EQ(fmlp_mlp_packed_with_kernel(nullptr, "mlp_ref_scalar_fp64", &p.args().y, &p.args().x,
+                                        nullptr, nullptr, 0, nullptr),
+            FMLP_ERROR_NULL_POINTER);
+  // fp32 activations: the 16-bit streams decline, naming the dtype.
+  if (device_) {
+    EXPECT_EQ(fmlp_mlp_packed_kernel_workspace_size(packed, "mlp_decode_sm80_stream", &p.args().y,
+                                                    &p.args().x, &bytes),
+              FMLP_ERROR_NOT_SUPPORTED);
+    EXPECT_NE(std::string(fmlp_last_error()).find("mlp_decode_sm80_stream"), std::string::npos);
+  }
+  fmlp_mlp_packed_destroy(packed);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, PackedTest,

@@ -122,7 +122,14 @@ typedef struct fmlp_mlp_config_t {
  * Gated: gate in w1 [hidden, d_in] and up in w_up [hidden, d_in]; or both stacked in w1
  * as [2*hidden, d_in] (gate rows first, then up rows) with w_up absent, b1 then [2*hidden].
  * Biases and norm parameters may be fp32, fp16 or bf16 whatever the weight dtype.
- * *_scale: fp32 dequantisation scales, only for fp8 weights: [1] per tensor or [rows] per row. */
+ * *_scale: fp32 dequantisation scales, only for fp8 weights: [1] per tensor, [rows] per row, or
+ *   2-D [ceil(rows / 128), ceil(cols / 128)] per 128 x 128 block (the fine-grained fp8 checkpoints'
+ *   weight_scale_inv; ref and cpu backends, weight-only), W[r, c] = code * scale[r / 128, c / 128].
+ *   A stacked gated w1 [2*hidden, d_in] takes block scales [2 * ceil(hidden / 128),
+ *   ceil(d_in / 128)]: the gate's block rows, then the up's, each half starting its own blocks,
+ *   so the gate_proj and up_proj checkpoint scales concatenate as they are (one scale over the
+ *   2*hidden stacked rows would differ where hidden % 128 != 0: block rows would straddle both).
+ *   Separate w1 / w_up: both block-scaled or neither. Each matrix picks its own kind. */
 typedef struct fmlp_mlp_weights_t {
   fmlp_tensor_t w1;
   fmlp_tensor_t w1_scale;
@@ -234,11 +241,14 @@ FMLP_API fmlp_status_t fmlp_mlp_explain(const fmlp_mlp_args_t* args, fmlp_backen
 
 /* One-time weight pack: validates the weights once, copies them into the layout the backend's
  * kernels read fastest, and owns that copy. weights.* shapes define d_in, hidden and d_out.
- * CUDA: also times the kernels that take the packed MLP at decode token counts (M = 1 .. 64,
- * activations of the weights' 16-bit dtype, bf16 for fp8 weights), once per shape and device in
- * the process, and the planner then runs the fastest for each M; this synchronises the device
- * (packing is not capturable). Deterministic mode, or FMLP_PLAN_TUNE=0, keeps the fixed rules;
- * fmlp_mlp_packed_explain says which decided. */
+ * CUDA: rows are padded with zeros to 16-byte multiples, so sizes that are not multiples of 8
+ * (16 for fp8) run on the same weight streams as aligned ones; pack also times the kernels that
+ * take the packed MLP at decode token counts (M = 1 .. 64, activations of the weights' 16-bit
+ * dtype, bf16 for fp8 weights), once per shape and device in the process, and the planner then
+ * runs the fastest for each M; this synchronises the device (packing is not capturable).
+ * Deterministic mode, or FMLP_PLAN_TUNE=0, keeps the fixed rules; fmlp_mlp_packed_explain says
+ * which decided. Host backends keep fp8 block scales as blocks (gate and up stacked); the CUDA
+ * pack refuses them (FMLP_ERROR_NOT_SUPPORTED: re-quantise per row). */
 FMLP_API fmlp_status_t fmlp_mlp_pack(fmlp_mlp_packed_t** packed, const fmlp_mlp_weights_t* weights,
                                      const fmlp_mlp_config_t* config, fmlp_backend_t backend,
                                      void* stream);
@@ -254,6 +264,18 @@ FMLP_API fmlp_status_t fmlp_mlp_packed_explain(const fmlp_mlp_packed_t* packed,
 FMLP_API fmlp_status_t fmlp_mlp_packed_run(const fmlp_mlp_packed_t* packed, const fmlp_tensor_t* y,
                                            const fmlp_tensor_t* x, const fmlp_tensor_t* residual,
                                            void* workspace, size_t workspace_bytes, void* stream);
+/* fmlp_mlp_packed_run through one named op-table entry instead of the planner's pick (tests and
+ * benchmarks: every entry on the packed layout); NOT_SUPPORTED with its reason when the entry
+ * cannot take the call. The workspace size is the entry's own. */
+FMLP_API fmlp_status_t fmlp_mlp_packed_kernel_workspace_size(const fmlp_mlp_packed_t* packed,
+                                                             const char* kernel,
+                                                             const fmlp_tensor_t* y,
+                                                             const fmlp_tensor_t* x, size_t* bytes);
+FMLP_API fmlp_status_t fmlp_mlp_packed_with_kernel(const fmlp_mlp_packed_t* packed,
+                                                   const char* kernel, const fmlp_tensor_t* y,
+                                                   const fmlp_tensor_t* x,
+                                                   const fmlp_tensor_t* residual, void* workspace,
+                                                   size_t workspace_bytes, void* stream);
 
 /* ---- the op table, for tests, benchmarks and explain ----
  * Every kernel of every backend is an entry with a unique name (op_arch_technique). Dispatch
@@ -274,8 +296,9 @@ FMLP_API fmlp_status_t fmlp_mlp_with_kernel(const fmlp_mlp_args_t* args, const c
  * picks the granularity: [1] one scale for the whole tensor, [rows] one per row (output unit;
  * the better choice: a row's outliers then cost only that row precision), or 2-D
  * [ceil(rows / 128), ceil(cols / 128)] one per 128 x 128 block (the fine-grained fp8 checkpoint
- * format: DeepSeek-V3 / Qwen3 FP8 `weight_scale_inv`; edge blocks are smaller; fmlp_linear takes
- * it). Policy, per tensor, row or block:
+ * format: DeepSeek-V3 / Qwen3 FP8 `weight_scale_inv`; edge blocks are smaller; fmlp_linear,
+ * fmlp_mlp and fmlp_moe take it; for a stacked gated w1 quantise gate and up apart and stack the
+ * scales). Policy, per tensor, row or block:
  *   amax  = max |w| over the finite values (NaN and +-Inf are left out);
  *   scale = amax / 448 in fp32 (448 = largest e4m3 value), or 1 when that is not > 0 (all-zero
  *           or all-non-finite rows, or an amax so small that amax / 448 underflows), so every
@@ -300,6 +323,10 @@ FMLP_API fmlp_status_t fmlp_quantize_fp8(const fmlp_tensor_t* w, const fmlp_tens
  *   backends); bias: optional [N],
  *   f32, f16 or bf16. M, N or K may be 0 (K = 0 gives y = bias, or 0). y may not overlap any
  *   input. Accumulation is fp32 or wider.
+ *   CUDA: W rows that start on 16-byte boundaries (base and row stride) take the weight streams at
+ *   any K; for K not a multiple of 8 (16 for f8_e4m3) store W with a padded row stride (e.g. a
+ *   [N, round_up(K, 8)] buffer viewed as [:, :K]; nothing past K is read). Rows back to back run
+ *   on the general GEMV, and fmlp_linear_explain says so.
  *   W8A8 (torch._scaled_mm semantics): x f8_e4m3 with x_scale fp32 [1] per tensor or [M] per
  *   row (token), W f8_e4m3 with w_scale; y f32, f16 or bf16:
  *     y[m, n] = (x_scale[m] * w_scale[n]) * sum_k x[m, k] w[n, k] + bias[n].
@@ -388,10 +415,14 @@ FMLP_API fmlp_status_t fmlp_softmax_with_kernel(const fmlp_softmax_args_t* args,
  * fusedmlp_nccl.h) pass it to one of them only. The sum over ranges covering [0, global_experts)
  * is the whole op.
  * Types: x, y, residual: one activation dtype (f32, f16, bf16). W1, W2: one dtype, f32, f16, bf16
- * or f8_e4m3; fp8 experts need fp32 scales w1_scale / w2_scale, [E] (one per expert) or [E, rows]
- * (one per row of each expert: rows = W1's 2*hidden or hidden, W2's d_out), finite and > 0, and
- * are dequantised exactly (W[e][r][c] * scale[e][r], as in fmlp_mlp); fmlp_quantize_fp8 on each
- * expert's [rows, cols] makes them. fp8 experts run on the ref and cpu backends (the cuda entries
+ * or f8_e4m3; fp8 experts need fp32 scales w1_scale / w2_scale, [E] (one per expert), [E, rows]
+ * (one per row of each expert: rows = W1's 2*hidden or hidden, W2's d_out) or [E, row blocks,
+ * col blocks] (one per 128 x 128 block, ref and cpu backends: W1 [E, 2 * ceil(hidden / 128),
+ * ceil(d / 128)] gated, each expert's gate block rows then its up block rows, as fmlp_mlp's
+ * stacked w1; [E, ceil(hidden / 128), ceil(d / 128)] dense; W2 [E, ceil(d_out / 128),
+ * ceil(hidden / 128)]), finite and > 0, and are dequantised exactly (W[e][r][c] * scale[e][r],
+ * as in fmlp_mlp); fmlp_quantize_fp8 on each expert's [rows, cols] (gated block scales: on its
+ * gate and up halves) makes them. fp8 experts run on the ref and cpu backends (the cuda entries
  * stream 16-bit weights). Wr: f32, f16 or bf16; biases f32, f16 or bf16.
  * Shapes: E = config.num_experts = W1.shape[0] = W2.shape[0]; Wr.shape[0] = the global expert
  * count (E without a local range); 1 <= top_k <= global experts;
@@ -446,8 +477,8 @@ typedef struct fmlp_moe_args_t {
   fmlp_tensor_t w2;          /* [E, d_out, hidden] */
   fmlp_tensor_t b2;          /* optional [E, d_out] */
   fmlp_moe_config_t config;
-  fmlp_tensor_t w1_scale; /* fp8 w1 only: fp32 [E] or [E, hidden or 2*hidden] */
-  fmlp_tensor_t w2_scale; /* fp8 w2 only: fp32 [E] or [E, d_out] */
+  fmlp_tensor_t w1_scale; /* fp8 w1 only: fp32 [E], [E, hidden or 2*hidden] or 3-D blocks */
+  fmlp_tensor_t w2_scale; /* fp8 w2 only: fp32 [E], [E, d_out] or 3-D blocks */
 } fmlp_moe_args_t;
 
 /* softmax scoring, renormalize on, deterministic, silu, dense, all experts local. */

@@ -48,8 +48,10 @@ FMLP_API fmlp_status_t fmlp_tp_available(void);
  * every shard starts on a 16-byte boundary and keeps the fast kernels; pad H otherwise (extra
  * hidden units with zero columns in W2 contribute nothing). The shard is always gated with a
  * separate up (the stacked [gate; up] rows of one rank are not adjacent): w1 = gate rows, w_up =
- * up rows, b1/b_up and per-row fp8 scales split the same way; w2 = columns of W2 (a view with
- * row stride H); b2 only on rank 0 (absent elsewhere); norm parameters whole on every rank.
+ * up rows, b1/b_up and per-row fp8 scales split the same way (128 x 128 block scales are refused,
+ * FMLP_ERROR_NOT_SUPPORTED: the shards run on the cuda entries, which take per-row scales); w2 =
+ * columns of W2 (a view with row stride H); b2 only on rank 0 (absent elsewhere); norm parameters
+ * whole on every rank.
  * Pass the shard to fmlp_mlp_pack (on the rank's device) for contiguous copies in the layout the
  * kernels read fastest, or use it as it is in fmlp_tp_mlp's args. */
 FMLP_API fmlp_status_t fmlp_tp_shard_weights(const fmlp_mlp_weights_t* full,

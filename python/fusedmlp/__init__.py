@@ -253,8 +253,14 @@ def mlp(x: Array, w1: Array, w2: Array, *, b1: Optional[Array] = None, w_up: Opt
     norm_weight, norm_bias : array, optional
         The pre-norm's gamma (absent: 1) and beta (layernorm only; absent: 0), [d_in].
     w1_scale, w_up_scale, w2_scale : array, optional
-        float32 dequantisation scales of float8_e4m3fn weights, [1] (per tensor) or [rows]
-        (per output row); quantize_fp8 makes them. W is read as ``q * scale``.
+        float32 dequantisation scales of float8_e4m3fn weights, [1] (per tensor), [rows]
+        (per output row) or [ceil(rows / 128), ceil(cols / 128)] (per 128 x 128 block, as
+        fine-grained fp8 checkpoints store ``weight_scale_inv``; ref and cpu backends);
+        quantize_fp8 makes them. W is read as ``q * scale``. A stacked gated w1 takes block
+        scales [2 * ceil(hidden / 128), ceil(d_in / 128)]: the gate's block rows, then the up's
+        (``torch.cat`` of gate_proj's and up_proj's scales, or quantize_fp8(w1, block=True,
+        gate_up=True)), whatever hidden is; w1_scale and w_up_scale are both block scales or
+        neither.
     activation : {"gelu", "gelu_tanh", "relu", "relu2", "silu"}
         gelu is the erf form, gelu_tanh the tanh approximation, relu2 max(x, 0)^2. Gated silu
         is SwiGLU, gated gelu GeGLU.
@@ -739,8 +745,11 @@ def moe(x: Array, w1: Array, w2: Array, *, router_w: Optional[Array] = None,
         router produces them (Hugging Face Mixtral, Qwen-MoE), so the routing matches such a
         model's (exact ties of rounded logits aside).
     w1_scale, w2_scale : array, optional
-        float32 scales of float8_e4m3fn experts, [E] (one per expert) or [E, rows] (one per
-        row); W[e][r] is read as ``q * scale[e][r]``.
+        float32 scales of float8_e4m3fn experts, [E] (one per expert), [E, rows] (one per
+        row) or [E, ceil(rows / 128), ceil(cols / 128)] (one per 128 x 128 block; ref and cpu
+        backends); W[e][r] is read as ``q * scale[e][r]``. Gated block scales of w1 are
+        [E, 2 * ceil(hidden / 128), ceil(d / 128)]: each expert's gate block rows, then its up
+        block rows.
 
     Returns
     -------
@@ -1144,8 +1153,8 @@ def softmax_workspace_size(x: Array, *, temperature: float = 1.0, log: bool = Fa
     return _softmax("workspace_size", x, temperature, log, out, backend, None, None)
 
 
-def quantize_fp8(w: Array, *, per_row: bool = True,
-                 block: bool = False) -> Tuple[Array, Array, float]:
+def quantize_fp8(w: Array, *, per_row: bool = True, block: bool = False,
+                 gate_up: bool = False) -> Tuple[Array, Array, float]:
     """Quantises host weights to float8_e4m3fn with float32 dequantisation scales,
     w ~= q * scale.
 
@@ -1170,7 +1179,15 @@ def quantize_fp8(w: Array, *, per_row: bool = True,
         else one for the whole tensor.
     block : bool
         One scale per 128 x 128 block (edge blocks smaller): the layout of fine-grained fp8
-        checkpoints (DeepSeek-V3, Qwen3 FP8), which linear() takes; overrides per_row.
+        checkpoints (DeepSeek-V3, Qwen3 FP8), which linear(), mlp() and moe() take; overrides
+        per_row.
+    gate_up : bool
+        With block: w is a stacked gated w1 [2 * hidden, cols] (gate rows, then up rows); each
+        half is quantised apart and the scales stacked, [2 * ceil(hidden / 128),
+        ceil(cols / 128)], the layout mlp() takes for a stacked w1 (and moe() per expert). A
+        plain block quantisation of the stacked rows differs wherever hidden % 128 != 0, and
+        can have the very same shape (hidden 200: [4, ...] either way), which the ops would
+        accept and read as the halves' blocks: quantise a stacked w1 with gate_up=True.
 
     Returns
     -------
@@ -1178,20 +1195,34 @@ def quantize_fp8(w: Array, *, per_row: bool = True,
         [rows, cols]: for numpy an ml_dtypes float8_e4m3fn array (its uint8 bits without
         ml_dtypes), for torch a torch.float8_e4m3fn tensor.
     scale : array
-        float32 [rows] (per_row), [1], or [ceil(rows / 128), ceil(cols / 128)] (block).
+        float32 [rows] (per_row), [1], or [ceil(rows / 128), ceil(cols / 128)] (block; with
+        gate_up [2 * ceil(rows / 256), ceil(cols / 128)]).
     amax : float
         The largest amax used.
 
     Raises
     ------
     ValueError
-        w is not 2-D, or its dtype is not a float dtype the op takes.
+        w is not 2-D, or its dtype is not a float dtype the op takes; gate_up without block or
+        with an odd row count.
     NotImplementedError
         w is device memory (quantise on the host).
     """
     shape = getattr(w, "shape", None)
     if shape is None or len(shape) != 2:
         raise ValueError(f"w has shape {shape}; expected [rows, cols]")
+    if gate_up:
+        if not block or shape[0] % 2:
+            raise ValueError(f"gate_up=True takes block=True and a stacked [gate; up] w of even "
+                             f"rows; got block={block}, {shape[0]} rows (per-row scales of a "
+                             f"stacked w need no split: drop gate_up)")
+        half = shape[0] // 2
+        qg, sg, ag = quantize_fp8(w[:half], block=True)
+        qu, su, au = quantize_fp8(w[half:], block=True)
+        if _library(w) == "torch":
+            import torch
+            return torch.cat([qg, qu]), torch.cat([sg, su]), max(ag, au)
+        return np.concatenate([qg, qu]), np.concatenate([sg, su]), max(ag, au)
     rows = shape[0] if per_row else 1
     sshape = ((-(-shape[0] // 128), -(-shape[1] // 128)) if block else (rows,))
     if _library(w) == "torch":

@@ -6,6 +6,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from . import _fp8
 from . import _structure as st
 from .torch import FusedMLP
 
@@ -26,6 +27,7 @@ class Plan:
     linear: bool = False  # a FusedLinear (report.linears) rather than an MLP block
     experts: nn.Module = None  # a registry experts module switched to fusedmlp (no swaps)
     covers: tuple = ()  # qualified names of the modules it takes over (for the report)
+    x_dtype: torch.dtype = None  # the probe's dtype where it is not the weight's (fp8 weights)
 
 
 class Passthrough(nn.Module):
@@ -146,7 +148,8 @@ def block_plan(name, parent, attr, module, block, norm, backend):
               f"({fused.extra_repr()}); {'; '.join(notes)}")
     covers = (name,) + ((f"{name.rpartition('.')[0]}.{norm_name}".lstrip("."),)
                         if norm_kw is not None else ())
-    return Plan(name, swaps, original, run_fused, fused.d_in, fused.w1, detail, covers=covers)
+    return Plan(name, swaps, original, run_fused, fused.d_in, fused.w1, detail, covers=covers,
+                x_dtype=_fp8.activation_dtype(parent, module))
 
 
 def _probe_residual(x, d_out):
@@ -214,4 +217,5 @@ def inline_plan(prefix, parent, tr, chain, norm, backend):
               f") -> FusedMLP ({fused.extra_repr()}) in place; {norm_note}")
     covers = tuple(full) + ((f"{prefix}.{norm_name}" if prefix else norm_name,)
                             if norm_kw is not None else ())
-    return Plan(name, swaps, original, fused, fused.d_in, fused.w1, detail, covers=covers)
+    return Plan(name, swaps, original, fused, fused.d_in, fused.w1, detail, covers=covers,
+                x_dtype=_fp8.activation_dtype(parent))

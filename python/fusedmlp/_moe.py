@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _ACTIVATIONS, _BACKENDS, _SCORINGS, _lookup
-from .torch import _activation, _moe_op, _param
+from . import _ACTIVATIONS, _BACKENDS, _SCORINGS, _fp8, _lookup
+from .torch import _activation, _moe_op, _PaddedCopy, _param
 
 __all__ = ["FusedMoE"]
 
@@ -35,7 +35,10 @@ class FusedMoE(nn.Module):
     per token (ties to the lower id), optionally renormalised, and the weighted sum of those
     experts' MLPs (w1 [E, hidden or 2*hidden, d], w2 [E, d_out, hidden]); the math is
     fusedmlp.moe's. The weights are used as they are (nothing is packed), so .to() and in-place
-    edits need no extra step. Inference only: no backward.
+    edits need no extra step; on CUDA, 16-bit experts whose d or hidden is not a multiple of 8
+    (rows back to back) run from a copy with padded rows, made at the first call and again when
+    the weights change (pad_rows=False: as given, which no CUDA kernel takes). Inference only: no
+    backward.
 
     Parameters
     ----------
@@ -59,6 +62,8 @@ class FusedMoE(nn.Module):
         does (from_module sets it, so routing follows the Hugging Face block's).
     w1_scale, w2_scale : torch.Tensor, optional
         float32 scales of float8_e4m3fn experts, [E] (per expert) or [E, rows] (per row).
+    pad_rows : bool
+        See above: the padded-row copies of w1 and w2 for odd d or hidden on CUDA.
 
     Attributes
     ----------
@@ -75,7 +80,7 @@ class FusedMoE(nn.Module):
                  activation="silu", gated=True, scoring="softmax", renormalize=True,
                  jitter_noise=0.0, return_router_logits=False, deterministic=False,
                  backend="auto", first_expert=0, global_experts=0, round_router_logits=False,
-                 w1_scale=None, w2_scale=None):
+                 w1_scale=None, w2_scale=None, pad_rows=True):
         super().__init__()
         _lookup(_ACTIVATIONS, "activation", activation)
         _lookup(_SCORINGS, "scoring", scoring)
@@ -99,6 +104,8 @@ class FusedMoE(nn.Module):
         self.first_expert, self.global_experts = int(first_expert), int(global_experts)
         self.round_router_logits = bool(round_router_logits)
         self.d_out, self.hidden = int(w2.shape[1]), int(w2.shape[2])
+        self.pad_rows = bool(pad_rows)
+        self._padded = (_PaddedCopy(), _PaddedCopy())  # of w1, w2
 
     @classmethod
     def from_module(cls, module: nn.Module, backend: str = "auto") -> "FusedMoE":
@@ -150,7 +157,10 @@ class FusedMoE(nn.Module):
         if self.training and self.jitter_noise > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise,
                                                  1.0 + self.jitter_noise)
-        y = _moe_op(x, self.w1, self.w2, self.top_k, self.router_w, self.router_b, None, None,
+        w1, w2 = self.w1, self.w2
+        if self.pad_rows and w1.is_cuda and (self.d % 8 or self.hidden % 8):
+            w1, w2 = self._padded[0].get(w1), self._padded[1].get(w2)
+        y = _moe_op(x, w1, w2, self.top_k, self.router_w, self.router_b, None, None,
                     self.b1, self.b2, residual, self.activation, self.gated, self.scoring,
                     self.renormalize, self.deterministic, self.backend, self.first_expert,
                     self.global_experts, self.round_router_logits, self.w1_scale, self.w2_scale)
@@ -216,13 +226,25 @@ def _router(block):
 
 
 def _stacked_experts(experts, owner):
-    """(w1, w2, activation) of transformers 5 experts (3-D gate_up_proj, down_proj)."""
+    """(w1, w2, activation, scales) of transformers 5 experts (3-D gate_up_proj, down_proj;
+    fine-grained fp8 ones with their 128 x 128 block scales, else scales {})."""
     if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False) \
             or not getattr(experts, "has_gate", True):
         raise NotImplementedError(f"{owner}.experts is transposed, biased or not gated; "
                                   "fusedmlp takes gate_up_proj [E, 2I, H] and down_proj "
                                   "[E, H, I] without biases")
     names = sorted(n for n, _ in experts.named_parameters())
+    scales = {}
+    if _fp8.is_fp8_experts(experts):
+        for a in ("gate_softcap", "swiglu_alpha", "limit"):
+            if getattr(experts, a, None) is not None:
+                raise NotImplementedError(f"{owner}.experts clamp or softcap their gate ({a}); "
+                                          "fusedmlp's experts apply act(gate) * up")
+        s1, s2 = _fp8.experts_scales(experts, owner)
+        scales = dict(w1_scale=s1, w2_scale=s2)
+        names = [n for n in names if n not in ("gate_up_proj_scale_inv", "down_proj_scale_inv",
+                                               "gate_up_proj_activation_scale",
+                                               "down_proj_activation_scale")]
     if names != ["down_proj", "gate_up_proj"]:
         raise NotImplementedError(f"{owner}.experts has parameters {names}; expected "
                                   "gate_up_proj and down_proj only")
@@ -232,7 +254,7 @@ def _stacked_experts(experts, owner):
         raise NotImplementedError(f"{owner}.experts has gate_up_proj {tuple(w1.shape)} and "
                                   f"down_proj {tuple(w2.shape)}; expected [E, 2I, H] and "
                                   "[E, H, I]")
-    return w1, w2, _activation(experts.act_fn)
+    return w1, w2, _activation(experts.act_fn), scales
 
 
 def _listed_experts(experts, owner):
@@ -257,7 +279,7 @@ def _listed_experts(experts, owner):
     with torch.no_grad():
         w1 = torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups)])
         w2 = torch.stack(downs)
-    return w1, w2, acts.pop()
+    return w1, w2, acts.pop(), {}
 
 
 def _describe_moe(block):
@@ -269,7 +291,7 @@ def _describe_moe(block):
     router_w, router_b = _router(block)
     experts = getattr(block, "experts", None)
     legacy = isinstance(experts, nn.ModuleList)
-    w1, w2, activation = (_listed_experts if legacy else _stacked_experts)(experts, kind)
+    w1, w2, activation, scales = (_listed_experts if legacy else _stacked_experts)(experts, kind)
     top_k = getattr(block, "top_k", getattr(block.gate, "top_k", None))
     if not isinstance(top_k, int) or router_w.shape[0] != w1.shape[0]:
         raise NotImplementedError(f"{kind}: top_k {top_k!r} or router {tuple(router_w.shape)} "
@@ -281,4 +303,4 @@ def _describe_moe(block):
                 return_router_logits=legacy,
                 # The block's router is an nn.Linear in the model dtype: its logits are rounded
                 # to it before the softmax, and routing near a tie follows that rounding.
-                round_router_logits=True)
+                round_router_logits=True, **scales)

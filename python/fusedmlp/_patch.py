@@ -37,6 +37,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from . import _fp8
 from . import _structure as st
 from ._blocks import (FusedBlock, NotInPlace, Passthrough, Plan, _norm_choice, block_plan,
                       inline_plan)
@@ -144,14 +145,17 @@ def _first(out):
 
 def _moe_plan(name, parent, child_name, block, backend):
     fused = FusedMoE.from_module(block, backend=backend).train(block.training)
+    # fp8 experts: x in the dtype the model computes in (its router's)
+    x_dtype = _fp8.activation_dtype(block) if fused.w1.dtype == torch.float8_e4m3fn \
+        else fused.w1.dtype
     with torch.no_grad():  # NotImplementedError now (a skip with the reason), not at forward
-        fused.eval()(torch.zeros(1, fused.d, dtype=fused.w1.dtype, device=fused.w1.device))
+        fused.eval()(torch.zeros(1, fused.d, dtype=x_dtype, device=fused.w1.device))
     fused.train(block.training)
     return Plan(name, [(parent, child_name, fused)],
                 lambda x: _first(block(x.unsqueeze(0)))[0], lambda x: _first(fused(x)),
                 fused.d, fused.w1, f"{type(block).__name__} -> FusedMoE ({fused.extra_repr()})",
                 select=lambda x: fused.routing_margin(x) > PROBE_RTOL.get(x.dtype, 2.0**-4),
-                probe_rows=64, covers=(name,))
+                probe_rows=64, covers=(name,), x_dtype=x_dtype)
 
 
 def _experts_plan(name, experts):
@@ -452,7 +456,8 @@ def _collect_linears(module, prefix, plans, report, taken, in_attention=False):
                 plans.append(Plan(name, [(module, child_name, fused)], child, fused,
                                   fused.in_features, fused.weight,
                                   f"{type(child).__name__} -> FusedLinear "
-                                  f"({fused.extra_repr()})", linear=True, covers=(name,)))
+                                  f"({fused.extra_repr()})", linear=True, covers=(name,),
+                                  x_dtype=_fp8.activation_dtype(module)))
             continue
         if not isinstance(child, nn.MultiheadAttention):
             _collect_linears(child, name, plans, report, taken,
@@ -461,12 +466,14 @@ def _collect_linears(module, prefix, plans, report, taken, in_attention=False):
 
 def _probe_input(probe, plan):
     w = plan.weight
+    # fp8 weights: the rows are in the dtype the model computes in
+    dtype = plan.x_dtype if w.dtype == torch.float8_e4m3fn and plan.x_dtype else w.dtype
     if isinstance(probe, torch.Tensor) and probe.shape[-1] == plan.d_in:
-        x = probe.detach().to(device=w.device, dtype=w.dtype).reshape(-1, plan.d_in)
+        x = probe.detach().to(device=w.device, dtype=dtype).reshape(-1, plan.d_in)
     else:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(plan.probe_rows, plan.d_in, generator=gen).to(device=w.device,
-                                                                      dtype=w.dtype)
+                                                                      dtype=dtype)
     if plan.select is not None:
         with torch.no_grad():
             keep = plan.select(x).to(x.device)
@@ -489,7 +496,7 @@ def _probe_error(plan, probe):
     except Exception as e:  # noqa: BLE001 - whatever fails, the block is not swapped
         return float("inf"), f"the probe raised {type(e).__name__}: {str(e)[:200]}"
     rms = ref.pow(2).mean(dim=-1, keepdim=True).sqrt()
-    bound = PROBE_RTOL.get(plan.weight.dtype, 2.0**-4) * (ref.abs() + rms) + 1e-30
+    bound = PROBE_RTOL.get(x.dtype, 2.0**-4) * (ref.abs() + rms) + 1e-30
     err = (got - ref).abs() / bound
     return (float(err.nan_to_num(nan=float("inf")).max()) if err.numel() else 0.0), None
 
@@ -504,7 +511,13 @@ def _plan_cost(plan, mode):
     graph = mode == "graph" and x.device.type == "cuda"
     out = []
     for fn in (plan.original, plan.fused):
-        c = call_cost(fn, x, calls=20, rounds=3, graph=graph)
+        try:
+            c = call_cost(fn, x, calls=20, rounds=3, graph=graph)
+        except Exception:  # noqa: BLE001 - an original that cannot run here (an fp8 linear
+            if fn is plan.fused:  # without its kernels) loses to a fused module that can
+                raise
+            out.append(None)
+            continue
         out.append(c.device_us if graph else c.wall_us)
     return tuple(out)
 
@@ -649,13 +662,14 @@ def patch(model: nn.Module, strict: bool = False, probe: Optional[torch.Tensor] 
         taken |= {id(modules[n]) for n, _ in report.skipped if n in modules}
         _collect_linears(model, "", plans, report, taken)
     accepted, failures = [], []
-    for plan in plans:
-        err, why = _probe_error(plan, probe)
-        report.errors[plan.name] = err
-        if not err <= 1.0:
-            failures.append((plan, why or f"probe error {err:.3g}x tolerance"))
-            continue
-        accepted.append(plan)
+    with _fp8.dequantized(model):  # fp8 linears: their weight-only result is the reference
+        for plan in plans:
+            err, why = _probe_error(plan, probe)
+            report.errors[plan.name] = err
+            if not err <= 1.0:
+                failures.append((plan, why or f"probe error {err:.3g}x tolerance"))
+                continue
+            accepted.append(plan)
     for p in plans if strict and failures else [f[0] for f in failures]:
         if p.experts is not None:  # drop the probes' converted copies
             p.experts.__dict__.pop("_fusedmlp_layout", None)

@@ -47,6 +47,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from . import _fp8
 from ._identify import identify_activation, identify_norm, is_simple_leaf
 from .torch import _is_conv1d
 
@@ -146,10 +147,13 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 def linear_kind(m):
     """"linear" (an nn.Linear: weight [out, in]), "conv1d" (transformers Conv1D, weight [in,
-    out]) or None. An nn.Linear subclass with its own forward counts when its weight is a plain
-    float tensor (Falcon's FalconLinear computes x @ W^T itself); quantized ones, whose weight
-    is a tensor subclass or an integer tensor, do not. Either way the probe compares the fused
-    result with the modules' own."""
+    out]), "fp8" (an nn.Linear holding e4m3 weights and their scales, _fp8.py) or None. An
+    nn.Linear subclass with its own forward counts when its weight is a plain float tensor
+    (Falcon's FalconLinear computes x @ W^T itself); other quantized ones, whose weight is a
+    tensor subclass or an integer tensor, do not. Either way the probe compares the fused result
+    with the modules' own (fp8 ones: with their weights dequantised)."""
+    if _fp8.is_fp8_linear(m):
+        return "fp8"
     if isinstance(m, nn.Linear):
         w = m.weight
         if type(m).forward is nn.Linear.forward or (
@@ -171,6 +175,12 @@ def linear_weight(m):
     if linear_kind(m) == "conv1d":
         return m.weight.t().contiguous(), m.bias
     return m.weight, m.bias
+
+
+def linear_scale(m):
+    """The fp32 weight scale of an fp8 linear as fusedmlp takes it (_fp8.fp8_scale), or None
+    for a float one."""
+    return _fp8.fp8_scale(m)[0] if linear_kind(m) == "fp8" else None
 
 
 # Class names that say MLP (for the report's list of what was not replaced; detection never
@@ -356,20 +366,41 @@ class Chain:
         return [tr.target(n) for n in (self.l1, self.up, self.l2) if n is not None]
 
     def weights(self, tr):
-        """FusedMLP keyword arguments for the chain's linears and activation."""
-        wg, bg = linear_weight(tr.submodule(self.l1))
+        """FusedMLP keyword arguments for the chain's linears and activation (fp8 linears: their
+        scales too)."""
+        mods = [tr.submodule(n) for n in (self.l1, self.up, self.l2) if n is not None]
+        kinds = {linear_kind(m) == "fp8" for m in mods}
+        if len(kinds) > 1:
+            raise NotImplementedError("its linears mix e4m3 and float weights; fusedmlp takes "
+                                      "one weight dtype per MLP")
+        l1 = tr.submodule(self.l1)
+        wg, bg = linear_weight(l1)
+        sg = linear_scale(l1)
         w2, b2 = linear_weight(tr.submodule(self.l2))
         kw = dict(w2=w2, b2=b2, activation=self.activation, gated=self.gated)
+        if sg is not None:
+            kw["w2_scale"] = linear_scale(tr.submodule(self.l2))
         if not self.gated:
-            return dict(kw, w1=wg, b1=bg)
+            return dict(kw, w1=wg, b1=bg, **({} if sg is None else {"w1_scale": sg}))
         if self.up is not None:
-            wu, bu = linear_weight(tr.submodule(self.up))
+            up = tr.submodule(self.up)
+            wu, bu = linear_weight(up)
             if (bg is None) != (bu is None):
                 raise NotImplementedError("the gate and up linears disagree on having a bias")
+            if sg is not None:
+                kw.update(w1_scale=sg, w_up_scale=linear_scale(up))
             return dict(kw, w1=wg, b1=bg, w_up=wu, b_up=bu)
-        if self.halves[0] == 0:  # gate rows, then up rows: fusedmlp's stacked layout as it is
-            return dict(kw, w1=wg, b1=bg)
         half = wg.shape[0] // 2
+        if sg is not None:  # the halves' scales, as separate gate and up scales
+            s_lo, s_hi = _fp8.split_rows(sg, wg.shape[0], half)
+            first_gate = self.halves[0] == 0
+            kw.update(w1_scale=s_lo if first_gate else s_hi,
+                      w_up_scale=s_hi if first_gate else s_lo)
+        if self.halves[0] == 0:  # gate rows, then up rows
+            if sg is None:  # fusedmlp's stacked layout as it is
+                return dict(kw, w1=wg, b1=bg)
+            return dict(kw, w1=wg[:half], w_up=wg[half:], b1=None if bg is None else bg[:half],
+                        b_up=None if bg is None else bg[half:])
         return dict(kw, w1=wg[half:], w_up=wg[:half], b1=None if bg is None else bg[half:],
                     b_up=None if bg is None else bg[:half])
 

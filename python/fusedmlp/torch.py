@@ -318,7 +318,9 @@ deterministic, backend, round_router_logits
     first_expert, global_experts : int
         A local expert range (expert parallelism), as for fusedmlp.moe.
     w1_scale, w2_scale : torch.Tensor, optional
-        float32 scales [E] or [E, rows] of torch.float8_e4m3fn experts.
+        float32 scales [E], [E, rows] or [E, ceil(rows / 128), ceil(cols / 128)] (128 x 128
+        blocks, gated w1: the gate's block rows, then the up's; cpu backend) of
+        torch.float8_e4m3fn experts.
 
     Returns
     -------
@@ -561,6 +563,10 @@ class FusedMLP(nn.Module):
     ----------
     w1, w2, b1, w_up, b_up, b2, norm_weight, norm_bias : torch.Tensor
         As for fusedmlp.mlp (kept as Parameters without grad).
+    w1_scale, w_up_scale, w2_scale : torch.Tensor, optional
+        float32 scales of torch.float8_e4m3fn weights, as for fusedmlp.mlp: [1] per tensor,
+        [rows] per row or [ceil(rows / 128), ceil(cols / 128)] per 128 x 128 block (kept as
+        buffers). The activations stay in x's dtype (weight-only fp8).
     activation, gated, norm, eps, backend
         As for fusedmlp.mlp.
     dropout : nn.Dropout, optional
@@ -582,7 +588,7 @@ class FusedMLP(nn.Module):
 
     def __init__(self, w1, w2, *, b1=None, w_up=None, b_up=None, b2=None, activation="gelu",
                  gated=False, norm=None, norm_weight=None, norm_bias=None, eps=1e-5,
-                 dropout=None, backend="auto"):
+                 dropout=None, backend="auto", w1_scale=None, w_up_scale=None, w2_scale=None):
         super().__init__()
         _lookup(_ACTIVATIONS, "activation", activation)
         _lookup(_NORMS, "norm", norm)
@@ -592,6 +598,9 @@ class FusedMLP(nn.Module):
         for name, t in dict(w1=w1, b1=b1, w_up=w_up, b_up=b_up, w2=w2, b2=b2,
                             norm_weight=norm_weight, norm_bias=norm_bias).items():
             self.register_parameter(name, _param(t))
+        for name, t in dict(w1_scale=w1_scale, w_up_scale=w_up_scale,
+                            w2_scale=w2_scale).items():
+            self.register_buffer(name, None if t is None else t.detach())
         self.dropout = dropout
         self.d_in, self.d_out = int(w1.shape[1]), int(w2.shape[0])
         self.hidden = int(w2.shape[1])
@@ -635,7 +644,9 @@ class FusedMLP(nn.Module):
         with _device_of(self.w1):
             tensors, bits = _args(self.w1.device, w1=self.w1, b1=self.b1, w_up=self.w_up,
                                   b_up=self.b_up, w2=self.w2, b2=self.b2,
-                                  norm_weight=self.norm_weight, norm_bias=self.norm_bias)
+                                  norm_weight=self.norm_weight, norm_bias=self.norm_bias,
+                                  w1_scale=self.w1_scale, w_up_scale=self.w_up_scale,
+                                  w2_scale=self.w2_scale)
             packed = _ext.PackedMlp(tensors, bits, _ACTIVATIONS[self.activation], self.gated,
                                     _NORMS[self.norm], float(self.eps), False,
                                     _BACKENDS[self.backend], _stream_for(self.w1))
@@ -680,11 +691,50 @@ class FusedMLP(nn.Module):
 
     def extra_repr(self):
         kind = "gated " if self.gated else ""
+        fp8 = ""
+        if self.w1_scale is not None:
+            s = self.w1_scale
+            fp8 = ", e4m3 weights with " + ("a per-tensor scale" if s.numel() == 1 else
+                                            "per-row scales" if s.dim() == 1 else
+                                            "128 x 128 block scales")
         return (f"{self.d_in} -> {self.hidden} -> {self.d_out}, {kind}{self.activation}, "
-                f"norm={self.norm}, packed for {self.w1.device}")
+                f"norm={self.norm}{fp8}, packed for {self.w1.device}")
 
 
 _LINEAR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _padded_rows(w):
+    """w [..., N, K] re-stored with rows of whole 16-byte chunks (row stride K rounded up to a
+    multiple of 8, zeros past K), or None where that buys nothing: not a 16-bit CUDA weight, or
+    its rows already start on 16-byte boundaries. The CUDA weight streams (linear_sm80_stream,
+    linear_sm80_mma, moe_sm80_stream) read such rows at any K; rows of odd K back to back leave
+    the linear op only the general GEMV and the moe op no CUDA entry."""
+    if w.device.type != "cuda" or w.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    k = w.shape[-1]
+    per = 16 // w.element_size()
+    rows_ok = all(w.stride(i) % per == 0 for i in range(w.dim() - 1) if w.shape[i] > 1)
+    if w.data_ptr() % 16 == 0 and rows_ok:
+        return None
+    kp = -(-k // per) * per
+    padded = w.detach().new_zeros(*w.shape[:-1], kp)
+    padded[..., :k].copy_(w.detach())
+    return padded[..., :k]
+
+
+class _PaddedCopy:
+    """The padded-row copy (_padded_rows) of a weight, rebuilt when the weight's storage,
+    version, device or dtype changes; `get(w)` gives the copy, or w where none is needed."""
+
+    def __init__(self):
+        self.key, self.padded = None, None
+
+    def get(self, w):
+        key = (w.data_ptr(), w._version, w.device, w.dtype, tuple(w.shape), w.stride())
+        if key != self.key:
+            self.key, self.padded = key, _padded_rows(w)
+        return w if self.padded is None else self.padded
 
 
 def _is_conv1d(m):
@@ -702,10 +752,21 @@ class FusedLinear(nn.Module):
     Parameters
     ----------
     weight : torch.Tensor
-        [out, in], float32, float16 or bfloat16, rows contiguous; an nn.Parameter is used as it
-        is (shared, not copied: weight tying and memory stay as they were).
+        [out, in], float32, float16 or bfloat16, or torch.float8_e4m3fn with ``weight_scale``;
+        rows contiguous; an nn.Parameter is used as it is (shared, not copied: weight tying and
+        memory stay as they were).
     bias : torch.Tensor, optional
         [out].
+    pad_rows : bool
+        On CUDA, a 16-bit weight whose rows do not start on 16-byte boundaries (``in`` not a
+        multiple of 8, rows back to back) runs from a copy with a padded row stride, made at the
+        first call and again whenever the weight changes (its version or storage): the weight
+        streams then take it at the aligned shape's cost, where the rows as given leave the
+        general GEMV. The copy costs the weight's memory once more. False runs the weight as
+        given.
+    weight_scale : torch.Tensor, optional
+        float32 scales of an e4m3 weight: [1], [out] or [ceil(out / 128), ceil(in / 128)]
+        (fusedmlp.linear's w_scale); x then stays in its own dtype (weight-only fp8).
 
     Attributes
     ----------
@@ -720,11 +781,16 @@ class FusedLinear(nn.Module):
         cpu/cuda, or strided rows.
     """
 
-    def __init__(self, weight, bias=None):
+    def __init__(self, weight, bias=None, weight_scale=None, pad_rows=True):
         super().__init__()
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight)
             raise ValueError(f"weight is {shape}; expected a 2-D tensor [out, in]")
+        fp8 = weight.dtype == torch.float8_e4m3fn
+        if fp8 != (weight_scale is not None):
+            raise ValueError("weight_scale goes with a torch.float8_e4m3fn weight and only with "
+                             f"one (weight is {weight.dtype}, weight_scale "
+                             f"{'given' if weight_scale is not None else 'missing'})")
         for name, t in (("weight", weight), ("bias", bias)):
             if t is None:
                 continue
@@ -732,9 +798,10 @@ class FusedLinear(nn.Module):
                 raise NotImplementedError(f"{name} is a {type(t).__name__} (a tensor subclass, "
                                           "e.g. quantized or sharded); FusedLinear takes plain "
                                           "tensors")
-            if t.dtype not in _LINEAR_DTYPES:
+            if t.dtype not in _LINEAR_DTYPES and not (fp8 and name == "weight"):
                 raise NotImplementedError(f"{name} has dtype {t.dtype}; FusedLinear takes "
-                                          "float32, float16 or bfloat16")
+                                          "float32, float16 or bfloat16 (or an e4m3 weight with "
+                                          "its scales)")
             if t.device.type not in ("cpu", "cuda"):
                 raise NotImplementedError(f"{name} is on {t.device}; FusedLinear runs on cpu or "
                                           "cuda tensors")
@@ -745,7 +812,11 @@ class FusedLinear(nn.Module):
                                       "with contiguous elements (stride 1 along in)")
         self.weight = weight if isinstance(weight, nn.Parameter) else _param(weight)
         self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else _param(bias)
+        self.register_buffer("weight_scale",
+                             None if weight_scale is None else weight_scale.detach())
         self.in_features, self.out_features = int(weight.shape[1]), int(weight.shape[0])
+        self.pad_rows = bool(pad_rows)
+        self._padded = _PaddedCopy()
 
     @classmethod
     def from_module(cls, module: nn.Module) -> "FusedLinear":
@@ -768,6 +839,9 @@ class FusedLinear(nn.Module):
             Another module, an nn.Linear subclass with its own forward (e.g. a quantized one),
             or a dtype the op does not take.
         """
+        from . import _fp8
+        if _fp8.is_fp8_linear(module):  # e4m3 weight and its scales (_fp8.py)
+            return cls(module.weight, module.bias, _fp8.fp8_scale(module)[0])
         if isinstance(module, nn.Linear):
             if type(module).forward is not nn.Linear.forward:
                 raise NotImplementedError(f"{type(module).__name__} subclasses nn.Linear with its "
@@ -796,14 +870,24 @@ class FusedLinear(nn.Module):
             x's dtype is not the weight's (nn.Linear raises here too).
         """
         w = self.weight
+        if self.weight_scale is not None:  # weight-only e4m3: x keeps its dtype
+            return _linear_op(x, w, self.bias, self.weight_scale)
         if x.dtype != w.dtype:
             raise RuntimeError(f"FusedLinear: x has dtype {x.dtype} but the weight {w.dtype}; "
                                "cast x first (nn.Linear raises here too)")
+        if self.pad_rows and w.is_cuda and self.in_features % 8:
+            w = self._padded.get(w)
         return _linear_op(x, w, self.bias, None)
 
     def extra_repr(self):
+        fp8 = ""
+        if self.weight_scale is not None:
+            s = self.weight_scale
+            fp8 = ", e4m3 weight with " + ("a per-tensor scale" if s.numel() == 1 else
+                                           "per-row scales" if s.dim() == 1 else
+                                           "128 x 128 block scales")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}")
+                f"bias={self.bias is not None}{fp8}")
 
 
 def _activation(act):

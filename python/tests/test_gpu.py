@@ -199,6 +199,30 @@ def test_fused_linear_cuda_graph(n, k):
         assert_close(y, ref, rtol=RTOL_GPU[torch.bfloat16])
 
 
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+def test_fused_linear_odd_in_features_pads_rows(m):
+    """in_features not a multiple of 8: FusedLinear runs a padded-stride copy of the weight
+    (16-byte rows, what the CUDA weight streams need), rebuilt when the weight changes in place;
+    pad_rows=False runs the weight as given. Both match the reference."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1001, 2731).to(DEV, torch.bfloat16)
+    fused = ft.FusedLinear.from_module(lin)
+    plain = ft.FusedLinear(lin.weight, lin.bias, pad_rows=False)
+    x = torch.randn(m, 1001, device=DEV, dtype=torch.bfloat16)
+    for step in range(2):
+        with torch.no_grad():
+            y, y_plain = fused(x), plain(x)
+        padded = fused._padded.padded
+        assert padded is not None and padded.stride(0) == 1008 and padded.data_ptr() % 16 == 0
+        assert torch.equal(padded, lin.weight)
+        assert plain._padded.padded is None
+        ref = x.double() @ lin.weight.double().T + lin.bias.double()
+        assert_close(y, ref, rtol=RTOL_GPU[torch.bfloat16])
+        assert_close(y_plain, ref, rtol=RTOL_GPU[torch.bfloat16])
+        with torch.no_grad():
+            lin.weight.mul_(-0.5)  # in place: same storage, a new version
+
+
 def test_call_cost_cuda():
     """call_cost on the device: host time, wall time and the time per call replayed from a
     captured graph (only plausibility: speed is for the benchmarks)."""
@@ -287,6 +311,27 @@ def test_moe_cuda_router_and_given(dtype, t):
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert "moe_sm80_chunked" in fusedmlp.moe_explain(dkw["x"], dkw["w1"], dkw["w2"],
                                                       router_w=dkw["router_w"], top_k=2)
+
+
+@pytest.mark.parametrize("t", [1, 4, 16])
+def test_fused_moe_odd_sizes_pad_rows(t):
+    """d and hidden not multiples of 8: FusedMoE runs padded-row copies of w1 and w2 (the only
+    CUDA entry, moe_sm80_stream, needs 16-byte aligned rows), and matches the reference; with
+    pad_rows=False no CUDA kernel takes the rows as given."""
+    kw = torch_moe_case(torch, t=(t,), d=1001, hidden=769, experts=8, top_k=2,
+                        dtype=torch.bfloat16)
+    dkw = cuda(kw)
+    moe = ft.FusedMoE(dkw["w1"], dkw["w2"], dkw["router_w"], top_k=2, router_b=dkw["router_b"],
+                      b1=dkw["b1"], b2=dkw["b2"])
+    with torch.no_grad():
+        y = moe(dkw["x"])
+    w1p, w2p = moe._padded[0].padded, moe._padded[1].padded
+    assert w1p is not None and w1p.stride(1) == 1008 and w2p.stride(1) == 776
+    moe_check(y, kw)
+    plain = ft.FusedMoE(dkw["w1"], dkw["w2"], dkw["router_w"], top_k=2,
+                        router_b=dkw["router_b"], pad_rows=False)
+    with pytest.raises(NotImplementedError, match="16-byte aligned"), torch.no_grad():
+        plain(dkw["x"])
 
 
 def test_moe_cuda_f32_experts_not_supported():

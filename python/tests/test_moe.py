@@ -207,6 +207,40 @@ def test_fp8_experts(per_row, backend):
         call(kw, w1_scale=s1, backend=backend)
 
 
+def quantize_experts_block(w, gated):
+    """fp8 experts with 128 x 128 block scales [E, row blocks, col blocks] (gated: each expert's
+    gate and up halves quantised apart, quantize_fp8(gate_up=True)); also the dequantised float64
+    weights."""
+    pytest.importorskip("ml_dtypes")
+    qs, scales = zip(*[fusedmlp.quantize_fp8(w[e], block=True, gate_up=gated)[:2]
+                       for e in range(w.shape[0])])
+    q, scale = np.stack(qs), np.stack(scales)
+    deq = np.empty(w.shape)
+    for e in range(w.shape[0]):
+        for p, (rows, sp) in enumerate(zip(np.split(np.arange(w.shape[1]), 2 if gated else 1),
+                                           np.split(scale[e], 2 if gated else 1))):
+            full = np.repeat(np.repeat(sp, 128, 0), 128, 1)[:len(rows), :w.shape[2]]
+            deq[e, rows] = q[e, rows].astype(np.float64) * full
+    return q, scale, deq
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["dense", "gated"])
+@pytest.mark.parametrize("backend", ["ref", "cpu"])
+def test_fp8_experts_block_scales(gated, backend):
+    """[E, ceil(rows / 128), ceil(cols / 128)] expert scales (gated w1: gate block rows, then up
+    block rows; hidden 150 is not a multiple of 128) against the fp64 moe of the dequantised
+    experts; the cuda-only refusal and a wrong shape name the argument."""
+    rng = np.random.default_rng(9)
+    kw = make_moe(rng, t=20, d=140, hidden=150, d_out=130, experts=4, top_k=2, gated=gated)
+    q1, s1, deq1 = quantize_experts_block(kw["w1"], gated)
+    q2, s2, deq2 = quantize_experts_block(kw["w2"], False)
+    assert s1.shape == (4, 4 if gated else 2, 2) and s2.shape == (4, 2, 2)
+    y = call(dict(kw, w1=q1, w2=q2), w1_scale=s1, w2_scale=s2, backend=backend)
+    assert_close(y, moe_ref(**dict(kw, w1=deq1, w2=deq2)))
+    with pytest.raises(ValueError, match="w2_scale must have shape"):
+        call(dict(kw, w1=q1, w2=q2), w1_scale=s1, w2_scale=s2[:, :1], backend=backend)
+
+
 # ---- torch ----
 
 def _torch():

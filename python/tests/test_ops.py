@@ -47,6 +47,80 @@ def test_workspace_size_and_mlp_fp8_weights():
     assert_close(y, mlp_ref(x, **deq), rtol=2.0**-7)
 
 
+def _block_dequant(q, scale, halves=1):
+    """code * scale[r / 128, c / 128]; halves=2: a stacked [gate; up] whose halves start their
+    own block rows."""
+    q = _bits_as_float(q)
+    s = np.asarray(scale, np.float64)
+    parts = np.split(q, halves)
+    sparts = np.split(s, halves)
+    out = [p * np.repeat(np.repeat(sp, 128, 0), 128, 1)[:p.shape[0], :p.shape[1]]
+           for p, sp in zip(parts, sparts)]
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("backend", ["ref", "cpu"])
+@pytest.mark.parametrize("m", [1, 40])
+@pytest.mark.parametrize("form", ["dense", "stacked", "separate"])
+def test_mlp_fp8_block_scales(backend, m, form):
+    """mlp with [ceil(rows / 128), ceil(cols / 128)] scales from quantize_fp8(block=True): gate
+    and up quantised apart (hidden 200, not a multiple of 128), the stacked w1 taking their
+    scales concatenated, against the fp64 mlp of the dequantised weights; a scale over the 2 *
+    hidden stacked rows is refused by shape."""
+    rng = np.random.default_rng(11)
+    d_in, hidden, d_out = 300, 200, 140
+    x = rand(rng, (m, d_in), np.float32)
+    gate = rand(rng, (hidden, d_in), np.float32, d_in**-0.5)
+    up = rand(rng, (hidden, d_in), np.float32, d_in**-0.5)
+    down = rand(rng, (d_out, hidden), np.float32, hidden**-0.5)
+    gate[:128, 128:256] *= 30  # one block far larger than the rest
+    qg, sg, _ = fusedmlp.quantize_fp8(gate, block=True)
+    qu, su, _ = fusedmlp.quantize_fp8(up, block=True)
+    q2, s2, _ = fusedmlp.quantize_fp8(down, block=True)
+    assert sg.shape == (2, 3) and s2.shape == (2, 2)
+    deq2 = _block_dequant(q2, s2)
+    if form == "dense":
+        kw = dict(w1=qg, w1_scale=sg, gated=False)
+        ref = mlp_ref(x, _block_dequant(qg, sg), deq2, activation="silu")
+    else:
+        ref = mlp_ref(x, np.concatenate([_block_dequant(qg, sg), _block_dequant(qu, su)]), deq2,
+                      activation="silu", gated=True)
+        if form == "stacked":
+            kw = dict(w1=np.concatenate([qg, qu]), w1_scale=np.concatenate([sg, su]), gated=True)
+        else:
+            kw = dict(w1=qg, w1_scale=sg, w_up=qu, w_up_scale=su, gated=True)
+    y = fusedmlp.mlp(x, w2=q2, w2_scale=s2, activation="silu", backend=backend, **kw)
+    assert_close(y, ref, rtol=2.0**-12)
+    if form == "stacked":
+        q_gu, s_gu, _ = fusedmlp.quantize_fp8(np.concatenate([gate, up]), block=True, gate_up=True)
+        assert np.array_equal(s_gu, np.concatenate([sg, su]))
+        assert np.array_equal(_bits_as_float(q_gu), _bits_as_float(kw["w1"]), equal_nan=True)
+        bad = np.concatenate([sg, su])[:3]
+        with pytest.raises(ValueError, match=r"2 \* ceil\(hidden / 128\)"):
+            fusedmlp.mlp(x, w2=q2, w2_scale=s2, activation="silu", backend=backend,
+                         **dict(kw, w1_scale=bad))
+
+
+def test_mlp_fp8_block_scales_packed_and_rejected():
+    """pack() keeps block scales (cpu); a NaN block scale is refused naming the block."""
+    rng = np.random.default_rng(12)
+    x = rand(rng, (3, 260), np.float32)
+    w1 = rand(rng, (2 * 130, 260), np.float32, 260**-0.5)
+    w2 = rand(rng, (129, 130), np.float32, 130**-0.5)
+    q1a, s1a, _ = fusedmlp.quantize_fp8(w1[:130], block=True)
+    q1b, s1b, _ = fusedmlp.quantize_fp8(w1[130:], block=True)
+    q2, s2, _ = fusedmlp.quantize_fp8(w2, block=True)
+    kw = dict(w1=np.concatenate([q1a, q1b]), w1_scale=np.concatenate([s1a, s1b]), w2=q2,
+              w2_scale=s2, gated=True, activation="gelu")
+    y = fusedmlp.mlp(x, backend="cpu", **kw)
+    packed = fusedmlp.pack(backend="cpu", **kw)
+    assert np.array_equal(packed(x), y)
+    bad = s2.copy()
+    bad[1, 0] = np.nan
+    with pytest.raises(ValueError, match=r"w2_scale\[1, 0\] is nan"):
+        fusedmlp.mlp(x, backend="cpu", **dict(kw, w2_scale=bad))
+
+
 def _bits_as_float(q):
     ml_dtypes = pytest.importorskip("ml_dtypes")
     return np.asarray(q).view(ml_dtypes.float8_e4m3fn).astype(np.float64)

@@ -122,6 +122,45 @@ def test_linear_fp8_block_scales_op_and_compile():
     compiled = torch.compile(lambda v: torch.ops.fusedmlp.linear(v, q, None, s), fullgraph=True)
     assert torch.equal(compiled(x), y)
 
+def test_mlp_moe_fp8_block_scales_ops_and_compile():
+    """torch.ops.fusedmlp.mlp / moe with 128 x 128 block scales (quantize_fp8(block=True,
+    gate_up=True) for the stacked w1, hidden 150 not a multiple of 128) against the fp64 math of
+    the dequantised weights, eager and under torch.compile(fullgraph=True)."""
+    g = torch.Generator().manual_seed(8)
+    d, hidden, d_out = 140, 150, 130
+
+    def deq(q, s, halves=1):
+        parts = [qp.double() * sp.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+                 [:qp.shape[0], :qp.shape[1]]
+                 for qp, sp in zip(q.chunk(halves), s.chunk(halves))]
+        return torch.cat(parts)
+    w1 = torch.randn(2 * hidden, d, generator=g) * d**-0.5
+    w2 = torch.randn(d_out, hidden, generator=g) * hidden**-0.5
+    x = torch.randn(5, d, generator=g)
+    q1, s1, _ = fusedmlp.quantize_fp8(w1, block=True, gate_up=True)
+    q2, s2, _ = fusedmlp.quantize_fp8(w2, block=True)
+    assert s1.shape == (4, 2) and s2.shape == (2, 2)
+    ref = mlp_ref(x, deq(q1, s1, 2), deq(q2, s2), activation="silu", gated=True)
+    y = torch.ops.fusedmlp.mlp(x, q1, q2, w1_scale=s1, w2_scale=s2, activation="silu", gated=True)
+    assert_close(y, ref, rtol=2.0**-12)
+    compiled = torch.compile(
+        lambda v: torch.ops.fusedmlp.mlp(v, q1, q2, w1_scale=s1, w2_scale=s2, activation="silu",
+                                         gated=True), fullgraph=True)
+    assert torch.equal(compiled(x), y)
+    # moe: two experts, the routing given (token t to expert t % 2, weight 1).
+    qe1, se1 = torch.stack([q1, q1]), torch.stack([s1, s1 * 0.5])
+    qe2, se2 = torch.stack([q2, q2]), torch.stack([s2, s2 * 2])
+    ids = (torch.arange(5) % 2).to(torch.int32).reshape(5, 1)
+    wts = torch.ones(5, 1)
+    ym = torch.ops.fusedmlp.moe(x, qe1, qe2, 1, topk_ids=ids, topk_weights=wts, activation="silu",
+                                gated=True, w1_scale=se1, w2_scale=se2)
+    for t in range(5):
+        e = t % 2
+        r = mlp_ref(x[t:t + 1], deq(qe1[e], se1[e], 2), deq(qe2[e], se2[e]), activation="silu",
+                    gated=True)
+        assert_close(ym[t:t + 1], r, rtol=2.0**-12)
+
+
 def test_opcheck_all_ops():
     kw = weights(gated=True)
     x = torch.randn(3, 32)

@@ -168,7 +168,9 @@ fmlp_status_t validate_linear(const fmlp_linear_args_t* a, LinearDesc* d) {
     return fail(FMLP_ERROR_ALIASING,
                 "y overlaps w; the output must not share memory with the weights");
   const int64_t es = int64_t(dtype_size(d->w_dtype));
-  d->w_vec16 = rows_start_16b(a->w.data, d->n, a->w.stride[0] * es) && (d->k * es) % 16 == 0;
+  d->w_ld = a->w.stride[0];
+  d->w_rows16 = rows_start_16b(a->w.data, d->n, a->w.stride[0] * es);
+  d->w_vec16 = d->w_rows16 && (d->k * es) % 16 == 0;
   auto vec16 = [&](const fmlp_tensor_t& t, int64_t cols) {
     const int64_t es = int64_t(dtype_size(t.dtype));
     return rows_start_16b(t.data, d->m, t.stride[0] * es) && (cols * es) % 16 == 0;
@@ -191,6 +193,20 @@ struct LinearOp {
   static const LinearKernel* plan(const LinearDesc& d, fmlp_backend_t b, std::string* reason) {
     return b == FMLP_BACKEND_CUDA ? cuda_linear_plan(d, reason) : nullptr;
   }
+  // 16-bit and fp8 W whose rows do not start on 16-byte boundaries (mostly a contiguous W of odd
+  // K) leave CUDA only the general GEMV and its element loads: say what reaches the streams.
+  static std::string explain_note(const LinearDesc& d, fmlp_backend_t b) {
+    const bool fast_w = d.w_dtype == FMLP_DTYPE_BF16 || d.w_dtype == FMLP_DTYPE_F16 ||
+                        d.w_dtype == FMLP_DTYPE_F8_E4M3;
+    if (b != FMLP_BACKEND_CUDA || !fast_w || d.w_rows16 || d.n == 0 || d.k == 0) return "";
+    const int64_t per = 16 / int64_t(dtype_size(d.w_dtype)), kp = (d.k + per - 1) / per * per;
+    return fmt::format(
+        "W's rows are not 16-byte aligned (w_ld {} elements of {}{}), so the weight streams "
+        "(linear_sm80_stream, linear_sm80_mma) decline and linear_sm80_gemv reads W with element "
+        "loads; store W with a row stride of a multiple of {} elements (a [N, {}] buffer viewed "
+        "as [:, :{}]; fusedmlp.FusedLinear keeps such a copy for odd K) to take them",
+        d.w_ld, fmlp_dtype_name(d.w_dtype), d.w_ld == d.k ? ", contiguous" : "", per, kp, d.k);
+  }
 };
 using Table = OpTable<LinearOp>;
 
@@ -207,7 +223,10 @@ std::string describe(const LinearDesc& d) {
                      fmlp_dtype_name(d.act_dtype), scale(d.x_scale),
                      d.w8a8() ? fmt::format(" y={}", fmlp_dtype_name(d.out_dtype)) : "",
                      fmlp_dtype_name(d.w_dtype), scale(d.w_scale),
-                     d.bias_dtype != FMLP_DTYPE_INVALID ? " bias" : "", d.w_vec16 ? " vec16" : "",
+                     d.bias_dtype != FMLP_DTYPE_INVALID ? " bias" : "",
+                     d.w_vec16    ? " vec16"
+                     : d.w_rows16 ? " rows16"
+                                  : "",
                      device_string(d.device, d.device_id));
 }
 

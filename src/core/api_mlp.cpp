@@ -16,6 +16,11 @@ std::string describe(const MlpDesc& d) {
                   fmlp_activation_name(d.activation));
   if (d.norm == FMLP_NORM_LAYERNORM) s += " layernorm";
   if (d.norm == FMLP_NORM_RMSNORM) s += " rmsnorm";
+  const auto kind = [](ScaleKind k) {
+    return k == ScaleKind::kBlock ? "128x128" : k == ScaleKind::kPerRow ? "row" : "tensor";
+  };
+  if (d.w1_scale == ScaleKind::kBlock || d.w2_scale == ScaleKind::kBlock)
+    s += fmt::format(" fp8-scales(w1 {}, w2 {})", kind(d.w1_scale), kind(d.w2_scale));
   if (d.has_b1 || d.has_b_up || d.has_b2) s += " bias";
   if (d.has_residual) s += d.residual_is_y ? " residual(in-place)" : " residual";
   if (d.deterministic) s += " deterministic";
@@ -38,6 +43,27 @@ struct MlpOp {
   // The CUDA planner picks decode or prefill entries by M and shape (core/planner.hpp).
   static const MlpKernel* plan(const MlpDesc& d, fmlp_backend_t b, std::string* reason) {
     return b == FMLP_BACKEND_CUDA ? cuda_mlp_plan(d, reason) : nullptr;
+  }
+  // Unpacked 16-bit or fp8 weights the 16-byte weight streams cannot read (d_in or hidden not
+  // whole 16-byte loads, misaligned rows) run on CUDA's general kernel: packing is the fix.
+  static std::string explain_note(const MlpDesc& d, fmlp_backend_t b) {
+    const bool fast_w = d.w_dtype == FMLP_DTYPE_BF16 || d.w_dtype == FMLP_DTYPE_F16 ||
+                        d.w_dtype == FMLP_DTYPE_F8_E4M3;
+    if (b != FMLP_BACKEND_CUDA || !fast_w || d.layout == WeightLayout::kCudaPacked || d.m > 64)
+      return "";  // beyond M = 64 the prefill GEMMs take any size alike
+    const int64_t per = 16 / int64_t(dtype_size(d.w_dtype));
+    const bool odd = d.d_in % per != 0 || d.hidden % per != 0;
+    if (!odd && d.weights_vec16) return "";
+    const std::string what =
+        odd ? fmt::format("d_in {} and hidden {} are not both multiples of {} ({} weights)", d.d_in,
+                          d.hidden, per, fmlp_dtype_name(d.w_dtype))
+            : std::string("the weight rows are not 16-byte aligned");
+    return fmt::format(
+        "unpacked weights: {}, so the 16-byte weight streams (mlp_decode_sm80_stream, "
+        "mlp_decode_sm80_mma_streamk) decline and the general kernel's element loads are the "
+        "cost; packing (fmlp_mlp_pack, fusedmlp.pack) pads the weight rows with zeros and takes "
+        "the fast entries at any size",
+        what);
   }
 };
 using Table = OpTable<MlpOp>;
@@ -108,6 +134,35 @@ fmlp_status_t fmlp_mlp_packed_run(const fmlp_mlp_packed_t* packed, const fmlp_te
     return s;
   return Table::run_validated(args, d, packed->backend, workspace, workspace_bytes, stream,
                               "fmlp_mlp_packed_workspace_size");
+}
+
+fmlp_status_t fmlp_mlp_packed_kernel_workspace_size(const fmlp_mlp_packed_t* packed,
+                                                    const char* kernel, const fmlp_tensor_t* y,
+                                                    const fmlp_tensor_t* x, size_t* bytes) {
+  if (bytes == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "bytes is NULL");
+  fmlp_mlp_args_t args{};
+  MlpDesc d;
+  if (const fmlp_status_t s = packed_args(packed, y, x, nullptr, &args, &d); s != FMLP_SUCCESS)
+    return s;
+  const MlpKernel* k = nullptr;
+  if (const fmlp_status_t s = Table::named_validated(d, kernel, &k); s != FMLP_SUCCESS) return s;
+  *bytes = k->workspace_bytes(d);
+  clear_last_error();
+  return FMLP_SUCCESS;
+}
+
+fmlp_status_t fmlp_mlp_packed_with_kernel(const fmlp_mlp_packed_t* packed, const char* kernel,
+                                          const fmlp_tensor_t* y, const fmlp_tensor_t* x,
+                                          const fmlp_tensor_t* residual, void* workspace,
+                                          size_t workspace_bytes, void* stream) {
+  fmlp_mlp_args_t args{};
+  MlpDesc d;
+  if (const fmlp_status_t s = packed_args(packed, y, x, residual, &args, &d); s != FMLP_SUCCESS)
+    return s;
+  const MlpKernel* k = nullptr;
+  if (const fmlp_status_t s = Table::named_validated(d, kernel, &k); s != FMLP_SUCCESS) return s;
+  return Table::run_kernel(*k, args, d, workspace, workspace_bytes, stream,
+                           "fmlp_mlp_packed_kernel_workspace_size");
 }
 
 }  // extern "C"

@@ -122,17 +122,20 @@ fmlp_status_t check_routing(const fmlp_moe_args_t& a, MoeDesc* d) {
   return FMLP_SUCCESS;
 }
 
-// An fp8 weight's stacked scales: fp32 [E] (one per expert) or [E, rows] (one per row); their
-// values are checked per expert by the mlp validation. Scales of 16-bit weights are an error.
+// An fp8 weight's stacked scales: fp32 [E] (one per expert), [E, rows] (one per row) or
+// [E, halves * ceil(rows / halves / 128), ceil(cols / 128)] (128 x 128 blocks; halves = 2 for the
+// gated w1's gate and up halves, each with its own block rows); their values are checked per
+// expert by the mlp validation. Scales of 16-bit weights are an error.
 fmlp_status_t check_expert_scale(const char* name, const char* weight_name,
                                  const fmlp_tensor_t& scale, const fmlp_tensor_t& w,
-                                 int64_t experts) {
+                                 int64_t experts, int halves) {
   const bool fp8 = w.dtype == FMLP_DTYPE_F8_E4M3;
   if (tensor_absent(scale)) {
     if (!fp8) return FMLP_SUCCESS;
     return fail(FMLP_ERROR_BAD_SCALE,
-                "{} is fp8 e4m3 but {} is absent; pass fp32 scales [num_experts] (one per expert) "
-                "or [num_experts, {}] (one per row), e.g. fmlp_quantize_fp8 of each expert",
+                "{} is fp8 e4m3 but {} is absent; pass fp32 scales [num_experts] (one per expert), "
+                "[num_experts, {}] (one per row) or [num_experts, ceil(rows / 128), ceil(cols / "
+                "128)] (one per 128 x 128 block), e.g. fmlp_quantize_fp8 of each expert",
                 weight_name, name, w.shape[1]);
   }
   if (!fp8)
@@ -142,13 +145,25 @@ fmlp_status_t check_expert_scale(const char* name, const char* weight_name,
   if (scale.dtype != FMLP_DTYPE_F32)
     return fail(FMLP_ERROR_BAD_SCALE, "{} has dtype {}; scales must be f32", name,
                 fmlp_dtype_name(scale.dtype));
+  if (scale.ndim == 3) {
+    const int64_t rb = halves * block_count(w.shape[1] / halves), cb = block_count(w.shape[2]);
+    const int64_t want[3] = {experts, rb, cb};
+    return check_tensor(name, scale, 3, want,
+                        halves == 2
+                            ? "[num_experts, 2 * ceil(hidden / 128), ceil(d / 128)] (per expert "
+                              "the gate's block scales, then the up's: torch.cat of gate_proj's "
+                              "and up_proj's weight_scale_inv)"
+                            : "[num_experts, ceil(rows / 128), ceil(cols / 128)] (one per 128 x "
+                              "128 block of each expert)");
+  }
   const bool per_expert = scale.ndim == 1 && scale.shape[0] == experts;
   const bool per_row = scale.ndim == 2 && scale.shape[0] == experts && scale.shape[1] == w.shape[1];
   if (!per_expert && !per_row)
     return fail(FMLP_ERROR_BAD_SCALE,
-                "{} has shape {}; expected [{}] (one per expert) or [{}, {}] "
-                "(one per row of {})",
-                name, shape_string(scale), experts, experts, w.shape[1], weight_name);
+                "{} has shape {}; expected [{}] (one per expert), [{}, {}] "
+                "(one per row of {}) or 3-D [{}, {}, {}] (one per 128 x 128 block)",
+                name, shape_string(scale), experts, experts, w.shape[1], weight_name, experts,
+                halves * block_count(w.shape[1] / halves), block_count(w.shape[2]));
   const int64_t any[2] = {-1, -1};
   return check_tensor(name, scale, scale.ndim, any, per_row ? "[E, rows]" : "[E]");
 }
@@ -260,8 +275,8 @@ fmlp_status_t validate_moe(const fmlp_moe_args_t* a, MoeDesc* d) {
                 "T * top_k = {} * {} (token, expert) slots exceed 2^31 - 1; split the batch",
                 d->tokens, d->top_k);
   FMLP_TRY(check_routing(*a, d));
-  FMLP_TRY(check_expert_scale("w1_scale", "w1", a->w1_scale, a->w1, d->experts));
-  FMLP_TRY(check_expert_scale("w2_scale", "w2", a->w2_scale, a->w2, d->experts));
+  FMLP_TRY(check_expert_scale("w1_scale", "w1", a->w1_scale, a->w1, d->experts, d->gated ? 2 : 1));
+  FMLP_TRY(check_expert_scale("w2_scale", "w2", a->w2_scale, a->w2, d->experts, 1));
   FMLP_TRY(check_experts(*a, d));
   d->device = a->x.device_type;
   d->device_id = a->x.device_id;

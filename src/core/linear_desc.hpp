@@ -24,6 +24,12 @@ struct LinearDesc {
   // W starts on a 16-byte boundary, its row stride is a multiple of 16 bytes and K fills whole
   // 16-byte chunks, so kernels may stream it with 16-byte vector loads.
   bool w_vec16 = false;
+  // W starts on a 16-byte boundary and its row stride is a multiple of 16 bytes, K of any size:
+  // every row's whole chunks take 16-byte loads and the kernels that read a row's last, partial
+  // chunk by its own bytes (linear_sm80_stream, linear_sm80_mma) stream it too. A caller gets it
+  // for odd K by storing W with a padded row stride.
+  bool w_rows16 = false;
+  int64_t w_ld = 0;  // W's row stride in elements, for explain
   // x and y start on 16-byte boundaries with row strides of whole 16-byte chunks.
   bool io_vec16 = false;
 };

@@ -13,9 +13,20 @@
 namespace fmlp::detail {
 
 // kBlock: one scale per kFp8Block x kFp8Block tile of the weight, [ceil(rows / 128),
-// ceil(cols / 128)] (the fine-grained fp8 checkpoints' weight_scale_inv); linear only.
+// ceil(cols / 128)] (the fine-grained fp8 checkpoints' weight_scale_inv). A stacked [gate; up]
+// w1 of 2 * hidden rows has 2 * ceil(hidden / 128) block rows: the gate's, then the up's, so the
+// two checkpoint scales concatenate without re-quantising when hidden % 128 != 0.
 enum class ScaleKind : uint8_t { kNone, kPerTensor, kPerRow, kBlock };
 constexpr int64_t kFp8Block = 128;
+constexpr int64_t block_count(int64_t n) {
+  return (n + kFp8Block - 1) / kFp8Block;
+}
+// The block-scale row of weight row `row` of a matrix of `rows` rows in `halves` (1, or 2 for a
+// stacked [gate; up] w1) halves.
+constexpr int64_t block_row(int64_t row, int64_t rows, int halves) {
+  const int64_t half = rows / halves;
+  return row / half * block_count(half) + row % half / kFp8Block;
+}
 
 // Layout of the weights a kernel receives. kLinear is nn.Linear as the caller gave it; packed
 // layouts are private contracts between a backend's pack() and its kernels.

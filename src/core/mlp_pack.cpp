@@ -1,6 +1,7 @@
 // One-time weight packing. Host backends get one 64-byte-aligned contiguous block: gate and up
 // stacked into w1 as [2*hidden, d_in] (one stream for the kernels), biases and norm parameters
-// widened to fp32. CUDA packs through its own hook into device memory.
+// widened to fp32, fp8 scales per row (per-tensor ones repeated) or kept as 128 x 128 blocks. CUDA
+// packs through its own hook into device memory.
 #include <cstdlib>
 #include <cstring>
 
@@ -49,6 +50,14 @@ void widen_scale(float* dst, const fmlp_tensor_t& s, int64_t rows) {
   for (int64_t i = 0; i < rows; ++i) dst[i] = s.shape[0] == 1 ? p[0] : p[i];
 }
 
+// 2-D block scales copied contiguous; returns the floats written.
+int64_t copy_block_scale(float* dst, const fmlp_tensor_t& s) {
+  const float* p = static_cast<const float*>(s.data);
+  for (int64_t r = 0; r < s.shape[0]; ++r)
+    for (int64_t c = 0; c < s.shape[1]; ++c) dst[r * s.shape[1] + c] = p[r * s.stride[0] + c];
+  return s.shape[0] * s.shape[1];
+}
+
 fmlp_tensor_t host_view(void* data, fmlp_dtype_t t, int64_t rows, int64_t cols) {
   return rows == 0   ? fmlp_tensor_none()
          : cols == 0 ? fmlp_tensor_1d(data, t, rows)
@@ -62,7 +71,12 @@ fmlp_status_t pack_host(fmlp_mlp_packed_s* p, const fmlp_mlp_weights_t& w, const
   const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
   const bool b1 = d.has_b1 || d.has_b_up;
   size_t total = round_up(size_t(rows1 * K) * es) + round_up(size_t(N * H) * es);
-  if (fp8) total += round_up(size_t(rows1) * 4) + round_up(size_t(N) * 4);
+  // Block scales stay blocks: the gate's block rows, then the up's (the stacked w1's layout).
+  const bool block1 = d.w1_scale == ScaleKind::kBlock, block2 = d.w2_scale == ScaleKind::kBlock;
+  const int64_t rb1 = (d.gated ? 2 : 1) * block_count(H), cb1 = block_count(K);
+  const int64_t s1_floats = block1 ? rb1 * cb1 : rows1;
+  const int64_t s2_floats = block2 ? block_count(N) * block_count(H) : N;
+  if (fp8) total += round_up(size_t(s1_floats) * 4) + round_up(size_t(s2_floats) * 4);
   if (b1) total += round_up(size_t(rows1) * 4);
   if (d.has_b2) total += round_up(size_t(N) * 4);
   if (d.has_norm_weight) total += round_up(size_t(K) * 4);
@@ -82,13 +96,24 @@ fmlp_status_t pack_host(fmlp_mlp_packed_s* p, const fmlp_mlp_weights_t& w, const
   copy_rows(w2, w.w2);
   o.w2 = host_view(w2, d.w_dtype, N, H);
   if (fp8) {
-    float* s1 = static_cast<float*>(arena.take(size_t(rows1) * 4));
-    widen_scale(s1, w.w1_scale, w.w1.shape[0]);
-    if (separate_up) widen_scale(s1 + H, w.w_up_scale, H);
-    o.w1_scale = host_view(s1, FMLP_DTYPE_F32, rows1, 0);
-    float* s2 = static_cast<float*>(arena.take(size_t(N) * 4));
-    widen_scale(s2, w.w2_scale, N);
-    o.w2_scale = host_view(s2, FMLP_DTYPE_F32, N, 0);
+    float* s1 = static_cast<float*>(arena.take(size_t(s1_floats) * 4));
+    if (block1) {
+      const int64_t gate = copy_block_scale(s1, w.w1_scale);
+      if (separate_up) copy_block_scale(s1 + gate, w.w_up_scale);
+      o.w1_scale = host_view(s1, FMLP_DTYPE_F32, rb1, cb1);
+    } else {
+      widen_scale(s1, w.w1_scale, w.w1.shape[0]);
+      if (separate_up) widen_scale(s1 + H, w.w_up_scale, H);
+      o.w1_scale = host_view(s1, FMLP_DTYPE_F32, rows1, 0);
+    }
+    float* s2 = static_cast<float*>(arena.take(size_t(s2_floats) * 4));
+    if (block2) {
+      copy_block_scale(s2, w.w2_scale);
+      o.w2_scale = host_view(s2, FMLP_DTYPE_F32, block_count(N), block_count(H));
+    } else {
+      widen_scale(s2, w.w2_scale, N);
+      o.w2_scale = host_view(s2, FMLP_DTYPE_F32, N, 0);
+    }
   }
   if (b1) {
     float* b = static_cast<float*>(arena.take(size_t(rows1) * 4));

@@ -33,14 +33,44 @@ fmlp_status_t check_vector(const char* name, const fmlp_tensor_t& t, int64_t n, 
   return FMLP_SUCCESS;
 }
 
+// Block scales of fp8 weight w [rows, cols]: fp32 [halves * ceil(rows / halves / 128),
+// ceil(cols / 128)]. halves = 2 for a stacked [gate; up] w1: each half has its own block rows (the
+// gate scales, then the up scales), as the checkpoints store gate_proj and up_proj.
+fmlp_status_t check_block_scale(const char* name, const fmlp_tensor_t& scale,
+                                const fmlp_tensor_t& w, int halves) {
+  const int64_t half_rows = w.shape[0] / halves;
+  const int64_t rb = halves * block_count(half_rows), cb = block_count(w.shape[1]);
+  const int64_t want[2] = {rb, cb};
+  const char* doc = halves == 2 ? "[2 * ceil(hidden / 128), ceil(d_in / 128)] (the gate's block "
+                                  "scales, then the up's: torch.cat of gate_proj's and "
+                                  "up_proj's weight_scale_inv; or pass w_up separately)"
+                                : "[ceil(rows / 128), ceil(cols / 128)] (one per 128 x 128 block)";
+  FMLP_TRY(check_tensor(name, scale, 2, want, doc));
+  if (scale.dtype != FMLP_DTYPE_F32)
+    return fail(FMLP_ERROR_BAD_SCALE, "{} has dtype {}; scales must be f32", name,
+                fmlp_dtype_name(scale.dtype));
+  if (scale.device_type == FMLP_DEVICE_CPU) {  // device scales are checked at pack time
+    const float* s = static_cast<const float*>(scale.data);
+    for (int64_t i = 0; i < rb; ++i)
+      for (int64_t j = 0; j < cb; ++j) {
+        const float v = s[i * scale.stride[0] + j * scale.stride[1]];
+        if (!(std::isfinite(v) && v > 0.f))
+          return fail(FMLP_ERROR_BAD_SCALE, "{}[{}, {}] is {}; scales must be finite and > 0", name,
+                      i, j, v);
+      }
+  }
+  return FMLP_SUCCESS;
+}
+
 fmlp_status_t check_scale(const char* name, const char* weight_name, const fmlp_tensor_t& scale,
-                          const fmlp_tensor_t& w, ScaleKind* kind) {
+                          const fmlp_tensor_t& w, int halves, ScaleKind* kind) {
   const bool fp8 = w.dtype == FMLP_DTYPE_F8_E4M3;
   if (tensor_absent(scale)) {
     if (fp8)
       return fail(FMLP_ERROR_BAD_SCALE,
                   "{} is fp8 e4m3 but {} is absent; pass fp32 scales of "
-                  "shape [1] (per tensor) or [{}] (per row)",
+                  "shape [1] (per tensor), [{}] (per row) or 2-D [ceil(rows / 128), ceil(cols / "
+                  "128)] (per 128 x 128 block)",
                   weight_name, name, w.shape[0]);
     *kind = ScaleKind::kNone;
     return FMLP_SUCCESS;
@@ -50,8 +80,14 @@ fmlp_status_t check_scale(const char* name, const char* weight_name, const fmlp_
                 "{} is given but {} is {}; scales apply to fp8 e4m3 "
                 "weights only, drop the scale",
                 name, weight_name, fmlp_dtype_name(w.dtype));
+  if (scale.ndim == 2) {
+    FMLP_TRY(check_block_scale(name, scale, w, halves));
+    *kind = ScaleKind::kBlock;
+    return FMLP_SUCCESS;
+  }
   const int64_t any[1] = {-1};
-  FMLP_TRY(check_tensor(name, scale, 1, any, "[1] or [rows]"));
+  FMLP_TRY(
+      check_tensor(name, scale, 1, any, "[1], [rows] or 2-D [ceil(rows / 128), ceil(cols / 128)]"));
   if (scale.dtype != FMLP_DTYPE_F32)
     return fail(FMLP_ERROR_BAD_SCALE, "{} has dtype {}; scales must be f32", name,
                 fmlp_dtype_name(scale.dtype));
@@ -62,7 +98,7 @@ fmlp_status_t check_scale(const char* name, const char* weight_name, const fmlp_
   else
     return fail(FMLP_ERROR_BAD_SCALE,
                 "{} has {} entries; expected 1 (per tensor) or {} (one per "
-                "row of {})",
+                "row of {}), or a 2-D block scale",
                 name, scale.shape[0], w.shape[0], weight_name);
   if (scale.device_type == FMLP_DEVICE_CPU) {  // device scales are checked at pack time
     const float* s = static_cast<const float*>(scale.data);
@@ -167,16 +203,26 @@ fmlp_status_t validate_mlp_weights(const fmlp_mlp_weights_t& w, const fmlp_mlp_c
                   "must share one dtype",
                   mat_names[i], fmlp_dtype_name(t), fmlp_dtype_name(d->w_dtype));
   }
-  FMLP_TRY(check_scale("weights.w1_scale", "weights.w1", w.w1_scale, w.w1, &d->w1_scale));
+  FMLP_TRY(check_scale("weights.w1_scale", "weights.w1", w.w1_scale, w.w1,
+                       d->stacked_gate_up ? 2 : 1, &d->w1_scale));
   if (d->gated && !d->stacked_gate_up) {
     FMLP_TRY(
-        check_scale("weights.w_up_scale", "weights.w_up", w.w_up_scale, w.w_up, &d->w_up_scale));
+        check_scale("weights.w_up_scale", "weights.w_up", w.w_up_scale, w.w_up, 1, &d->w_up_scale));
+    // The packed form stacks gate and up into one w1 with one scale layout.
+    if ((d->w1_scale == ScaleKind::kBlock) != (d->w_up_scale == ScaleKind::kBlock))
+      return fail(FMLP_ERROR_BAD_SCALE,
+                  "weights.{} is a 2-D block scale but weights.{} is {}; gate and up scales must "
+                  "both be block scales or both per row / per tensor (re-quantise the other with "
+                  "fmlp_quantize_fp8 and a 2-D scale)",
+                  d->w1_scale == ScaleKind::kBlock ? "w1_scale" : "w_up_scale",
+                  d->w1_scale == ScaleKind::kBlock ? "w_up_scale" : "w1_scale",
+                  shape_string(d->w1_scale == ScaleKind::kBlock ? w.w_up_scale : w.w1_scale));
   } else if (!tensor_absent(w.w_up_scale)) {
     return fail(FMLP_ERROR_BAD_SCALE,
                 "weights.w_up_scale is given but there is no separate "
                 "weights.w_up; put the up scales after the gate scales in weights.w1_scale");
   }
-  FMLP_TRY(check_scale("weights.w2_scale", "weights.w2", w.w2_scale, w.w2, &d->w2_scale));
+  FMLP_TRY(check_scale("weights.w2_scale", "weights.w2", w.w2_scale, w.w2, 1, &d->w2_scale));
 
   d->has_b1 = !tensor_absent(w.b1);
   if (d->has_b1)

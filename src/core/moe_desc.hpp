@@ -54,10 +54,10 @@ inline fmlp_tensor_t expert_slice(const fmlp_tensor_t& t, int64_t e) {
 }
 
 // Expert e's dequantisation scales as the mlp op takes them: [1] out of [E], [rows] out of
-// [E, rows]; absent stays absent.
+// [E, rows], [row blocks, col blocks] out of [E, row blocks, col blocks]; absent stays absent.
 inline fmlp_tensor_t expert_scale(const fmlp_tensor_t& s, int64_t e) {
   if (s.data == nullptr && s.ndim == 0) return s;
-  if (s.ndim == 2) return expert_slice(s, e);
+  if (s.ndim >= 2) return expert_slice(s, e);
   fmlp_tensor_t v = s;
   v.data = static_cast<char*>(s.data) + e * s.stride[0] * int64_t(dtype_size(s.dtype));
   v.shape[0] = 1;

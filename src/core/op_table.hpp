@@ -12,11 +12,17 @@
 //   // planner or it has no opinion; `reason` (may be null) gets its explanation. The cuda
 //   // planners share one interface (core/planner.hpp).
 //   static const OpKernel<Args, Desc>* plan(const Desc&, fmlp_backend_t b, std::string* reason);
+// and optionally
+//   // One more explain line for backend b, "" for none: what the caller could change to reach
+//   // a faster entry (the unpacked MLP's odd sizes, a linear's unpadded row stride).
+//   static std::string explain_note(const Desc&, fmlp_backend_t b);
 #pragma once
 #include <array>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "core/error.hpp"
@@ -218,11 +224,22 @@ struct OpTable {
     return run_validated(*a, d, backend, ws, ws_bytes, stream, size_query);
   }
 
+  template <typename O, typename = void>
+  struct HasNote : std::false_type {};
+  template <typename O>
+  struct HasNote<O, std::void_t<decltype(O::explain_note(std::declval<const typename O::Desc&>(),
+                                                         FMLP_BACKEND_CUDA))>> : std::true_type {};
   static fmlp_status_t explain(const Args* a, fmlp_backend_t backend, char* buf, size_t buf_size,
                                size_t* needed) {
     Desc d;
     if (const fmlp_status_t s = OP::validate(a, &d); s != FMLP_SUCCESS) return s;
-    return explain_validated(d, backend, "", buf, buf_size, needed);
+    std::string note;
+    if constexpr (HasNote<OP>::value) {
+      fmlp_backend_t b;
+      if (const fmlp_status_t s = resolve(backend, d, &b); s != FMLP_SUCCESS) return s;
+      note = OP::explain_note(d, b);
+    }
+    return explain_validated(d, backend, note, buf, buf_size, needed);
   }
   // explain for a validated request; `note` (may be empty) is one more line after the planner's.
   static fmlp_status_t explain_validated(const Desc& d, fmlp_backend_t backend,
@@ -253,13 +270,18 @@ struct OpTable {
   static fmlp_status_t named(const Args* a, const char* name, Desc* d, const Kernel** out) {
     if (name == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "kernel name is NULL");
     if (const fmlp_status_t s = OP::validate(a, d); s != FMLP_SUCCESS) return s;
+    return named_validated(*d, name, out);
+  }
+  // named() for an already validated request (packed weights).
+  static fmlp_status_t named_validated(const Desc& d, const char* name, const Kernel** out) {
+    if (name == nullptr) return fail(FMLP_ERROR_NULL_POINTER, "kernel name is NULL");
     for (const Kernel* k : all()) {
       if (std::strcmp(k->name, name) != 0) continue;
       fmlp_backend_t b;
-      if (const fmlp_status_t s = resolve(k->backend, *d, &b); s != FMLP_SUCCESS) return s;
+      if (const fmlp_status_t s = resolve(k->backend, d, &b); s != FMLP_SUCCESS) return s;
       std::string why;
-      if (!k->supports(*d, &why))
-        return fail(FMLP_ERROR_NOT_SUPPORTED, "{} does not handle {}: {}", name, OP::describe(*d),
+      if (!k->supports(d, &why))
+        return fail(FMLP_ERROR_NOT_SUPPORTED, "{} does not handle {}: {}", name, OP::describe(d),
                     why);
       *out = k;
       return FMLP_SUCCESS;

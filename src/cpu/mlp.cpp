@@ -14,7 +14,11 @@ namespace {
 
 Rows rows_of(const fmlp_tensor_t& t, const fmlp_tensor_t* scale = nullptr) {
   Rows r{static_cast<const char*>(t.data), t.stride[0] * int64_t(elem_size(t.dtype))};
-  if (scale != nullptr && !tensor_absent(*scale)) {
+  if (scale != nullptr && !tensor_absent(*scale) && scale->ndim == 2) {
+    r.block = static_cast<const float*>(scale->data);
+    r.block_ld = scale->stride[0];
+    r.block_cs = scale->shape[1] == 1 ? 0 : scale->stride[1];
+  } else if (scale != nullptr && !tensor_absent(*scale)) {
     r.scale = static_cast<const float*>(scale->data);
     r.scale_step = scale->shape[0] == 1 ? 0 : 1;
   }
@@ -60,7 +64,7 @@ MlpView make_view(const fmlp_mlp_args_t& a, const MlpDesc& d) {
   v.w_gate = rows_of(w.w1, &w.w1_scale);
   v.b_gate = vec_of(w.b1);
   if (d.gated && d.stacked_gate_up) {
-    v.w_up = v.w_gate.from(d.hidden);
+    v.w_up = v.w_gate.from(d.hidden, block_count(d.hidden));
     if (v.b_gate.data) v.b_up = {v.b_gate.at(d.hidden), v.b_gate.dtype};
   } else if (d.gated) {
     v.w_up = rows_of(w.w_up, &w.w_up_scale);

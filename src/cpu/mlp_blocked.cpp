@@ -108,7 +108,8 @@ inline void transpose8(__m256* v) {
 }
 
 // 8 weights of one row (n < 8: n of them, the other lanes 0) as fp32; fp8 codes are dequantised
-// with the row's scale here, so the GEMM itself is the same for every dtype.
+// with the row's (or its 128 x 128 block's) scale here, so the GEMM itself is the same for every
+// dtype and scale layout.
 template <fmlp_dtype_t WT>
 inline __m256 load_weights8(const char* p, int64_t n, __m256 row_scale) {
   if constexpr (WT == FMLP_DTYPE_F8_E4M3) {
@@ -119,27 +120,22 @@ inline __m256 load_weights8(const char* p, int64_t n, __m256 row_scale) {
   }
 }
 
-// dst[k * 16 + q] = w[r0 + q][k0 + k] widened to fp32 for q < 8 (0 for q >= valid), k < kc.
+// dst[k * 16 + q] = src[q][k] widened to fp32 for q < 8 (0 for q >= valid), k in [kb, ke).
 template <fmlp_dtype_t WT>
-void pack_half(const Rows& w, int64_t r0, int64_t valid, int64_t k0, int64_t kc, float* dst) {
+void pack_span(const char* const* src, const __m256* scale, int64_t valid, int64_t kb, int64_t ke,
+               float* dst) {
   constexpr int64_t es = WT == FMLP_DTYPE_F32 ? 4 : WT == FMLP_DTYPE_F8_E4M3 ? 1 : 2;
-  const char* src[8];
-  __m256 scale[8];
-  for (int64_t q = 0; q < 8; ++q) {
-    src[q] = q < valid ? w.row(r0 + q) + k0 * es : nullptr;
-    scale[q] = _mm256_set1_ps(WT == FMLP_DTYPE_F8_E4M3 && q < valid ? w.row_scale(r0 + q) : 1.f);
-  }
-  int64_t k = 0;
+  int64_t k = kb;
   __m256 v[8];
   if (valid >= 8) {  // the common case, without per-row or per-k checks
-    for (; k + 8 <= kc; k += 8) {
+    for (; k + 8 <= ke; k += 8) {
       for (int q = 0; q < 8; ++q) v[q] = load_weights8<WT>(src[q] + k * es, 8, scale[q]);
       transpose8(v);
       for (int q = 0; q < 8; ++q) _mm256_store_ps(dst + (k + q) * kNr, v[q]);
     }
   }
-  for (; k < kc; k += 8) {
-    const int64_t left = kc - k;
+  for (; k < ke; k += 8) {
+    const int64_t left = ke - k;
     for (int64_t q = 0; q < 8; ++q) {
       if (!src[q])
         v[q] = _mm256_setzero_ps();
@@ -150,6 +146,29 @@ void pack_half(const Rows& w, int64_t r0, int64_t valid, int64_t k0, int64_t kc,
     for (int64_t q = 0; q < std::min<int64_t>(8, left); ++q)
       _mm256_store_ps(dst + (k + q) * kNr, v[q]);
   }
+}
+
+// dst[k * 16 + q] = w[r0 + q][k0 + k] widened to fp32 for q < 8 (0 for q >= valid), k < kc.
+// Block-scaled fp8 takes its scales per 128-column span (k0 is a multiple of kKc, so every span
+// lies inside one block column).
+template <fmlp_dtype_t WT>
+void pack_half(const Rows& w, int64_t r0, int64_t valid, int64_t k0, int64_t kc, float* dst) {
+  constexpr int64_t es = WT == FMLP_DTYPE_F32 ? 4 : WT == FMLP_DTYPE_F8_E4M3 ? 1 : 2;
+  static_assert(kKc % kFp8Block == 0, "a k block must hold whole scale blocks");
+  const char* src[8];
+  __m256 scale[8];
+  for (int64_t q = 0; q < 8; ++q) src[q] = q < valid ? w.row(r0 + q) + k0 * es : nullptr;
+  if (WT == FMLP_DTYPE_F8_E4M3 && w.block != nullptr) {
+    for (int64_t kb = 0; kb < kc; kb += kFp8Block) {
+      for (int64_t q = 0; q < 8; ++q)
+        scale[q] = _mm256_set1_ps(q < valid ? w.block_scale(r0 + q, k0 + kb) : 1.f);
+      pack_span<WT>(src, scale, valid, kb, std::min(kc, kb + kFp8Block), dst);
+    }
+    return;
+  }
+  for (int64_t q = 0; q < 8; ++q)
+    scale[q] = _mm256_set1_ps(WT == FMLP_DTYPE_F8_E4M3 && q < valid ? w.row_scale(r0 + q) : 1.f);
+  pack_span<WT>(src, scale, valid, 0, kc, dst);
 }
 
 // Per-thread scratch: one packed B panel, the C tile of one M block, the x rows being packed.

@@ -18,17 +18,31 @@ struct Vec {
 };
 
 // Rows of a matrix with inner stride 1; `ld` in bytes. fp8 weights carry their scales: row r's
-// is scale[r * scale_step] (step 0: one scale for the tensor).
+// is scale[r * scale_step] (step 0: one scale for the tensor), or with block scales (block
+// non-null) row r's scale for columns [c, c + 128), c a multiple of 128, is
+// block[(r / 128) * block_ld + (c / 128) * block_cs].
 struct Rows {
   const char* data = nullptr;
   int64_t ld = 0;
   const float* scale = nullptr;
   int64_t scale_step = 0;
+  const float* block = nullptr;
+  int64_t block_ld = 0, block_cs = 0;
   const char* row(int64_t r) const { return data + r * ld; }
   float row_scale(int64_t r) const { return scale[r * scale_step]; }
-  // The rows from r0 on, as a matrix of their own.
-  Rows from(int64_t r0) const {
-    return {row(r0), ld, scale ? scale + r0 * scale_step : nullptr, scale_step};
+  float block_scale(int64_t r, int64_t c) const {
+    return block[(r / kFp8Block) * block_ld + (c / kFp8Block) * block_cs];
+  }
+  // The rows from r0 on, as a matrix of their own; with block scales the new row 0 starts block
+  // row `block_row0` (a stacked up half starts its own blocks, ScaleKind::kBlock).
+  Rows from(int64_t r0, int64_t block_row0 = 0) const {
+    return {row(r0),
+            ld,
+            scale ? scale + r0 * scale_step : nullptr,
+            scale_step,
+            block ? block + block_row0 * block_ld : nullptr,
+            block_ld,
+            block_cs};
   }
 };
 

@@ -2,7 +2,8 @@
 // each weight matrix is read from memory exactly once for all M rows together: every thread owns
 // a contiguous slice of weight rows (hidden units for W1/gate/up, outputs for W2), dots each
 // 4-row group with all M rows while it is in L1, and keeps the fp32 hidden activations in the
-// workspace between the two passes.
+// workspace between the two passes. fp8 block scales (128 x 128) scale each 128-column chunk's
+// dot products, summed in chunk order; per-row and per-tensor scales scale the finished ones.
 #include <fmt/format.h>
 #include <omp.h>
 
@@ -13,6 +14,38 @@
 namespace fmlp::detail::cpu {
 namespace {
 
+// Stores lanes [0, nj) of s at o.
+inline void store_group(float* o, __m128 s, int64_t nj) {
+  if (nj == 4) {
+    _mm_storeu_ps(o, s);
+  } else {
+    alignas(16) float tmp[4];
+    _mm_store_ps(tmp, s);
+    std::copy(tmp, tmp + nj, o);
+  }
+}
+
+// The group of fp8 rows wr (rows j .. j + nj - 1 of w) with block scales: each 128-column chunk's
+// dot products (code / 256) times the chunk's scale of each row's block, summed in chunk order.
+void block_scaled_group(const Rows& w, const char* const* wr, int64_t j, int64_t nj, const float* a,
+                        int64_t lda, int64_t m, int64_t k, float* o, int64_t ldo, float* wide) {
+  __m128 acc[kDecodeMaxM];
+  for (int64_t r = 0; r < m; ++r) acc[r] = _mm_setzero_ps();
+  for (int64_t c0 = 0; c0 < k; c0 += kFp8Block) {
+    const char* wc[4];
+    alignas(16) float sc[4];
+    for (int64_t q = 0; q < 4; ++q) {
+      wc[q] = wr[q] + c0;  // one byte a code
+      sc[q] = w.block_scale(j + std::min(q, nj - 1), c0) * kF8Unscale;
+    }
+    const __m128 s4 = _mm_load_ps(sc);
+    dot_row_group<FMLP_DTYPE_F8_E4M3>(
+        wc, a + c0, lda, m, std::min(kFp8Block, k - c0), wide,
+        [&](int64_t r, __m128 s) { acc[r] = _mm_fmadd_ps(s, s4, acc[r]); });
+  }
+  for (int64_t r = 0; r < m; ++r) store_group(o + r * ldo, acc[r], nj);
+}
+
 // out[r * ldo + (j - j0)] = w.row(j) . a[r] for j in [j0, j1), r < m; `wide` as in
 // dot_row_group (this thread's).
 template <fmlp_dtype_t WT>
@@ -22,6 +55,12 @@ void gemv_rows(const Rows& w, int64_t j0, int64_t j1, const float* a, int64_t ld
     const int64_t nj = std::min<int64_t>(4, j1 - j);
     const char* wr[4];
     for (int64_t q = 0; q < 4; ++q) wr[q] = w.row(j + std::min(q, nj - 1));
+    if constexpr (WT == FMLP_DTYPE_F8_E4M3) {
+      if (w.block != nullptr) {
+        block_scaled_group(w, wr, j, nj, a, lda, m, k, out + (j - j0), ldo, wide);
+        continue;
+      }
+    }
     // fp8: the dot products are of code / 256; scale them per output row, not per element.
     __m128 row_scale = _mm_set1_ps(1.0f);
     if constexpr (WT == FMLP_DTYPE_F8_E4M3)
@@ -32,13 +71,7 @@ void gemv_rows(const Rows& w, int64_t j0, int64_t j1, const float* a, int64_t ld
     dot_row_group<WT>(wr, a, lda, m, k, wide, [&](int64_t r, __m128 s) {
       if constexpr (WT == FMLP_DTYPE_F8_E4M3)
         s = _mm_mul_ps(_mm_mul_ps(s, _mm_set1_ps(kF8Unscale)), row_scale);
-      if (nj == 4) {
-        _mm_storeu_ps(o + r * ldo, s);
-      } else {
-        alignas(16) float tmp[4];
-        _mm_store_ps(tmp, s);
-        std::copy(tmp, tmp + nj, o + r * ldo);
-      }
+      store_group(o + r * ldo, s, nj);
     });
   }
 }

@@ -50,6 +50,15 @@ fmlp_status_t fmlp_tp_shard_weights(const fmlp_mlp_weights_t* full, const fmlp_m
   MlpDesc d;
   if (const fmlp_status_t s = validate_mlp_weights(*full, *config, -1, &d); s != FMLP_SUCCESS)
     return s;
+  if (d.w1_scale == ScaleKind::kBlock || d.w_up_scale == ScaleKind::kBlock ||
+      d.w2_scale == ScaleKind::kBlock)
+    return fail(FMLP_ERROR_NOT_SUPPORTED,
+                "weights.{} is a 2-D block scale (128 x 128 blocks); tensor-parallel shards run "
+                "on the cuda mlp entries, which take per-row or per-tensor fp8 scales: "
+                "re-quantise the weights per row (fmlp_quantize_fp8 with a [rows] scale)",
+                d.w1_scale == ScaleKind::kBlock     ? "w1_scale"
+                : d.w_up_scale == ScaleKind::kBlock ? "w_up_scale"
+                                                    : "w2_scale");
   const int64_t H = d.hidden, unit = int64_t(size) * 8;
   if (H % unit != 0)
     return fail(FMLP_ERROR_SHAPE_MISMATCH,

@@ -18,11 +18,20 @@ double vec(const fmlp_tensor_t& v, int64_t i, double absent) {
   return tensor_absent(v) ? absent : load_as_double(v.data, v.dtype, i);
 }
 
-// Row `row` of matrix w (scaled when fp8) dotted with the fp64 vector x.
-double dot_row(const fmlp_tensor_t& w, const fmlp_tensor_t& scale, int64_t row, const double* x) {
+// Row `row` of matrix w (scaled when fp8) dotted with the fp64 vector x. A 2-D scale holds 128 x
+// 128 blocks over `halves` halves of w's rows (ScaleKind::kBlock): each element is scaled.
+double dot_row(const fmlp_tensor_t& w, const fmlp_tensor_t& scale, int64_t row, const double* x,
+               int halves = 1) {
   const int64_t n = w.shape[1];
   const char* base = static_cast<const char*>(w.data) + row * w.stride[0] * dtype_size(w.dtype);
   double acc = 0.0;
+  if (!tensor_absent(scale) && scale.ndim == 2) {
+    const float* s = static_cast<const float*>(scale.data) +
+                     block_row(row, w.shape[0], halves) * scale.stride[0];
+    for (int64_t k = 0; k < n; ++k)
+      acc += load_as_double(base, w.dtype, k) * double(s[k / kFp8Block * scale.stride[1]]) * x[k];
+    return acc;
+  }
   for (int64_t k = 0; k < n; ++k) acc += load_as_double(base, w.dtype, k) * x[k];
   return acc * scale_of(scale, row);
 }
@@ -60,14 +69,15 @@ fmlp_status_t ref_run(const fmlp_mlp_args_t& a, const MlpDesc& d, void* ws, void
         xn[k] = (xn[k] - mean) * inv * vec(w.norm_weight, k, 1.0) + vec(w.norm_bias, k, 0.0);
     }
     for (int64_t j = 0; j < d.hidden; ++j) {
-      const double g = dot_row(w.w1, w.w1_scale, j, xn) + vec(w.b1, j, 0.0);
+      const int halves = d.stacked_gate_up ? 2 : 1;
+      const double g = dot_row(w.w1, w.w1_scale, j, xn, halves) + vec(w.b1, j, 0.0);
       if (!d.gated) {
         h[j] = ref::activate(d.activation, g);
         continue;
       }
       double u;
       if (d.stacked_gate_up)
-        u = dot_row(w.w1, w.w1_scale, d.hidden + j, xn) + vec(w.b1, d.hidden + j, 0.0);
+        u = dot_row(w.w1, w.w1_scale, d.hidden + j, xn, halves) + vec(w.b1, d.hidden + j, 0.0);
       else
         u = dot_row(w.w_up, w.w_up_scale, j, xn) + vec(w.b_up, j, 0.0);
       h[j] = ref::activate(d.activation, g) * u;

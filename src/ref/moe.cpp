@@ -64,10 +64,13 @@ bool host_only(const MoeDesc& d, std::string* why) {
   return true;
 }
 
-// Row `row`'s dequantisation scale of an expert's scale view (expert_scale): 1 without one.
-double scale_at(const fmlp_tensor_t& s, int64_t row) {
+// Row `row`'s dequantisation scale of an expert's scale view (expert_scale) at column `col`: 1
+// without one; block scales over `halves` halves of the `rows` rows (ScaleKind::kBlock).
+double scale_at(const fmlp_tensor_t& s, int64_t row, int64_t col, int64_t rows, int halves) {
   if (s.data == nullptr) return 1.0;
   const float* p = static_cast<const float*>(s.data);
+  if (s.ndim == 2)
+    return p[block_row(row, rows, halves) * s.stride[0] + col / kFp8Block * s.stride[1]];
   return s.shape[0] == 1 ? p[0] : p[row * s.stride[0]];
 }
 
@@ -99,9 +102,15 @@ fmlp_status_t ref_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* ws, void
       for (int64_t r = 0; r < rows1; ++r) {
         const char* w = row_ptr(w1, r, es);
         double acc = 0.0;
-        for (int64_t c = 0; c < d.d; ++c)
-          acc += load_as_double(w, d.w_dtype, c) * load_as_double(x, d.act_dtype, c);
-        acc *= scale_at(s1, r);
+        if (d.expert.w1_scale == ScaleKind::kBlock) {
+          for (int64_t c = 0; c < d.d; ++c)
+            acc += load_as_double(w, d.w_dtype, c) * scale_at(s1, r, c, rows1, d.gated ? 2 : 1) *
+                   load_as_double(x, d.act_dtype, c);
+        } else {
+          for (int64_t c = 0; c < d.d; ++c)
+            acc += load_as_double(w, d.w_dtype, c) * load_as_double(x, d.act_dtype, c);
+          acc *= scale_at(s1, r, 0, rows1, 1);
+        }
         if (d.b1_dtype != FMLP_DTYPE_INVALID) acc += load_as_double(b1.data, d.b1_dtype, r);
         h[r] = acc;
       }
@@ -111,8 +120,13 @@ fmlp_status_t ref_run(const fmlp_moe_args_t& a, const MoeDesc& d, void* ws, void
       for (int64_t o = 0; o < d.d_out; ++o) {
         const char* w = row_ptr(w2, o, es);
         double acc = 0.0;
-        for (int64_t c = 0; c < d.hidden; ++c) acc += load_as_double(w, d.w_dtype, c) * h[c];
-        acc *= scale_at(s2, o);
+        if (d.expert.w2_scale == ScaleKind::kBlock) {
+          for (int64_t c = 0; c < d.hidden; ++c)
+            acc += load_as_double(w, d.w_dtype, c) * scale_at(s2, o, c, d.d_out, 1) * h[c];
+        } else {
+          for (int64_t c = 0; c < d.hidden; ++c) acc += load_as_double(w, d.w_dtype, c) * h[c];
+          acc *= scale_at(s2, o, 0, d.d_out, 1);
+        }
         if (d.b2_dtype != FMLP_DTYPE_INVALID) acc += load_as_double(b2.data, d.b2_dtype, o);
         out[o] += weights[j] * acc;
       }

@@ -63,6 +63,27 @@ __device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
   return r;
 }
 
+// The first `bytes` (1..15) bytes of the 16-byte aligned chunk at p, zeros after them: at most
+// four naturally aligned loads (8, 4, 2, 1 bytes), none past the last of those bytes.
+__device__ __forceinline__ uint4 ld_stream_tail(const void* p, int bytes) {
+  const char* b = static_cast<const char*>(p);
+  uint64_t half[2] = {0, 0};  // bytes 0..7, 8..15
+  // A naturally aligned piece never straddles the two halves; the offsets are constants per
+  // branch pair, so `half` stays in registers.
+  auto put = [&](uint64_t v, int o) {
+    if (o < 8)
+      half[0] |= v << (8 * o);
+    else
+      half[1] |= v << (8 * (o - 8));
+  };
+  if (bytes & 8) half[0] = __ldg(reinterpret_cast<const unsigned long long*>(b));
+  if (bytes & 4) put(__ldg(reinterpret_cast<const unsigned*>(b + (bytes & 8))), bytes & 8);
+  if (bytes & 2) put(__ldg(reinterpret_cast<const unsigned short*>(b + (bytes & 12))), bytes & 12);
+  if (bytes & 1) put(__ldg(reinterpret_cast<const unsigned char*>(b + (bytes & 14))), bytes & 14);
+  return make_uint4(uint32_t(half[0]), uint32_t(half[0] >> 32), uint32_t(half[1]),
+                    uint32_t(half[1] >> 32));
+}
+
 // 16 bytes from global to shared memory without passing through registers (sm_80+), cached in
 // L2 only: for data each block reads once (weights), not for x that every block reads (see
 // linear/sm80_stream.cu's stage_x).

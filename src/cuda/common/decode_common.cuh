@@ -125,6 +125,11 @@ struct DecodeOperands {
   fmlp_norm_t norm;
   float eps;
   int m, k, h, n;
+  // The weights' row widths the streams may read: columns [k, kp) of the W1 rows and [h, hp) of
+  // the W2 rows exist and are zero (packed weights, padded to whole 16-byte loads), so a stream
+  // runs over kp / hp columns against x and h staged with zeros past k / h. kp = k, hp = h for
+  // weights as the caller laid them out.
+  int kp, hp;
 };
 
 DecodeOperands decode_operands(const fmlp_mlp_args_t& a, const fmlp::detail::MlpDesc& d);
@@ -155,18 +160,31 @@ __device__ float block_sum(float v, float* scratch) {
 
 // Calls fn(c0, n, f) for each run of n elements c0 .. c0 + n - 1 of this thread's share of a row
 // of k values of dtype t (fp32, fp16 or bf16), f[0 .. n) their fp32 values. Where the row is
-// 16-byte aligned and k a multiple of 8 (`vec`), runs are 8 long and a thread requests RUNS of
-// them with 16-byte loads before it uses any: one memory latency a round. One scalar load at a
-// time, each used before the next went out (a dtype switch and shared-memory stores between them),
-// staging llama3-8b's x (16 values a thread) waited for 16 latencies in a row. Otherwise the
-// elements go one by one (n = 1).
+// 16-byte aligned (`vec`), runs are 8 long and a thread requests RUNS of them with 16-byte loads
+// before it uses any: one memory latency a round; the last k % 8 values go one by one. One scalar
+// load at a time, each used before the next went out (a dtype switch and shared-memory stores
+// between them), staging llama3-8b's x (16 values a thread) waited for 16 latencies in a row, so
+// rows that are not aligned (odd d_in, strided x) go one by one (n = 1) with 8 loads a thread in
+// flight per round.
 template <int THREADS, int RUNS = 2, typename Fn>
 __device__ __forceinline__ void for_row_runs(const char* row, fmlp_dtype_t t, int k, bool vec,
                                              Fn fn) {
   if (!vec) {
-    for (int c = threadIdx.x; c < k; c += THREADS) {
-      float f[8] = {load_scalar(row, t, c)};
-      fn(c, 1, f);
+    constexpr int kRound = 8;
+    for (int c0 = threadIdx.x; c0 < k; c0 += kRound * THREADS) {
+      float v[kRound];
+#pragma unroll
+      for (int j = 0; j < kRound; ++j) {
+        const int c = c0 + j * THREADS;
+        v[j] = c < k ? load_scalar(row, t, c) : 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < kRound; ++j) {
+        const int c = c0 + j * THREADS;
+        if (c >= k) break;
+        float f[8] = {v[j]};
+        fn(c, 1, f);
+      }
     }
     return;
   }
@@ -200,13 +218,17 @@ __device__ __forceinline__ void for_row_runs(const char* row, fmlp_dtype_t t, in
       fn(8 * i, 8, f);
     }
   }
+  for (int c = runs * 8 + int(threadIdx.x); c < k; c += THREADS) {  // the k % 8 tail
+    float f[8] = {load_scalar(row, t, c)};
+    fn(c, 1, f);
+  }
 }
 
-// Whether token rows of x can be read in 16-byte runs of 8 values (for_row_runs).
+// Whether every token row of x starts 16-byte aligned, so for_row_runs reads it in 16-byte runs
+// of 8 values (any k: the last k % 8 go one by one).
 __device__ __forceinline__ bool x_rows_vec(const DecodeOperands& p) {
   const int64_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
-  return reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && p.k % 8 == 0 &&
-         (p.m == 1 || (p.x_ld * es) % 16 == 0);
+  return reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && (p.m == 1 || (p.x_ld * es) % 16 == 0);
 }
 
 // The norm's mean and 1 / rms of one token row (mean 0 for RMSNorm; 0 and 1 without a norm), in
@@ -232,19 +254,20 @@ __device__ void token_norm_stats(const DecodeOperands& p, const char* row, bool 
   inv = rsqrtf(block_sum<THREADS>(q, scratch) / float(p.k) + p.eps);
 }
 
-// Stage the M rows of x in shared memory as XS ([M, k]): fp32, or bf16/fp16 (half the bytes of
-// fp32 and of the shared-memory reads per weight chunk), normalised when asked. The norm's
-// statistics are taken in fp32 from x itself, so XS only rounds the normalised values, as a
-// 16-bit model's norm output is rounded.
+// Stage the M rows of x in shared memory as XS ([M][ld], ld >= k, zeros past k): fp32, or bf16/fp16
+// (half the bytes of fp32 and of the shared-memory reads per weight chunk), normalised when asked.
+// The norm's statistics are taken in fp32 from x itself, so XS only rounds the normalised values,
+// as a 16-bit model's norm output is rounded.
 template <int THREADS, int M, typename XS>
-__device__ void stage_tokens_as(const DecodeOperands& p, XS* xs, float* scratch) {
+__device__ void stage_tokens_as(const DecodeOperands& p, XS* xs, float* scratch, int ld) {
   const int64_t es = p.act_t == FMLP_DTYPE_F32 ? 4 : 2;
   const bool vec = x_rows_vec(p);
   for (int m = 0; m < M; ++m) {
     const char* row = static_cast<const char*>(p.x) + m * p.x_ld * es;
     float mean, inv;
     token_norm_stats<THREADS>(p, row, vec, scratch, mean, inv);
-    XS* xr = xs + m * p.k;
+    XS* xr = xs + m * ld;
+    for (int c = p.k + int(threadIdx.x); c < ld; c += THREADS) xr[c] = from_f<XS>(0.f);
     for_row_runs<THREADS>(row, p.act_t, p.k, vec, [&](int c0, int n, const float(&f)[8]) {
       float v[8];
       if (p.norm == FMLP_NORM_NONE) {
@@ -271,7 +294,7 @@ __device__ void stage_tokens_as(const DecodeOperands& p, XS* xs, float* scratch)
 // stage_tokens_as in fp32.
 template <int THREADS, int M>
 __device__ void stage_tokens(const DecodeOperands& p, float* xs, float* scratch) {
-  stage_tokens_as<THREADS, M, float>(p, xs, scratch);
+  stage_tokens_as<THREADS, M, float>(p, xs, scratch, p.k);
 }
 
 // End of a split-hidden kernel whose blocks added their partial outputs into acc [M, n] (fp32,

@@ -75,6 +75,12 @@ struct StreamShape {
   int u;        // 16-byte loads per lane and batch: the kernel's U (a batch is 32 * u chunks)
   int batches;  // batches per warp and group
   int groups;   // ceil(n / R)
+  // Bytes of W in a row's last chunk when the rows stop inside it (1..15; 0: whole chunks). k is
+  // then the row's width rounded up to whole chunks and the caller stages x with zeros past the
+  // real width; stream_load reads only the row's own bytes of that chunk and zeros the rest, so
+  // neither whatever lies past a row (a padded stride's bytes, NaN included) nor the end of the
+  // last row's allocation is touched.
+  int tail;
 };
 
 // W bytes per group of an [n, row_bytes] stream read for `tokens` tokens. 16-bit rows: 16 KB for
@@ -195,19 +201,31 @@ __device__ __forceinline__ StreamSpan stream_span(const StreamShape& s) {
 }
 
 // Batch b of this warp's part of group `group`'s row; row_ptr(row) gives W row `row` (< n).
-// SKIP: row_ptr may return nullptr for a row that is not read (its sums are zero).
+// SKIP: row_ptr may return nullptr for a row that is not read (its sums are zero). A row's last
+// chunk is read by ld_stream_tail where s.tail says the row ends inside it.
 template <typename WT, bool SKIP = false, typename RowPtr, int U>
 __device__ __forceinline__ void stream_load(uint4 (&v)[U], const StreamShape& s, StreamSpan sp,
                                             RowPtr row_ptr, int group, int b) {
   const int row = group * s.rows + sp.row;
   const WT* wr = row_ptr(min(row, s.n - 1));
   const int lane = threadIdx.x % 32;
+  const bool row_in = row < s.n && (!SKIP || wr != nullptr);
+  const int tail_c = s.tail ? s.k / kStreamPerChunk<WT> - 1 : -1;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int c = sp.begin + (b * U + u) * 32 + lane;
-    v[u] = row < s.n && (!SKIP || wr != nullptr) && c < sp.end
-               ? ld_stream_v4(wr + int64_t(c) * kStreamPerChunk<WT>)
-               : make_uint4(0, 0, 0, 0);
+    v[u] = row_in && c < sp.end && c != tail_c ? ld_stream_v4(wr + int64_t(c) * kStreamPerChunk<WT>)
+                                               : make_uint4(0, 0, 0, 0);
+  }
+  // The partial chunk apart, behind a branch uniform over the grid: streams of whole-chunk rows
+  // keep one predicated load per chunk.
+  if (s.tail) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = sp.begin + (b * U + u) * 32 + lane;
+      if (row_in && c < sp.end && c == tail_c)
+        v[u] = ld_stream_tail(wr + int64_t(c) * kStreamPerChunk<WT>, s.tail);
+    }
   }
 }
 

@@ -26,8 +26,9 @@
 //     subnormals included, is an fp16 value; NaN stays NaN),
 //   - fp8 activations (W8A8) are widened and multiplied by their scale when x is staged,
 //   - the epilogue applies the fp8 scale, adds the bias and converts to the output dtype.
-// Unaligned or ragged W (base, row stride or K not in whole 16-byte chunks) takes the same kernel
-// with element loads.
+// Unaligned W (base or row stride not in whole 16-byte chunks) takes the same kernel with element
+// loads; a K that is not whole chunks on aligned rows streams the chunks and adds the rest by
+// elements.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -222,10 +223,16 @@ __global__ void __launch_bounds__(kThreads) linear_sm80_gemv(const LinearParams 
         __syncthreads();
       }
       if (row < p.n) {
-        if constexpr (VEC)
+        if constexpr (VEC) {
           row_dot_vec<WT, MT>(wrow + kb, len / kPerChunk<WT>, xs, p.kx, batch, acc);
-        else
+          // A K that is not whole chunks (W stored with a padded row stride) ends the last
+          // pass with a partial chunk: by elements, so nothing past K is read.
+          const int full = len / kPerChunk<WT> * kPerChunk<WT>;
+          if (full < len)
+            row_dot_scalar<WT, MT>(wrow + kb + full, len - full, xs + full, p.kx, acc);
+        } else {
           row_dot_scalar<WT, MT>(wrow + kb, len, xs, p.kx, acc);
+        }
       }
     }
 #pragma unroll
@@ -362,10 +369,10 @@ fmlp_status_t linear_sm80_gemv_run(const fmlp_linear_args_t& a, const LinearDesc
   auto s = static_cast<cudaStream_t>(stream);
   fmlp_status_t st;
   switch (d.w_dtype) {
-    case FMLP_DTYPE_F32: st = dispatch_mt<float>(p, c, d.w_vec16, d.device_id, s); break;
-    case FMLP_DTYPE_F16: st = dispatch_mt<__half>(p, c, d.w_vec16, d.device_id, s); break;
-    case FMLP_DTYPE_BF16: st = dispatch_mt<__nv_bfloat16>(p, c, d.w_vec16, d.device_id, s); break;
-    default: st = dispatch_mt<Fp8>(p, c, d.w_vec16, d.device_id, s); break;
+    case FMLP_DTYPE_F32: st = dispatch_mt<float>(p, c, d.w_rows16, d.device_id, s); break;
+    case FMLP_DTYPE_F16: st = dispatch_mt<__half>(p, c, d.w_rows16, d.device_id, s); break;
+    case FMLP_DTYPE_BF16: st = dispatch_mt<__nv_bfloat16>(p, c, d.w_rows16, d.device_id, s); break;
+    default: st = dispatch_mt<Fp8>(p, c, d.w_rows16, d.device_id, s); break;
   }
   return st;
 }

@@ -26,6 +26,10 @@
 // [2^14, 2^15), which keeps every bf16 value at least 2^-24 of that maximum exact in fp16 (the
 // rest flush, contributing < 2^-24 relative). The power of two, the fp8 scales and the bias are
 // applied to the fp32 sums in the epilogue.
+// K need not fill whole 16-byte chunks: with W's base and row stride 16-byte aligned (W stored with
+// a padded row stride, as fusedmlp.FusedLinear does for odd K) a row's last, partial chunk is read
+// by its own bytes (ld_stream_tail) and x is staged with zeros past K, so what lies past K never
+// multiplies; only the last K split has such a chunk.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -46,6 +50,7 @@ namespace fmlp::detail {
 namespace {
 
 using fmlp::cuda::Frags;
+using fmlp::cuda::ld_stream_tail;
 using fmlp::cuda::ld_stream_v4;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::mma_step;
@@ -83,6 +88,17 @@ constexpr int pipe_depth() {
   return NT >= 8 ? 2 : NT >= 4 ? 3 : 2;
 }
 
+// Eight 16-bit x values of `row` from column c, zeros at and past `cols` (the split's end, which
+// an odd K leaves inside a piece).
+__device__ __forceinline__ uint4 load8_upto(const unsigned short* row, int c, int cols, bool vec) {
+  if (c + 8 <= cols) return fmlp::cuda::load_16b(row, c, vec);
+  unsigned short e[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) e[i] = c + i < cols ? row[c + i] : 0;
+  return make_uint4(e[0] | uint32_t(e[1]) << 16, e[2] | uint32_t(e[3]) << 16,
+                    e[4] | uint32_t(e[5]) << 16, e[6] | uint32_t(e[7]) << 16);
+}
+
 // Columns [k0, k0 + width) of the tokens into xs, zeros past M and past the split's `cols`.
 template <int NT>
 __device__ void stage(const MmaParams& p, unsigned short* xs, int k0, int cols, int width) {
@@ -90,18 +106,10 @@ __device__ void stage(const MmaParams& p, unsigned short* xs, int k0, int cols, 
   for (int v = threadIdx.x; v < NT * 8 * vecs; v += kThreads) {
     const int m = v / vecs, c = (v % vecs) * 8;
     uint4 out = make_uint4(0, 0, 0, 0);
-    if (m < p.m && c < cols) {  // cols is a multiple of 8: the piece is whole
+    if (m < p.m && c < cols) {
       const unsigned short* row =
-          static_cast<const unsigned short*>(p.x) + int64_t(m) * p.x_ld + k0 + c;
-      if (p.x_vec16) {
-        out = *reinterpret_cast<const uint4*>(row);
-      } else {
-        unsigned short e[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) e[i] = row[i];
-        out = make_uint4(e[0] | uint32_t(e[1]) << 16, e[2] | uint32_t(e[3]) << 16,
-                         e[4] | uint32_t(e[5]) << 16, e[6] | uint32_t(e[7]) << 16);
-      }
+          static_cast<const unsigned short*>(p.x) + int64_t(m) * p.x_ld + k0;
+      out = load8_upto(row, c, cols, p.x_vec16);
     }
     *reinterpret_cast<uint4*>(xs + m * p.xs_stride + c) = out;
   }
@@ -123,9 +131,9 @@ __device__ void stage_f16(const MmaParams& p, unsigned short* xs, float* inv, un
       const unsigned short* row =
           static_cast<const unsigned short*>(p.x) + int64_t(m) * p.x_ld + k0;
       float mx = 0.f;
-      for (int c = threadIdx.x * 8; c < cols; c += kThreads * 8) {  // cols: a multiple of 16
+      for (int c = threadIdx.x * 8; c < cols; c += kThreads * 8) {
         float f[8];
-        fmlp::cuda::widen8<__nv_bfloat16>(fmlp::cuda::load_16b(row, c, p.x_vec16), f);
+        fmlp::cuda::widen8<__nv_bfloat16>(load8_upto(row, c, cols, p.x_vec16), f);
 #pragma unroll
         for (int i = 0; i < 8; ++i)
           if (fabsf(f[i]) <= 3.4e38f) mx = fmaxf(mx, fabsf(f[i]));  // finite only
@@ -147,17 +155,20 @@ __device__ void stage_f16(const MmaParams& p, unsigned short* xs, float* inv, un
     const int m = v / vecs, c = (v % vecs) * 8;
     if (bf16) mul = 1.f / inv[m];
     uint32_t h[4] = {0, 0, 0, 0};
-    if (m < p.m && c < cols) {  // cols is a multiple of 16: the piece is whole
+    if (m < p.m && c < cols) {  // a piece through the split's end has zeros past it
       const char* row = static_cast<const char*>(p.x) + (int64_t(m) * p.x_ld + k0) * (fp8 ? 1 : 2);
       if (fp8) {
         const auto* b = reinterpret_cast<const uint8_t*>(row) + c;
+        uint8_t e[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) e[i] = c + i < cols ? b[i] : 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          h[i] = fmlp::cuda::e4m3x2_to_f16x2(b[2 * i] | b[2 * i + 1] << 8);
+          h[i] = fmlp::cuda::e4m3x2_to_f16x2(e[2 * i] | e[2 * i + 1] << 8);
       } else {
         float f[8];
         const uint4 raw =
-            fmlp::cuda::load_16b(reinterpret_cast<const unsigned short*>(row), c, p.x_vec16);
+            load8_upto(reinterpret_cast<const unsigned short*>(row), c, cols, p.x_vec16);
         if (bf16)
           fmlp::cuda::widen8<__nv_bfloat16>(raw, f);
         else
@@ -211,9 +222,22 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_sm80_mma(const MmaParam
 #pragma unroll
       for (int s = 0; s < SP; ++s) {
         const int col = (b * SP + s) * SC + LC * t;
-        const bool in = active && col < cols;
+        const bool in = active && col + LC <= cols;
         f.v[s][0] = in ? ld_stream_v4(wg + col) : make_uint4(0, 0, 0, 0);
         f.v[s][1] = in ? ld_stream_v4(wg8 + col) : make_uint4(0, 0, 0, 0);
+      }
+      // A split that ends inside a chunk (the last one, for K not whole chunks): that chunk by
+      // its own bytes, apart, so whole-chunk splits keep one predicated load per piece.
+      if (cols % LC) {
+#pragma unroll
+        for (int s = 0; s < SP; ++s) {
+          const int col = (b * SP + s) * SC + LC * t;
+          if (active && col < cols && col + LC > cols) {
+            const int tail = (cols - col) * int(sizeof(ST));
+            f.v[s][0] = ld_stream_tail(wg + col, tail);
+            f.v[s][1] = ld_stream_tail(wg8 + col, tail);
+          }
+        }
       }
     };
     Frags<SP> ring[DEPTH];
@@ -438,11 +462,18 @@ bool linear_sm80_mma_supports(const LinearDesc& d, std::string* why) {
     return (*why = fmt::format("M={}: the tensor-core path takes {} to {} rows with {} weights",
                                d.m, m_min, kMaxTokens, fmlp_dtype_name(d.w_dtype)),
             false);
-  if (d.k == 0 || !d.w_vec16)
-    return (*why = fmt::format("W must be 16-byte aligned (base, row stride) with K a non-zero "
-                               "multiple of {}",
-                               fp8 ? 16 : 8),
+  if (d.k == 0)
+    return (*why = "K = 0: nothing to multiply; linear_sm80_gemv writes y = bias", false);
+  if (!d.w_rows16) {
+    const int64_t per = fp8 ? 16 : 8, kp = (d.k + per - 1) / per * per;
+    return (*why = fmt::format(
+                "W's base and row stride must be 16-byte aligned (w_ld {} elements of {}): store "
+                "W with a row stride of a multiple of {} elements, e.g. a [N, {}] buffer viewed "
+                "as [:, :{}] (fusedmlp.FusedLinear keeps such a copy for odd K), to take this "
+                "entry; linear_sm80_gemv reads it as it is with element loads",
+                d.w_ld, fmlp_dtype_name(d.w_dtype), per, kp, d.k),
             false);
+  }
   if (d.n >= (int64_t(1) << 31) || d.k >= (int64_t(1) << 31))
     return (*why = "N and K must be below 2^31", false);
   return true;

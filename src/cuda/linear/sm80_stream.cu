@@ -4,7 +4,12 @@
 //     times a power of two per token (engines/stream_gemv.cuh), undone with the per-row or
 //     per-tensor scale in the epilogue; one token of 16-bit-weight streams with few rows per block
 //     is read in place instead (x_direct),
-//   - the epilogue adds the bias and converts; no workspace, deterministic.
+//   - the epilogue adds the bias and converts; no workspace, deterministic,
+//   - K need not fill whole 16-byte chunks: with W's base and row stride 16-byte aligned (a
+//     caller that stores W with a padded row stride, as fusedmlp.FusedLinear does for odd K) the
+//     stream runs over K rounded up to whole chunks, reads only the row's own bytes of its last
+//     chunk (StreamShape::tail) and stages x with zeros past K, so whatever lies past K, in W's
+//     padding or x's, never multiplies.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -68,7 +73,7 @@ bool epi_ahead(const StreamShape& s, int grid) {
 // (fusedmlp_ops_bench --only linear --ms 1).
 bool x_direct(const LinearDesc& d, const void* x, const StreamShape& s) {
   static const int env = int(knob_int_or<Knob::FMLP_STREAM_XDIRECT>(-1));
-  if (env == 0 || d.m != 1 || d.w_dtype == FMLP_DTYPE_F8_E4M3 ||
+  if (env == 0 || d.m != 1 || d.w_dtype == FMLP_DTYPE_F8_E4M3 || s.k != d.k ||
       reinterpret_cast<uintptr_t>(x) % 16 != 0)
     return false;
   if (env == 1) return true;
@@ -85,44 +90,64 @@ __device__ __forceinline__ bool x_vec_ok(const StreamParams& p) {
          (p.m == 1 || (p.x_ld * int64_t(sizeof(XT))) % 16 == 0);
 }
 
-// Stages x rows [0, MT) (zeros past M) in x's own dtype (16-bit weights), 16 bytes per step; one
-// loop per token, so no step divides by k. Aligned rows: a thread requests four pieces before it
-// stores any, one memory latency per four. With the misaligned path's branch in the same loop
-// ptxas kept each load next to its store, so a thread waited for its pieces one after another:
-// at K = 14336 (seven a thread) that was 3-4 % of the bf16 downs' time and of the fp8 down's
-// (fusedmlp_ops_bench --only linear). cp.async.cg copies instead (no registers,
-// all in flight) were 2-47 % slower than the serial loads: L2 only, so the four blocks of a
-// multiprocessor no longer share x's lines in L1 and every block's requests for the same few KB
-// meet in the L2 (cp.async.ca measured as the register loads).
+// Piece c (16 bytes) of token row src holding x[c * E, c * E + E) with zeros past K: the pieces
+// a K that is not whole chunks leaves at the end of the staged row.
+template <typename XT>
+__device__ __forceinline__ uint4 x_tail_piece(const XT* src, int c, int k) {
+  using Bits = std::conditional_t<sizeof(XT) == 4, uint32_t, uint16_t>;
+  constexpr int kPerVec = 16 / int(sizeof(XT));
+  Bits e[kPerVec];
+#pragma unroll
+  for (int j = 0; j < kPerVec; ++j)
+    e[j] = c * kPerVec + j < k ? reinterpret_cast<const Bits*>(src)[c * kPerVec + j] : Bits(0);
+  uint4 v;
+  memcpy(&v, e, sizeof(v));
+  return v;
+}
+
+// Stages x rows [0, MT) (zeros past M and past K up to the stream's padded width s.k) in x's own
+// dtype (16-bit weights), 16 bytes per step; one loop per token, so no step divides by k. Aligned
+// rows: a thread requests four pieces before it stores any, one memory latency per four. With the
+// misaligned path's branch in the same loop ptxas kept each load next to its store, so a thread
+// waited for its pieces one after another: at K = 14336 (seven a thread) that was 3-4 % of the bf16
+// downs' time and of the fp8 down's (fusedmlp_ops_bench --only linear). cp.async.cg copies instead
+// (no registers, all in flight) were 2-47 % slower than the serial loads: L2 only, so the four
+// blocks of a multiprocessor no longer share x's lines in L1 and every block's requests for the
+// same few KB meet in the L2 (cp.async.ca measured as the register loads).
 template <typename XT, int MT>
 __device__ void stage_x(const StreamParams& p, XT* xs) {
-  const int k = p.s.k;
+  const int kp = p.s.k;
   const bool vec = x_vec_ok<XT>(p);
   constexpr int kPerVec = 16 / int(sizeof(XT));
-  const int vecs = k / kPerVec;  // K is whole 16-byte chunks of W, so of x too
+  const int vecs = kp / kPerVec;   // kp is whole 16-byte chunks of W, so of x too
+  const int full = p.k / kPerVec;  // pieces wholly inside K
 #pragma unroll
   for (int t = 0; t < MT; ++t) {
     const XT* src = static_cast<const XT*>(p.x) + int64_t(t) * p.x_ld;
-    uint4* dst = reinterpret_cast<uint4*>(xs + int64_t(t) * k);
+    uint4* dst = reinterpret_cast<uint4*>(xs + int64_t(t) * kp);
     if (t >= p.m) {
       for (int c = threadIdx.x; c < vecs; c += kStreamThreads) dst[c] = make_uint4(0, 0, 0, 0);
-    } else if (vec) {
+      continue;
+    }
+    if (vec) {
       const uint4* s4 = reinterpret_cast<const uint4*>(src);
-      for (int c0 = threadIdx.x; c0 < vecs; c0 += 4 * kStreamThreads) {
+      for (int c0 = threadIdx.x; c0 < full; c0 += 4 * kStreamThreads) {
         uint4 v[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int c = c0 + j * kStreamThreads;
-          v[j] = c < vecs ? s4[c] : make_uint4(0, 0, 0, 0);
+          v[j] = c < full ? s4[c] : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-          if (c0 + j * kStreamThreads < vecs) dst[c0 + j * kStreamThreads] = v[j];
+          if (c0 + j * kStreamThreads < full) dst[c0 + j * kStreamThreads] = v[j];
       }
     } else {
-      for (int c = threadIdx.x; c < vecs; c += kStreamThreads)
+      for (int c = threadIdx.x; c < full; c += kStreamThreads)
         dst[c] = fmlp::cuda::load_16b(src, c * kPerVec, false);
     }
+    for (int c = full + int(threadIdx.x); c < vecs; c += kStreamThreads)
+      dst[c] = x_tail_piece<XT>(src, c, p.k);
   }
 }
 
@@ -150,7 +175,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
     // its rows allow 16-byte loads. Per element, with a division by k per element, this staging was
     // half of the fp8 stream's instructions (ncu, 4096 -> 14336 at M = 1); 16-byte steps took
     // about a third off that shape's time.
-    if (!x_vec_ok<XT>(p)) {
+    if (!x_vec_ok<XT>(p) || p.k != p.s.k) {  // misaligned x, or K padded to whole chunks
       stage_x<XT, MT>(p, xs);  // the raw 16-bit x (bf16 or fp16: XT only sizes the pieces)
       __syncthreads();
       fmlp::cuda::stream_f16_scaled<MT>(xs, p.s.k, p.x_t == FMLP_DTYPE_F16, inv, amax);
@@ -191,9 +216,15 @@ __global__ void __launch_bounds__(kStreamThreads, 4) linear_sm80_stream(const St
   stream_run<WT, XS, MT>(p.s, sp, xrun, row_ptr, finish, cur, red, fetch);
 }
 
+// K rounded up to whole 16-byte chunks of W: the width the stream reads and x is staged at.
+int64_t padded_k(const LinearDesc& d) {
+  const int64_t per = d.w_dtype == FMLP_DTYPE_F8_E4M3 ? 16 : 8;
+  return (d.k + per - 1) / per * per;
+}
+
 size_t smem_bytes(const LinearDesc& d, int mt) {
   const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
-  return size_t(mt) * size_t(d.k) * (fp8 ? 2 : dtype_size(d.act_dtype));
+  return size_t(mt) * size_t(padded_k(d)) * (fp8 ? 2 : dtype_size(d.act_dtype));
 }
 
 int token_tile(int64_t m) {
@@ -269,6 +300,7 @@ fmlp_status_t dispatch_x(const StreamParams& p, int mt, size_t smem, int device,
 
 bool linear_sm80_stream_supports(const LinearDesc& d, std::string* why) {
   if (refuses_block_scales(d, why)) return false;
+  const bool fp8_w = d.w_dtype == FMLP_DTYPE_F8_E4M3;
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (d.w8a8())
     return (*why = "fp8 activations (W8A8): linear_sm80_mma and cuBLASLt take them", false);
@@ -289,8 +321,13 @@ bool linear_sm80_stream_supports(const LinearDesc& d, std::string* why) {
     return (*why = fmt::format("M={}: the stream GEMV takes 1 to {} rows (more: cuBLASLt)", d.m,
                                kMaxTokens),
             false);
-  if (!d.w_vec16)
-    return (*why = "W must be 16-byte aligned (base, row stride) with K in whole 16-byte chunks",
+  if (!d.w_rows16)
+    return (*why = fmt::format(
+                "W's base and row stride must be 16-byte aligned (w_ld {} elements of {}): store "
+                "W with a row stride of a multiple of {} elements, e.g. a [N, {}] buffer viewed "
+                "as [:, :{}] (fusedmlp.FusedLinear keeps such a copy for odd K), to take this "
+                "entry; linear_sm80_gemv reads it as it is with element loads",
+                d.w_ld, fmlp_dtype_name(d.w_dtype), fp8_w ? 16 : 8, padded_k(d), d.k),
             false);
   if (d.n >= (int64_t(1) << 31) || d.k >= (int64_t(1) << 31))
     return (*why = "N and K must be below 2^31", false);
@@ -312,8 +349,10 @@ fmlp_status_t linear_sm80_stream_run(const fmlp_linear_args_t& a, const LinearDe
   const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
   StreamParams p{};
   static_cast<LinearOperands&>(p) = linear_operands(a, d);
-  const int64_t w_bytes = d.n * d.k * (fp8 ? 1 : 2);
-  p.s = stream_shape(d.n, d.k, fp8 ? 1 : 2, d.m);
+  const int es = fp8 ? 1 : 2;
+  const int64_t w_bytes = d.n * d.k * es;
+  p.s = stream_shape(d.n, padded_k(d), es, d.m);
+  p.s.tail = int(d.k * es % 16);
   stream_pick_loads(p.s, w_bytes);
   p.x_direct = x_direct(d, a.x.data, p.s);
   if (p.s.groups == 0) return FMLP_SUCCESS;  // N = 0: nothing to write

@@ -52,6 +52,8 @@ DecodeOperands decode_operands(const fmlp_mlp_args_t& a, const fmlp::detail::Mlp
   o.k = int(d.d_in);
   o.h = int(d.hidden);
   o.n = int(d.d_out);
+  o.kp = int(fmlp::detail::padded_width(d, d.d_in));
+  o.hp = int(fmlp::detail::padded_width(d, d.hidden));
   return o;
 }
 
@@ -77,6 +79,12 @@ Fp8Scales fp8_scales(const fmlp_mlp_args_t& a, const fmlp::detail::MlpDesc& d) {
 }  // namespace fmlp::cuda
 
 namespace fmlp::detail {
+
+int64_t padded_width(const MlpDesc& d, int64_t cols) {
+  if (d.layout != WeightLayout::kCudaPacked) return cols;
+  const int64_t per_load = int64_t(16 / dtype_size(d.w_dtype));  // cuda/mlp/pack.cu's row_align
+  return (cols + per_load - 1) / per_load * per_load;
+}
 
 bool split_hidden_supports(const MlpDesc& d, int max_tokens, std::string* why) {
   if (d.device != FMLP_DEVICE_CUDA) return (*why = "needs CUDA device memory", false);

@@ -88,7 +88,7 @@ bool needs_stage(const fmlp_mlp_args_t& a, const MlpDesc& d) {
   const size_t es = dtype_size(d.act_dtype);
   const bool x_vec = reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0 &&
                      (d.m == 1 || (size_t(a.x.stride[0]) * es) % 16 == 0);
-  return d.norm != FMLP_NORM_NONE || !x_vec;
+  return d.norm != FMLP_NORM_NONE || !x_vec || padded_width(d, d.d_in) != d.d_in;
 }
 
 Plan plan_for(const MlpDesc& d) {
@@ -103,11 +103,12 @@ Plan plan_for(const MlpDesc& d) {
   pl.wide = !fp8 && env_wide == 1;
   const bool lane16 = fp8 || pl.wide;
   const int unit = (lane16 ? 64 : 32) * depth_for(lane16, pl.wide, pl.nt);
-  pl.up = shape_for(rows1, d.d_in, max_blocks, unit);
-  pl.down = shape_for(d.d_out, d.hidden, max_blocks, unit);
+  const int64_t kp = padded_width(d, d.d_in), hp = padded_width(d, d.hidden);
+  pl.up = shape_for(rows1, kp, max_blocks, unit);
+  pl.down = shape_for(d.d_out, hp, max_blocks, unit);
   const size_t es = dtype_size(d.act_dtype);  // x and h are staged in the activations' dtype
-  pl.xn_bytes = align_up(size_t(d.m) * size_t(d.d_in) * es);
-  pl.h_bytes = align_up(size_t(d.m) * size_t(d.hidden) * es);
+  pl.xn_bytes = align_up(size_t(d.m) * size_t(kp) * es);
+  pl.h_bytes = align_up(size_t(d.m) * size_t(hp) * es);
   pl.tiles_bytes = align_up(size_t(std::max(pl.up.tiles, pl.down.tiles)) * 4);
   pl.slot_bytes = align_up(size_t(std::max(pl.up.blocks, pl.down.blocks)) * 2 *
                            size_t(fmlp::cuda::mma_streamk_slot_floats(kWarps, pl.nt)) * 4);
@@ -130,7 +131,8 @@ __device__ __forceinline__ void pdl_begin() {
   fmlp::cuda::pdl_allow_next_grid();
 }
 
-// norm(x) of token blockIdx.x in WT into p.xn ([m][k]).
+// norm(x) of token blockIdx.x in WT into p.xn ([m][kp], zeros past k: they meet the zero padding
+// of packed W1 rows).
 template <typename WT>
 __global__ void __launch_bounds__(kStageThreads)
     mlp_decode_sm80_mma_streamk_stage(const StreamKMlpParams p) {
@@ -141,7 +143,9 @@ __global__ void __launch_bounds__(kStageThreads)
   const char* row = static_cast<const char*>(p.x) + blockIdx.x * p.x_ld * es;
   float mean, inv;
   fmlp::cuda::token_norm_stats<kStageThreads>(p, row, vec, scratch, mean, inv);
-  WT* out = static_cast<WT*>(p.xn) + int64_t(blockIdx.x) * p.k;
+  WT* out = static_cast<WT*>(p.xn) + int64_t(blockIdx.x) * p.kp;
+  for (int c = p.k + int(threadIdx.x); c < p.kp; c += kStageThreads)
+    out[c] = fmlp::cuda::from_f<WT>(0.f);
   fmlp::cuda::for_row_runs<kStageThreads>(
       row, p.act_t, p.k, vec, [&](int c0, int n, const float(&f)[8]) {
         float g[8], b[8];
@@ -187,7 +191,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
         for (int i = 0; i < 2; ++i) {
           const int tok = nt * 8 + 2 * t + i;
           if (tok < p.m)
-            h[int64_t(tok) * p.h + unit] = fmlp::cuda::from_f<XT>(
+            h[int64_t(tok) * p.hp + unit] = fmlp::cuda::from_f<XT>(
                 act_of(p.act, acc[nt][i] * sg + bg) * (acc[nt][2 + i] * su + bu));
         }
     } else {
@@ -203,7 +207,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
           for (int i = 0; i < 2; ++i) {
             const int tok = nt * 8 + 2 * t + i;
             if (tok < p.m)
-              h[int64_t(tok) * p.h + unit] =
+              h[int64_t(tok) * p.hp + unit] =
                   fmlp::cuda::from_f<XT>(act_of(p.act, acc[nt][2 * half + i] * sg + b1));
           }
       }
@@ -212,6 +216,12 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   fmlp::cuda::mma_streamk_run<kWarps, NT, kDepth<WT, WIDE, NT>, WT, XT, WIDE>(
       p.up, row_ptr, static_cast<const XT*>(p.xsrc), p.xsrc_ld, p.m, p.scratch,
       reinterpret_cast<XT*>(smem_v), epi, pdl_begin);
+  // h's columns [h, hp) meet the zero padding of packed W2 rows: zeros, not the scratch's old
+  // bytes (written after the previous grid's wait, which the run passed).
+  const int pad = p.hp - p.h;
+  if (blockIdx.x == 0)
+    for (int i = threadIdx.x; i < p.m * pad; i += kWarps * 32)
+      h[int64_t(i / pad) * p.hp + p.h + i % pad] = fmlp::cuda::from_f<XT>(0.f);
 }
 
 template <typename WT, typename XT, bool WIDE, int NT>
@@ -246,7 +256,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     }
   };
   fmlp::cuda::mma_streamk_run<kWarps, NT, kDepth<WT, WIDE, NT>, WT, XT, WIDE>(
-      p.down, row_ptr, static_cast<const XT*>(p.hbuf), p.h, p.m, p.scratch,
+      p.down, row_ptr, static_cast<const XT*>(p.hbuf), p.hp, p.m, p.scratch,
       reinterpret_cast<XT*>(smem_v), epi, pdl_begin);
 }
 
@@ -321,9 +331,11 @@ bool mlp_decode_sm80_mma_streamk_supports(const MlpDesc& d, std::string* why) {
   if (fp8 && cuda_compute_capability(d.device_id) < 89)
     return (*why = "fp8 weights need compute capability 8.9 or newer (the e4m3 conversion)", false);
   const int64_t per_load = fp8 ? 16 : 8;  // weights per 16-byte load
-  if (d.d_in % per_load != 0 || d.hidden % per_load != 0 || d.d_in == 0 || d.hidden == 0)
+  const int64_t kp = padded_width(d, d.d_in), hp = padded_width(d, d.hidden);
+  if (kp % per_load != 0 || hp % per_load != 0 || d.d_in == 0 || d.hidden == 0)
     return (*why = fmt::format("d_in {} and hidden {} must be positive multiples of {} for "
-                               "16-byte loads of {} weights",
+                               "16-byte loads of {} weights; fmlp_mlp_pack pads the weights so "
+                               "that any size streams",
                                d.d_in, d.hidden, per_load, fmlp_dtype_name(d.w_dtype)),
             false);
   if (!d.weights_vec16)
@@ -365,7 +377,7 @@ fmlp_status_t mlp_decode_sm80_mma_streamk_run(const fmlp_mlp_args_t& a, const Ml
   p.up = pl.up;
   p.down = pl.down;
   p.xsrc = pl.stage ? p.xn : a.x.data;
-  p.xsrc_ld = pl.stage ? d.d_in : a.x.stride[0];
+  p.xsrc_ld = pl.stage ? p.kp : a.x.stride[0];
   if (d.d_out == 0) return FMLP_SUCCESS;
   const DeviceScope scope(d.device_id);
   if (scope.status() != FMLP_SUCCESS) return scope.status();

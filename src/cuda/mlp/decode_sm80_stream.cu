@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
   constexpr bool kFp8 = std::is_same_v<WT, StreamFp8>;
   using XS = std::conditional_t<kFp8, __half, WT>;
   extern __shared__ uint4 smem_v[];
-  XS* xs = reinterpret_cast<XS*>(smem_v);  // [M][k]
+  XS* xs = reinterpret_cast<XS*>(smem_v);  // [M][kp], zeros past k
   __shared__ float red[2][kStreamWarps][M];
   __shared__ float scratch[kStreamWarps];
   __shared__ float inv[M];  // fp8: the per-token factor undoing the staging's power of two
@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
   stream_begin<WT>(cur, p.up, sp, row_ptr, p.up_prefetch_groups);  // in flight while x is staged
   bool staged = false;
   if constexpr (kFp8) {
-    if (p.norm == FMLP_NORM_NONE && x_rows_vec(p)) {  // x is AT: straight to scaled fp16
+    if (p.norm == FMLP_NORM_NONE && p.k == p.kp && x_rows_vec(p)) {  // x is AT: scaled fp16
       stream_stage_f16_scaled<AT, M, false>(xs, static_cast<const AT*>(p.x), p.x_ld, M, p.k,
                                             nullptr, red[0], inv);  // ends with a barrier
       staged = true;
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
   }
   if constexpr (!kFp8) {
     constexpr fmlp_dtype_t kAt = std::is_same_v<AT, __half> ? FMLP_DTYPE_F16 : FMLP_DTYPE_BF16;
-    if (p.norm == FMLP_NORM_NONE && p.act_t == kAt && x_rows_vec(p)) {  // x as it is
+    if (p.norm == FMLP_NORM_NONE && p.act_t == kAt && p.k % 8 == 0 && x_rows_vec(p)) {  // as is
       fmlp::cuda::stream_copy_rows<M, false>(smem_v, static_cast<const uint4*>(p.x), p.x_ld / 8, M,
                                              p.k / 8);
       __syncthreads();
@@ -140,8 +140,8 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
     }
   }
   if (!staged) {
-    stage_tokens_as<kStreamThreads, M>(p, reinterpret_cast<AT*>(xs), scratch);  // ends likewise
-    if constexpr (kFp8) stream_f16_scaled<M>(xs, p.k, std::is_same_v<AT, __half>, inv, amax);
+    stage_tokens_as<kStreamThreads, M>(p, reinterpret_cast<AT*>(xs), scratch, p.kp);  // barrier
+    if constexpr (kFp8) stream_f16_scaled<M>(xs, p.kp, std::is_same_v<AT, __half>, inv, amax);
   }
   // Dot product v of row j of the gate / dense rows (up = false) or of the up rows, dequantised.
   auto dq = [&](float v, int t, int j, bool up) {
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
   float hmax[M] = {};
   auto store_h = [&](int t, int j, float v) {
     const AT r = from_f<AT>(v);
-    h[int64_t(t) * p.h + j] = r;
+    h[int64_t(t) * p.hp + j] = r;
     if constexpr (kFp8) {
       const float a = fabsf(to_f(r));
 #pragma unroll
@@ -175,6 +175,11 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
     };
     stream_run<WT, XS, M, 1>(p.up, sp, xs, row_ptr, finish, cur, red);
   }
+  // h's columns [h, hp) meet the zero padding of W2's rows: zeros, not the scratch's old bytes
+  // (which may hold a NaN pattern).
+  const int pad = p.hp - p.h;  // < 16: M * pad < kStreamThreads
+  if (blockIdx.x == 0 && int(threadIdx.x) < M * pad)
+    h[int64_t(threadIdx.x / pad) * p.hp + p.h + threadIdx.x % pad] = from_f<AT>(0.f);
   if constexpr (kFp8) {  // one atomic per block and token
     __shared__ float wmax[kStreamWarps][M];
 #pragma unroll
@@ -198,7 +203,7 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
   constexpr bool kFp8 = std::is_same_v<WT, StreamFp8>;
   using XS = std::conditional_t<kFp8, __half, WT>;
   extern __shared__ uint4 smem_v[];
-  XS* hs = reinterpret_cast<XS*>(smem_v);  // [M][hidden]
+  XS* hs = reinterpret_cast<XS*>(smem_v);  // [M][hp]
   __shared__ float red[2][kStreamWarps][M];
   __shared__ unsigned is_last;
   __shared__ float inv[M];
@@ -210,10 +215,10 @@ __global__ void __launch_bounds__(kStreamThreads, kMinBlocks<M>)
                    p.down_prefetch_batches);  // then h is complete
   if constexpr (kFp8) {  // h as scaled fp16 (engines/stream_gemv.cuh) with the up kernel's largest
                          // |h|
-    stream_stage_f16_scaled<AT, M, true>(hs, static_cast<const AT*>(p.hbuf), p.h, M, p.h, p.hmax,
+    stream_stage_f16_scaled<AT, M, true>(hs, static_cast<const AT*>(p.hbuf), p.hp, M, p.hp, p.hmax,
                                          red[0], inv);  // ends with a barrier
   } else {
-    const int vecs = M * p.h / 8;  // hidden is a multiple of 8; [M][h] copied as one row
+    const int vecs = M * p.hp / 8;  // hp is a multiple of 8; [M][hp] copied as one row
     fmlp::cuda::stream_copy_rows<1, true>(smem_v, static_cast<const uint4*>(p.hbuf), vecs, 1, vecs);
     __syncthreads();  // this block's reads of h are done
   }
@@ -241,8 +246,8 @@ template <typename WT, typename AT, int M>
 fmlp_status_t launch(const StreamMlpParams& p, cudaStream_t s, int device) {
   constexpr auto up = &mlp_decode_sm80_stream_up<WT, AT, M>;
   constexpr auto down = &mlp_decode_sm80_stream_down<WT, AT, M>;
-  const size_t smem_up = size_t(M) * size_t(p.k) * sizeof(AT);
-  const size_t smem_down = size_t(M) * size_t(p.h) * sizeof(AT);
+  const size_t smem_up = size_t(M) * size_t(p.kp) * sizeof(AT);
+  const size_t smem_down = size_t(M) * size_t(p.hp) * sizeof(AT);
   if (fmlp_status_t st = allow_dynamic_smem<up>(smem_up, "mlp_decode_sm80_stream_up");
       st != FMLP_SUCCESS)
     return st;
@@ -296,9 +301,11 @@ bool mlp_decode_sm80_stream_supports(const MlpDesc& d, std::string* why) {
                                fmlp_dtype_name(d.act_dtype)),
             false);
   const int64_t per_chunk = fp8 ? 16 : 8;  // weights per 16-byte load
-  if (d.d_in % per_chunk != 0 || d.hidden % per_chunk != 0)
+  const int64_t kp = padded_width(d, d.d_in), hp = padded_width(d, d.hidden);
+  if (kp % per_chunk != 0 || hp % per_chunk != 0)
     return (*why = fmt::format("d_in {} and hidden {} must be multiples of {} for 16-byte loads "
-                               "of {} weights",
+                               "of {} weights; fmlp_mlp_pack pads the weights so that any size "
+                               "streams",
                                d.d_in, d.hidden, per_chunk, fmlp_dtype_name(d.w_dtype)),
             false);
   if (!d.weights_vec16)
@@ -307,8 +314,7 @@ bool mlp_decode_sm80_stream_supports(const MlpDesc& d, std::string* why) {
                 "weights with fmlp_mlp_pack",
             false);
   const size_t es = stage_elem_bytes(d);
-  const size_t x_bytes = size_t(d.m) * size_t(d.d_in) * es,
-               h_bytes = size_t(d.m) * size_t(d.hidden) * es;
+  const size_t x_bytes = size_t(d.m) * size_t(kp) * es, h_bytes = size_t(d.m) * size_t(hp) * es;
   if (std::max(x_bytes, h_bytes) > kMaxStageBytes)
     return (*why = fmt::format("M={} tokens of d_in {} / hidden {} take {} KiB of shared "
                                "memory, more than the stream path's {} KiB",
@@ -322,7 +328,8 @@ bool mlp_decode_sm80_stream_supports(const MlpDesc& d, std::string* why) {
 
 // The counter and hmax (fp8) in the workspace's zeroed part, h in its scratch part.
 size_t mlp_decode_sm80_stream_workspace(const MlpDesc& d) {
-  return cuda_scratch_workspace_bytes(size_t(d.m) * size_t(d.hidden) * stage_elem_bytes(d));
+  return cuda_scratch_workspace_bytes(size_t(d.m) * size_t(padded_width(d, d.hidden)) *
+                                      stage_elem_bytes(d));
 }
 
 fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc& d,
@@ -335,21 +342,21 @@ fmlp_status_t mlp_decode_sm80_stream_run(const fmlp_mlp_args_t& a, const MlpDesc
   p.hmax = p.counter + 1;
   p.hbuf = cuda_workspace_scratch(workspace);
   const int es = int(dtype_size(d.w_dtype));
-  p.up = stream_shape(d.gated ? 2 * d.hidden : d.hidden, d.d_in, es, d.m, d.gated ? 2 : 1);
-  p.down = stream_shape(d.d_out, d.hidden, es, d.m);
+  p.up = stream_shape(d.gated ? 2 * d.hidden : d.hidden, p.kp, es, d.m, d.gated ? 2 : 1);
+  p.down = stream_shape(d.d_out, p.hp, es, d.m);
   // Prefetching helps a little where W2 outgrows the L2 (llama3-8b M = 1) and hurt much where
   // most of W2 fits it (4096 -> 4096), measured on an H200 (fusedmlp_cuda_bench --ms 1).
   // FMLP_STREAM_PREFETCH=0 turns it off, =1 on, for measurements.
   static const int prefetch_env = int(knob_int_or<Knob::FMLP_STREAM_PREFETCH>(-1));
-  const int64_t w2_bytes = d.d_out * d.hidden * es;
+  const int64_t w2_bytes = d.d_out * int64_t(p.hp) * es;
   const bool prefetch =
       prefetch_env >= 0 ? prefetch_env == 1 : w2_bytes > cuda_l2_bytes(d.device_id);
   p.up_prefetch_groups = prefetch ? 1 : 0;
   p.down_prefetch_groups =
-      prefetch ? int(std::max<int64_t>(
-                     1, (int64_t(64) << 10) /
-                            std::max<int64_t>(1, int64_t(p.down.rows) * d.hidden * es)))
-               : 0;
+      prefetch
+          ? int(std::max<int64_t>(
+                1, (int64_t(64) << 10) / std::max<int64_t>(1, int64_t(p.down.rows) * p.hp * es)))
+          : 0;
   // Without those, a down stream whose warps read more than two batches of their first group
   // requests the next two into L2 while h is staged: 3 % off fp8 llama3-8b at M = 1 (7 batches of
   // a 14 KB row a warp), with or without RMSNorm, where 1 batch gained as much and 4 lost.

@@ -9,6 +9,21 @@
 
 namespace fmlp::detail {
 
+// No cuda mlp entry reads 128 x 128 block scales yet: every supports() (mlp/table.cpp) and the
+// cuda pack start here. Names the first block-scaled argument.
+inline bool mlp_refuses_block_scales(const MlpDesc& d, std::string* why) {
+  const char* name = d.w1_scale == ScaleKind::kBlock     ? "weights.w1_scale"
+                     : d.w_up_scale == ScaleKind::kBlock ? "weights.w_up_scale"
+                     : d.w2_scale == ScaleKind::kBlock   ? "weights.w2_scale"
+                                                         : nullptr;
+  if (name == nullptr) return false;
+  *why = std::string(name) +
+         " is a 2-D block scale (128 x 128 blocks): the cuda mlp entries take per-row or "
+         "per-tensor fp8 scales only; run on the cpu backend, or re-quantise the weights per "
+         "row (fmlp_quantize_fp8 with a [rows] scale, fusedmlp.quantize_fp8(w)) for cuda";
+  return true;
+}
+
 // Two memory-order weight streams (decode_sm80_stream.cu): M <= 4, bf16/fp16 or fp8 weights.
 FMLP_DECLARE_OP_ENTRY(mlp_decode_sm80_stream, fmlp_mlp_args_t, MlpDesc);
 // The hidden slice's weights prefetched into shared memory across the GPU (M <= 4).
@@ -33,6 +48,12 @@ const char* mlp_prefill_gemm1_note(const MlpDesc& d);
 // The same entry for fp8 e4m3 weights (prefill_sm90_cublaslt_fp8.cu: W8A8 with per-token
 // activation scales); mlp_prefill_sm90_cublaslt_* hand fp8 requests to these.
 FMLP_DECLARE_OP_ENTRY(mlp_prefill_fp8, fmlp_mlp_args_t, MlpDesc);
+
+// The width a stream may read of weight rows of `cols` columns: packed weights (cuda/mlp/pack.cu)
+// pad every row with zeros to whole 16-byte loads, so d_in and hidden that are not multiples of
+// 8 (16-bit) or 16 (e4m3) still run on the 16-byte streams; `cols` itself otherwise. In
+// decode_operands.cu, which fills DecodeOperands::kp / hp with it.
+int64_t padded_width(const MlpDesc& d, int64_t cols);
 
 // The CUDA-core split-hidden kernels (gemv, prefetch): their shared preconditions (CUDA memory,
 // not deterministic, M <= max_tokens, bf16/fp16 weights, d_in and hidden multiples of 8, 16-byte

@@ -21,6 +21,7 @@
 #include "core/mlp_desc.hpp"
 #include "core/tensor_check.hpp"
 #include "cuda/common/common.cuh"
+#include "cuda/mlp/entries.hpp"
 
 namespace fmlp::detail {
 namespace {
@@ -76,6 +77,8 @@ fmlp_tensor_t device_view(void* data, fmlp_dtype_t t, int64_t rows, int64_t cols
 fmlp_status_t cuda_mlp_pack(fmlp_mlp_packed_s* p, const fmlp_mlp_weights_t& w, const MlpDesc& d,
                             void* stream) {
   const bool fp8 = d.w_dtype == FMLP_DTYPE_F8_E4M3;
+  std::string why;
+  if (mlp_refuses_block_scales(d, &why)) return fail(FMLP_ERROR_NOT_SUPPORTED, "{}", why);
   if (fp8) {
     for (const auto& [name, scale] : {std::pair{"weights.w1_scale", &w.w1_scale},
                                       std::pair{"weights.w_up_scale", &w.w_up_scale},

@@ -1,5 +1,5 @@
 // The cuda mlp entries in table order (their contracts: mlp/entries.hpp), each behind the device
-// check every cuda entry shares.
+// and scale-layout checks every cuda entry shares.
 #include "core/error.hpp"
 #include "core/mlp_desc.hpp"
 #include "cuda/common/device.hpp"
@@ -10,6 +10,7 @@ namespace {
 
 // Every entry needs bf16 tensor cores / cp.async-era hardware: compute capability 8.0+.
 bool device_supported(const MlpDesc& d, std::string* why) {
+  if (mlp_refuses_block_scales(d, why)) return false;
   return d.device != FMLP_DEVICE_CUDA || cuda_device_sm80(d.device_id, why);
 }
 

@@ -98,8 +98,17 @@ MoePlan grouped_plan(const MoeDesc& d, int chunk, bool gathered_x);
 // The grouped GEMMs' tiles: hidden (and d) must be multiples of kMoeGroupedK.
 constexpr int kMoeGroupedK = 64;
 
+// The width moe_sm80_stream reads of weight rows of `cols` 16-bit columns: whole 16-byte chunks.
+// Rows that end inside their last chunk (d or hidden not a multiple of 8, experts stored with a
+// 16-byte aligned, padded row stride) have that chunk read by its own bytes, x staged and h kept
+// with zeros past the real width (sm80_stream.cu).
+constexpr int64_t moe_stream_width(int64_t cols) {
+  return (cols + 7) / 8 * 8;
+}
+
 struct MoeParams {
   int tokens, d, hidden, d_out, experts, top_k, slots, chunk, slices, tiles, out_slices;
+  int dp, hp;  // moe_sm80_stream: d and hidden as moe_stream_width; h is [slots][hp] there
   int first_expert, global_experts;  // local expert i is global id first_expert + i
   int route_tokens;
   int route_split;  // > 1: grid y splits the router rows; logits meet in `logits` (route.cu)

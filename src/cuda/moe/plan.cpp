@@ -99,13 +99,14 @@ MoePlan grouped_plan(const MoeDesc& d, int chunk, bool gathered_x) {
   return pl;
 }
 
-// The route kernel's plan (chunks of 8, unused by the streams but written) and h [slots][hidden]
-// in the experts' dtype in the hbuf region.
+// The route kernel's plan (chunks of 8, unused by the streams but written) and h [slots][hp]
+// (hidden padded to whole 16-byte chunks, moe_stream_width) in the experts' dtype in the hbuf
+// region: the padding stays zero, as the whole region is between calls.
 MoePlan moe_plan_stream(const MoeDesc& d) {
   MoePlan pl;
   const int64_t n = d.tokens * d.top_k;
   pl.max_chunks = chunk_bound(d, pl.chunk);
-  lay_out(d, 0, size_t(n) * size_t(d.hidden) * dtype_size(d.w_dtype), 0, &pl);
+  lay_out(d, 0, size_t(n) * size_t(moe_stream_width(d.hidden)) * dtype_size(d.w_dtype), 0, &pl);
   return pl;
 }
 
@@ -165,6 +166,7 @@ MoeParams moe_params(const fmlp_moe_args_t& a, const MoeDesc& d, const MoePlan& 
   const size_t xs = dtype_size(d.act_dtype);
   MoeParams p{};
   p.tokens = int(d.tokens), p.d = int(d.d), p.hidden = int(d.hidden), p.d_out = int(d.d_out);
+  p.dp = int(moe_stream_width(d.d)), p.hp = int(moe_stream_width(d.hidden));
   p.experts = int(d.experts), p.top_k = int(d.top_k), p.slots = int(d.tokens * d.top_k);
   p.first_expert = int(d.first_expert), p.global_experts = int(d.global_experts);
   p.chunk = pl.chunk, p.slices = pl.slices, p.tiles = pl.tiles;

@@ -22,6 +22,12 @@
 // the expected repeats would make L2 the bottleneck (moe/planner.cpp). fp32 accumulation in a
 // fixed order: deterministic. Limits (moe/table.cpp): T <= kMoeStreamMaxTokens, k <= 8, the
 // staged x (d in x's dtype) within kMoeStreamStageBytes.
+// d and hidden of any size, on expert rows that start on 16-byte boundaries (a padded row stride
+// where the size is not a multiple of 8): both streams run over the widths rounded up to whole
+// chunks (moe_stream_width: dp, hp), read a row's partial last chunk by its own bytes
+// (StreamShape::tail), x is staged with zeros past d and h kept as [slots][hp] rows whose padding
+// the up kernel never writes (zero, as the whole workspace region is between calls), so nothing
+// past a row multiplies.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -43,6 +49,7 @@ using fmlp::cuda::kStreamPerChunk;
 using fmlp::cuda::kStreamThreads;
 using fmlp::cuda::kStreamU;
 using fmlp::cuda::kStreamWarps;
+using fmlp::cuda::ld_stream_tail;
 using fmlp::cuda::ld_stream_v4;
 using fmlp::cuda::load_scalar;
 using fmlp::cuda::pdl_allow_next_grid;
@@ -73,7 +80,7 @@ template <typename WT, typename XT>
 __global__ void __launch_bounds__(kStreamThreads, 4)
     moe_sm80_stream_up(const MoeParams p, const StreamShape s) {
   extern __shared__ uint4 smem_v[];
-  XT* xs = reinterpret_cast<XT*>(smem_v);  // [d]: this block's token
+  XT* xs = reinterpret_cast<XT*>(smem_v);  // [dp]: this block's token, zeros past d
   __shared__ float red[2][kStreamWarps][1];
   __shared__ int eid[kMoeStreamMaxTopK];
   const int t = blockIdx.y, k = p.top_k;
@@ -94,15 +101,16 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   uint4 cur[kStreamU];
   stream_load<WT, true>(cur, s, sp, row_ptr, blockIdx.x, 0);  // in flight while x is staged
   const XT* xr = static_cast<const XT*>(p.x) + int64_t(t) * p.x_ld;
-  if (p.x_vec16) {
+  if (p.x_vec16 && p.d == p.dp) {
     const int words = p.d * int(sizeof(XT)) / 16;  // d is a multiple of 8
     for (int i = threadIdx.x; i < words; i += kStreamThreads)
       smem_v[i] = __ldg(reinterpret_cast<const uint4*>(xr) + i);
   } else {
-    for (int i = threadIdx.x; i < p.d; i += kStreamThreads) xs[i] = xr[i];
+    for (int i = threadIdx.x; i < p.dp; i += kStreamThreads)
+      xs[i] = i < p.d ? xr[i] : fmlp::cuda::from_f<XT>(0.f);
   }
   __syncthreads();
-  WT* hb = reinterpret_cast<WT*>(p.hbuf);  // [slots][hidden]
+  WT* hb = reinterpret_cast<WT*>(p.hbuf);  // [slots][hp]
   auto x_rows = [&](int) { return static_cast<const XT*>(xs); };
   auto store_h = [&](int q, float gate, float up) {
     const int i = q / k, j = q - i * k, e = eid[j];
@@ -110,7 +118,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
     float h = gate + expert_elem(p.b1, p.b1_t, p.b1_e, e, i);
     h = activate(p.act, h);
     if (gated) h *= up + expert_elem(p.b1, p.b1_t, p.b1_e, e, p.hidden + i);
-    hb[int64_t(t * k + j) * p.hidden + i] = from_f<WT>(h);
+    hb[int64_t(t * k + j) * p.hp + i] = from_f<WT>(h);
   };
   if (gated) {
     auto finish = [&](int v, int, const float(&sum)[2]) { store_h(v >> 1, sum[0], sum[1]); };
@@ -153,9 +161,9 @@ __device__ __forceinline__ void down_slots_load(DownSlots<KP>& d, const MoeParam
 // are read in place: staging them left three blocks per SM and 74 % of DRAM bandwidth (ncu).
 template <typename WT, bool STAGE_H>
 __device__ __forceinline__ const WT* down_h_rows(const MoeParams& p, int t, uint4* hs) {
-  const WT* h = reinterpret_cast<const WT*>(p.hbuf) + int64_t(t) * p.top_k * p.hidden;
+  const WT* h = reinterpret_cast<const WT*>(p.hbuf) + int64_t(t) * p.top_k * p.hp;
   if constexpr (!STAGE_H) return h;
-  const int words = p.top_k * p.hidden * int(sizeof(WT)) / 16;  // hidden is a multiple of 8
+  const int words = p.top_k * p.hp * int(sizeof(WT)) / 16;  // hp is a multiple of 8
   for (int i = threadIdx.x; i < words; i += kStreamThreads)
     hs[i] = __ldcg(reinterpret_cast<const uint4*>(h) + i);
   __syncthreads();
@@ -214,7 +222,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   const WT* hrow = down_h_rows<WT, STAGE_H>(p, t, hs_v);
   auto x_rows = [&](int v) {
     const int j = v % KP;
-    return hrow + int64_t(j < k ? j : 0) * p.hidden;
+    return hrow + int64_t(j < k ? j : 0) * p.hp;
   };
   auto finish = [&](int v, int, const float(&sum)[KP]) {
     down_store(p, d, t, v / KP, [&](int j) { return sum[j]; });
@@ -242,7 +250,8 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   const int t = blockIdx.y, k = p.top_k, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // s.wpr warps (1 or 2) share a row, warp `half` taking chunks [c0, c1) of it.
   const int half = warp % s.wpr, c0 = half * s.cpw;
-  const int c1 = min(p.hidden / kStreamPerChunk<WT>, c0 + s.cpw);
+  const int c1 = min(p.hp / kStreamPerChunk<WT>, c0 + s.cpw);
+  const int tail_c = s.tail ? p.hp / kStreamPerChunk<WT> - 1 : -1;  // a row's partial chunk
   const int step = int(gridDim.x) * s.rows;
   down_slots_load(d, p, t);
   const WT* w2 = static_cast<const WT*>(p.w2);
@@ -263,8 +272,16 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + (q.b * U + u) * 32 + lane;
-      v[u] = wr && c < c1 ? ld_stream_v4(wr + int64_t(c) * kStreamPerChunk<WT>)
-                          : make_uint4(0, 0, 0, 0);
+      v[u] = wr && c < c1 && c != tail_c ? ld_stream_v4(wr + int64_t(c) * kStreamPerChunk<WT>)
+                                         : make_uint4(0, 0, 0, 0);
+    }
+    if (s.tail) {  // a row's partial last chunk by its own bytes, apart (stream_load says why)
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + (q.b * U + u) * 32 + lane;
+        if (wr && c < c1 && c == tail_c)
+          v[u] = ld_stream_tail(wr + int64_t(c) * kStreamPerChunk<WT>, s.tail);
+      }
     }
   };
   Pos at{int(blockIdx.x) * s.rows + warp / s.wpr, 0, 0};
@@ -279,7 +296,7 @@ __global__ void __launch_bounds__(kStreamThreads, 4)
   auto run = [&](const uint4(&use)[U], uint4(&fill)[U]) {
     const Pos n = next(at);
     if (n.r < p.d_out) load(fill, n);
-    const WT* x = h + int64_t(at.j) * p.hidden;
+    const WT* x = h + int64_t(at.j) * p.hp;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + (at.b * U + u) * 32 + lane;
@@ -342,7 +359,7 @@ fmlp_status_t launch_rows(const MoeParams& p, const StreamShape& s, size_t smem,
 
 template <typename WT, typename XT>
 fmlp_status_t launch_up(const MoeParams& p, const StreamShape& s, const Where& w) {
-  return launch_rows<&moe_sm80_stream_up<WT, XT>>(p, s, size_t(p.d) * sizeof(XT), w,
+  return launch_rows<&moe_sm80_stream_up<WT, XT>>(p, s, size_t(p.dp) * sizeof(XT), w,
                                                   "moe_sm80_stream_up");
 }
 
@@ -351,7 +368,7 @@ fmlp_status_t launch_up(const MoeParams& p, const StreamShape& s, const Where& w
 template <typename WT, int KP>
 fmlp_status_t launch_down(const MoeParams& p, const StreamShape& s, bool warp_rows, bool stage,
                           const Where& w) {
-  const size_t hs = stage ? size_t(p.top_k) * p.hidden * sizeof(WT) : 0;
+  const size_t hs = stage ? size_t(p.top_k) * p.hp * sizeof(WT) : 0;
   const char* name = warp_rows ? "moe_sm80_stream_down_warp" : "moe_sm80_stream_down";
   return stream_dispatch_u(s, [&](auto u) {
     constexpr int U = decltype(u)::value;
@@ -372,7 +389,8 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
   const int rows1 = p.gated ? 2 * p.hidden : p.hidden;
   const int kp = moe_stream_pair(p.top_k);
   // Each slot's rows are read for its one token.
-  const StreamShape up = stream_shape(int64_t(p.top_k) * rows1, p.d, 2, 1, p.gated ? 2 : 1);
+  StreamShape up = stream_shape(int64_t(p.top_k) * rows1, p.dp, 2, 1, p.gated ? 2 : 1);
+  up.tail = p.d * 2 % 16;
   // The down kernel: 0 row groups, 1 a warp per output row, 2 a pair of warps per row (half a
   // row each), where a W2 row is at most 4 KB: a pair at one token, a warp from two on.
   // Measured (docs/moe.md): at E = 64 T = 1 pairs beat row groups and a warp per row loses (one
@@ -389,17 +407,18 @@ fmlp_status_t launch_all(const MoeParams& p, cudaStream_t st) {
   const bool warp_rows = down_mode >= 1;
   // Row groups: k (padded to kp) virtual rows an output row. A warp per row: groups of 8 output
   // rows, or 4 read by pairs.
-  StreamShape down = warp_rows ? stream_shape_rows(p.d_out, p.hidden, 2,
+  StreamShape down = warp_rows ? stream_shape_rows(p.d_out, p.hp, 2,
                                                    down_mode == 2 ? kStreamWarps / 2 : kStreamWarps)
-                               : stream_shape(int64_t(kp) * p.d_out, p.hidden, 2, 1, kp);
+                               : stream_shape(int64_t(kp) * p.d_out, p.hp, 2, 1, kp);
+  down.tail = p.hidden * 2 % 16;
   // E = 64's 1408-wide rows: 176 chunks, two batches either way, 192 loaded at U = 3 against 256
-  stream_pick_loads(down, int64_t(p.top_k) * p.d_out * p.hidden * 2);
+  stream_pick_loads(down, int64_t(p.top_k) * p.d_out * p.hp * 2);
   // h staged where it fits, by the row-group kernel at k = 8 (measured there, docs/moe.md: no
   // slower at E = 64 T = 1..4 and the down kernel faster under ncu) and by the warp kernel
   // (measured staged). FMLP_MOE_STREAM_DOWN_STAGE=0 reads h in place.
   static const bool stage_on = knob_bool<Knob::FMLP_MOE_STREAM_DOWN_STAGE>();
   const bool stage = stage_on && (kp == kMoeStreamMaxTopK || warp_rows) &&
-                     size_t(p.top_k) * p.hidden * sizeof(WT) <= kMoeStreamDownStageBytes;
+                     size_t(p.top_k) * p.hp * sizeof(WT) <= kMoeStreamDownStageBytes;
   fmlp_status_t e = p.x_t == FMLP_DTYPE_F32   ? launch_up<WT, float>(p, up, w)
                     : p.x_t == FMLP_DTYPE_F16 ? launch_up<WT, __half>(p, up, w)
                                               : launch_up<WT, __nv_bfloat16>(p, up, w);

@@ -16,9 +16,16 @@
 namespace fmlp::detail {
 namespace {
 
-// What both entries need: the device, 16-bit experts (or fp8 ones on sm_89+), the route kernel's
-// expert limit.
+// What every entry needs: no block scales, the device, 16-bit experts (or fp8 ones on sm_89+), the
+// route kernel's expert limit.
 bool moe_common_supports(const MoeDesc& d, std::string* why) {
+  if (d.expert.w1_scale == ScaleKind::kBlock || d.expert.w2_scale == ScaleKind::kBlock)
+    return (*why = fmt::format("{} is a 3-D block scale (128 x 128 blocks per expert): the cuda "
+                               "moe entries take [E] or [E, rows] fp8 scales only; run on the cpu "
+                               "backend, or re-quantise each expert per row (fmlp_quantize_fp8 "
+                               "with a [rows] scale) for cuda",
+                               d.expert.w1_scale == ScaleKind::kBlock ? "w1_scale" : "w2_scale"),
+            false);
   if (!cuda_op_device_ok(d.device, d.device_id, why)) return false;
   if (d.w_dtype == FMLP_DTYPE_F8_E4M3) {
     if (cuda_compute_capability(d.device_id) < 89)
@@ -40,12 +47,13 @@ bool moe_common_supports(const MoeDesc& d, std::string* why) {
   return true;
 }
 
-// The weight rows of the streaming entries (chunked, stream) are read with 16-byte loads.
+// The weight rows of moe_sm80_chunked are read with 16-byte loads, whole rows of them.
 bool moe_rows_vec16(const MoeDesc& d, std::string* why) {
   if (d.d % 8 != 0 || d.hidden % 8 != 0)
     return (*why = fmt::format("d={} and hidden={} must be multiples of 8 (16-byte weight "
-                               "loads); pad the experts",
-                               d.d, d.hidden),
+                               "loads); pad the experts (moe_sm80_stream takes any size at up "
+                               "to {} tokens with 16-byte aligned rows)",
+                               d.d, d.hidden, kMoeStreamMaxTokens),
             false);
   if (d.w_dtype == FMLP_DTYPE_F8_E4M3 && (d.d % 16 != 0 || d.hidden % 16 != 0))
     return (*why = fmt::format("d={} and hidden={} must be multiples of 16 with f8_e4m3 experts "
@@ -118,11 +126,23 @@ bool moe_sm80_stream_supports(const MoeDesc& d, std::string* why) {
                                "group of at most {} rows",
                                d.top_k, kMoeStreamMaxTopK),
             false);
-  if (!moe_rows_vec16(d, why)) return false;
+  // Any d and hidden: rows that end inside a 16-byte chunk have it read by its own bytes
+  // (sm80_stream.cu), as long as every row starts on a 16-byte boundary.
+  if (!d.expert.weights_vec16)
+    return (*why = fmt::format(
+                "an expert's W1 or W2 is not 16-byte aligned (base or row stride); store the "
+                "experts with 16-byte aligned rows{}",
+                d.d % 8 || d.hidden % 8
+                    ? fmt::format(" (d={}, hidden={}: a row stride of a multiple of 8 "
+                                  "elements, e.g. W1 [E, rows, {}] and W2 [E, d_out, {}] viewed "
+                                  "as [..., :d] and [..., :hidden])",
+                                  d.d, d.hidden, moe_stream_width(d.d), moe_stream_width(d.hidden))
+                    : ""),
+            false);
   if (d.d >= (int64_t(1) << 28) || d.hidden >= (int64_t(1) << 27) ||
       d.d_out * moe_stream_pair(int(d.top_k)) >= (int64_t(1) << 31))
     return (*why = "d must be below 2^28, hidden below 2^27 and d_out below 2^28", false);
-  const size_t x_bytes = size_t(d.d) * dtype_size(d.act_dtype);
+  const size_t x_bytes = size_t(moe_stream_width(d.d)) * dtype_size(d.act_dtype);
   if (x_bytes > kMoeStreamStageBytes)
     return (*why = fmt::format("a token's x (d={}, {}) takes {} KiB of shared memory, more than "
                                "the stream's {} KiB",
