@@ -123,6 +123,40 @@ def check_block(cli, tmp, rows, cols, w):
         sys.exit(f"FAIL: --block --per-tensor: rc {p.returncode}, stderr {p.stderr!r}")
 
 
+def check_gate_up(cli, tmp, hidden, cols, w):
+    """--block --gate-up: a stacked w1 [2 * hidden, cols] as two block-quantised halves, their
+    scale rows stacked ([2 * ceil(hidden / 128), cols blocks]); hidden % 128 != 0, so a block over
+    the stacked rows would straddle gate and up and differ."""
+    rows = 2 * hidden
+    src = os.path.join(tmp, "gu.npy")
+    write_npy(src, "<f4", rows, cols, w)
+    w = list(struct.unpack(f"<{len(w)}f", struct.pack(f"<{len(w)}f", *w)))
+    q_path, s_path = os.path.join(tmp, "gu_q.npy"), os.path.join(tmp, "gu_s.npy")
+    run(cli, src, "--out", q_path, "--scales", s_path, "--block", "--gate-up")
+    _, q = read_npy(q_path)
+    sh, scales = read_npy(s_path)
+    hb, cb = -(-hidden // 128), -(-cols // 128)
+    assert f"'shape': ({2 * hb}, {cb})" in sh, sh
+    for half in range(2):
+        for i in range(hb):
+            for j in range(cb):
+                r0 = half * hidden + i * 128
+                cells = [(r, c) for r in range(r0, min(half * hidden + hidden, r0 + 128))
+                         for c in range(j * 128, min(cols, j * 128 + 128))]
+                amax = max(abs(w[r * cols + c]) for r, c in cells)
+                s = scales[(half * hb + i) * cb + j]
+                want = struct.unpack("<f", struct.pack("<f", amax / 448))[0]
+                assert abs(s - want) <= 1e-7 * want, ("gate_up", half, i, j, s, want)
+                for r, c in cells:
+                    v, got = w[r * cols + c], e4m3(q[r * cols + c])
+                    bound = 2.0**-4 * abs(v) if abs(v) >= 2.0**-6 * s else 2.0**-10 * s
+                    assert abs(got * s - v) <= bound * (1 + 1e-6), ("gate_up", r, c, v, got * s)
+    for extra, text in ((["--gate-up"], "pass --block with it"),):
+        p = run(cli, src, "--out", q_path, "--scales", s_path, *extra, ok=False)
+        if p.returncode != 1 or text not in p.stderr:
+            sys.exit(f"FAIL: {extra}: rc {p.returncode}, stderr {p.stderr!r} lacks {text!r}")
+
+
 def main():
     cli = sys.argv[1]
     rnd = random.Random(7)
@@ -140,6 +174,10 @@ def main():
         for c in range(128, 150):  # a far larger tile (0, 1)
             wb[5 * 150 + c] *= 100
         check_block(cli, tmp, 200, 150, wb)
+        wg = [rnd.gauss(0, 0.05) for _ in range(2 * 200 * 150)]
+        for c in range(150):  # the up half's first rows far larger than the gate's last
+            wg[200 * 150 + c] *= 100
+        check_gate_up(cli, tmp, 200, 150, wg)
         # Bad input: a missing file, a 1-D array, an int array, a raw size that does not match.
         write_npy(os.path.join(tmp, "one_d.npy"), "<f4", 1, 4, [1.0] * 4)
         data = open(os.path.join(tmp, "one_d.npy"), "rb").read().replace(b"(1, 4)", b"(4,)  ")
@@ -153,8 +191,8 @@ def main():
                     os.path.join(tmp, "y.npy"), ok=False)
             if p.returncode != 1 or text not in p.stderr:
                 sys.exit(f"FAIL: {args}: rc {p.returncode}, stderr {p.stderr!r} lacks {text!r}")
-    print("fusedmlp quantize: f32/f16/bf16 inputs, per row, per tensor and per 128 x 128 block, "
-          "NaN/Inf/zero rows, bad input: ok")
+    print("fusedmlp quantize: f32/f16/bf16 inputs, per row, per tensor, per 128 x 128 block and "
+          "per block of each gated half, NaN/Inf/zero rows, bad input: ok")
 
 
 if __name__ == "__main__":

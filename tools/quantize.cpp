@@ -4,7 +4,10 @@
 // which .npy cannot name, as a raw little-endian file with --raw-shape), the output codes as
 // uint8 [rows, cols] (numpy: np.load(path).view(ml_dtypes.float8_e4m3fn); torch:
 // .view(torch.float8_e4m3fn)) and the scales as float32 [rows], [1] or, with --block,
-// [ceil(rows / 128), ceil(cols / 128)] (one per 128 x 128 block, the fine-grained fp8 layout).
+// [ceil(rows / 128), ceil(cols / 128)] (one per 128 x 128 block, the fine-grained fp8 layout;
+// --gate-up: a stacked gated w1 [2 * hidden, cols] quantised as its two halves, the scales
+// [2 * ceil(hidden / 128), ceil(cols / 128)] that fmlp_mlp / fmlp_moe read for it).
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -18,7 +21,7 @@ namespace {
 struct QuantizeOptions {
   std::string in, out, scales, raw_dtype;
   std::vector<int64_t> raw_shape;
-  bool per_tensor = false, block = false;
+  bool per_tensor = false, block = false, gate_up = false;
 };
 
 struct Matrix {
@@ -126,18 +129,38 @@ void write_npy(const std::string& path, const char* descr, const std::vector<int
 
 int run_quantize(const QuantizeOptions& o) {
   Matrix m = o.raw_dtype.empty() ? read_npy(o.in) : read_raw(o);
-  const fmlp_tensor_t w = fmlp_tensor_2d(m.bytes.data(), m.dtype, m.rows, m.cols, m.cols);
   std::vector<uint8_t> q(size_t(m.rows) * size_t(m.cols));
   if (o.block && o.per_tensor)
     throw CliError("--block and --per-tensor pick different scale layouts; pass one of them");
-  const int64_t rb = (m.rows + 127) / 128, cb = (m.cols + 127) / 128;
+  if (o.gate_up && !o.block)
+    throw CliError(
+        "--gate-up splits a stacked gated w1 into its block-scaled halves; pass "
+        "--block with it (per-row scales need no split)");
+  if (o.gate_up && m.rows % 2 != 0)
+    throw CliError(
+        fmt::format("--gate-up: {} has {} rows; a stacked gated w1 has 2 * hidden "
+                    "(gate rows, then up rows)",
+                    o.in, m.rows));
+  // --gate-up: each half's own blocks, the gate's block rows first.
+  const int halves = o.gate_up ? 2 : 1;
+  const int64_t half_rows = m.rows / halves, hb = (half_rows + 127) / 128;
+  const int64_t rb = halves * hb, cb = (m.cols + 127) / 128;
   std::vector<float> scale(o.block ? size_t(rb * cb) : o.per_tensor ? 1 : size_t(m.rows));
-  const fmlp_tensor_t qt = fmlp_tensor_2d(q.data(), FMLP_DTYPE_F8_E4M3, m.rows, m.cols, m.cols);
-  const fmlp_tensor_t st =
-      o.block ? fmlp_tensor_2d(scale.data(), FMLP_DTYPE_F32, rb, cb, cb)
-              : fmlp_tensor_1d(scale.data(), FMLP_DTYPE_F32, int64_t(scale.size()));
   float amax = 0.f;
-  check_status(fmlp_quantize_fp8(&w, &qt, &st, &amax), "quantize " + o.in);
+  const size_t es = m.dtype == FMLP_DTYPE_F32 ? 4 : 2;
+  for (int i = 0; i < halves; ++i) {
+    const int64_t r0 = i * half_rows;
+    const fmlp_tensor_t wi = fmlp_tensor_2d(m.bytes.data() + size_t(r0 * m.cols) * es, m.dtype,
+                                            half_rows, m.cols, m.cols);
+    const fmlp_tensor_t qt = fmlp_tensor_2d(q.data() + size_t(r0 * m.cols), FMLP_DTYPE_F8_E4M3,
+                                            half_rows, m.cols, m.cols);
+    const fmlp_tensor_t st =
+        o.block ? fmlp_tensor_2d(scale.data() + size_t(i * hb * cb), FMLP_DTYPE_F32, hb, cb, cb)
+                : fmlp_tensor_1d(scale.data(), FMLP_DTYPE_F32, int64_t(scale.size()));
+    float part = 0.f;
+    check_status(fmlp_quantize_fp8(&wi, &qt, &st, &part), "quantize " + o.in);
+    amax = std::max(amax, part);
+  }
   write_npy(o.out, "|u1", {m.rows, m.cols}, q.data(), q.size());
   if (o.block)
     write_npy(o.scales, "<f4", {rb, cb}, scale.data(), scale.size() * 4);
@@ -151,7 +174,8 @@ int run_quantize(const QuantizeOptions& o) {
       "amax {:g}; scale = amax / 448 per {}, q = e4m3(w / scale) rounded to nearest even, "
       "NaN kept, +-Inf and overflow saturated to +-448; w ~= q * scale\n",
       o.in, m.rows, m.cols, fmlp_dtype_name(m.dtype), o.out, o.scales, layout, amax,
-      o.block        ? "128 x 128 block"
+      o.gate_up      ? "128 x 128 block of each half (gate rows, then up rows)"
+      : o.block      ? "128 x 128 block"
       : o.per_tensor ? "tensor"
                      : "row");
   return 0;
@@ -175,6 +199,10 @@ void add_quantize_command(CLI::App& app, Command* selected) {
   cmd->add_flag("--block", o->block,
                 "One scale per 128 x 128 block, [ceil(rows / 128), ceil(cols / 128)] (linear on "
                 "the ref and cpu backends takes it)");
+  cmd->add_flag("--gate-up", o->gate_up,
+                "With --block: the input is a stacked gated w1 [2 * hidden, cols]; quantise the "
+                "gate and up halves apart, scales [2 * ceil(hidden / 128), ceil(cols / 128)] "
+                "(what mlp and moe read for a stacked w1)");
   cmd->add_option("--raw-dtype", o->raw_dtype,
                   "Read the input as raw little-endian bytes of this dtype (f32, f16, bf16)")
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
