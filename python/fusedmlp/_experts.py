@@ -35,6 +35,7 @@ import warnings
 import torch
 from torch import nn
 
+from . import _fp8
 from .torch import _activation
 
 __all__ = ["fusedmlp_experts_forward", "register_experts"]
@@ -77,7 +78,25 @@ def register_experts(name: str = "fusedmlp") -> bool:
     if moe is None:
         return False
     moe.ALL_EXPERTS_FUNCTIONS.register(name, fusedmlp_experts_forward)
+    fp8 = _fp8_registry()
+    if fp8 is not None:  # fine-grained fp8 experts (FP8Experts) dispatch through their own
+        fp8.register(name, fusedmlp_experts_forward)
     return True
+
+
+_FP8_REGISTRY = []  # [ALL_FP8_EXPERTS_FUNCTIONS or None], found once
+
+
+def _fp8_registry():
+    """transformers' registry of fp8 experts implementations (ALL_FP8_EXPERTS_FUNCTIONS), or
+    None; looked up once, as _moe_module."""
+    if not _FP8_REGISTRY:
+        try:
+            from transformers.integrations import finegrained_fp8
+        except ImportError:
+            finegrained_fp8 = None
+        _FP8_REGISTRY.append(getattr(finegrained_fp8, "ALL_FP8_EXPERTS_FUNCTIONS", None))
+    return _FP8_REGISTRY[0]
 
 
 def is_registry_experts(m):
@@ -126,7 +145,10 @@ def unsupported(m):
         return "it has a post-expert norm"
     gated, biased, transposed, _ = _flags(m)
     gate = getattr(type(m), "_apply_gate", None)
-    if gated and gate is not None:
+    # FP8Experts' _apply_gate is act(gate) * up unless a softcap, alpha or clamp is set
+    plain_fp8_gate = _fp8.is_fp8_experts(m) and all(
+        getattr(m, a, None) is None for a in ("gate_softcap", "swiglu_alpha", "limit"))
+    if gated and gate is not None and not plain_fp8_gate:
         moe = _moe_module()
         default = getattr(moe, "_default_apply_gate", None)  # no object() here: dynamo traces it
         if default is None or gate is not default:
@@ -137,6 +159,14 @@ def unsupported(m):
         return str(e)
     w1, w2, b1, b2 = _sources(m)
     names = ("gate_up_proj" if gated else "up_proj", "down_proj")
+    fp8 = _fp8.is_fp8_experts(m)
+    if fp8:  # e4m3 experts with their 128 x 128 block scales (_fp8.experts_scales)
+        if transposed or not gated or _flags(m)[3]:
+            return "fp8 experts that are transposed, interleaved or not gated"
+        try:
+            _fp8.experts_scales(m, type(m).__name__)
+        except NotImplementedError as e:
+            return str(e)
     for name, t in zip(names + tuple(f"{n}_bias" for n in names), (w1, w2, b1, b2)):
         if t is None and (name.endswith("proj") or biased):
             return f"it has no {name}"
@@ -144,7 +174,7 @@ def unsupported(m):
             continue
         if type(t) not in (torch.Tensor, nn.Parameter):
             return f"{name} is a {type(t).__name__} (quantised or sharded weights)"
-        if t.dtype not in _DTYPES:
+        if t.dtype not in _DTYPES and not (fp8 and t.dtype == torch.float8_e4m3fn):
             return f"{name} has dtype {t.dtype}; fusedmlp takes float32, float16 or bfloat16"
         if t.device.type not in ("cpu", "cuda"):
             return f"{name} is on {t.device}; fusedmlp runs on cpu or cuda"
@@ -224,8 +254,10 @@ def _fallback(m, reason, warn):
     previous = m.__dict__.get("_fusedmlp_previous")
     original = _wrapped_forward(m)
     moe = _moe_module()
-    if previous not in (None, "eager", "fusedmlp") and moe is not None:
-        return moe.ALL_EXPERTS_FUNCTIONS.get(previous, original)
+    registry = _fp8_registry() if _fp8.is_fp8_experts(m) else (
+        moe.ALL_EXPERTS_FUNCTIONS if moe is not None else None)
+    if previous not in (None, "eager", "fusedmlp") and registry is not None:
+        return registry.get(previous, original)
     return original
 
 
@@ -272,12 +304,27 @@ def fusedmlp_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
         return _fallback(self, reason, True)(self, hidden_states, top_k_index, top_k_weights)
 
 
+def _scales(m):
+    """(w1_scale, w2_scale) of fp8 experts, cached on the module while their scale tensors stay
+    the same; (None, None) for float ones."""
+    if not _fp8.is_fp8_experts(m):
+        return None, None
+    key = tuple((t.data_ptr(), t._version) for t in (m.gate_up_proj_scale_inv,
+                                                     m.down_proj_scale_inv))
+    cached = m.__dict__.get("_fusedmlp_scales")
+    if cached is None or cached[0] != key:
+        cached = (key, _fp8.experts_scales(m, type(m).__name__))
+        m.__dict__["_fusedmlp_scales"] = cached
+    return cached[1]
+
+
 def _run(m, hidden_states, top_k_index, top_k_weights):
     w1, w2, b1, b2 = _weights(m)
+    s1, s2 = _scales(m)
     return torch.ops.fusedmlp.moe(hidden_states, w1, w2, top_k_index.shape[-1], None, None,
                                   top_k_index, top_k_weights, b1, b2, None,
                                   _activation(m.act_fn), _flags(m)[0], "softmax", False, False,
-                                  "auto", 0, 0, False, None, None)
+                                  "auto", 0, 0, False, s1, s2)
 
 
 # ---- fusedmlp.patch's use (python/fusedmlp/_patch.py) ----
@@ -306,11 +353,13 @@ def experts_probe(experts):
     top_k = getattr(experts.config, "num_experts_per_tok", 2)
     top_k = min(max(top_k if isinstance(top_k, int) else 2, 1), num_experts)
     eager = _wrapped_forward(experts)
+    # fp8 experts: x in the dtype the model computes in
+    x_dtype = _fp8.activation_dtype(experts) if w1.dtype == torch.float8_e4m3fn else w1.dtype
     try:  # NotImplementedError now (a skip with the reason), not at the first forward
         with torch.no_grad():
-            _run(experts, torch.zeros(1, d, dtype=w1.dtype, device=w1.device),
+            _run(experts, torch.zeros(1, d, dtype=x_dtype, device=w1.device),
                  torch.arange(top_k, device=w1.device)[None],
-                 torch.ones(1, top_k, dtype=w1.dtype, device=w1.device))
+                 torch.ones(1, top_k, dtype=x_dtype, device=w1.device))
     except NotImplementedError as e:
         experts.__dict__.pop("_fusedmlp_layout", None)
         raise NotImplementedError(f"{type(experts).__name__}: the fusedmlp op refuses it: "

@@ -173,12 +173,18 @@ def dequantized(model):
 
 def activation_dtype(*modules):
     """The dtype an fp8 model computes in: that of the first floating parameter or buffer that
-    is not fp8 (norms, biases), else the default dtype."""
+    is neither fp8 nor a scale (norms, biases, a router), else the model config's dtype, else
+    the default dtype."""
     for mod in modules:
         if mod is None:
             continue
-        for t in list(mod.parameters()) + list(mod.buffers()):
-            if t.is_floating_point() and t.dtype in (torch.float32, torch.float16,
-                                                     torch.bfloat16):
+        for name, t in list(mod.named_parameters()) + list(mod.named_buffers()):
+            if "scale" not in name.rsplit(".", 1)[-1] and t.dtype in (
+                    torch.float32, torch.float16, torch.bfloat16):
                 return t.dtype
+    for mod in modules:
+        dtype = getattr(getattr(mod, "config", None), "dtype", None)
+        if isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.float16,
+                                                        torch.bfloat16):
+            return dtype
     return torch.get_default_dtype()

@@ -158,11 +158,11 @@ def _moe_plan(name, parent, child_name, block, backend):
                 probe_rows=64, covers=(name,), x_dtype=x_dtype)
 
 
-def _experts_plan(name, experts):
+def _experts_plan(name, experts, block=None):
     """The plan switching a registry experts module to fusedmlp (see experts_probe)."""
     original, fused, d_in, weight, detail = experts_probe(experts)
     return Plan(name, [], original, fused, d_in, weight, detail, probe_rows=32,
-                experts=experts, covers=(name,))
+                experts=experts, covers=(name,), x_dtype=_fp8.activation_dtype(block, experts))
 
 
 def _already_switched(m):
@@ -185,7 +185,7 @@ def _moe_or_experts_plan(name, module, child_name, block, backend, moe):
                 raise
             fused_reason = str(e)
     try:
-        return _experts_plan(f"{name}.experts", experts)
+        return _experts_plan(f"{name}.experts", experts, block)
     except NotImplementedError as e:
         if moe == "experts":
             raise

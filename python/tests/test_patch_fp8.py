@@ -247,3 +247,44 @@ def test_fp8_experts_moe_blocks_patch_and_match():
     assert isinstance(moe, ft.FusedMoE) and moe.w1.dtype == torch.float8_e4m3fn
     assert moe.w1_scale.shape == (4, 4, 2)
     close(logits(model, _ids(160)), want)
+
+
+def test_fp8_registry_experts_switch_to_fusedmlp():
+    """Qwen2-MoE (shared expert beside the routed ones, the experts-registry path) with
+    fine-grained fp8 experts: patch registers "fusedmlp" in the fp8 experts registry too, the
+    experts run through fusedmlp.moe with their block scales, and the logits match the model
+    whose experts hold the dequantised weights."""
+    torch.manual_seed(3)
+    cfg = transformers.Qwen2MoeConfig(hidden_size=256, intermediate_size=256,
+                                      moe_intermediate_size=256,
+                                      shared_expert_intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=160, num_experts=4, num_experts_per_tok=2,
+                                      max_position_embeddings=64)
+    model = transformers.Qwen2MoeForCausalLM(cfg).eval()
+    ref = copy.deepcopy(model)
+    # as transformers' fp8 loading builds them: FP8Experts under the fp8 experts registry
+    from transformers.integrations.moe import use_experts_implementation
+    fp8_experts = use_experts_implementation(experts_class=fg.FP8Experts,
+                                             experts_interface=fg.ALL_FP8_EXPERTS_FUNCTIONS)
+    for layer, ref_layer in zip(model.model.layers, ref.model.layers):
+        old = layer.mlp.experts
+        new = fp8_experts(old.config, block_size=(128, 128))
+        inter = old.gate_up_proj.shape[1] // 2
+        for i in range(old.gate_up_proj.shape[0]):
+            gq, gs = _block_q(old.gate_up_proj[i, :inter])
+            uq, us = _block_q(old.gate_up_proj[i, inter:])
+            dq, ds = _block_q(old.down_proj[i])
+            new.gate_up_proj.data[i] = torch.cat([gq, uq])
+            new.gate_up_proj_scale_inv.data[i] = torch.cat([gs, us])
+            new.down_proj.data[i], new.down_proj_scale_inv.data[i] = dq, ds
+            with torch.no_grad():
+                ref_layer.mlp.experts.gate_up_proj[i] = torch.cat([_deq(gq, gs), _deq(uq, us)])
+                ref_layer.mlp.experts.down_proj[i] = _deq(dq, ds)
+        layer.mlp.experts = new
+    want = logits(ref, _ids(160))
+    report = fusedmlp.patch(model, strict=True, backend="cpu")
+    assert report.experts == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"], \
+        str(report)
+    assert model.config._experts_implementation == "fusedmlp"
+    close(logits(model, _ids(160)), want)
