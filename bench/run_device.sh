@@ -4,8 +4,9 @@
 #   steps: build test sanitize bench peers (default: these); prefill (M = 1..8192 sweep of our
 #   kernels and the PyTorch peers, for the planner's crossover table) and ops (linear + softmax
 #   bench and peers), fp8 (the fp8 decode table with the bf16 peers), moe (moe bench + PyTorch
-#   moe peers) and suite (the batched-decode suite: bench/results/decode_suite_<gpu>.*) run when
-#   named. Logs and JSON go to $OUT (or ./out).
+#   moe peers), suite (the batched-decode suite: bench/results/decode_suite_<gpu>.*) and odd
+#   (odd sizes against their aligned neighbours, every entry timed: bench/odd_suite.txt and
+#   fusedmlp_ops_bench --odd) run when named. Logs and JSON go to $OUT (or ./out).
 # A git-ignored .device/fmt (headers + libfmt + cmake config) is used when the machine lacks fmt.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
@@ -94,6 +95,14 @@ if has suite; then  # the batched-decode suite (bench/decode_suite.txt): ours, P
     --peers "$OUT/peers_suite.json" --gpu-info "$OUT/gpu.txt" \
     --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" \
     --out "$OUT/decode_suite" | tail -30
+fi
+if has odd; then  # odd sizes: each odd layer beside its aligned neighbour, every entry timed
+  timeout ${ODD_TIMEOUT:-200} "$B/bench/fusedmlp_decode_suite_bench" --suite bench/odd_suite.txt \
+    --ms 1,4,16,64 --entries all --json "$OUT/ours_odd.json" >"$OUT/odd.log" 2>&1
+  echo "odd mlp rc=$?"; grep -E "dispatch|PASSED|FAIL" "$OUT/odd.log" | head -40
+  timeout ${ODD_TIMEOUT:-200} "$B/bench/fusedmlp_ops_bench" --only linear --odd \
+    --json "$OUT/linear_odd.json" >"$OUT/linear_odd.log" 2>&1
+  echo "odd linear rc=$?"; grep "odd/aligned" "$OUT/linear_odd.log" | head -40
 fi
 if has moe; then  # moe op: our bench (fast and deterministic mode), then the PyTorch peers
   "$B/bench/fusedmlp_moe_bench" --json "$OUT/moe.json" 2>&1 | tee "$OUT/moe_bench.log" | tail -12
