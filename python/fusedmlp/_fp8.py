@@ -41,8 +41,8 @@ def is_fp8_linear(m):
 
 
 def fp8_scale(m):
-    """(scale as fusedmlp takes it: fp32 [1], [out] or [ceil(out/128), ceil(in/128)], what it
-    is) for an fp8 linear; raises NotImplementedError saying why a layout does not fit."""
+    """The scale of an fp8 linear as fusedmlp takes it: fp32 [1], [out] or [ceil(out/128),
+    ceil(in/128)]; raises NotImplementedError saying why a layout does not fit."""
     name, s = _scale_attr(m)
     n, k = m.weight.shape
     if s.dtype != torch.float32:  # ue8m0 (powers of two) and the like convert exactly
@@ -53,7 +53,7 @@ def fp8_scale(m):
     nb, kb = -(-n // BLOCK), -(-k // BLOCK)
     block = getattr(m, "block_size", None) or getattr(m, "weight_block_size", None)
     if s.numel() == 1 and not block:
-        return s.reshape(1).contiguous(), "per-tensor scale"
+        return s.reshape(1).contiguous()
     if block:
         block = tuple(int(b) for b in block)
         if block != (BLOCK, BLOCK):
@@ -63,14 +63,20 @@ def fp8_scale(m):
         if tuple(s.shape) != (nb, kb):
             raise NotImplementedError(f"{name} has shape {tuple(s.shape)}; {BLOCK} x {BLOCK} "
                                       f"blocks of a [{n}, {k}] weight need [{nb}, {kb}]")
-        return s.contiguous(), f"{BLOCK} x {BLOCK} block scales"
+        return s.contiguous()
     if tuple(s.shape) in ((n, 1), (n,)):
-        return s.reshape(n).contiguous(), "per-channel scales"
+        return s.reshape(n).contiguous()
     if tuple(s.shape) == (nb, kb):
-        return s.contiguous(), f"{BLOCK} x {BLOCK} block scales"
+        return s.contiguous()
     raise NotImplementedError(f"{name} has shape {tuple(s.shape)} for a [{n}, {k}] weight; "
                               f"fusedmlp takes one scale, one per output row or one per "
                               f"{BLOCK} x {BLOCK} block")
+
+
+def scale_kind(scale):
+    """What a scale tensor in fusedmlp's layout is, for reports and reprs."""
+    return ("a per-tensor scale" if scale.numel() == 1 and scale.dim() == 1 else
+            "per-row scales" if scale.dim() == 1 else f"{BLOCK} x {BLOCK} block scales")
 
 
 def split_rows(scale, rows, at):
@@ -96,10 +102,13 @@ def dequantize(weight, scale):
 
 
 def _reference_forward(m):
+    cache = []  # the dequantised weight, made at the first call (only probed linears pay)
+
     def forward(x):
-        w = dequantize(m.weight, fp8_scale(m)[0]).to(x.device)
+        if not cache:
+            cache.append(dequantize(m.weight, fp8_scale(m)).to(x.device))
         b = None if m.bias is None else m.bias.float()
-        return F.linear(x.float(), w, b).to(x.dtype)
+        return F.linear(x.float(), cache[0], b).to(x.dtype)
     return forward
 
 

@@ -5,6 +5,7 @@ weight streams (rows of odd length)."""
 import torch
 from torch import nn
 
+from . import _fp8
 from .torch import _linear_op, _param
 
 
@@ -146,9 +147,8 @@ class FusedLinear(nn.Module):
             Another module, an nn.Linear subclass with its own forward (e.g. a quantized one),
             or a dtype the op does not take.
         """
-        from . import _fp8
         if _fp8.is_fp8_linear(module):  # e4m3 weight and its scales (_fp8.py)
-            return cls(module.weight, module.bias, _fp8.fp8_scale(module)[0])
+            return cls(module.weight, module.bias, _fp8.fp8_scale(module))
         if isinstance(module, nn.Linear):
             if type(module).forward is not nn.Linear.forward:
                 raise NotImplementedError(f"{type(module).__name__} subclasses nn.Linear with its "
@@ -187,11 +187,7 @@ class FusedLinear(nn.Module):
         return _linear_op(x, w, self.bias, None)
 
     def extra_repr(self):
-        fp8 = ""
-        if self.weight_scale is not None:
-            s = self.weight_scale
-            fp8 = ", e4m3 weight with " + ("a per-tensor scale" if s.numel() == 1 else
-                                           "per-row scales" if s.dim() == 1 else
-                                           "128 x 128 block scales")
+        fp8 = "" if self.weight_scale is None else \
+            f", e4m3 weight with {_fp8.scale_kind(self.weight_scale)}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}{fp8}")

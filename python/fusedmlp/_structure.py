@@ -180,7 +180,7 @@ def linear_weight(m):
 def linear_scale(m):
     """The fp32 weight scale of an fp8 linear as fusedmlp takes it (_fp8.fp8_scale), or None
     for a float one."""
-    return _fp8.fp8_scale(m)[0] if linear_kind(m) == "fp8" else None
+    return _fp8.fp8_scale(m) if linear_kind(m) == "fp8" else None
 
 
 # Class names that say MLP (for the report's list of what was not replaced; detection never

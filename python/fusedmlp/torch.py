@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from . import _ACTIVATIONS, _BACKENDS, _NORMS, _ext, _lookup, _workspace_bytes
+from . import _ACTIVATIONS, _BACKENDS, _NORMS, _ext, _fp8, _lookup, _workspace_bytes
 from . import knob as _knob
 
 __all__ = ["mlp", "moe", "linear", "softmax", "log_softmax", "moe_device_errors", "FusedMLP",
@@ -691,12 +691,8 @@ class FusedMLP(nn.Module):
 
     def extra_repr(self):
         kind = "gated " if self.gated else ""
-        fp8 = ""
-        if self.w1_scale is not None:
-            s = self.w1_scale
-            fp8 = ", e4m3 weights with " + ("a per-tensor scale" if s.numel() == 1 else
-                                            "per-row scales" if s.dim() == 1 else
-                                            "128 x 128 block scales")
+        fp8 = "" if self.w1_scale is None else \
+            f", e4m3 weights with {_fp8.scale_kind(self.w1_scale)}"
         return (f"{self.d_in} -> {self.hidden} -> {self.d_out}, {kind}{self.activation}, "
                 f"norm={self.norm}{fp8}, packed for {self.w1.device}")
 

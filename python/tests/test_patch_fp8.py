@@ -213,6 +213,26 @@ def _deq(q, s):
         128, 1)[:, :q.shape[1]]
 
 
+def _fp8_experts(model, ref, make):
+    """Every layer's experts of `model` replaced by make(config) filled with the block-quantised
+    weights (gate and up halves apart); `ref`'s experts get the dequantised weights."""
+    for layer, ref_layer in zip(model.model.layers, ref.model.layers):
+        old = layer.mlp.experts
+        new = make(old.config)
+        inter = old.gate_up_proj.shape[1] // 2
+        for i in range(old.gate_up_proj.shape[0]):
+            gq, gs = _block_q(old.gate_up_proj[i, :inter])
+            uq, us = _block_q(old.gate_up_proj[i, inter:])
+            dq, ds = _block_q(old.down_proj[i])
+            new.gate_up_proj.data[i] = torch.cat([gq, uq])
+            new.gate_up_proj_scale_inv.data[i] = torch.cat([gs, us])
+            new.down_proj.data[i], new.down_proj_scale_inv.data[i] = dq, ds
+            with torch.no_grad():
+                ref_layer.mlp.experts.gate_up_proj[i] = torch.cat([_deq(gq, gs), _deq(uq, us)])
+                ref_layer.mlp.experts.down_proj[i] = _deq(dq, ds)
+        layer.mlp.experts = new
+
+
 def test_fp8_experts_moe_blocks_patch_and_match():
     """Mixtral with fine-grained fp8 experts (FP8Experts: gate_up_proj / down_proj in e4m3 with
     128 x 128 *_scale_inv): its sparse-MoE blocks become FusedMoE on the e4m3 experts, and the
@@ -224,22 +244,7 @@ def test_fp8_experts_moe_blocks_patch_and_match():
                                      num_experts_per_tok=2, max_position_embeddings=64)
     model = transformers.MixtralForCausalLM(cfg).eval()
     ref = copy.deepcopy(model)
-    for layer, ref_layer in zip(model.model.layers, ref.model.layers):
-        old = layer.mlp.experts
-        new = fg.FP8Experts(cfg, block_size=(128, 128))
-        e, two_i, hd = old.gate_up_proj.shape
-        inter = two_i // 2
-        for i in range(e):
-            gq, gs = _block_q(old.gate_up_proj[i, :inter])
-            uq, us = _block_q(old.gate_up_proj[i, inter:])
-            dq, ds = _block_q(old.down_proj[i])
-            new.gate_up_proj.data[i] = torch.cat([gq, uq])
-            new.gate_up_proj_scale_inv.data[i] = torch.cat([gs, us])
-            new.down_proj.data[i], new.down_proj_scale_inv.data[i] = dq, ds
-            with torch.no_grad():
-                ref_layer.mlp.experts.gate_up_proj[i] = torch.cat([_deq(gq, gs), _deq(uq, us)])
-                ref_layer.mlp.experts.down_proj[i] = _deq(dq, ds)
-        layer.mlp.experts = new
+    _fp8_experts(model, ref, lambda c: fg.FP8Experts(c, block_size=(128, 128)))
     want = logits(ref, _ids(160))
     report = fusedmlp.patch(model, strict=True, backend="cpu")
     assert report.replaced == ["model.layers.0.mlp", "model.layers.1.mlp"], str(report)
@@ -267,21 +272,7 @@ def test_fp8_registry_experts_switch_to_fusedmlp():
     from transformers.integrations.moe import use_experts_implementation
     fp8_experts = use_experts_implementation(experts_class=fg.FP8Experts,
                                              experts_interface=fg.ALL_FP8_EXPERTS_FUNCTIONS)
-    for layer, ref_layer in zip(model.model.layers, ref.model.layers):
-        old = layer.mlp.experts
-        new = fp8_experts(old.config, block_size=(128, 128))
-        inter = old.gate_up_proj.shape[1] // 2
-        for i in range(old.gate_up_proj.shape[0]):
-            gq, gs = _block_q(old.gate_up_proj[i, :inter])
-            uq, us = _block_q(old.gate_up_proj[i, inter:])
-            dq, ds = _block_q(old.down_proj[i])
-            new.gate_up_proj.data[i] = torch.cat([gq, uq])
-            new.gate_up_proj_scale_inv.data[i] = torch.cat([gs, us])
-            new.down_proj.data[i], new.down_proj_scale_inv.data[i] = dq, ds
-            with torch.no_grad():
-                ref_layer.mlp.experts.gate_up_proj[i] = torch.cat([_deq(gq, gs), _deq(uq, us)])
-                ref_layer.mlp.experts.down_proj[i] = _deq(dq, ds)
-        layer.mlp.experts = new
+    _fp8_experts(model, ref, lambda c: fp8_experts(c, block_size=(128, 128)))
     want = logits(ref, _ids(160))
     report = fusedmlp.patch(model, strict=True, backend="cpu")
     assert report.experts == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"], \
